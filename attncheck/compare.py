@@ -1,0 +1,188 @@
+"""Closeness rules and the comparison that turns arrays into report rows (NumPy only).
+
+Two rules decide whether a candidate's array agrees with torch's:
+
+fixed   elementwise, as torch.testing.assert_close:  |candidate - torch| <= atol + rtol * |torch|,
+        with (atol, rtol) from the per-dtype table FIXED or the config's `atol`/`rtol`.
+
+budget  against a float64 oracle (the reference run in float64 on the same values): torch's own
+        error sets what the candidate may have,
+            max|candidate - oracle| <= factor * max|torch - oracle| + floor * max|oracle|,
+        with `factor` per kind of quantity (BUDGET_FACTOR) and `floor` per dtype (BUDGET_FLOOR),
+        or the config's `budget_factor`/`budget_floor`. The floor is relative to the quantity's
+        magnitude so that it keeps float64 runs, where torch's error is near zero, meaningful
+        (for gradients: the largest gradient of the check, see `compare`).
+
+Both rules first compare attributes (shape, dtype), then NaN positions: NaN where torch has NaN
+(fully masked rows) is agreement and is counted; NaN anywhere else, or missing where torch has
+it, is a mismatch. There is no blanket equal_nan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from attncheck.report import FAIL, PASS, Row
+
+# (kind, dtype) -> (atol, rtol) for the fixed rule.
+FIXED: dict[tuple[str, str], tuple[float, float]] = {
+    # torch.testing.assert_close's defaults.
+    ("forward", "float32"): (1e-5, 1.3e-6),
+    ("forward", "float64"): (1e-7, 1e-7),
+    # Looser: a gradient is a sum over batch and positions of products through the softmax
+    # Jacobian, so two correct float32 implementations drift apart by more rounding steps.
+    ("grad", "float32"): (1e-4, 1e-4),
+    ("grad", "float64"): (1e-9, 1e-7),
+    # Weights after ONE step; the rule for n steps multiplies both by n (see `sgd_rule`),
+    # since each step adds lr times a gradient carrying the grad rule's error.
+    ("sgd", "float32"): (1e-5, 1e-5),
+    ("sgd", "float64"): (1e-10, 1e-9),
+}
+
+# kind -> factor for the budget rule: how many times torch's own error the candidate may have.
+BUDGET_FACTOR: dict[str, float] = {
+    # Forward values: a correct implementation summing in another order lands within about
+    # torch's own error of the oracle; 2x leaves room for that and nothing else.
+    "forward": 2.0,
+    # Gradients pass through the softmax backward, P * (dP - rowsum(dP * P)), whose subtraction
+    # cancels: two correct implementations can differ there by several of torch's errors.
+    "grad": 4.0,
+    # Weights after SGD steps carry the gradients' errors compounded over the steps; each step
+    # multiplies earlier rounding by (1 - lr * curvature), so with large logits and lr the ratio
+    # between two correct implementations' errors varies by up to ~8x (measured on random
+    # configs). A wrong update is O(lr * weight_decay * w) or O(lr * grad): far above that.
+    "sgd": 10.0,
+}
+
+# dtype -> floor for the budget rule, relative to max|oracle|. About 80 units of rounding of the
+# largest value in float32 and 450 in float64: a sum whose terms cancel keeps the rounding of its
+# terms, and torch's own error on such a value can be zero by luck. Real bugs are O(1) relative.
+BUDGET_FLOOR: dict[str, float] = {"float32": 1e-5, "float64": 1e-13}
+
+
+@dataclass(frozen=True)
+class Fixed:
+    atol: float
+    rtol: float
+
+    def describe(self) -> str:
+        return f"atol {self.atol:.1e}, rtol {self.rtol:.1e}"
+
+
+@dataclass(frozen=True)
+class Budget:
+    factor: float
+    floor: float
+
+    def describe(self) -> str:
+        return f"{self.factor:g}x torch + {self.floor:.0e}"
+
+
+Rule = Fixed | Budget
+
+
+def rule_for(cfg, kind: str) -> Rule:
+    """The closeness rule for one kind of quantity ("forward", "grad", "sgd") under a config."""
+    if cfg.tolerance == "fixed":
+        if cfg.atol is not None:
+            return Fixed(cfg.atol, cfg.rtol)
+        return Fixed(*FIXED[kind, cfg.dtype])
+    factor = cfg.budget_factor if cfg.budget_factor is not None else BUDGET_FACTOR[kind]
+    floor = cfg.budget_floor if cfg.budget_floor is not None else BUDGET_FLOOR[cfg.dtype]
+    return Budget(factor, floor)
+
+
+def sgd_rule(cfg, step: int) -> Rule:
+    """The rule for weights after `step` steps: the fixed numbers grow linearly with the step.
+
+    The budget rule needs no growth of its own: torch's error against the oracle grows with the
+    steps, and the budget with it.
+    """
+    rule = rule_for(cfg, "sgd")
+    if isinstance(rule, Fixed) and cfg.atol is None:
+        return Fixed(rule.atol * step, rule.rtol * step)
+    return rule
+
+
+def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(flat, shape))
+
+
+def compare(
+    section: str,
+    quantity: str,
+    actual: np.ndarray | None,
+    expected: np.ndarray,
+    rule: Rule,
+    *,
+    oracle: np.ndarray | None = None,
+    scale: float = 0.0,
+) -> Row:
+    """Compare a candidate's array with torch's under a rule; every finding goes in the Row.
+
+    `scale` raises the magnitude the budget's floor is relative to (default: max|oracle| of
+    this quantity alone). Gradients pass the largest gradient of the check: a gradient that
+    cancels to exactly zero still carries rounding of the size of the terms that cancelled.
+    """
+    expected = np.asarray(expected)
+    row = Row(section, quantity, PASS, shape=expected.shape, numel=int(expected.size), rule=rule.describe())
+    if actual is None:
+        row.status = FAIL
+        row.note = "missing"
+        return row
+    actual = np.asarray(actual)
+    if actual.shape != expected.shape:
+        row.status, row.mismatched = FAIL, row.numel
+        row.note = f"shape {actual.shape}, expected {expected.shape}"
+        return row
+    if actual.dtype != expected.dtype:
+        row.status, row.mismatched = FAIL, row.numel
+        row.note = f"dtype {actual.dtype}, expected {expected.dtype}"
+        return row
+
+    a = actual.astype(np.float64)
+    e = expected.astype(np.float64)
+    nan_a, nan_e = np.isnan(a), np.isnan(e)
+    nan_wrong = nan_a != nan_e
+    row.nan_agreed = int((nan_a & nan_e).sum())
+    valid = ~(nan_a | nan_e)
+    with np.errstate(invalid="ignore"):
+        diff = np.where(valid & (a != e), np.abs(a - e), 0.0)  # equal infinities differ by 0
+    diff = np.where(np.isnan(diff), np.inf, diff)  # inf - inf of opposite signs
+    if diff.size:
+        i = int(np.argmax(diff))
+        row.max_abs, row.max_abs_at = float(diff.flat[i]), _index(i, diff.shape)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(diff > 0, diff / np.abs(e), 0.0)
+        rel = np.where(np.isnan(rel), 0.0, rel)
+        j = int(np.argmax(rel))
+        row.max_rel, row.max_rel_at = float(rel.flat[j]), _index(j, rel.shape)
+
+    if isinstance(rule, Fixed):
+        bad = diff > rule.atol + rule.rtol * np.abs(np.where(valid, e, 0.0))
+    else:
+        if oracle is None:
+            raise ValueError("the budget rule needs an oracle")
+        o = np.asarray(oracle, dtype=np.float64)
+        ok = valid & ~np.isnan(o)
+        with np.errstate(invalid="ignore"):
+            cand_err = np.where(ok, np.abs(a - o), 0.0)
+            torch_err = np.where(ok, np.abs(e - o), 0.0)
+        cand_err = np.where(np.isnan(cand_err), np.inf, cand_err)
+        torch_err = np.where(np.isnan(torch_err), np.inf, torch_err)
+        scale = max(scale, float(np.abs(np.where(ok, o, 0.0)).max()) if o.size else 0.0)
+        row.candidate_error = float(cand_err.max()) if o.size else 0.0
+        row.torch_error = float(torch_err.max()) if o.size else 0.0
+        row.allowed = rule.factor * row.torch_error + rule.floor * scale
+        bad = cand_err > row.allowed
+    row.mismatched = int((bad | nan_wrong).sum())
+    if row.mismatched:
+        row.status = FAIL
+    if nan_wrong.any():
+        row.note = (
+            f"NaN in {int((nan_a & ~nan_e).sum())} places torch has none, "
+            f"missing in {int((nan_e & ~nan_a).sum())} places torch has NaN"
+        )
+    return row

@@ -1,0 +1,210 @@
+"""Seeded weights, inputs, masks and loss targets for one check (NumPy only).
+
+Every array is drawn in float64 from its own named stream of the config's seed and then cast
+to the config's dtype, so the float32 and float64 runs of one seed see the same values up to
+rounding, and adding a stream never shifts another.
+
+Dimensions: B batch, L target length, S source length, E embed dim, H heads,
+Ek key dim (kdim), Ev value dim (vdim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from attncheck.config import Config
+
+# Stream ids: fixed forever, so a seed keeps meaning the same arrays.
+_PARAMS, _INPUTS, _ATTN_MASK, _KEY_PADDING, _TARGET, _DIRECTIONS = range(6)
+
+
+def rng(seed: int, stream: int) -> np.random.Generator:
+    """The generator of one named stream of a seed."""
+    return np.random.default_rng([seed, stream])
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything both sides receive: parameters, inputs, masks and the loss's target."""
+
+    params: dict[str, np.ndarray]  # keyed by nn.MultiheadAttention.state_dict() names
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    attn_mask: np.ndarray | None
+    key_padding_mask: np.ndarray | None
+    target: np.ndarray  # MSE target (loss: mse) or cotangent (loss: sum); shaped like the output
+
+    def astype(self, dtype: np.dtype) -> Workload:
+        """The same problem cast to another float dtype (bool masks stay bool)."""
+
+        def cast(a: np.ndarray | None) -> np.ndarray | None:
+            if a is None or a.dtype == np.bool_:
+                return a
+            return a.astype(dtype)
+
+        same_kv = self.key is self.value
+        same_qk = self.query is self.key
+        query = cast(self.query)
+        key = query if same_qk else cast(self.key)
+        value = key if same_kv else cast(self.value)
+        return Workload(
+            params={k: v.astype(dtype) for k, v in self.params.items()},
+            query=query,
+            key=key,
+            value=value,
+            attn_mask=cast(self.attn_mask),
+            key_padding_mask=cast(self.key_padding_mask),
+            target=cast(self.target),
+        )
+
+
+def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """The shapes of nn.MultiheadAttention's state_dict() for this config, in its order."""
+    E = cfg.embed_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    if cfg.kdim_eff == E and cfg.vdim_eff == E:
+        shapes["in_proj_weight"] = (3 * E, E)
+    else:
+        shapes["q_proj_weight"] = (E, E)
+        shapes["k_proj_weight"] = (E, cfg.kdim_eff)
+        shapes["v_proj_weight"] = (E, cfg.vdim_eff)
+    if cfg.bias:
+        shapes["in_proj_bias"] = (3 * E,)
+    if cfg.add_bias_kv:
+        shapes["bias_k"] = (1, 1, E)
+        shapes["bias_v"] = (1, 1, E)
+    shapes["out_proj.weight"] = (E, E)
+    if cfg.bias:
+        shapes["out_proj.bias"] = (E,)
+    return shapes
+
+
+def make_params(cfg: Config) -> dict[str, np.ndarray]:
+    """Every parameter drawn from the seed, biases included.
+
+    torch initializes biases to zero, which would hide any bias bug, so they are drawn here
+    like the weights. Weights use Xavier-uniform bounds so logits stay in a realistic range.
+    """
+    gen = rng(cfg.seed, _PARAMS)
+    dtype = np.dtype(cfg.dtype)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("weight"):
+            fan_out, fan_in = shape
+            if name == "in_proj_weight":
+                fan_out //= 3
+            bound = np.sqrt(6.0 / (fan_in + fan_out))
+            values = gen.uniform(-bound, bound, size=shape)
+        else:
+            values = gen.normal(0.0, 0.5, size=shape)
+        params[name] = values.astype(dtype)
+    return params
+
+
+def _input_shape(cfg: Config, length: int, dim: int) -> tuple[int, ...]:
+    if cfg.unbatched:
+        return (length, dim)
+    B = cfg.batch_size
+    return (B, length, dim) if cfg.batch_first else (length, B, dim)
+
+
+def make_inputs(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """query, key, value in the config's layout; one shared array under self-attention."""
+    gen = rng(cfg.seed, _INPUTS)
+    dtype = np.dtype(cfg.dtype)
+
+    def draw(length: int, dim: int) -> np.ndarray:
+        shape = _input_shape(cfg, length, dim)
+        return (gen.standard_normal(shape) * cfg.input_scale).astype(dtype)
+
+    query = draw(cfg.tgt_len, cfg.embed_dim)
+    if cfg.self_attention:
+        return query, query, query
+    key = draw(cfg.S, cfg.kdim_eff)
+    value = draw(cfg.S, cfg.vdim_eff)
+    return query, key, value
+
+
+def _keep_one_per_row(masked: np.ndarray, gen: np.random.Generator) -> np.ndarray:
+    """Unmask one random position in every row of a bool pattern (..., N)."""
+    keep = gen.integers(0, masked.shape[-1], size=masked.shape[:-1])
+    np.put_along_axis(masked, keep[..., None], False, axis=-1)
+    return masked
+
+
+def _as_mask_dtype(masked: np.ndarray, kind: str, dtype: np.dtype, finite: np.ndarray | None) -> np.ndarray:
+    """A bool pattern (True = not allowed) as a bool mask or as an additive float mask."""
+    if kind == "bool":
+        return masked
+    values = np.zeros(masked.shape) if finite is None else finite
+    return np.where(masked, -np.inf, values).astype(dtype)
+
+
+def make_attn_mask(cfg: Config) -> np.ndarray | None:
+    """The attention mask as torch receives it: (L, S), or (B*H, L, S) (H, L, S when unbatched)."""
+    if cfg.attn_mask == "none":
+        return None
+    gen = rng(cfg.seed, _ATTN_MASK)
+    L, S, H = cfg.tgt_len, cfg.S, cfg.num_heads
+    lead = () if cfg.attn_mask_dims == 2 else (cfg.effective_batch * H,)
+    finite = None
+    if cfg.attn_mask == "causal":
+        # Top-left aligned, as scaled_dot_product_attention's is_causal: row i sees keys 0..i.
+        masked = np.broadcast_to(np.triu(np.ones((L, S), dtype=bool), k=1), lead + (L, S)).copy()
+    else:
+        masked = _keep_one_per_row(gen.random(lead + (L, S)) < 0.3, gen)
+        # A float mask is an additive bias, not only -inf: give the allowed places finite values.
+        finite = gen.normal(0.0, 1.0, size=lead + (L, S))
+    return _as_mask_dtype(masked, cfg.mask_dtype, np.dtype(cfg.dtype), finite)
+
+
+def make_key_padding_mask(cfg: Config) -> np.ndarray | None:
+    """The key padding mask as torch receives it: (B, S), or (S,) when unbatched."""
+    if cfg.key_padding_mask == "none":
+        return None
+    gen = rng(cfg.seed, _KEY_PADDING)
+    B, S = cfg.effective_batch, cfg.S
+    masked = _keep_one_per_row(gen.random((B, S)) < 0.3, gen)
+    if cfg.key_padding_mask == "full_row":
+        masked[0, :] = True  # the first sequence has every key padded
+    finite = gen.normal(0.0, 0.5, size=(B, S))
+    mask = _as_mask_dtype(masked, cfg.key_padding_mask_dtype_eff, np.dtype(cfg.dtype), finite)
+    return mask[0] if cfg.unbatched else mask
+
+
+def output_shape(cfg: Config) -> tuple[int, ...]:
+    """The shape of the attention output for this config."""
+    return _input_shape(cfg, cfg.tgt_len, cfg.embed_dim)
+
+
+def make_target(cfg: Config) -> np.ndarray:
+    """The MSE target (loss: mse) or the cotangent (loss: sum), shaped like the output."""
+    gen = rng(cfg.seed, _TARGET)
+    return gen.standard_normal(output_shape(cfg)).astype(np.dtype(cfg.dtype))
+
+
+def make_workload(cfg: Config) -> Workload:
+    """Everything one check needs, drawn from the config's seed."""
+    query, key, value = make_inputs(cfg)
+    return Workload(
+        params=make_params(cfg),
+        query=query,
+        key=key,
+        value=value,
+        attn_mask=make_attn_mask(cfg),
+        key_padding_mask=make_key_padding_mask(cfg),
+        target=make_target(cfg),
+    )
+
+
+def directions(cfg: Config, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """One random unit-max direction per quantity, in float64, for finite differences."""
+    gen = rng(cfg.seed, _DIRECTIONS)
+    out = {}
+    for name, shape in shapes.items():
+        u = gen.standard_normal(shape)
+        out[name] = u / max(np.abs(u).max(), 1e-300)
+    return out

@@ -1,0 +1,34 @@
+"""Output files written whole or not at all: checked before any work, renamed into place after."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from attncheck.errors import UsageError
+
+
+def check_writable(path: Path, option: str) -> None:
+    """Refuse an output path that cannot be written, before any work is done."""
+    if path.is_dir():
+        raise UsageError(f"{option} {str(path)!r}: is a directory")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{option} {str(path)!r}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{option} {str(path)!r}: not writable")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write text to a temporary file beside `path`, then rename it into place."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,181 @@
+"""Reports as rich tables for the terminal. Turns a Report into text; decides nothing."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from attncheck.report import FAIL, INFO, NOT_PROVIDED, PASS, SKIPPED, Report, Row
+
+_STATUS_STYLE = {PASS: "green", FAIL: "bold red", NOT_PROVIDED: "yellow", SKIPPED: "dim", INFO: "cyan"}
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    """A float in a short scientific form; blanks for None."""
+    if x is None:
+        return ""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if x == 0:
+        return "0"
+    return f"{x:.{digits}e}"
+
+
+def header(report: Report) -> Text:
+    """One line with the config's key facts."""
+    c = report.config
+    S = c.get("src_len") or c.get("tgt_len")
+    shape = f"E={c['embed_dim']} H={c['num_heads']} B={1 if c.get('unbatched') else c['batch_size']} L={c['tgt_len']} S={S}"
+    facts = [
+        c["dtype"],
+        shape,
+        "self-attention" if c.get("self_attention") else "cross-attention",
+        "batch_first" if c.get("batch_first") else "seq-first",
+    ]
+    if c.get("unbatched"):
+        facts.append("unbatched")
+    if c.get("attn_mask", "none") != "none":
+        facts.append(f"attn_mask={c['attn_mask']}({c.get('attn_mask_dims', 2)}-D {c.get('mask_dtype', 'bool')})")
+    if c.get("key_padding_mask", "none") != "none":
+        facts.append(f"key_padding_mask={c['key_padding_mask']}")
+    for flag in ("add_bias_kv", "add_zero_attn", "is_causal"):
+        if c.get(flag):
+            facts.append(flag)
+    if not c.get("bias", True):
+        facts.append("bias=false")
+    if not c.get("need_weights", True):
+        facts.append("need_weights=false")
+    if report.command == "sgd-step":
+        facts.append(f"steps={c['steps']} lr={c['lr']:g}")
+    facts.append(f"tolerance={c.get('tolerance', 'fixed')}")
+    text = Text()
+    text.append(f"attncheck {report.command}", style="bold")
+    text.append(f"  {report.name}  ", style="bold cyan")
+    text.append(" · ".join(facts))
+    text.append(f"\ncandidate: {report.impl}", style="dim")
+    return text
+
+
+def _mismatch(row: Row) -> str:
+    if row.status not in (PASS, FAIL) or not row.numel:
+        return ""
+    if not row.mismatched:
+        return f"0/{row.numel}"
+    return f"{row.mismatched}/{row.numel} ({100.0 * row.mismatched / row.numel:.3g}%)"
+
+
+def section_tables(report: Report) -> list[Table]:
+    """One table per section (forward, grad, ...), its closeness rule in the title."""
+    tables = []
+    sections = list(dict.fromkeys(r.section for r in report.rows))
+    for section in sections:
+        rows = [r for r in report.rows if r.section == section]
+        budget = any(r.candidate_error is not None for r in rows)
+        fd = section == "finite-diff"
+        rules = sorted({r.rule for r in rows if r.rule})
+        title = section + (f"  [dim]({'; '.join(rules)})[/dim]" if rules and not fd else "")
+        table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False, box=None)
+        table.add_column("quantity")
+        table.add_column("shape")
+        if fd:
+            table.add_column("|fd - <g,u>|", justify="right")
+            table.add_column("allowed", justify="right")
+        else:
+            table.add_column("max|Δ| torch", justify="right")
+            table.add_column("max rel", justify="right")
+            table.add_column("mismatched", justify="right")
+        if budget:
+            table.add_column("cand err", justify="right")
+            table.add_column("torch err", justify="right")
+            table.add_column("allowed", justify="right")
+            table.add_column("ratio", justify="right")
+        table.add_column("verdict")
+        for r in rows:
+            shape = "×".join(map(str, r.shape)) if r.shape else ("scalar" if r.shape == () else "")
+            cells = [Text(r.quantity), shape]  # Text: labels like in_proj_weight[q] are not markup
+            if fd:
+                cells += [fmt(r.max_abs), fmt(r.allowed)]
+            else:
+                cells += [fmt(r.max_abs), fmt(r.max_rel), _mismatch(r)]
+            if budget:
+                ratio = r.accuracy_ratio
+                cells += [fmt(r.candidate_error), fmt(r.torch_error), fmt(r.allowed), "" if ratio is None else f"{ratio:.2g}x"]
+            label = r.status.upper() if r.status in (PASS, FAIL) else r.status
+            cells.append(Text(label, style=_STATUS_STYLE[r.status]))
+            table.add_row(*cells)
+        tables.append(table)
+    return tables
+
+
+def details(report: Report) -> list[Text]:
+    """Where each failing or annotated row went wrong, one line each."""
+    lines = []
+    for r in report.rows:
+        quiet = r.status == PASS and r.section == "finite-diff"  # its note only restates the table
+        if not (r.note or r.failed) or quiet:
+            continue
+        text = Text(f"  {r.section} {r.quantity}: ", style=_STATUS_STYLE[r.status])
+        parts = []
+        if r.failed and r.max_abs_at is not None and r.max_abs:
+            parts.append(f"largest difference {fmt(r.max_abs, 3)} at index {list(r.max_abs_at)}")
+        if r.note:
+            parts.append(r.note)
+        text.append("; ".join(parts) or "failed")
+        lines.append(text)
+    return lines
+
+
+def losses_table(report: Report) -> Table | None:
+    if not report.losses:
+        return None
+    table = Table(header_style="bold", title="loss", title_justify="left", pad_edge=False, box=None)
+    table.add_column("step", justify="right")
+    table.add_column("candidate", justify="right")
+    table.add_column("torch", justify="right")
+    table.add_column("difference", justify="right")
+    for s in report.losses:
+        diff = None if s.candidate is None or s.torch is None else abs(s.candidate - s.torch)
+        table.add_row(str(s.step) if s.step else "-", f"{s.candidate:.10g}", f"{s.torch:.10g}", fmt(diff))
+    return table
+
+
+def verdict(report: Report) -> Text:
+    compared = [r for r in report.rows if r.status in (PASS, FAIL)]
+    failed = report.failures
+    if not failed:
+        text = Text("PASS", style="bold green")
+        text.append(f"  all {len(compared)} compared quantities agree")
+    else:
+        text = Text("FAIL", style="bold red")
+        names = ", ".join(f"{r.section} {r.quantity}" for r in failed[:8])
+        more = f" and {len(failed) - 8} more" if len(failed) > 8 else ""
+        text.append(f"  {len(failed)} of {len(compared)} compared quantities differ: {names}{more}")
+    not_provided = sum(r.status == NOT_PROVIDED for r in report.rows)
+    if not_provided:
+        text.append(f"  ({not_provided} not provided)", style="yellow")
+    text.append(f"  [{report.seconds:.2f}s]", style="dim")
+    return text
+
+
+def make_console() -> Console:
+    """The terminal's console; a wide page when output is a log rather than a terminal."""
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=max(console.width, 132))
+    return console
+
+
+def render(report: Report, console: Console) -> None:
+    """Print a report: header, table, losses, notes and details, verdict."""
+    parts = [header(report), *section_tables(report)]
+    losses = losses_table(report)
+    if losses is not None:
+        parts.append(losses)
+    parts += [Text(f"note: {n}", style="dim") for n in report.notes]
+    parts += details(report)
+    parts.append(verdict(report))
+    console.print(Group(*parts))
+    console.print()

@@ -1,0 +1,204 @@
+"""torch.nn.MultiheadAttention with the same weights and inputs: the one module that imports torch.
+
+Everything returned is NumPy, so nothing above this module needs torch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from attncheck.config import Config
+from attncheck.inputs import Workload
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def build_module(cfg: Config, params: dict[str, np.ndarray]) -> torch.nn.MultiheadAttention:
+    """nn.MultiheadAttention for the config, every parameter overwritten from `params`."""
+    module = torch.nn.MultiheadAttention(
+        cfg.embed_dim,
+        cfg.num_heads,
+        dropout=cfg.dropout,
+        bias=cfg.bias,
+        add_bias_kv=cfg.add_bias_kv,
+        add_zero_attn=cfg.add_zero_attn,
+        kdim=cfg.kdim,
+        vdim=cfg.vdim,
+        batch_first=cfg.batch_first,
+        dtype=_DTYPES[cfg.dtype],
+    )
+    load_params(module, params)
+    return module
+
+
+def load_params(module: torch.nn.Module, params: dict[str, np.ndarray]) -> None:
+    """Copy NumPy parameters into the module, asserting names and shapes match exactly."""
+    state = module.state_dict()
+    if set(state) != set(params):
+        raise AssertionError(f"parameter names differ: torch {sorted(state)} vs {sorted(params)}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            value = params[name]
+            if tuple(tensor.shape) != value.shape:
+                raise AssertionError(f"{name}: torch shape {tuple(tensor.shape)} vs {value.shape}")
+            tensor.copy_(torch.from_numpy(np.ascontiguousarray(value)))
+
+
+def state_numpy(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The module's parameters as NumPy copies, keyed by state_dict() names."""
+    return {name: t.detach().cpu().numpy().copy() for name, t in module.state_dict().items()}
+
+
+def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
+    return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _numpy(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.detach().cpu().numpy().copy()
+
+
+@dataclass
+class _Inputs:
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: torch.Tensor | None
+    key_padding_mask: torch.Tensor | None
+
+
+def _inputs(cfg: Config, w: Workload, requires_grad: bool) -> _Inputs:
+    """torch tensors for the workload; under self-attention one tensor is passed three times."""
+    query = _tensor(w.query).requires_grad_(requires_grad)
+    if cfg.self_attention:
+        key = value = query
+    else:
+        key = _tensor(w.key).requires_grad_(requires_grad)
+        value = _tensor(w.value).requires_grad_(requires_grad)
+    return _Inputs(query, key, value, _tensor(w.attn_mask), _tensor(w.key_padding_mask))
+
+
+def _call(module: torch.nn.MultiheadAttention, cfg: Config, x: _Inputs):
+    with warnings.catch_warnings():
+        # Mixed bool/float masks are deprecated but still supported; the config asked for them.
+        warnings.filterwarnings("ignore", message="Support for mismatched")
+        return module(
+            x.query,
+            x.key,
+            x.value,
+            key_padding_mask=x.key_padding_mask,
+            need_weights=cfg.need_weights,
+            attn_mask=x.attn_mask,
+            average_attn_weights=cfg.average_attn_weights,
+            is_causal=cfg.is_causal,
+        )
+
+
+def loss_torch(cfg: Config, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The config's loss: mean squared error against the target, or <output, cotangent>."""
+    if cfg.loss == "mse":
+        return F.mse_loss(output, target)
+    return (output * target).sum()
+
+
+def forward(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
+    """torch's output and weights on its standard path (training mode, dropout 0)."""
+    module = build_module(cfg, w.params).train()
+    with torch.no_grad():
+        out, weights = _call(module, cfg, _inputs(cfg, w, requires_grad=False))
+    return _numpy(out), _numpy(weights)
+
+
+def fast_path_blocker(cfg: Config) -> str | None:
+    """Why torch would not take its inference fast path for this config (None: it would).
+
+    Mirrors the checks at the top of nn.MultiheadAttention.forward, for eval() under no_grad().
+    """
+    if cfg.mask_dtype == "float" and cfg.attn_mask != "none":
+        return "floating-point masks are not supported for fast path"
+    if cfg.key_padding_mask != "none" and cfg.key_padding_mask_dtype_eff == "float":
+        return "floating-point masks are not supported for fast path"
+    if not torch.backends.mha.get_fastpath_enabled():
+        return "torch.backends.mha.get_fastpath_enabled() is False"
+    reasons = [
+        (cfg.unbatched, "input not batched"),
+        (not cfg.self_attention, "not self-attention (query, key and value are not one tensor)"),
+        (cfg.num_heads % 2 != 0, "num_heads is not even"),
+        (not cfg.batch_first, "batch_first is false"),
+        (cfg.add_bias_kv, "add_bias_kv is set"),
+        (cfg.add_zero_attn, "add_zero_attn is set"),
+        (cfg.kdim_eff != cfg.embed_dim or cfg.vdim_eff != cfg.embed_dim, "kdim/vdim differ from embed_dim"),
+        (not cfg.bias, "bias is false (torch's native kernel needs the projection biases)"),
+    ]
+    return next((why for blocked, why in reasons if blocked), None)
+
+
+def forward_fast_path(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
+    """torch's output and weights in eval() under no_grad(), where it takes the fast path."""
+    module = build_module(cfg, w.params).eval()
+    with torch.inference_mode():
+        out, weights = _call(module, cfg, _inputs(cfg, w, requires_grad=False))
+    return _numpy(out), _numpy(weights)
+
+
+@dataclass
+class GradResult:
+    """torch's forward, loss and autograd gradients (keyed like the reference's backward)."""
+
+    output: np.ndarray
+    weights: np.ndarray | None
+    loss: float
+    grads: dict[str, np.ndarray]
+
+
+def grad(cfg: Config, w: Workload) -> GradResult:
+    """Forward, the config's loss and autograd gradients of every parameter and input."""
+    module = build_module(cfg, w.params).train()
+    x = _inputs(cfg, w, requires_grad=True)
+    out, weights = _call(module, cfg, x)
+    loss = loss_torch(cfg, out, _tensor(w.target))
+    loss.backward()
+    grads = {name: _numpy(p.grad) for name, p in module.named_parameters()}
+    if cfg.self_attention:
+        grads["input"] = _numpy(x.query.grad)  # the sum of the query, key and value gradients
+    else:
+        grads.update(query=_numpy(x.query.grad), key=_numpy(x.key.grad), value=_numpy(x.value.grad))
+    return GradResult(_numpy(out), _numpy(weights), float(loss.detach()), grads)
+
+
+@dataclass
+class SGDResult:
+    """The loss before each step and the parameters after each step."""
+
+    losses: list[float]
+    params: list[dict[str, np.ndarray]]
+
+
+def sgd(cfg: Config, w: Workload) -> SGDResult:
+    """`steps` full training steps with torch.optim.SGD on the same batch."""
+    module = build_module(cfg, w.params).train()
+    optimizer = torch.optim.SGD(
+        module.parameters(),
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        dampening=cfg.dampening,
+        weight_decay=cfg.weight_decay,
+        nesterov=cfg.nesterov,
+        maximize=cfg.maximize,
+    )
+    x = _inputs(cfg, w, requires_grad=False)
+    target = _tensor(w.target)
+    result = SGDResult([], [])
+    for _ in range(cfg.steps):
+        optimizer.zero_grad()
+        out, _ = _call(module, cfg, x)
+        loss = loss_torch(cfg, out, target)
+        loss.backward()
+        optimizer.step()
+        result.losses.append(float(loss.detach()))
+        result.params.append(state_numpy(module))
+    return result

@@ -1,0 +1,80 @@
+"""The command line: exit codes 0/1/2, reports, JSON, and a torch-free --help."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from attncheck.cli import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, list(args))
+
+
+@pytest.mark.parametrize("command", ["forward", "grad", "sgd-step"])
+def test_default_config_agrees(command):
+    result = run(command)
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.output
+
+
+def test_wrong_backward_exits_1_and_names_the_blocks():
+    result = run("grad", "--impl", "tests/wrong_impls.py:SoftmaxDiagonalBackward")
+    assert result.exit_code == 1, result.output
+    assert "FAIL" in result.output and "in_proj_weight[q]" in result.output
+    assert run("forward", "--impl", "tests/wrong_impls.py:SoftmaxDiagonalBackward").exit_code == 0
+
+
+def test_a_zero_tolerance_exits_1(tmp_path):
+    path = tmp_path / "strict.yaml"
+    path.write_text("tolerance: fixed\natol: 0\nrtol: 0\n")
+    result = run("forward", "--config", str(path))
+    assert result.exit_code == 1, result.output
+
+
+@pytest.mark.parametrize("content,fragment", [
+    ("embed_dims: 16\n", "did you mean 'embed_dim'"),
+    ("embed_dim: 10\nnum_heads: 4\n", "divisible"),
+    ("attn_mask: causl\n", "causal"),
+])  # fmt: skip
+def test_bad_config_exits_2_with_one_clear_message(tmp_path, content, fragment):
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    result = run("forward", "--config", str(path))
+    assert result.exit_code == 2
+    assert fragment in result.output and "bad.yaml" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_missing_config_and_bad_impl_exit_2(tmp_path):
+    assert run("forward", "--config", str(tmp_path / "nope.yaml")).exit_code == 2
+    result = run("forward", "--impl", "no_such_module_xyz:Thing")
+    assert result.exit_code == 2 and "cannot import" in result.output
+
+
+def test_json_report(tmp_path):
+    out = tmp_path / "report.json"
+    result = run("grad", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["verdict"] == "pass" and data["command"] == "grad"
+    quantities = {r["quantity"] for r in data["rows"]}
+    assert {"output", "in_proj_weight[q]", "in_proj_weight[k]", "in_proj_weight[v]", "input"} <= quantities
+
+
+def test_unwritable_json_is_refused_before_any_work(tmp_path):
+    result = run("forward", "--json", str(tmp_path / "missing-dir" / "r.json"))
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_help_does_not_import_torch():
+    code = "import sys\nfrom attncheck.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("False")
