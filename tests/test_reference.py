@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from attncheck.inputs import make_workload
 from attncheck.reference import MultiheadAttention
 from tests.conftest import cfg
 
-SHIPPED = sorted(p.name for p in __import__("pathlib").Path("configs").glob("*.yaml") if p.name != "suite_example.yaml")
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+SHIPPED = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 
 # PyTorch's own module test grid (test_multihead_attn_* in test_nn.py), as configs.
 GRID = [
@@ -139,10 +141,59 @@ def test_fully_masked_rows_are_nan_with_weights_and_zero_without():
     np.testing.assert_allclose(out[0], np.broadcast_to(w.params["out_proj.bias"], out[0].shape), rtol=1e-6)
 
 
-def test_every_shipped_config_passes_all_commands():
-    from attncheck.config import load_config
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_config_passes_all_commands(name):
+    """Every case of every file in configs/ (a suite's skipped combinations excepted)."""
+    from attncheck.config import load_suite
 
-    for name in SHIPPED:
-        c = load_config(f"configs/{name}")
+    suite = load_suite(CONFIGS / name)
+    cases = [case for case in suite.cases if case.config is not None]
+    assert cases, f"{name} has no runnable case"
+    for case in cases[:: max(1, len(cases) // 24)]:  # a large matrix is sampled evenly
         for check in (check_forward, check_grad, check_sgd):
-            _assert_passes(check(c))
+            _assert_passes(check(case.config))
+
+
+# ------------------------------------------------------------------------------ torch fast path
+def _rows(report, section):
+    return {r.quantity: r for r in report.rows if r.section == section}
+
+
+def test_fast_path_is_compared_where_torch_takes_it():
+    rows = _rows(check_forward(cfg()), "fast-path")
+    assert set(rows) == {"output", "attn_weights"} and all(r.status == "pass" for r in rows.values())
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    ({"num_heads": 3, "embed_dim": 12}, "num_heads is not even"),
+    ({"batch_first": False}, "batch_first is false"),
+    ({"add_bias_kv": True}, "add_bias_kv"),
+    ({"attn_mask": "random", "mask_dtype": "float"}, "floating-point masks"),
+    ({"self_attention": False}, "not self-attention"),
+    ({"bias": False}, "bias is false"),
+])  # fmt: skip
+def test_fast_path_skipped_with_torchs_reason(overrides, reason):
+    row = _rows(check_forward(cfg(**overrides)), "fast-path")["output"]
+    assert row.status == "skipped" and reason in row.note
+
+
+def test_fast_path_nan_rows_differ_legitimately_from_the_sdpa_path():
+    report = check_forward(cfg(key_padding_mask="full_row", need_weights=False))
+    assert report.passed
+    row = _rows(report, "fast-path")["output"]
+    assert row.status == "pass" and "NaN on torch's fast path" in row.note
+    assert any("every key masked" in n for n in report.notes)
+
+
+def test_nan_in_the_wrong_place_is_a_mismatch():
+    from attncheck.checks import Candidate
+
+    class NanEverywhere(MultiheadAttention):
+        def forward(self, *args, **kwargs):
+            out, weights = super().forward(*args, **kwargs)
+            out = out.copy()
+            out[-1, -1, -1] = np.nan
+            return out, weights
+
+    row = _rows(check_forward(cfg(key_padding_mask="full_row"), Candidate("nan", NanEverywhere)), "forward")["output"]
+    assert row.status == "fail" and row.mismatched == 1 and "NaN in 1 places torch has none" in row.note
