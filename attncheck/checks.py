@@ -8,7 +8,9 @@ and also serves, run in float64, as the oracle of the budget rule.
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -18,7 +20,7 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.compare import Budget, compare, rule_for, sgd_rule
 from attncheck.config import Config
-from attncheck.errors import CandidateError
+from attncheck.errors import CandidateError, UsageError
 from attncheck.inputs import Workload, directions, make_workload
 from attncheck.reference import MultiheadAttention
 from attncheck.report import FAIL, INFO, NOT_PROVIDED, PASS, SKIPPED, LossStep, Report, Row
@@ -61,15 +63,35 @@ def candidate_options(cfg: Config) -> dict[str, Any]:
     )
 
 
+# The installed attncheck package: frames in files under it are attncheck's, not the candidate's.
+# Compared as a directory, not by name, so a user's own repository called "attncheck" still counts
+# as the candidate's code.
+_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+
+
+def _is_ours(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR)
+
+
 def _located(exc: BaseException) -> str | None:
-    """file:line of the innermost frame of a traceback that lies outside attncheck."""
+    """file:line of the innermost frame of a traceback that lies outside the attncheck package."""
     tb, where = exc.__traceback__, None
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if "/attncheck/" not in filename.replace("\\", "/") or "/examples/" in filename:
+        if not _is_ours(filename):
             where = f"{filename}:{tb.tb_lineno}"
         tb = tb.tb_next
     return where
+
+
+def _defined_at(fn: Any) -> str | None:
+    """file:line where a candidate's method is defined: the place to look when it returns junk."""
+    try:
+        fn = inspect.unwrap(getattr(fn, "__func__", fn))
+        filename, line = inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
+    except (TypeError, OSError):
+        return None
+    return None if filename is None or _is_ours(filename) else f"{filename}:{line}"
 
 
 def _guard(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
@@ -97,6 +119,9 @@ class Session:
         )
 
     def forward(self, obj: Any, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
+        """The candidate's (output, weights), after checking it returned an output torch's shape."""
+        if not callable(getattr(obj, "forward", None)):
+            raise CandidateError(f"{self.candidate.spec} built a {type(obj).__name__} with no forward() method")
         result = _guard(
             "forward()",
             obj.forward,
@@ -108,20 +133,40 @@ class Session:
             need_weights=self.cfg.need_weights,
             average_attn_weights=self.cfg.average_attn_weights,
         )
+        where = _defined_at(obj.forward)
         if not (isinstance(result, tuple) and len(result) == 2):
-            raise CandidateError(f"forward() returned {type(result).__name__}, expected (output, weights)")
+            raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, weights)", where)
         out, weights = result
         if not isinstance(out, np.ndarray):
-            raise CandidateError(f"forward() returned an output of type {type(out).__name__}, expected ndarray")
+            raise CandidateError(f"forward() returned an output of type {type(out).__name__}, expected a NumPy array", where)
+        if out.shape != w.query.shape:  # (B, L, E) or (L, B, E) or (L, E): the query's own shape
+            raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {w.query.shape}", where)
+        if weights is not None and not isinstance(weights, np.ndarray):
+            raise CandidateError(f"forward() returned weights of type {type(weights).__name__}, expected a NumPy array or None", where)
         return out, weights
 
-    def backward(self, obj: Any, grad_output: np.ndarray) -> dict[str, np.ndarray]:
+    def backward(self, obj: Any, grad_output: np.ndarray, w: Workload) -> dict[str, np.ndarray]:
+        """The candidate's gradients, keyed like params plus query/key/value; missing keys are allowed."""
         if not callable(getattr(obj, "backward", None)):
-            raise CandidateError("the candidate has no backward(grad_output) method")
+            # Not a wrong answer but a check that cannot run: the user asked for gradients of an
+            # implementation that has none.
+            raise UsageError(
+                f"--impl {self.candidate.spec}: {type(obj).__name__} has no backward(grad_output) method, "
+                "which `grad` and `sgd-step` need (`forward` checks it without one)"
+            )
         grads = _guard("backward()", obj.backward, grad_output)
+        where = _defined_at(obj.backward)
         if not isinstance(grads, dict):
-            raise CandidateError(f"backward() returned {type(grads).__name__}, expected a dict of arrays")
-        return grads
+            raise CandidateError(f"backward() returned {type(grads).__name__}, expected a dict of arrays", where)
+        shapes = {**{k: v.shape for k, v in w.params.items()}, "query": w.query.shape, "key": w.key.shape, "value": w.value.shape}
+        for name, g in grads.items():
+            if name not in shapes or g is None:
+                continue  # extra keys are ignored; None is "not provided"
+            if not isinstance(g, np.ndarray):
+                raise CandidateError(f"backward() returned {name!r} of type {type(g).__name__}, expected a NumPy array", where)
+            if g.shape != shapes[name]:
+                raise CandidateError(f"backward() returned {name!r} of shape {g.shape}, expected {shapes[name]}", where)
+        return {k: v for k, v in grads.items() if v is not None}
 
 
 def loss_magnitude(cfg: Config, output: np.ndarray, target: np.ndarray) -> float:
@@ -314,7 +359,7 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
 
     if cfg.self_attention:
         report.notes.append("self-attention: `input` is the sum of the query, key and value gradients.")
-    report.rows.extend(_finite_difference_rows(cfg, candidate, w64, grads if cfg.dtype == "float64" else None, oracle))
+    report.rows.extend(_finite_difference_rows(cfg, candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict))
     report.seconds = time.perf_counter() - start
     return report
 
@@ -323,7 +368,7 @@ def _run_grad(session: Session, cfg: Config, w: Workload):
     obj = session.build(w.params)
     out, _ = session.forward(obj, w)
     loss, d_out = loss_and_grad(cfg, out, w.target)
-    return out, loss, session.backward(obj, d_out)
+    return out, loss, session.backward(obj, d_out, w)
 
 
 def _perturbed(w: Workload, name: str, delta: np.ndarray, self_attention: bool) -> Workload:
@@ -336,7 +381,7 @@ def _perturbed(w: Workload, name: str, delta: np.ndarray, self_attention: bool) 
     return replace(w, **{name: getattr(w, name) + delta})
 
 
-def _finite_difference_rows(cfg, candidate, w64, grads64, oracle) -> list[Row]:
+def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool = False) -> list[Row]:
     """The candidate's own gradients, in float64, against central differences of its loss.
 
     One random direction u per reported quantity: <grad, u> against
@@ -374,7 +419,7 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle) -> list[Row]:
         g = grads.get(name)
         for label, index in grad_labels(cfg, name, per_head=False):
             if g is None:
-                rows.append(Row("finite-diff", label, NOT_PROVIDED, note="not returned by backward()"))
+                rows.append(Row("finite-diff", label, FAIL if strict else NOT_PROVIDED, note="not returned by backward()"))
                 continue
             u = np.zeros(shape)
             u[index] = dirs[name][index]
@@ -415,7 +460,7 @@ def _run_sgd(session: Session, cfg: Config, w: Workload, optimizer: type | None 
         obj = session.build(params)
         out, _ = session.forward(obj, replace(w, params=params))
         loss, d_out = loss_and_grad(cfg, out, w.target)
-        grads = session.backward(obj, d_out)
+        grads = session.backward(obj, d_out, replace(w, params=params))
         params = opt.step(params, {k: np.asarray(v, dtype=params[k].dtype) for k, v in grads.items() if k in params})
         traj.losses.append(loss)
         traj.params.append(params)

@@ -66,6 +66,10 @@ def _json_float(v: Any) -> Any:
     return v
 
 
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
 @dataclass
 class LossStep:
     step: int
@@ -93,6 +97,19 @@ class Report:
     @property
     def failures(self) -> list[Row]:
         return [r for r in self.rows if r.failed]
+
+    def assert_passed(self) -> None:
+        """Raise AssertionError listing every failing row with its numbers; the way to assert in pytest."""
+        failures = self.failures
+        if not failures:
+            return
+        lines = [f"attncheck {self.command} on {self.name!r} ({self.impl}): {len(failures)} of {len(self.rows)} rows failed"]
+        for r in failures:
+            numbers = f"max abs err {_num(r.max_abs)}, allowed {_num(r.allowed)}"
+            if r.numel:
+                numbers += f", {r.mismatched}/{r.numel} mismatched"
+            lines.append(f"  {r.section} {r.quantity}: {numbers}" + (f"; {r.note}" if r.note else ""))
+        raise AssertionError("\n".join(lines))
 
     def worst(self) -> Row | None:
         """The compared row with the largest error relative to what it was allowed."""

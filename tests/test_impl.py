@@ -1,0 +1,303 @@
+"""--impl and the Python API: the candidate contract, every way a candidate or its SPEC can be wrong,
+the examples, and attncheck.check()."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import attncheck
+from attncheck.cli import app
+from attncheck.config import load_config
+from attncheck.errors import UsageError
+from attncheck.impl import load_candidate
+from attncheck.reference import MultiheadAttention as Reference
+
+ROOT = Path(__file__).resolve().parent.parent
+PER_HEAD = "examples/per_head_loop.py:MultiheadAttention"
+WRONG_DIAGONAL = "examples/wrong_softmax_diagonal.py:MultiheadAttention"
+
+# Each candidate subclasses the reference and breaks one thing; `# HERE` marks the line its
+# failure must be located at.
+HEADER = "import numpy as np\nfrom attncheck.reference import MultiheadAttention as Ref\n\n"
+
+
+@dataclass(frozen=True)
+class Broken:
+    source: str  # class Candidate(Ref): ...
+    command: str
+    message: str  # in the failing row's note
+    located: bool = True  # the note names the # HERE line
+
+
+BROKEN = {
+    "raises_in_init": Broken(
+        """
+        class Candidate(Ref):
+            def __init__(self, params, **options):
+                raise ValueError("cannot build")  # HERE
+        """, "forward", "raised ValueError: cannot build"),
+    "raises_in_forward": Broken(
+        """
+        class Candidate(Ref):
+            def forward(self, query, key, value, **kw):
+                return helper(query)
+
+        def helper(x):
+            return x / np.zeros(3)[5]  # HERE
+        """, "forward", "forward() raised IndexError"),
+    "raises_in_backward": Broken(
+        """
+        class Candidate(Ref):
+            def backward(self, grad_output):
+                raise RuntimeError("no gradients today")  # HERE
+        """, "grad", "backward() raised RuntimeError: no gradients today"),
+    "returns_non_tuple": Broken(
+        """
+        class Candidate(Ref):
+            def forward(self, *args, **kw):  # HERE
+                return super().forward(*args, **kw)[0]
+        """, "forward", "forward() returned ndarray, expected a tuple (output, weights)"),
+    "wrong_output_shape": Broken(
+        """
+        class Candidate(Ref):
+            def forward(self, *args, **kw):  # HERE
+                out, w = super().forward(*args, **kw)
+                return out[:, :-1], w
+        """, "grad", "forward() returned an output of shape (2, 4, 16), expected (2, 5, 16)"),
+    "wrong_gradient_shape": Broken(
+        """
+        class Candidate(Ref):
+            def backward(self, grad_output):  # HERE
+                grads = super().backward(grad_output)
+                grads["out_proj.weight"] = grads["out_proj.weight"].T[:, :3]
+                return grads
+        """, "sgd-step", "backward() returned 'out_proj.weight' of shape (16, 3), expected (16, 16)"),
+    "wrong_dtype": Broken(
+        """
+        class Candidate(Ref):
+            def forward(self, *args, **kw):
+                out, w = super().forward(*args, **kw)
+                return out.astype(np.float64), w
+        """, "forward", "dtype float64, expected float32", located=False),
+    "weights_none": Broken(
+        """
+        class Candidate(Ref):
+            def forward(self, *args, **kw):
+                return super().forward(*args, **kw)[0], None
+        """, "forward", "missing", located=False),
+}
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def write_candidate(folder: Path, body: str, name: str = "cand.py") -> tuple[Path, int | None]:
+    """The candidate file and the line number of its `# HERE` marker."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    text = HEADER + textwrap.dedent(body).lstrip("\n")
+    path.write_text(text)
+    marked = [i for i, line in enumerate(text.splitlines(), 1) if "# HERE" in line]
+    return path, marked[0] if marked else None
+
+
+def json_report(tmp_path: Path, *args) -> tuple[int, dict]:
+    out = tmp_path / "report.json"
+    result = run(*args, "--json", out)
+    assert result.exit_code in (0, 1), result.output
+    return result.exit_code, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", list(BROKEN), ids=list(BROKEN))
+def test_broken_candidate_is_a_located_failure(tmp_path, case):
+    broken = BROKEN[case]
+    path, line = write_candidate(tmp_path, broken.source)
+    code, report = json_report(tmp_path, broken.command, "--impl", f"{path}:Candidate")
+    assert code == 1
+    notes = [r["note"] for r in report["rows"] if r["status"] == "fail"]
+    assert any(broken.message in n for n in notes), notes
+    if broken.located:
+        assert any(f"{path}:{line}" in n for n in notes), notes
+
+
+def test_location_is_found_in_a_user_folder_named_attncheck(tmp_path):
+    """Only the installed package's frames are attncheck's, not any path containing /attncheck/."""
+    path, line = write_candidate(tmp_path / "attncheck" / "mine", BROKEN["raises_in_init"].source)
+    _, report = json_report(tmp_path, "forward", "--impl", f"{path}:Candidate")
+    assert f"{path}:{line}" in report["rows"][0]["note"]
+
+
+FORWARD_ONLY = """
+class Candidate:
+    def __init__(self, params, **options):
+        self.inner = Ref(params, **options)
+
+    def forward(self, *args, **kw):
+        return self.inner.forward(*args, **kw)
+"""
+
+
+@pytest.mark.parametrize("command", ["grad", "sgd-step"])
+def test_no_backward_is_a_usage_error(tmp_path, command):
+    path, _ = write_candidate(tmp_path, FORWARD_ONLY)
+    result = run(command, "--impl", f"{path}:Candidate")
+    assert result.exit_code == 2, result.output
+    assert "no backward(grad_output) method" in result.output
+    assert "Traceback" not in result.output
+    assert run("forward", "--impl", f"{path}:Candidate").exit_code == 0
+
+
+MISSING_BIAS_GRAD = """
+class Candidate(Ref):
+    def backward(self, grad_output):
+        grads = super().backward(grad_output)
+        del grads["out_proj.bias"], grads["query"]
+        return grads
+"""
+
+
+def test_missing_gradients_are_not_provided_unless_strict(tmp_path):
+    path, _ = write_candidate(tmp_path, MISSING_BIAS_GRAD)
+    code, report = json_report(tmp_path, "grad", "--impl", f"{path}:Candidate")
+    assert code == 0
+    missing = {(r["section"], r["quantity"]): r["status"] for r in report["rows"] if r["quantity"] in ("out_proj.bias", "input")}
+    assert missing == {(s, q): "not provided" for s in ("grad", "finite-diff") for q in ("out_proj.bias", "input")}
+
+    code, report = json_report(tmp_path, "grad", "--strict", "--impl", f"{path}:Candidate")
+    assert code == 1
+    failed = {(r["section"], r["quantity"]) for r in report["rows"] if r["status"] == "fail"}
+    assert failed == {(s, q) for s in ("grad", "finite-diff") for q in ("out_proj.bias", "input")}
+
+
+# SPECs that cannot be turned into a candidate: (file contents or None, spec, message).
+BAD_SPECS = {
+    "missing_file": (None, "{dir}/nope.py:Candidate", "no such file"),
+    "syntax_error": ("class Candidate(:\n", "{dir}/cand.py:Candidate", "SyntaxError"),
+    "import_raises": ("import no_such_module_xyz\n", "{dir}/cand.py:Candidate", "ModuleNotFoundError"),
+    "missing_attr": ("class Other: pass\n", "{dir}/cand.py:Candidate", "has no attribute 'Candidate' (it has: Other)"),
+    "not_callable": ("Candidate = 3\n", "{dir}/cand.py:Candidate", "is a int, not a class or function"),
+    "no_colon": (None, "{dir}/cand.py", "expected 'package.module:attr'"),
+    "empty_attr": (None, "{dir}/cand.py:", "expected 'package.module:attr'"),
+    "missing_module": (None, "no_such_module_xyz:Thing", "cannot import module 'no_such_module_xyz'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SPECS), ids=list(BAD_SPECS))
+def test_unloadable_spec_exits_2_with_the_reason(tmp_path, case):
+    contents, spec, message = BAD_SPECS[case]
+    if contents is not None:
+        (tmp_path / "cand.py").write_text(contents)
+    result = run("forward", "--impl", spec.format(dir=tmp_path))
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+# ------------------------------------------------------------------------------- the examples
+@pytest.mark.parametrize("config", ["default", "causal", "float64"])
+@pytest.mark.parametrize("command", ["forward", "grad", "sgd-step"])
+def test_per_head_loop_example_passes(command, config):
+    result = run(command, "-c", f"configs/{config}.yaml", "--impl", PER_HEAD)
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"batch_first": False, "bias": False, "attn_mask": "random", "mask_dtype": "float", "key_padding_mask": "random"},
+        {"attn_mask": "random", "attn_mask_dims": 3, "key_padding_mask": "random", "average_attn_weights": False},
+        {"need_weights": False, "self_attention": False, "src_len": 7, "dtype": "float64"},
+        {"unbatched": True, "batch_size": 1, "attn_mask": "causal"},
+    ],
+)
+def test_per_head_loop_example_supports_what_it_documents(overrides):
+    for command in ("forward", "grad"):
+        attncheck.check(overrides, command, impl=PER_HEAD).assert_passed()
+
+
+def test_per_head_loop_refuses_what_it_does_not_support():
+    report = attncheck.check({"add_bias_kv": True}, "forward", impl=PER_HEAD)
+    assert not report.passed
+    assert "NotImplementedError: per_head_loop: add_bias_kv and add_zero_attn are not supported" in report.rows[0].note
+
+
+def test_wrong_softmax_diagonal_fails_exactly_the_q_and_k_paths(tmp_path):
+    assert run("forward", "--impl", WRONG_DIAGONAL).exit_code == 0
+    code, report = json_report(tmp_path, "grad", "--impl", WRONG_DIAGONAL)
+    assert code == 1
+    failed = {(r["section"], r["quantity"]) for r in report["rows"] if r["status"] == "fail"}
+    wrong = ["in_proj_weight[q]", "in_proj_weight[k]", "in_proj_bias[q]", "in_proj_bias[k]", "input"]
+    assert failed == {(s, q) for s in ("grad", "finite-diff") for q in wrong}
+
+    cross = attncheck.check({"self_attention": False, "src_len": 7}, "grad", impl=WRONG_DIAGONAL)
+    assert {(r.section, r.quantity) for r in cross.failures} == {
+        (s, q) for s in ("grad", "finite-diff") for q in wrong[:4] + ["query", "key"]
+    }
+
+
+# ------------------------------------------------------------------------------ the Python API
+def test_import_attncheck_does_not_import_torch():
+    code = "import sys, attncheck; attncheck.__version__; assert 'torch' not in sys.modules; attncheck.Config; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [None, {"dtype": "float64", "attn_mask": "causal"}, "configs/causal.yaml", ROOT / "configs/float64.yaml", "config_object"],
+    ids=["default", "mapping", "path_str", "path", "Config"],
+)
+@pytest.mark.parametrize("impl", [None, PER_HEAD, Reference, "class"], ids=["reference", "spec", "reference_class", "class"])
+def test_check_accepts_every_config_and_impl_form(config, impl):
+    if config == "config_object":
+        config = load_config(ROOT / "configs/causal.yaml")
+    if impl == "class":
+        impl = load_candidate(PER_HEAD).factory  # the class itself, as a user's test imports it
+    report = attncheck.check(config, "forward", impl=impl)
+    assert isinstance(report, attncheck.Report)
+    report.assert_passed()
+    assert report.rows and all(r.status != "fail" for r in report.rows)
+
+
+def test_check_rejects_bad_arguments():
+    with pytest.raises(UsageError, match="command 'backward'"):
+        attncheck.check(None, "backward")
+    with pytest.raises(UsageError, match="per_head and strict are grad's"):
+        attncheck.check(None, "forward", strict=True)
+    with pytest.raises(UsageError, match="no such file"):
+        attncheck.check(None, "forward", impl="nowhere/at_all.py:X")
+    with pytest.raises(UsageError, match="unknown_key"):
+        attncheck.check({"unknown_key": 1})
+
+
+def test_sgd_step_builds_a_new_candidate_from_updated_params_every_step():
+    built: list[np.ndarray] = []
+
+    class Recording(Reference):
+        def __init__(self, params, **options):
+            built.append(params["out_proj.weight"].copy())
+            super().__init__(params, **options)
+
+    attncheck.check({"steps": 3}, "sgd-step", impl=Recording).assert_passed()
+    assert len(built) == 3
+    assert not np.array_equal(built[0], built[1]) and not np.array_equal(built[1], built[2])
+
+
+def test_assert_passed_lists_every_failing_row_with_its_numbers():
+    report = attncheck.check(None, "grad", impl=WRONG_DIAGONAL)
+    with pytest.raises(AssertionError) as info:
+        report.assert_passed()
+    message = str(info.value)
+    assert f"{len(report.failures)} of {len(report.rows)} rows failed" in message
+    for row in report.failures:
+        assert f"{row.section} {row.quantity}: max abs err {row.max_abs:.3g}, allowed {row.allowed:.3g}" in message
+    assert "in_proj_weight[v]" not in message

@@ -1,0 +1,133 @@
+"""The CLI under stress: Ctrl-C, repeat runs, its own bugs, oversized configs, unwritable output."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import attncheck.checks
+import attncheck.cli
+from attncheck.cli import app
+from attncheck.config import MEMORY_LIMIT_ENV
+from attncheck.output import write_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_ctrl_c_exits_130_quietly_and_leaves_no_file(tmp_path):
+    config = tmp_path / "long.yaml"
+    config.write_text("steps: 20000\n")  # minutes of work: still running when interrupted
+    out = tmp_path / "out.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attncheck", "sgd-step", "-c", str(config), "--json", str(out)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(1.5)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert "Traceback" not in stderr + stdout
+    assert len(stderr.strip().splitlines()) == 1
+    assert leftovers(tmp_path) == ["long.yaml"]  # neither out.json nor a temporary file
+
+
+def test_two_runs_give_the_same_json_apart_from_timing(tmp_path):
+    reports = []
+    for name in ("a.json", "b.json"):
+        assert run("grad", "-c", "configs/causal.yaml", "--json", tmp_path / name).exit_code == 0
+        report = json.loads((tmp_path / name).read_text())
+        assert set(report.pop("timing")) == {"seconds"}
+        reports.append(report)
+    assert reports[0] == reports[1]
+    assert reports[0]["rows"]
+
+
+def test_internal_bug_exits_3_with_traceback_and_a_request_to_report(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("an attncheck bug")
+
+    monkeypatch.setattr(attncheck.checks, "check_forward", broken)
+    with pytest.raises(SystemExit) as exit_info:
+        attncheck.cli.main(["forward"])
+    assert exit_info.value.code == 3
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: an attncheck bug" in err
+    assert "Please report it" in err
+
+
+def test_oversized_config_is_refused_with_an_estimate_before_any_work(tmp_path, monkeypatch):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the check ran")
+
+    monkeypatch.setattr(attncheck.checks, "run_check", must_not_run)
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "1024")
+    config = tmp_path / "huge.yaml"
+    config.write_text("batch_size: 64\ntgt_len: 100000\nnum_heads: 16\nembed_dim: 64\n")  # every size within its cap
+    result = run("forward", "-c", config)
+    assert result.exit_code == 2, result.output
+    assert "64 x 16 x 100000 x 100000" in result.output
+    assert "needs about" in result.output and "1.0 GiB" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_oversized_config_is_refused_against_physical_memory(tmp_path, monkeypatch):
+    monkeypatch.delenv(MEMORY_LIMIT_ENV, raising=False)
+    config = tmp_path / "huge.yaml"
+    config.write_text("batch_size: 65536\ntgt_len: 1000000\nnum_heads: 64\nembed_dim: 64\n")
+    result = run("forward", "-c", config)
+    assert result.exit_code == 2, result.output
+    assert "needs about" in result.output
+
+
+@pytest.mark.parametrize("where", ["directory", "missing_dir"])
+def test_unwritable_json_path_exits_2_before_any_work(tmp_path, monkeypatch, where):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the check ran")
+
+    monkeypatch.setattr(attncheck.checks, "run_check", must_not_run)
+    target = tmp_path if where == "directory" else tmp_path / "no" / "such" / "out.json"
+    result = run("forward", "--json", target)
+    assert result.exit_code == 2, result.output
+    assert ("is a directory" if where == "directory" else "does not exist") in result.output
+    assert leftovers(tmp_path) == []
+
+
+def test_json_is_written_whole_with_no_temporary_left(tmp_path):
+    out = tmp_path / "out.json"
+    out.write_text("stale")
+    assert run("forward", "--json", out).exit_code == 0
+    assert json.loads(out.read_text())["verdict"] == "pass"
+    assert leftovers(tmp_path) == ["out.json"]
+
+
+def test_a_failed_atomic_write_keeps_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    out = tmp_path / "out.json"
+    out.write_text("old")
+
+    def failing_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(out, "new")
+    assert out.read_text() == "old"
+    assert leftovers(tmp_path) == ["out.json"]
