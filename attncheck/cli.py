@@ -104,12 +104,16 @@ def _run(
         if junit_path is not None:
             check_writable(junit_path, "--junit")
         suite = load_suite(config)
+        # One runnable case renders as full reports; with one command it also keeps the
+        # single-report JSON. Decided before sharding, so a shard never changes the shape.
+        one_case = len(suite.cases) == 1 and suite.cases[0].config is not None
+        single = one_case and len(commands) == 1
         label = suite.name
         if shard_spec is not None:
             i, n = parse_shard(shard_spec)
             suite = Suite(suite.name, suite.source, shard(suite.cases, i, n))
             label += f" · shard {i}/{n}"
-        result = _run_suite(suite, label, commands, impl, tolerance, workers, verbose, options)
+        result = _run_suite(suite, label, commands, impl, tolerance, workers, verbose, options, many=not one_case)
     except UsageError as err:
         for line in str(err).splitlines():
             typer.echo(f"error: {line}", err=True)
@@ -118,8 +122,7 @@ def _run(
         return _interrupted()
 
     if json_path is not None:
-        single = len(result.reports) == 1 and not result.skipped
-        data = result.reports[0].to_dict() if single else result.to_dict()
+        data = result.reports[0].to_dict() if single and result.reports else result.to_dict()
         write_atomic(json_path, json.dumps(data, indent=2) + "\n")
     if junit_path is not None:
         from attncheck.junit import to_junit
@@ -128,24 +131,28 @@ def _run(
     return EXIT_OK if result.passed else EXIT_MISMATCH
 
 
-def _run_suite(suite, label, commands, impl, tolerance, workers, verbose, options):
+def _run_suite(suite, label, commands, impl, tolerance, workers, verbose, options, *, many: bool):
     """Run and render: one case as today's full report, many as progress, failures and a summary."""
     from rich.console import Group
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
 
     from attncheck.render import make_console, progress_line, render, suite_summary, suite_verdict
-    from attncheck.suite import check_candidates, plan, run_jobs
+    from attncheck.suite import SuiteResult, check_candidates, plan, run_jobs
 
     console = make_console()
+    if not suite.cases:
+        console.print(f"attncheck: no cases in {label}")
     jobs, skipped = plan(suite, commands, impl=impl, tolerance=None if tolerance is None else tolerance.value)
     check_candidates(jobs)
-    many = len(suite.cases) > 1 or bool(skipped)
     start = time.perf_counter()
     if not many:
         reports = run_jobs(jobs, options, workers=workers)
     else:
-        console.print(f"attncheck {' + '.join(commands)}  [bold cyan]{label}[/]  "
-                      f"{len(suite.cases)} cases ({len(skipped)} skipped) · {len(jobs)} checks · {workers} worker{'s' * (workers > 1)}")
+        head = Text(f"attncheck {' + '.join(commands)}  ", style="bold")
+        head.append(label, style="bold cyan")
+        head.append(f"  {len(suite.cases)} cases ({len(skipped)} skipped) · {len(jobs)} checks · workers={workers}")
+        console.print(head)
         if console.is_terminal:
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=console, transient=True) as bar:
@@ -155,8 +162,6 @@ def _run_suite(suite, label, commands, impl, tolerance, workers, verbose, option
         else:
             reports = run_jobs(jobs, options, workers=workers,
                                progress=lambda done, total, job, report: typer.echo(progress_line(done, total, report)))
-    from attncheck.suite import SuiteResult
-
     result = SuiteResult(suite.name, commands, reports, skipped, time.perf_counter() - start)
     if not many:
         for report in reports:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
+from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -120,12 +121,26 @@ def run_job(job: Job, options: dict[str, Any]) -> Report:
     return run_check(job.command, job.config, _candidates[job.impl], **options)
 
 
+@contextmanager
+def _one_thread():
+    """torch on one thread: its float32 sums round differently with more threads, so every check
+    runs single-threaded and the results do not depend on --workers or the machine's cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _worker_init() -> None:
     # The parent handles Ctrl-C and ends the pool; workers must not each print a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
-    torch.set_num_threads(1)  # K workers on K cores, not K x cores threads
+    torch.set_num_threads(1)  # as in the parent (_one_thread), and K workers on K cores
 
 
 Progress = Callable[[int, int, Job, Report], None]
@@ -136,10 +151,11 @@ def run_jobs(jobs: list[Job], options: dict[str, Any], *, workers: int = 1, prog
     total = len(jobs)
     if workers <= 1 or total <= 1:
         reports = []
-        for job in jobs:
-            reports.append(run_job(job, options))
-            if progress:
-                progress(len(reports), total, job, reports[-1])
+        with _one_thread():
+            for job in jobs:
+                reports.append(run_job(job, options))
+                if progress:
+                    progress(len(reports), total, job, reports[-1])
         return reports
 
     context = multiprocessing.get_context("spawn")
