@@ -135,6 +135,10 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
+def _run_chunk(jobs: list[Job], options: dict[str, Any]) -> list[Report]:
+    return [run_job(job, options) for job in jobs]
+
+
 def _worker_init() -> None:
     # The parent handles Ctrl-C and ends the pool; workers must not each print a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -160,17 +164,22 @@ def run_jobs(jobs: list[Job], options: dict[str, Any], *, workers: int = 1, prog
 
     context = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(max_workers=min(workers, total), mp_context=context, initializer=_worker_init)
+    # A check takes milliseconds: send jobs in chunks so inter-process traffic does not dominate,
+    # small enough (8 per worker) that the workers finish together.
+    size = max(1, total // (workers * 8))
     try:
-        futures: dict[Future, Job] = {pool.submit(run_job, job, options): job for job in jobs}
+        futures: dict[Future, list[Job]] = {
+            pool.submit(_run_chunk, jobs[i:i + size], options): jobs[i:i + size] for i in range(0, total, size)
+        }
         results: dict[int, Report] = {}
         pending = set(futures)
         while pending:
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in sorted(finished, key=lambda f: futures[f].index):
-                job = futures[future]
-                results[job.index] = future.result()
-                if progress:
-                    progress(len(results), total, job, results[job.index])
+            for future in sorted(finished, key=lambda f: futures[f][0].index):
+                for job, report in zip(futures[future], future.result()):
+                    results[job.index] = report
+                    if progress:
+                        progress(len(results), total, job, report)
         pool.shutdown(wait=True)
         return [results[i] for i in range(total)]
     except BaseException:
