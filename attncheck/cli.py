@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Annotated, Optional
@@ -70,21 +71,49 @@ def _root(
     """Prove that a multi-head attention implementation matches torch.nn.MultiheadAttention."""
 
 
-def _run(command: str, config: Path | None, json_path: Path | None, impl: str | None, tolerance: Tolerance | None, **options) -> int:
-    from attncheck.config import load_config
+JunitOption = Annotated[Optional[Path], typer.Option("--junit", help="Also write JUnit XML (one testcase per case x command) to this path.", show_default=False)]
+ShardOption = Annotated[
+    Optional[str],
+    typer.Option("--shard", help="Run shard I of N (1-based, e.g. 2/4): the cases whose index is I-1 modulo N.", show_default=False),
+]
+WorkersOption = Annotated[int, typer.Option("--workers", min=1, help="Run cases in this many local processes.")]
+VerboseOption = Annotated[bool, typer.Option("--verbose", "-v", help="Suites: full tables for every check, not only failing ones.")]
+
+
+def _run(
+    commands: tuple[str, ...],
+    config: Path | None,
+    json_path: Path | None,
+    impl: str | None,
+    tolerance: Tolerance | None,
+    *,
+    junit_path: Path | None = None,
+    shard_spec: str | None = None,
+    workers: int = 1,
+    verbose: bool = False,
+    **options,
+) -> int:
+    """Run commands over every case of a config or suite, render, write outputs, pick the exit code."""
+    from attncheck.config import Suite, load_suite
     from attncheck.output import check_writable, write_atomic
+    from attncheck.suite import parse_shard, shard
 
     try:
         if json_path is not None:
             check_writable(json_path, "--json")
-        cfg = load_config(config)
-        if tolerance is not None:
-            cfg = cfg.model_copy(update={"tolerance": tolerance.value})
-        from attncheck.checks import run_check  # imports torch
-        from attncheck.impl import load_candidate
-
-        candidate = load_candidate(impl if impl is not None else cfg.impl)
-        report = run_check(command, cfg, candidate, **options)
+        if junit_path is not None:
+            check_writable(junit_path, "--junit")
+        suite = load_suite(config)
+        # One runnable case renders as full reports; with one command it also keeps the
+        # single-report JSON. Decided before sharding, so a shard never changes the shape.
+        one_case = len(suite.cases) == 1 and suite.cases[0].config is not None
+        single = one_case and len(commands) == 1
+        label = suite.name
+        if shard_spec is not None:
+            i, n = parse_shard(shard_spec)
+            suite = Suite(suite.name, suite.source, shard(suite.cases, i, n))
+            label += f" · shard {i}/{n}"
+        result = _run_suite(suite, label, commands, impl, tolerance, workers, verbose, options, many=not one_case)
     except UsageError as err:
         for line in str(err).splitlines():
             typer.echo(f"error: {line}", err=True)
@@ -92,18 +121,67 @@ def _run(command: str, config: Path | None, json_path: Path | None, impl: str | 
     except KeyboardInterrupt:
         return _interrupted()
 
-    from attncheck.render import make_console, render
-
-    render(report, make_console())
     if json_path is not None:
-        write_atomic(json_path, json.dumps(report.to_dict(), indent=2) + "\n")
-    return EXIT_OK if report.passed else EXIT_MISMATCH
+        data = result.reports[0].to_dict() if single and result.reports else result.to_dict()
+        write_atomic(json_path, json.dumps(data, indent=2) + "\n")
+    if junit_path is not None:
+        from attncheck.junit import to_junit
+
+        write_atomic(junit_path, to_junit(result))
+    return EXIT_OK if result.passed else EXIT_MISMATCH
+
+
+def _run_suite(suite, label, commands, impl, tolerance, workers, verbose, options, *, many: bool):
+    """Run and render: one case as today's full report, many as progress, failures and a summary."""
+    from rich.console import Group
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
+
+    from attncheck.render import make_console, progress_line, render, suite_summary, suite_verdict
+    from attncheck.suite import SuiteResult, check_candidates, plan, run_jobs
+
+    console = make_console()
+    if not suite.cases:
+        console.print(f"attncheck: no cases in {label}")
+    jobs, skipped = plan(suite, commands, impl=impl, tolerance=None if tolerance is None else tolerance.value)
+    check_candidates(jobs)
+    start = time.perf_counter()
+    if not many:
+        reports = run_jobs(jobs, options, workers=workers)
+    else:
+        head = Text(f"attncheck {' + '.join(commands)}  ", style="bold")
+        head.append(label, style="bold cyan")
+        head.append(f"  {len(suite.cases)} cases ({len(skipped)} skipped) · {len(jobs)} checks · workers={workers}")
+        console.print(head)
+        if console.is_terminal:
+            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            with Progress(*columns, console=console, transient=True) as bar:
+                task = bar.add_task("checking", total=len(jobs))
+                reports = run_jobs(jobs, options, workers=workers,
+                                   progress=lambda done, total, job, report: bar.update(task, completed=done, description=f"{job.case} {job.command}"))
+        else:
+            reports = run_jobs(jobs, options, workers=workers,
+                               progress=lambda done, total, job, report: typer.echo(progress_line(done, total, report)))
+    result = SuiteResult(suite.name, commands, reports, skipped, time.perf_counter() - start)
+    if not many:
+        for report in reports:
+            render(report, console)
+        return result
+    for report in reports:
+        if verbose or not report.passed:
+            render(report, console)
+    summary = suite_summary(reports, [(c.name, c.skip_reason or "") for c in skipped], f"summary  {label}")
+    console.print(Group(summary, suite_verdict(reports, len(skipped), result.seconds)))
+    return result
 
 
 @app.command()
-def forward(config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None) -> None:
+def forward(
+    config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
+    junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
+) -> None:  # fmt: skip
     """Compare outputs and attention weights with torch.nn.MultiheadAttention."""
-    raise typer.Exit(_run("forward", config, json, impl, tolerance))
+    raise typer.Exit(_run(("forward",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers, verbose=verbose))
 
 
 @app.command()
@@ -114,15 +192,49 @@ def grad(
     tolerance: ToleranceOption = None,
     per_head: Annotated[bool, typer.Option("--per-head", help="Add one row per head for the projection blocks.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Count gradients the candidate does not return as failures.")] = False,
+    junit: JunitOption = None,
+    shard: ShardOption = None,
+    workers: WorkersOption = 1,
+    verbose: VerboseOption = False,
 ) -> None:
     """Compare every gradient with torch autograd, and with finite differences in float64."""
-    raise typer.Exit(_run("grad", config, json, impl, tolerance, per_head=per_head, strict=strict))
+    raise typer.Exit(_run(("grad",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
+                          verbose=verbose, per_head=per_head, strict=strict))  # fmt: skip
 
 
 @app.command("sgd-step")
-def sgd_step(config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None) -> None:
+def sgd_step(
+    config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
+    junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
+) -> None:  # fmt: skip
     """Compare the weights after `steps` SGD steps with torch.optim.SGD."""
-    raise typer.Exit(_run("sgd-step", config, json, impl, tolerance))
+    raise typer.Exit(_run(("sgd-step",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers, verbose=verbose))
+
+
+@app.command()
+def run(
+    config: ConfigOption = None,
+    json: JsonOption = None,
+    impl: ImplOption = None,
+    tolerance: ToleranceOption = None,
+    only: Annotated[Optional[str], typer.Option("--only", help="Comma-separated commands to run: forward, grad, sgd-step. Default: all three.", show_default=False)] = None,
+    junit: JunitOption = None,
+    shard: ShardOption = None,
+    workers: WorkersOption = 1,
+    verbose: VerboseOption = False,
+    per_head: Annotated[bool, typer.Option("--per-head", help="grad: add one row per head for the projection blocks.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="grad: count gradients the candidate does not return as failures.")] = False,
+) -> None:
+    """Run forward, grad and sgd-step for every case of a config or suite: the one command for CI."""
+    from attncheck.suite import COMMANDS, parse_commands
+
+    try:
+        commands = COMMANDS if only is None else parse_commands(only)
+    except UsageError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    raise typer.Exit(_run(commands, config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
+                          verbose=verbose, per_head=per_head, strict=strict))  # fmt: skip
 
 
 def _interrupted() -> int:

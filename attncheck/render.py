@@ -179,3 +179,45 @@ def render(report: Report, console: Console) -> None:
     parts.append(verdict(report))
     console.print(Group(*parts))
     console.print()
+
+
+# ------------------------------------------------------------------------------------- suites
+def progress_line(done: int, total: int, report: Report) -> str:
+    """One plain line per finished check, for logs: `[3/40] case-name forward PASS 0.01s`."""
+    status = "PASS" if report.passed else "FAIL"
+    return f"[{done}/{total}] {report.name} {report.command} {status} {report.seconds:.2f}s"
+
+
+def suite_summary(reports: list[Report], skipped: list[tuple[str, str]], title: str) -> Table:
+    """One row per case x command with its worst quantity, then one per skipped case."""
+    table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False, box=None)
+    for column, justify in (("case", "left"), ("command", "left"), ("worst quantity", "left"),
+                            ("max|Δ| torch", "right"), ("allowed", "right"), ("verdict", "left"), ("time", "right")):
+        table.add_column(column, justify=justify, overflow="fold")  # fmt: skip
+    for report in reports:
+        worst = report.worst()
+        status = PASS if report.passed else FAIL
+        table.add_row(
+            Text(report.name),
+            report.command,
+            Text("" if worst is None else f"{worst.section} {worst.quantity}"),
+            "" if worst is None else fmt(worst.max_abs),
+            "" if worst is None else (fmt(worst.allowed) or worst.rule),
+            Text(status.upper(), style=_STATUS_STYLE[status]),
+            f"{report.seconds:.2f}s",
+        )
+    for name, reason in skipped:
+        table.add_row(Text(name), "", Text(reason, style="dim"), "", "", Text(SKIPPED, style=_STATUS_STYLE[SKIPPED]), "")
+    return table
+
+
+def suite_verdict(reports: list[Report], skipped: int, seconds: float) -> Text:
+    failed = sum(not r.passed for r in reports)
+    text = Text("FAIL" if failed else "PASS", style="bold red" if failed else "bold green")
+    text.append(f"  {len(reports) - failed} of {len(reports)} checks pass")
+    if failed:
+        text.append(f", {failed} fail")
+    if skipped:
+        text.append(f"; {skipped} cases skipped", style="dim")
+    text.append(f"  [{seconds:.2f}s]", style="dim")
+    return text

@@ -1,0 +1,56 @@
+"""A suite's result as JUnit XML, for CI test-report viewers. Turns results into text; decides nothing.
+
+One <testsuite>; one <testcase classname="attncheck.COMMAND" name="CASE"> per case x command.
+A failing case carries <failure message=...> with one line per failing row; a skipped case
+carries <skipped message=REASON/> under every command the run asked for.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+from attncheck.report import Report, Row
+from attncheck.suite import SuiteResult
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def failure_line(row: Row) -> str:
+    """One failing row: section quantity, max abs err, allowed or rule, note."""
+    allowed = f"allowed {_fmt(row.allowed)}" if row.allowed is not None else (f"rule {row.rule}" if row.rule else "")
+    parts = [f"{row.section} {row.quantity}", f"max|Δ| {_fmt(row.max_abs)}", allowed, row.note]
+    return "; ".join(p for p in parts if p)
+
+
+def failure_message(report: Report) -> str:
+    failures = report.failures
+    lines = [failure_line(r) for r in failures]
+    return f"{len(failures)} quantities differ: " + " | ".join(lines)
+
+
+def to_junit(result: SuiteResult) -> str:
+    """The XML document, as text."""
+    tests = len(result.reports) + len(result.skipped) * len(result.commands)
+    failures = sum(not r.passed for r in result.reports)
+    suite = ET.Element(
+        "testsuite",
+        name=f"attncheck.{result.name}",
+        tests=str(tests),
+        failures=str(failures),
+        errors="0",
+        skipped=str(len(result.skipped) * len(result.commands)),
+        time=f"{result.seconds:.3f}",
+    )
+    for report in result.reports:
+        case = ET.SubElement(suite, "testcase", classname=f"attncheck.{report.command}", name=report.name, time=f"{report.seconds:.3f}")
+        if not report.passed:
+            failure = ET.SubElement(case, "failure", message=failure_message(report), type="mismatch")
+            failure.text = "\n".join(failure_line(r) for r in report.failures)
+    for skipped in result.skipped:
+        for command in result.commands:
+            case = ET.SubElement(suite, "testcase", classname=f"attncheck.{command}", name=skipped.name, time="0")
+            ET.SubElement(case, "skipped", message=skipped.skip_reason or "")
+    ET.indent(suite)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(suite, encoding="unicode") + "\n"

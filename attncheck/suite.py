@@ -1,0 +1,190 @@
+"""Running a suite: every case x command, in one process or a pool of workers, in case order.
+
+The runner returns plain data (a SuiteResult) and decides nothing about exit codes or text:
+the CLI renders it. Sharding and worker count never change the results, only who computes
+them: a shard is fixed by the case's index in the suite's deterministic order, and results
+are gathered back into that order. This module imports neither typer nor rich, and torch
+only once a check runs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+from contextlib import contextmanager
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from attncheck.config import Case, Config, Suite
+from attncheck.errors import UsageError
+from attncheck.report import Report
+
+COMMANDS = ("forward", "grad", "sgd-step")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One case x command, numbered in suite order."""
+
+    index: int
+    case: str
+    command: str
+    config: Config
+    impl: str | None  # the candidate's SPEC; None is the reference
+
+
+@dataclass
+class SuiteResult:
+    """What a suite run found: reports in case x command order, and the skipped cases."""
+
+    name: str
+    commands: tuple[str, ...]
+    reports: list[Report] = field(default_factory=list)
+    skipped: list[Case] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.reports)
+
+    def to_dict(self) -> dict[str, Any]:
+        from attncheck.report import FAIL, JSON_SCHEMA_VERSION, PASS
+
+        return {
+            "schema": JSON_SCHEMA_VERSION,
+            "suite": self.name,
+            "verdict": PASS if self.passed else FAIL,
+            "results": [r.to_dict() for r in self.reports],
+            "skipped": [{"case": c.name, "reason": c.skip_reason} for c in self.skipped],
+        }
+
+
+def parse_commands(spec: str) -> tuple[str, ...]:
+    """'forward,grad' as command names in the canonical order; unknown names are a UsageError."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in COMMANDS]
+    if unknown or not names:
+        raise UsageError(f"--only {spec!r}: unknown command {', '.join(map(repr, unknown)) or '(none)'}; choose from {', '.join(COMMANDS)}")
+    return tuple(c for c in COMMANDS if c in names)
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """'I/N' (1-based I) as (I, N); anything else is a UsageError."""
+    index, sep, count = spec.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        i = n = 0
+    if not sep or n < 1 or not 1 <= i <= n:
+        raise UsageError(f"--shard {spec!r}: expected I/N with 1 <= I <= N, e.g. 2/4")
+    return i, n
+
+
+def shard(cases: list[Case], i: int, n: int) -> list[Case]:
+    """Shard I of N: the cases whose 0-based index is I-1 modulo N, in order."""
+    return [case for index, case in enumerate(cases) if index % n == i - 1]
+
+
+def plan(suite: Suite, commands: tuple[str, ...], *, impl: str | None = None, tolerance: str | None = None) -> tuple[list[Job], list[Case]]:
+    """The jobs to run (case x command, case-major) and the skipped cases, in suite order."""
+    jobs, skipped = [], []
+    for case in suite.cases:
+        if case.config is None:
+            skipped.append(case)
+            continue
+        cfg = case.config if tolerance is None else case.config.model_copy(update={"tolerance": tolerance})
+        spec = impl if impl is not None else cfg.impl
+        for command in commands:
+            jobs.append(Job(len(jobs), case.name, command, cfg, spec))
+    return jobs, skipped
+
+
+def check_candidates(jobs: list[Job]) -> None:
+    """Import every candidate once before any work, so a bad SPEC is a usage error up front."""
+    from attncheck.impl import load_candidate  # imports torch
+
+    for spec in dict.fromkeys(job.impl for job in jobs):
+        load_candidate(spec)
+
+
+_candidates: dict[str | None, Any] = {}
+
+
+def run_job(job: Job, options: dict[str, Any]) -> Report:
+    """Run one job; the candidate is imported once per process."""
+    from attncheck.checks import run_check
+    from attncheck.impl import load_candidate
+
+    if job.impl not in _candidates:
+        _candidates[job.impl] = load_candidate(job.impl)
+    return run_check(job.command, job.config, _candidates[job.impl], **options)
+
+
+@contextmanager
+def _one_thread():
+    """torch on one thread: its float32 sums round differently with more threads, so every check
+    runs single-threaded and the results do not depend on --workers or the machine's cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_chunk(jobs: list[Job], options: dict[str, Any]) -> list[Report]:
+    return [run_job(job, options) for job in jobs]
+
+
+def _worker_init() -> None:
+    # The parent handles Ctrl-C and ends the pool; workers must not each print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
+    torch.set_num_threads(1)  # as in the parent (_one_thread), and K workers on K cores
+
+
+Progress = Callable[[int, int, Job, Report], None]
+
+
+def run_jobs(jobs: list[Job], options: dict[str, Any], *, workers: int = 1, progress: Progress | None = None) -> list[Report]:
+    """Reports for every job, in job order; `progress(done, total, job, report)` as each finishes."""
+    total = len(jobs)
+    if workers <= 1 or total <= 1:
+        reports = []
+        with _one_thread():
+            for job in jobs:
+                reports.append(run_job(job, options))
+                if progress:
+                    progress(len(reports), total, job, reports[-1])
+        return reports
+
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(max_workers=min(workers, total), mp_context=context, initializer=_worker_init)
+    # A check takes milliseconds: send jobs in chunks so inter-process traffic does not dominate,
+    # small enough (8 per worker) that the workers finish together.
+    size = max(1, total // (workers * 8))
+    try:
+        futures: dict[Future, list[Job]] = {
+            pool.submit(_run_chunk, jobs[i:i + size], options): jobs[i:i + size] for i in range(0, total, size)
+        }
+        results: dict[int, Report] = {}
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in sorted(finished, key=lambda f: futures[f][0].index):
+                for job, report in zip(futures[future], future.result()):
+                    results[job.index] = report
+                    if progress:
+                        progress(len(results), total, job, report)
+        pool.shutdown(wait=True)
+        return [results[i] for i in range(total)]
+    except BaseException:
+        # Ctrl-C or a bug: drop queued jobs and end the workers now rather than after their jobs.
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in list((pool._processes or {}).values()):  # no public way to stop running jobs
+            process.terminate()
+        raise

@@ -1,0 +1,198 @@
+"""Running suites from the command line: exit codes, --only, summary, JSON, JUnit, shards, workers.
+
+The suites here are tiny (E=8, H=2, L=3) so the whole module stays fast; one case points its
+`impl` at a known-wrong backward so the failure paths are exercised for real.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import xml.etree.ElementTree as ET
+
+import pytest
+from typer.testing import CliRunner
+
+from attncheck.cli import app
+
+runner = CliRunner()
+
+MATRIX = """\
+name: tiny
+defaults:
+  embed_dim: 8
+  num_heads: 2
+  tgt_len: 3
+  attn_mask: causal
+matrix:
+  add_bias_kv: [false, true]
+  is_causal: [false, true]
+"""
+WRONG_CASE = """\
+cases:
+  - name: wrong-softmax
+    impl: tests/wrong_impls.py:SoftmaxDiagonalBackward
+"""
+# The matrix has 4 combinations; is_causal with add_bias_kv is refused, so one is skipped.
+MATRIX_RUNNABLE, MATRIX_SKIPPED = 3, 1
+PROGRESS_LINE = re.compile(r"^\[(\d+)/(\d+)\] \S+ (forward|grad|sgd-step) (PASS|FAIL) \d+\.\d\ds$")
+
+
+@pytest.fixture
+def suites(tmp_path):
+    passing = tmp_path / "passing.yaml"
+    passing.write_text(MATRIX)
+    failing = tmp_path / "failing.yaml"
+    failing.write_text(MATRIX + WRONG_CASE)
+    return {"passing": str(passing), "failing": str(failing)}
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def without_timing(data: dict) -> list[dict]:
+    return [{k: v for k, v in report.items() if k != "timing"} for report in data["results"]]
+
+
+@pytest.mark.parametrize("suite,args,code", [
+    ("passing", ["run"], 0),
+    ("failing", ["run"], 1),
+    ("failing", ["run", "--only", "forward"], 0),  # the wrong backward leaves the forward right
+    ("failing", ["grad"], 1),
+    ("failing", ["sgd-step"], 1),
+    ("passing", ["run", "--only", "forward,bogus"], 2),
+    ("passing", ["run", "--only", ""], 2),
+    ("passing", ["run", "--shard", "0/2"], 2),
+    ("passing", ["run", "--shard", "3/2"], 2),
+    ("passing", ["run", "--shard", "two"], 2),
+    ("passing", ["run", "--workers", "0"], 2),
+])  # fmt: skip
+def test_exit_codes(suites, suite, args, code):
+    result = run(*args, "-c", suites[suite])
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("only,commands", [
+    ("forward", {"forward"}),
+    ("grad,forward", {"forward", "grad"}),
+    (None, {"forward", "grad", "sgd-step"}),
+])  # fmt: skip
+def test_only_chooses_commands(suites, tmp_path, only, commands):
+    out = tmp_path / "r.json"
+    result = run("run", "-c", suites["passing"], "--json", out, *(["--only", only] if only else []))
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert {r["command"] for r in data["results"]} == commands
+    assert len(data["results"]) == MATRIX_RUNNABLE * len(commands)
+
+
+def test_summary_shows_every_check_and_details_only_for_failures(suites):
+    result = run("run", "-c", suites["failing"])
+    out = result.output
+    assert "summary" in out and "skipped" in out and "is_causal" in out  # the skip and its reason
+    assert "wrong-softmax" in out and "FAIL" in out
+    # full tables for the failing case only: its header line, not a passing case's
+    assert "attncheck grad  wrong-softmax" in out
+    assert "attncheck forward  add_bias_kv=false" not in out
+    verbose = run("run", "-c", suites["failing"], "--verbose").output
+    assert "attncheck forward  add_bias_kv=false,is_causal=false" in verbose
+
+
+def test_plain_progress_lines_when_not_a_terminal(suites):
+    result = run("run", "-c", suites["failing"], "--only", "forward,grad")
+    lines = [m for m in map(PROGRESS_LINE.match, result.output.splitlines()) if m]
+    total = (MATRIX_RUNNABLE + 1) * 2
+    assert [int(m.group(1)) for m in lines] == list(range(1, total + 1))
+    assert {int(m.group(2)) for m in lines} == {total}
+    assert any(m.group(0).startswith(f"[{i}/{total}] wrong-softmax grad FAIL") for i, m in enumerate(lines, 1))
+
+
+def test_single_config_renders_and_writes_as_before(tmp_path):
+    out = tmp_path / "r.json"
+    result = run("forward", "-c", "configs/causal.yaml", "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "summary" not in result.output and not PROGRESS_LINE.search(result.output)
+    assert "attncheck forward  causal" in result.output
+    data = json.loads(out.read_text())
+    assert data["command"] == "forward" and data["name"] == "causal" and "results" not in data
+
+
+def test_suite_json(suites, tmp_path):
+    out = tmp_path / "r.json"
+    run("run", "-c", suites["failing"], "--json", out)
+    data = json.loads(out.read_text())
+    assert data["schema"] == 1 and data["suite"] == "tiny" and data["verdict"] == "fail"
+    assert len(data["results"]) == (MATRIX_RUNNABLE + 1) * 3
+    assert [s["case"] for s in data["skipped"]] == ["add_bias_kv=true,is_causal=true"]
+    assert "is_causal" in data["skipped"][0]["reason"]
+    failing = {(r["name"], r["command"]) for r in data["results"] if r["verdict"] == "fail"}
+    assert failing == {("wrong-softmax", "grad"), ("wrong-softmax", "sgd-step")}
+
+
+def test_junit_parses_and_counts_match(suites, tmp_path):
+    out = tmp_path / "junit.xml"
+    result = run("run", "-c", suites["failing"], "--junit", out)
+    assert result.exit_code == 1
+    suite = ET.parse(out).getroot()
+    cases = suite.findall("testcase")
+    assert suite.tag == "testsuite"
+    assert int(suite.get("tests")) == len(cases) == (MATRIX_RUNNABLE + 1 + MATRIX_SKIPPED) * 3
+    failed = [c for c in cases if c.find("failure") is not None]
+    skipped = [c for c in cases if c.find("skipped") is not None]
+    assert int(suite.get("failures")) == len(failed) == 2
+    assert int(suite.get("skipped")) == len(skipped) == MATRIX_SKIPPED * 3
+    assert {(c.get("classname"), c.get("name")) for c in failed} == {
+        ("attncheck.grad", "wrong-softmax"), ("attncheck.sgd-step", "wrong-softmax")
+    }  # fmt: skip
+    message = failed[0].find("failure").get("message")
+    assert "grad in_proj_weight[q]" in message and "max|Δ|" in message and "allowed" in message
+    assert "is_causal" in skipped[0].find("skipped").get("message")
+    assert all(float(c.get("time")) >= 0 for c in cases)
+
+
+def test_unwritable_junit_is_refused_before_any_work(suites, tmp_path):
+    result = run("run", "-c", suites["passing"], "--junit", tmp_path / "no-dir" / "j.xml")
+    assert result.exit_code == 2 and "does not exist" in result.output
+    assert not PROGRESS_LINE.search(result.output)
+
+
+def test_shards_partition_the_suite(suites, tmp_path):
+    def results(*args):
+        out = tmp_path / "r.json"
+        assert run("run", "-c", suites["failing"], "--only", "forward", "--json", out, *args).exit_code in (0, 1)
+        data = json.loads(out.read_text())
+        return without_timing(data), [s["case"] for s in data["skipped"]]
+
+    whole, whole_skipped = results()
+    shards = [results("--shard", f"{i}/3") for i in (1, 2, 3)]
+    names = [[r["name"] for r in rows] for rows, _ in shards]
+    assert all(names), "every shard of 5 cases into 3 has work"
+    assert sum(map(len, names)) == len({n for ns in names for n in ns}) == len(whole)  # disjoint
+    union = sorted((json.dumps(r, sort_keys=True) for rows, _ in shards for r in rows))
+    assert union == sorted(json.dumps(r, sort_keys=True) for r in whole)
+    assert sorted(s for _, skipped in shards for s in skipped) == whole_skipped
+
+
+def test_workers_give_identical_results(suites, tmp_path):
+    def rows(workers):
+        out = tmp_path / f"w{workers}.json"
+        result = run("run", "-c", suites["failing"], "--only", "forward,grad", "--workers", workers, "--json", out)
+        assert result.exit_code == 1, result.output
+        return without_timing(json.loads(out.read_text()))
+
+    assert rows(2) == rows(1)
+
+
+def test_ctrl_c_exits_130_and_writes_nothing(suites, tmp_path, monkeypatch):
+    import attncheck.suite
+
+    def interrupt(job, options):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attncheck.suite, "run_job", interrupt)
+    out, junit = tmp_path / "r.json", tmp_path / "j.xml"
+    result = run("run", "-c", suites["passing"], "--json", out, "--junit", junit)
+    assert result.exit_code == 130 and "interrupted" in result.output
+    assert set(tmp_path.iterdir()) == {tmp_path / "passing.yaml", tmp_path / "failing.yaml"}  # not even a temp file
