@@ -486,12 +486,15 @@ ORACLE_SANITY = 1e-2
 
 def _diverged(torch_weights: np.ndarray, start: np.ndarray, losses: list[float], step: int) -> bool:
     """Whether torch's training diverges by `step`: its weights grew past DIVERGED_GROWTH times
-    their start, or the step began from a loss that many times the first in magnitude (an
-    unbounded loss such as `loss: sum` runs off to minus infinity)."""
+    their start, or the loss the step starts from or leads to is that many times the first in
+    magnitude (an unbounded loss such as `loss: sum` runs off to minus infinity).
+
+    `losses` holds the loss before each step and, last, the loss after the final step."""
     grown = float(np.nanmax(np.abs(torch_weights), initial=0.0))
     if not grown <= DIVERGED_GROWTH * max(float(np.nanmax(np.abs(start), initial=0.0)), 1e-30):
         return True
-    return not abs(losses[step - 1]) <= DIVERGED_GROWTH * max(abs(losses[0]), 1e-30)
+    limit = DIVERGED_GROWTH * max(abs(losses[0]), 1e-30)
+    return not (abs(losses[step - 1]) <= limit and abs(losses[step]) <= limit)
 
 
 def _oracle_suspect(row: Row, oracle: np.ndarray | None) -> bool:
@@ -524,7 +527,7 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
                 theirs = t.params[step - 1][name][index]
                 o = None if oracle is None else oracle.params[step - 1][name][index]
                 row = compare("sgd", label, mine.params[step - 1][name][index], theirs, sgd_rule(cfg, step), oracle=o)
-                if lost_at is None and _diverged(theirs, w.params[name][index], t.losses, step):
+                if lost_at is None and _diverged(theirs, w.params[name][index], t.losses + [t.final_loss], step):
                     lost_at = step
                 if lost_at is None and _oracle_suspect(row, o):
                     row.status = FAIL

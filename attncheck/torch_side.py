@@ -172,10 +172,11 @@ def grad(cfg: Config, w: Workload) -> GradResult:
 
 @dataclass
 class SGDResult:
-    """The loss before each step and the parameters after each step."""
+    """The loss before each step, the parameters after each step, the loss after the last."""
 
     losses: list[float]
     params: list[dict[str, np.ndarray]]
+    final_loss: float = float("nan")
 
 
 def sgd(cfg: Config, w: Workload) -> SGDResult:
@@ -201,4 +202,7 @@ def sgd(cfg: Config, w: Workload) -> SGDResult:
         optimizer.step()
         result.losses.append(float(loss.detach()))
         result.params.append(state_numpy(module))
+    with torch.no_grad():  # the loss the last step leads to, for telling divergence
+        out, _ = _call(module, cfg, x)
+        result.final_loss = float(loss_torch(cfg, out, target))
     return result

@@ -1,0 +1,96 @@
+"""Detection table and false-alarm count: which command catches which known-bad implementation,
+and how often the correct reference is flagged on random valid configs.
+
+Run from the repository root:
+
+    PYTHONPATH=$PWD python benchmarks/detection.py [--configs 300]
+
+The table comes from tests/test_wrong_impls.py (CAUGHT and MISSED); the random configs from the
+strategies of tests/test_no_false_alarms.py: 60% anywhere in the option space, 20% with large
+logits (input_scale 8..16), 20% long sequences (64..256 positions). Every config runs forward,
+grad and sgd-step under the default budget rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from attncheck.checks import check_forward, check_grad, check_sgd
+from tests.test_no_false_alarms import large_logit_configs, long_configs
+from tests.test_reference import configs
+from tests.test_wrong_impls import CAUGHT, MISSED, _run
+
+
+def _describe(overrides) -> str:
+    if isinstance(overrides, str):
+        return f"configs/{overrides}"
+    return ", ".join(f"{k}={v}" for k, v in overrides.items()) or "defaults"
+
+
+def detection_table() -> list[str]:
+    """One line per (implementation, command, config): caught or not, and whether that was expected."""
+    lines = [f"| implementation | command | config | result | expected |", "|---|---|---|---|---|"]
+    wrong = 0
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for cases, expected in ((CAUGHT, "caught"), (MISSED, "not caught")):
+            for name, command, overrides in cases:
+                report = _run(name, command, overrides, monkeypatch)
+                monkeypatch.undo()
+                result = "not caught" if report.passed else "caught"
+                wrong += result != expected
+                lines.append(f"| {name} | {command} | {_describe(overrides)} | {result} | {'yes' if result == expected else 'NO'} |")
+    lines.append(f"\n{len(CAUGHT) + len(MISSED)} cases, {wrong} not as expected")
+    return lines
+
+
+def false_alarms(n: int) -> tuple[int, int, list[str]]:
+    """(configs run, configs the reference failed, a line per failure) over n random configs.
+
+    Drawn by hypothesis with derandomize=True: the same n configs on every run.
+    """
+    ran, failed, notes = 0, 0, []
+
+    def run_one(c) -> None:
+        nonlocal ran, failed
+        ran += 1
+        for check in (check_forward, check_grad, check_sgd):
+            report = check(c)
+            if not report.passed:
+                failed += 1
+                rows = ", ".join(f"{r.section} {r.quantity} ({r.candidate_error:.2g} vs allowed {r.allowed:.2g})"
+                                 if r.allowed is not None else f"{r.section} {r.quantity}" for r in report.failures)  # fmt: skip
+                notes.append(f"{check.__name__}: {rows}; config {c.model_dump(exclude_defaults=True)}")
+                return
+
+    shares = ((configs(), n - 2 * (n // 5)), (large_logit_configs(), n // 5), (long_configs(), n // 5))
+    for strategy, count in shares:
+        if count:
+            draws = settings(max_examples=count, database=None, derandomize=True, deadline=None,
+                             suppress_health_check=list(HealthCheck))(given(strategy)(lambda c: run_one(c)))  # fmt: skip
+            draws()
+    return ran, failed, notes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", type=int, default=300, help="random valid configs for the false-alarm count")
+    args = parser.parse_args()
+
+    start = time.perf_counter()
+    print("\n".join(detection_table()))
+    print(f"(detection table: {time.perf_counter() - start:.1f} s)\n")
+
+    start = time.perf_counter()
+    ran, failed, notes = false_alarms(args.configs)
+    print(f"false alarms: {failed} of {ran} random valid configs (forward, grad and sgd-step each, budget rule), "
+          f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    for note in notes:
+        print("  " + note)
+
+
+if __name__ == "__main__":
+    main()
