@@ -18,6 +18,12 @@ import tempfile
 import time
 import tracemalloc
 
+# torch's OpenMP pool and NumPy's BLAS pool interfere when calls alternate on 2 cores: the
+# reference ran 10-100x slower right after a torch call (with or without OMP_WAIT_POLICY=PASSIVE).
+# So each side runs its repeats as a group, after a pause that lets the other side's threads go
+# to sleep; the minimum is reported.
+PAUSE_S = 0.5
+
 import numpy as np
 
 from attncheck.reference import MultiheadAttention
@@ -42,7 +48,7 @@ def params_for(E, dtype, rng):
     }
 
 
-def matmul_peak(dtype, n=2048, repeats=3):
+def matmul_peak(dtype, n=2048, repeats=10):
     a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
     out = np.empty_like(a)
     best = min(_timed(lambda: np.matmul(a, a, out=out)) for _ in range(repeats))
@@ -78,9 +84,11 @@ def shape_table(repeats):
 
         n = repeats if L >= 256 else 20 * repeats
         t_ref, t_torch = [], []
-        for _ in range(n):
-            t_ref.append(_timed(run_ref))
-            t_torch.append(_timed(run_torch))
+        for _ in range(2):  # two rounds, so a burst of load from other work rarely hits one side only
+            time.sleep(PAUSE_S)
+            t_ref += [_timed(run_ref) for _ in range(n)]
+            time.sleep(PAUSE_S)
+            t_torch += [_timed(run_torch) for _ in range(n)]
         tracemalloc.start()
         run_ref()
         peak = tracemalloc.get_traced_memory()[1]
@@ -114,8 +122,8 @@ print(rc, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).
 """
 
 
-def measured(cmd):
-    rc, wall, mb = subprocess.run([PY, "-c", RSS_WRAPPER, *cmd], capture_output=True, text=True, check=True).stdout.split()
+def measured(cmd, env=None):
+    rc, wall, mb = subprocess.run([PY, "-c", RSS_WRAPPER, *cmd], capture_output=True, text=True, check=True, env=env).stdout.split()
     return int(rc), float(wall), float(mb)
 
 
@@ -167,15 +175,17 @@ def long_sequence():
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     print("\nlong sequence: B=1 L=8192 E=512 H=8, need_weights=False; one run each, peak RSS of the whole process")
     for side, dtype in [("torch", "float32"), ("reference", "float32"), ("reference", "float64")]:
-        out = subprocess.run([PY, "-c", LONG_ALONE, side, dtype], capture_output=True, text=True, env=env)
-        seconds, mb = out.stdout.split() if out.returncode == 0 else ("nan", out.stderr[-200:])
-        print(f"  {side:<10}{dtype:<9} forward+backward {float(seconds):>7.2f} s   peak RSS {float(mb):>7.0f} MB")
+        # Through the small wrapper: a child forked straight from this process would start with
+        # this process's RSS as its high-water mark.
+        rc, wall, mb = measured([PY, "-c", LONG_ALONE, side, dtype], env=env)
+        print(f"  {side:<10}{dtype:<9} forward+backward: exit {rc}, {wall:>6.2f} s (incl. start-up), peak RSS {mb:>6.0f} MB")
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write("".join(f"{k}: {str(v).lower()}\n" for k, v in LONG.items()))
-    rc, wall, mb = measured([PY, "-m", "attncheck", "grad", "-c", f.name])
+    print("  attncheck grad (torch + float32 reference + float64 oracle + finite differences):")
+    for policy in ("PASSIVE", "ACTIVE"):
+        rc, wall, mb = measured([PY, "-m", "attncheck", "grad", "-c", f.name], env={**env, "OMP_WAIT_POLICY": policy})
+        print(f"    OMP_WAIT_POLICY={policy:<8} exit {rc}, {wall:.1f} s, peak RSS {mb:.0f} MB")
     os.unlink(f.name)
-    print(f"  attncheck grad (torch + float32 reference + float64 oracle + finite differences): "
-          f"exit {rc}, {wall:.1f} s, peak RSS {mb:.0f} MB")  # fmt: skip
 
 
 def main():
@@ -183,8 +193,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-long", action="store_true", help="skip the L=8192 runs (minutes)")
     args = parser.parse_args()
-    print(f"numpy {np.__version__}, {os.cpu_count()} cores")
-    print(f"matmul peak (2048^3, min of 3): float32 {matmul_peak(np.float32):.1f} GFLOP/s, "
+    print(f"numpy {np.__version__}, {os.cpu_count()} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}")
+    print(f"matmul peak (2048^3, min of 10): float32 {matmul_peak(np.float32):.1f} GFLOP/s, "
           f"float64 {matmul_peak(np.float64):.1f} GFLOP/s")  # fmt: skip
     shape_table(args.repeats)
     startup(args.repeats)
