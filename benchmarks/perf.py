@@ -1,0 +1,206 @@
+"""Performance figures for issue 9: the reference against torch on CPU, CLI start-up, long-sequence grad.
+
+Run: PYTHONPATH=$PWD python benchmarks/perf.py [--repeats N] [--skip-long]
+
+Every timing is the minimum over repeats, reference and torch interleaved in one process, so a
+machine shared with other work biases both sides alike. FLOPs count the matmuls only, forward and
+backward (backward = 2x forward): projections 8 B L E^2 (q, k, v, out; S = L), attention
+4 B L S E (q k^T and P v).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+
+# torch's OpenMP pool and NumPy's BLAS pool interfere when calls alternate on 2 cores: the
+# reference ran 10-100x slower right after a torch call (with or without OMP_WAIT_POLICY=PASSIVE).
+# So each side runs its repeats as a group, after a pause that lets the other side's threads go
+# to sleep; the minimum is reported.
+PAUSE_S = 0.5
+
+import numpy as np
+
+from attncheck.reference import MultiheadAttention
+
+PY = sys.executable
+# (B, L, E, H), tiny to the issue's headline shape.
+SHAPES = [(2, 5, 16, 4), (2, 64, 64, 4), (4, 256, 256, 8), (4, 1024, 512, 8)]
+LONG = dict(batch_size=1, tgt_len=8192, embed_dim=512, num_heads=8, dtype="float32", need_weights=False)
+
+
+def matmul_flops(B, L, E, H):
+    """Forward + backward matmul flops of self-attention (S = L)."""
+    return 3 * (8 * B * L * E * E + 4 * B * L * L * E)
+
+
+def params_for(E, dtype, rng):
+    return {
+        "in_proj_weight": (rng.standard_normal((3 * E, E)) * E**-0.5).astype(dtype),
+        "in_proj_bias": (rng.standard_normal(3 * E) * 0.1).astype(dtype),
+        "out_proj.weight": (rng.standard_normal((E, E)) * E**-0.5).astype(dtype),
+        "out_proj.bias": (rng.standard_normal(E) * 0.1).astype(dtype),
+    }
+
+
+def matmul_peak(dtype, n=2048, repeats=10):
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
+    out = np.empty_like(a)
+    best = min(_timed(lambda: np.matmul(a, a, out=out)) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def shape_table(repeats):
+    import torch
+
+    rows = []
+    for (B, L, E, H), dtype, need_weights in [(s, d, nw) for s in SHAPES for d in ("float32", "float64") for nw in (False, True)]:
+        rng = np.random.default_rng(0)
+        params = params_for(E, dtype, rng)
+        x = rng.standard_normal((B, L, E)).astype(dtype)
+        dy = rng.standard_normal((B, L, E)).astype(dtype)
+        ref = MultiheadAttention(params, num_heads=H, batch_first=True)
+        mod = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=getattr(torch, dtype))
+        tx, tdy = torch.tensor(x, requires_grad=True), torch.tensor(dy)
+
+        def run_ref():
+            ref.forward(x, x, x, need_weights=need_weights)
+            ref.backward(dy)
+
+        def run_torch():
+            out, _ = mod(tx, tx, tx, need_weights=need_weights)
+            out.backward(tdy)
+
+        n = repeats if L >= 256 else 20 * repeats
+        t_ref, t_torch = [], []
+        for _ in range(2):  # two rounds, so a burst of load from other work rarely hits one side only
+            time.sleep(PAUSE_S)
+            t_ref += [_timed(run_ref) for _ in range(n)]
+            time.sleep(PAUSE_S)
+            t_torch += [_timed(run_torch) for _ in range(n)]
+        tracemalloc.start()
+        run_ref()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        r, t = min(t_ref), min(t_torch)
+        rows.append((f"B={B} L={L} E={E} H={H}", dtype, need_weights, r * 1e3, t * 1e3, r / t,
+                     matmul_flops(B, L, E, H) / r / 1e9, peak / 2**20))  # fmt: skip
+        ref._saved = None
+    print("reference vs torch CPU, forward+backward, min of repeats (peak MB: NumPy allocations of one")
+    print("reference forward+backward, by tracemalloc; GFLOP/s: matmul flops / reference time)")
+    print(f"{'shape':<24}{'dtype':<9}{'need_w':<8}{'ref ms':>10}{'torch ms':>10}{'ratio':>7}{'GFLOP/s':>9}{'peak MB':>9}")
+    for shape, dtype, nw, r, t, ratio, gf, mb in rows:
+        print(f"{shape:<24}{dtype:<9}{str(nw):<8}{r:>10.2f}{t:>10.2f}{ratio:>7.2f}{gf:>9.1f}{mb:>9.1f}")
+
+
+def _wall(cmd, repeats, **kw):
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        subprocess.run(cmd, capture_output=True, **kw)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+# Runs argv[1:] as a child and prints its exit code, wall seconds and peak RSS (MB).
+RSS_WRAPPER = """
+import resource, subprocess, sys, time
+t = time.perf_counter()
+rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode
+print(rc, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
+"""
+
+
+def measured(cmd, env=None):
+    rc, wall, mb = subprocess.run([PY, "-c", RSS_WRAPPER, *cmd], capture_output=True, text=True, check=True, env=env).stdout.split()
+    return int(rc), float(wall), float(mb)
+
+
+def startup(repeats):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write("embed_dim: 16\nnum_heads: 5\nbogus_key: 1\n")
+    figures = {
+        'python -c "import torch"': _wall([PY, "-c", "import torch"], repeats, env=env),
+        "attncheck --help": _wall([PY, "-m", "attncheck", "--help"], repeats, env=env),
+        "attncheck forward -c <bad config>": _wall([PY, "-m", "attncheck", "forward", "-c", f.name], repeats, env=env),
+        "attncheck forward (default config)": _wall([PY, "-m", "attncheck", "forward"], repeats, env=env),
+    }
+    os.unlink(f.name)
+    print(f"\nCLI wall time, min of {repeats}")
+    for what, seconds in figures.items():
+        print(f"  {what:<36}{seconds:>7.3f} s")
+    ratio = figures["attncheck forward (default config)"] / figures['python -c "import torch"']
+    print(f"  forward / import torch: {ratio:.2f}x")
+
+
+LONG_ALONE = """
+import resource, sys, time, numpy as np
+side, dtype = sys.argv[1], sys.argv[2]
+B, L, E, H = 1, 8192, 512, 8
+rng = np.random.default_rng(0)
+x = rng.standard_normal((B, L, E)).astype(dtype)
+dy = rng.standard_normal((B, L, E)).astype(dtype)
+t = time.perf_counter()
+if side == "reference":
+    from benchmarks.perf import params_for
+    from attncheck.reference import MultiheadAttention
+    m = MultiheadAttention(params_for(E, dtype, rng), num_heads=H, batch_first=True)
+    t = time.perf_counter()
+    m.forward(x, x, x, need_weights=False)
+    m.backward(dy)
+else:
+    import torch
+    m = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=getattr(torch, dtype))
+    tx = torch.tensor(x, requires_grad=True)
+    t = time.perf_counter()
+    out, _ = m(tx, tx, tx, need_weights=False)
+    out.backward(torch.tensor(dy))
+print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def long_sequence():
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    print("\nlong sequence: B=1 L=8192 E=512 H=8, need_weights=False; one run each, peak RSS of the whole process")
+    for side, dtype in [("torch", "float32"), ("reference", "float32"), ("reference", "float64")]:
+        # Through the small wrapper: a child forked straight from this process would start with
+        # this process's RSS as its high-water mark.
+        rc, wall, mb = measured([PY, "-c", LONG_ALONE, side, dtype], env=env)
+        print(f"  {side:<10}{dtype:<9} forward+backward: exit {rc}, {wall:>6.2f} s (incl. start-up), peak RSS {mb:>6.0f} MB")
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write("".join(f"{k}: {str(v).lower()}\n" for k, v in LONG.items()))
+    print("  attncheck grad (torch + float32 reference + float64 oracle + finite differences):")
+    for policy in ("PASSIVE", "ACTIVE"):
+        rc, wall, mb = measured([PY, "-m", "attncheck", "grad", "-c", f.name], env={**env, "OMP_WAIT_POLICY": policy})
+        print(f"    OMP_WAIT_POLICY={policy:<8} exit {rc}, {wall:.1f} s, peak RSS {mb:.0f} MB")
+    os.unlink(f.name)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-long", action="store_true", help="skip the L=8192 runs (minutes)")
+    args = parser.parse_args()
+    print(f"numpy {np.__version__}, {os.cpu_count()} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}")
+    print(f"matmul peak (2048^3, min of 10): float32 {matmul_peak(np.float32):.1f} GFLOP/s, "
+          f"float64 {matmul_peak(np.float64):.1f} GFLOP/s")  # fmt: skip
+    shape_table(args.repeats)
+    startup(args.repeats)
+    if not args.skip_long:
+        long_sequence()
+
+
+if __name__ == "__main__":
+    main()
