@@ -667,9 +667,31 @@ def _findings(
     try:
         return Config.model_validate(data), []
     except ValidationError as error:
-        return None, [
-            finding for e in error.errors(include_url=False) for finding in _explain(e, extra_keys)
+        findings = [finding for e in error.errors(include_url=False) for finding in _explain(e, extra_keys)]
+    return None, findings + _consistency_beyond(data, findings)
+
+
+def _consistency_beyond(data: Mapping[str, Any], findings: list[_Finding]) -> list[_Finding]:
+    """The cross-key problems hidden behind per-key ones, so that a file's problems come at once.
+
+    pydantic runs the cross-key rules only once every key is valid. Validate again without the
+    keys already found wrong (their defaults stand in) and keep the cross-key problems that
+    involve none of them: a problem that does could be an artefact of a stand-in default.
+    """
+    bad = {key for f in findings for key in f.keys}
+    if not bad or any(not f.keys for f in findings):
+        return []
+    try:
+        Config.model_validate({k: v for k, v in data.items() if k not in bad})
+    except ValidationError as error:
+        return [
+            finding
+            for e in error.errors(include_url=False)
+            if e["type"] == _INCONSISTENT
+            for finding in _explain(e, ())
+            if not bad.intersection(finding.keys)
         ]
+    return []
 
 
 def _explain(error: Any, extra_keys: tuple[str, ...]) -> list[_Finding]:

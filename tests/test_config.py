@@ -430,3 +430,24 @@ def test_fuzz_yaml_shaped_text(text):
 @given(st.text(max_size=60))
 def test_fuzz_any_text(text):
     parses_or_refuses(text)
+
+
+def test_cross_key_problems_are_reported_alongside_per_key_ones(tmp_path):
+    """A type error elsewhere must not hide that embed_dim is not divisible by num_heads."""
+    path = tmp_path / "several.yaml"
+    path.write_text("embed_dim: 10\nnum_heads: 4\nseed: -1\nlr: .nan\nbatch_sise: 3\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    lines = str(info.value).splitlines()
+    assert len(lines) == 4, lines
+    assert any("not divisible" in line and ":2:" in line for line in lines)
+    assert any("did you mean 'batch_size'" in line for line in lines)
+
+
+def test_a_cross_key_problem_involving_an_invalid_key_is_not_guessed(tmp_path):
+    """With num_heads itself invalid, no divisibility message built on its default may appear."""
+    path = tmp_path / "one.yaml"
+    path.write_text("embed_dim: 10\nnum_heads: four\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "divisible" not in str(info.value) and "num_heads" in str(info.value)
