@@ -458,9 +458,10 @@ def _run_sgd(session: Session, cfg: Config, w: Workload, optimizer: type | None 
     traj = Trajectory([], [])
     for _ in range(cfg.steps):
         obj = session.build(params)
-        out, _ = session.forward(obj, replace(w, params=params))
+        current = replace(w, params=params)
+        out, _ = session.forward(obj, current)
         loss, d_out = loss_and_grad(cfg, out, w.target)
-        grads = session.backward(obj, d_out, replace(w, params=params))
+        grads = session.backward(obj, d_out, current)
         params = opt.step(params, {k: np.asarray(v, dtype=params[k].dtype) for k, v in grads.items() if k in params})
         traj.losses.append(loss)
         traj.params.append(params)
@@ -519,6 +520,7 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
         return _failed_call(report, "sgd", err)
 
     n = cfg.steps
+    torch_losses = t.losses + [t.final_loss]  # before each step, then after the last
     inconclusive = 0
     for name in t.params[0]:
         for label, index in grad_labels(cfg, name, per_head=False):
@@ -527,7 +529,7 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
                 theirs = t.params[step - 1][name][index]
                 o = None if oracle is None else oracle.params[step - 1][name][index]
                 row = compare("sgd", label, mine.params[step - 1][name][index], theirs, sgd_rule(cfg, step), oracle=o)
-                if lost_at is None and _diverged(theirs, w.params[name][index], t.losses + [t.final_loss], step):
+                if lost_at is None and _diverged(theirs, w.params[name][index], torch_losses, step):
                     lost_at = step
                 if lost_at is None and _oracle_suspect(row, o):
                     row.status = FAIL

@@ -100,25 +100,29 @@ def plan(suite: Suite, commands: tuple[str, ...], *, impl: str | None = None, to
     return jobs, skipped
 
 
-def check_candidates(jobs: list[Job]) -> None:
-    """Import every candidate once before any work, so a bad SPEC is a usage error up front."""
-    from attncheck.impl import load_candidate  # imports torch
-
-    for spec in dict.fromkeys(job.impl for job in jobs):
-        load_candidate(spec)
-
-
 _candidates: dict[str | None, Any] = {}
 
 
-def run_job(job: Job, options: dict[str, Any]) -> Report:
-    """Run one job; the candidate is imported once per process."""
-    from attncheck.checks import run_check
-    from attncheck.impl import load_candidate
+def _candidate(spec: str | None) -> Any:
+    """The candidate a SPEC names, imported once per process."""
+    from attncheck.impl import load_candidate  # imports torch
 
-    if job.impl not in _candidates:
-        _candidates[job.impl] = load_candidate(job.impl)
-    return run_check(job.command, job.config, _candidates[job.impl], **options)
+    if spec not in _candidates:
+        _candidates[spec] = load_candidate(spec)
+    return _candidates[spec]
+
+
+def check_candidates(jobs: list[Job]) -> None:
+    """Import every candidate before any work, so a bad SPEC is a usage error up front."""
+    for spec in dict.fromkeys(job.impl for job in jobs):
+        _candidate(spec)
+
+
+def run_job(job: Job, options: dict[str, Any]) -> Report:
+    """Run one job with its candidate (imported once per process)."""
+    from attncheck.checks import run_check
+
+    return run_check(job.command, job.config, _candidate(job.impl), **options)
 
 
 @contextmanager
