@@ -21,8 +21,7 @@ from attncheck.config import Config, config_from_mapping, load_config
 from attncheck.errors import UsageError
 from attncheck.impl import load_candidate
 from attncheck.report import Report
-
-COMMANDS = ("forward", "grad", "sgd-step")
+from attncheck.suite import COMMANDS
 
 
 def check(

@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from attncheck.report import Report, Row
+from attncheck.report import Report, Row, short_number
 from attncheck.suite import SuiteResult
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
 
 
 def failure_line(row: Row) -> str:
     """One failing row: section quantity, max abs err, allowed or rule, note."""
-    allowed = f"allowed {_fmt(row.allowed)}" if row.allowed is not None else (f"rule {row.rule}" if row.rule else "")
-    parts = [f"{row.section} {row.quantity}", f"max|Δ| {_fmt(row.max_abs)}", allowed, row.note]
+    allowed = f"allowed {short_number(row.allowed)}" if row.allowed is not None else (f"rule {row.rule}" if row.rule else "")
+    parts = [f"{row.section} {row.quantity}", f"max|Δ| {short_number(row.max_abs)}", allowed, row.note]
     return "; ".join(p for p in parts if p)
 
 

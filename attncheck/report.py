@@ -66,7 +66,8 @@ def _json_float(v: Any) -> Any:
     return v
 
 
-def _num(v: float | None) -> str:
+def short_number(v: float | None) -> str:
+    """A number in three significant digits for one-line messages; '-' for none."""
     return "-" if v is None else f"{v:.3g}"
 
 
@@ -105,7 +106,7 @@ class Report:
             return
         lines = [f"attncheck {self.command} on {self.name!r} ({self.impl}): {len(failures)} of {len(self.rows)} rows failed"]
         for r in failures:
-            numbers = f"max abs err {_num(r.max_abs)}, allowed {_num(r.allowed)}"
+            numbers = f"max abs err {short_number(r.max_abs)}, allowed {short_number(r.allowed)}"
             if r.numel:
                 numbers += f", {r.mismatched}/{r.numel} mismatched"
             lines.append(f"  {r.section} {r.quantity}: {numbers}" + (f"; {r.note}" if r.note else ""))
