@@ -16,12 +16,15 @@ from collections.abc import Mapping
 from os import PathLike
 from typing import Any
 
-from attncheck.checks import REFERENCE, Candidate, run_check
+from attncheck import torch_side
+from attncheck.candidate import Candidate, candidate_from_object, load_candidate
+from attncheck.checks import run_check
+from attncheck.commands import COMMANDS as COMMAND_TABLE
+from attncheck.commands import NAMES
+from attncheck.commands import command as command_named
 from attncheck.config import Config, config_from_mapping, load_config
 from attncheck.errors import UsageError
-from attncheck.impl import load_candidate
 from attncheck.report import Report
-from attncheck.suite import COMMANDS
 
 
 def check(
@@ -38,15 +41,16 @@ def check(
       itself, or None for the config's `impl`, else the NumPy reference.
     options: per_head=, strict= for grad.
     """
-    if command not in COMMANDS:
-        raise UsageError(f"command {command!r}: expected one of {', '.join(COMMANDS)}")
-    if command != "grad" and options:
-        raise UsageError(f"{command} takes no options (got {', '.join(sorted(options))}); per_head and strict are grad's")
-    unknown = set(options) - {"per_head", "strict"}
+    takes = command_named(command).options
+    unknown = sorted(set(options) - set(takes))
     if unknown:
-        raise UsageError(f"unknown option(s) {', '.join(sorted(unknown))}: grad takes per_head and strict")
+        owners = [f"{' and '.join(c.options)} are {c.name}'s" for c in COMMAND_TABLE.values() if c.options]
+        what = f"takes {' and '.join(takes)}" if takes else "takes no options"
+        raise UsageError(f"{command} {what} (got {', '.join(unknown)}); {'; '.join(owners)}")
     cfg = _config(config)
-    return run_check(command, cfg, _candidate(impl if impl is not None else cfg.impl), **options)
+    candidate = _candidate(impl if impl is not None else cfg.impl)
+    with torch_side.one_thread():  # as on the command line, so the numbers are the CLI's
+        return run_check(command, cfg, candidate, **options)
 
 
 def _config(config: Config | Mapping[str, Any] | str | PathLike | None) -> Config:
@@ -62,10 +66,9 @@ def _config(config: Config | Mapping[str, Any] | str | PathLike | None) -> Confi
 def _candidate(impl: str | Any | None) -> Candidate:
     if impl is None or isinstance(impl, str):
         return load_candidate(impl)
-    if not callable(impl):
-        raise UsageError(f"impl: {type(impl).__name__} is not a class or function")
-    name = getattr(impl, "__qualname__", None) or type(impl).__name__
-    return REFERENCE if impl is REFERENCE.factory else Candidate(f"{getattr(impl, '__module__', '?')}:{name}", impl)
+    return candidate_from_object(impl)
 
+
+COMMANDS = NAMES
 
 __all__ = ["check", "Report", "Config", "load_config", "COMMANDS"]

@@ -8,26 +8,22 @@ and also serves, run in float64, as the oracle of the budget rule.
 
 from __future__ import annotations
 
-import inspect
 import math
-import os
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
 
 import numpy as np
 
 from attncheck import torch_side
-from attncheck.compare import Budget, compare, rule_for, sgd_rule
+from attncheck.candidate import REFERENCE, REFERENCE_SPEC, Candidate, Session, module_options
+from attncheck.commands import COMMANDS, options_for
+from attncheck.compare import compare, decide, measure, rule_for, sgd_rule
 from attncheck.config import Config
-from attncheck.errors import CandidateError, UsageError
+from attncheck.errors import CandidateError
 from attncheck.inputs import Workload, directions, make_workload
-from attncheck.reference import MultiheadAttention
 from attncheck.report import FAIL, INFO, NOT_PROVIDED, PASS, SKIPPED, LossStep, Report, Row
 from attncheck.sgd import SGD
 from attncheck.sgd import SGD as TRUSTED_SGD  # the oracle's: tests swap `SGD` for a wrong update
-
-REFERENCE_SPEC = "attncheck.reference:MultiheadAttention"
 
 # Finite differences run in float64: step eps * max(1, max|x|) along a unit-max direction u.
 FD_EPS = 1e-6
@@ -37,136 +33,6 @@ FD_RTOL = 1e-6
 # Plus the rounding of the loss itself, divided by 2 eps: a float64 sum carries a few units of
 # 2^-52 of the sum of its terms' magnitudes, which dominates when those terms cancel.
 FD_NOISE_ULPS = 8
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """An implementation under test: what built it, and how to build it."""
-
-    spec: str
-    factory: Callable[..., Any]
-
-
-REFERENCE = Candidate(REFERENCE_SPEC, MultiheadAttention)
-
-
-def candidate_options(cfg: Config) -> dict[str, Any]:
-    """The module options passed to a candidate besides params, num_heads and batch_first."""
-    return dict(
-        embed_dim=cfg.embed_dim,
-        kdim=cfg.kdim,
-        vdim=cfg.vdim,
-        bias=cfg.bias,
-        add_bias_kv=cfg.add_bias_kv,
-        add_zero_attn=cfg.add_zero_attn,
-        dropout=cfg.dropout,
-    )
-
-
-# The installed attncheck package: frames in files under it are attncheck's, not the candidate's.
-# Compared as a directory, not by name, so a user's own repository called "attncheck" still counts
-# as the candidate's code.
-_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
-
-
-def _is_ours(filename: str) -> bool:
-    return os.path.abspath(filename).startswith(_PACKAGE_DIR)
-
-
-def _located(exc: BaseException) -> str | None:
-    """file:line of the innermost frame of a traceback that lies outside the attncheck package."""
-    tb, where = exc.__traceback__, None
-    while tb is not None:
-        filename = tb.tb_frame.f_code.co_filename
-        if not _is_ours(filename):
-            where = f"{filename}:{tb.tb_lineno}"
-        tb = tb.tb_next
-    return where
-
-
-def _defined_at(fn: Any) -> str | None:
-    """file:line where a candidate's method is defined: the place to look when it returns junk."""
-    try:
-        fn = inspect.unwrap(getattr(fn, "__func__", fn))
-        filename, line = inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
-    except (TypeError, OSError):
-        return None
-    return None if filename is None or _is_ours(filename) else f"{filename}:{line}"
-
-
-def _guard(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
-    """Call into the candidate; anything it raises becomes a CandidateError naming the call."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as exc:  # the candidate's bug is a finding, not a crash of attncheck
-        raise CandidateError(f"{what} raised {type(exc).__name__}: {exc}", _located(exc)) from exc
-
-
-class Session:
-    """One candidate's run on one workload: builds it, calls it, checks what it returns."""
-
-    def __init__(self, cfg: Config, candidate: Candidate):
-        self.cfg, self.candidate = cfg, candidate
-
-    def build(self, params: dict[str, np.ndarray]) -> Any:
-        return _guard(
-            f"{self.candidate.spec}(...)",
-            self.candidate.factory,
-            params,
-            num_heads=self.cfg.num_heads,
-            batch_first=self.cfg.batch_first,
-            **candidate_options(self.cfg),
-        )
-
-    def forward(self, obj: Any, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
-        """The candidate's (output, weights), after checking it returned an output torch's shape."""
-        if not callable(getattr(obj, "forward", None)):
-            raise CandidateError(f"{self.candidate.spec} built a {type(obj).__name__} with no forward() method")
-        result = _guard(
-            "forward()",
-            obj.forward,
-            w.query,
-            w.key,
-            w.value,
-            attn_mask=w.attn_mask,
-            key_padding_mask=w.key_padding_mask,
-            need_weights=self.cfg.need_weights,
-            average_attn_weights=self.cfg.average_attn_weights,
-        )
-        where = _defined_at(obj.forward)
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, weights)", where)
-        out, weights = result
-        if not isinstance(out, np.ndarray):
-            raise CandidateError(f"forward() returned an output of type {type(out).__name__}, expected a NumPy array", where)
-        if out.shape != w.query.shape:  # (B, L, E) or (L, B, E) or (L, E): the query's own shape
-            raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {w.query.shape}", where)
-        if weights is not None and not isinstance(weights, np.ndarray):
-            raise CandidateError(f"forward() returned weights of type {type(weights).__name__}, expected a NumPy array or None", where)
-        return out, weights
-
-    def backward(self, obj: Any, grad_output: np.ndarray, w: Workload) -> dict[str, np.ndarray]:
-        """The candidate's gradients, keyed like params plus query/key/value; missing keys are allowed."""
-        if not callable(getattr(obj, "backward", None)):
-            # Not a wrong answer but a check that cannot run: the user asked for gradients of an
-            # implementation that has none.
-            raise UsageError(
-                f"--impl {self.candidate.spec}: {type(obj).__name__} has no backward(grad_output) method, "
-                "which `grad` and `sgd-step` need (`forward` checks it without one)"
-            )
-        grads = _guard("backward()", obj.backward, grad_output)
-        where = _defined_at(obj.backward)
-        if not isinstance(grads, dict):
-            raise CandidateError(f"backward() returned {type(grads).__name__}, expected a dict of arrays", where)
-        shapes = {**{k: v.shape for k, v in w.params.items()}, "query": w.query.shape, "key": w.key.shape, "value": w.value.shape}
-        for name, g in grads.items():
-            if name not in shapes or g is None:
-                continue  # extra keys are ignored; None is "not provided"
-            if not isinstance(g, np.ndarray):
-                raise CandidateError(f"backward() returned {name!r} of type {type(g).__name__}, expected a NumPy array", where)
-            if g.shape != shapes[name]:
-                raise CandidateError(f"backward() returned {name!r} of shape {g.shape}, expected {shapes[name]}", where)
-        return {k: v for k, v in grads.items() if v is not None}
 
 
 def loss_magnitude(cfg: Config, output: np.ndarray, target: np.ndarray) -> float:
@@ -232,11 +98,10 @@ def check_forward(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
     t_out, t_weights = torch_side.forward(cfg, w)
     rule = rule_for(cfg, "forward")
     o_out = o_weights = None
-    if isinstance(rule, Budget):
-        o_out, o_weights = Session(oracle_config(cfg), REFERENCE).forward(
-            REFERENCE.factory(w.astype(np.float64).params, num_heads=cfg.num_heads, batch_first=cfg.batch_first, **candidate_options(cfg)),
-            w.astype(np.float64),
-        )
+    if rule.needs_oracle:
+        oracle = Session(oracle_config(cfg), REFERENCE)
+        w64 = w.astype(np.float64)
+        o_out, o_weights = oracle.forward(oracle.build(w64.params), w64)
     session = Session(cfg, candidate)
     try:
         out, weights = session.forward(session.build(w.params), w)
@@ -244,7 +109,7 @@ def check_forward(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
         return _failed_call(report, "forward", err)
     report.rows.append(compare("forward", "output", out, t_out, rule, oracle=o_out))
     if cfg.need_weights:
-        report.rows.append(compare("forward", "attn_weights", weights, t_weights, rule, oracle=o_weights))
+        report.rows.append(compare("forward", "attn_weights", weights, t_weights, rule, oracle=o_weights, strict=True))
     elif weights is not None:
         report.rows.append(Row("forward", "attn_weights", FAIL, note="need_weights is false: expected None"))
     report.rows.extend(_fast_path_rows(cfg, w, out, weights, rule, o_out, o_weights, masked))
@@ -324,7 +189,7 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
     forward_rule, grad_rule = rule_for(cfg, "forward"), rule_for(cfg, "grad")
     oracle = None
     w64 = w.astype(np.float64)
-    if isinstance(grad_rule, Budget) or cfg.dtype != "float64":
+    if grad_rule.needs_oracle or cfg.dtype != "float64":  # the finite differences reuse it below
         oracle = _run_grad(Session(oracle_config(cfg), REFERENCE), oracle_config(cfg), w64)
 
     session = Session(cfg, candidate)
@@ -332,8 +197,7 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
         out, loss, grads = _run_grad(session, cfg, w)
     except CandidateError as err:
         return _failed_call(report, "grad", err)
-    use_oracle = isinstance(grad_rule, Budget)
-    o_out, o_loss, o_grads = oracle if use_oracle else (None, None, None)
+    o_out, o_loss, o_grads = oracle if grad_rule.needs_oracle else (None, None, None)
     o_grads = None if o_grads is None else _full_grads(cfg, o_grads)
     report.rows.append(compare("forward", "output", out, t.output, forward_rule, oracle=o_out))
     report.rows.append(
@@ -348,8 +212,7 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
         for label, index in grad_labels(cfg, name, per_head):
             actual = cand.get(name)
             if actual is None:
-                status = FAIL if strict else NOT_PROVIDED
-                report.rows.append(Row("grad", label, status, note="not returned by backward()"))
+                report.rows.append(_not_returned("grad", label, strict))
                 continue
             if actual.shape != expected.shape:
                 report.rows.append(compare("grad", label, actual, expected, grad_rule))
@@ -362,6 +225,11 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
     report.rows.extend(_finite_difference_rows(cfg, candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict))
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _not_returned(section: str, label: str, strict: bool) -> Row:
+    row = Row(section, label, "", missing=True, note="not returned by backward()")
+    return decide(row, strict=strict)
 
 
 def _run_grad(session: Session, cfg: Config, w: Workload):
@@ -419,7 +287,7 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
         g = grads.get(name)
         for label, index in grad_labels(cfg, name, per_head=False):
             if g is None:
-                rows.append(Row("finite-diff", label, FAIL if strict else NOT_PROVIDED, note="not returned by backward()"))
+                rows.append(_not_returned("finite-diff", label, strict))
                 continue
             u = np.zeros(shape)
             u[index] = dirs[name][index]
@@ -435,12 +303,10 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
             noise = FD_NOISE_ULPS * np.finfo(np.float64).eps * magnitude / eps
             allowed = FD_RTOL * float(np.sum(np.abs(g) * np.abs(u))) + noise
             err = abs(numeric - analytic)
-            ok = err <= allowed
-            rows.append(
-                Row("finite-diff", label, PASS if ok else FAIL, shape=u[index].shape, numel=int(u[index].size),
-                    mismatched=0 if ok else 1, max_abs=err, rule=f"central diff, eps {eps:.0e}", allowed=allowed,
-                    note=f"<grad, u> = {analytic:.9g}, finite difference = {numeric:.9g}")
-            )  # fmt: skip
+            row = Row("finite-diff", label, "", shape=u[index].shape, numel=int(u[index].size), mismatched=int(not err <= allowed),
+                      max_abs=err, rule=f"central diff, eps {eps:.0e}", rule_kind="finite-diff", allowed=allowed,
+                      ratio=err / allowed if allowed > 0 else math.inf, note=f"<grad, u> = {analytic:.9g}, finite difference = {numeric:.9g}")  # fmt: skip
+            rows.append(decide(row))
     return rows
 
 
@@ -512,7 +378,7 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
     _masking_note(cfg, w, report)
     t = torch_side.sgd(cfg, w)
     oracle = None
-    if isinstance(rule_for(cfg, "sgd"), Budget):
+    if rule_for(cfg, "sgd").needs_oracle:
         oracle = _run_sgd(Session(oracle_config(cfg), REFERENCE), oracle_config(cfg), w.astype(np.float64), TRUSTED_SGD)
     try:
         mine = _run_sgd(Session(cfg, candidate), cfg, w)
@@ -528,23 +394,18 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
             for step in range(1, n + 1):
                 theirs = t.params[step - 1][name][index]
                 o = None if oracle is None else oracle.params[step - 1][name][index]
-                row = compare("sgd", label, mine.params[step - 1][name][index], theirs, sgd_rule(cfg, step), oracle=o)
+                row = measure("sgd", label, mine.params[step - 1][name][index], theirs, sgd_rule(cfg, step), oracle=o)
                 if lost_at is None and _diverged(theirs, w.params[name][index], torch_losses, step):
                     lost_at = step
-                if lost_at is None and _oracle_suspect(row, o):
-                    row.status = FAIL
-                    row.note = f"torch is off the float64 oracle by more than {ORACLE_SANITY:.0%}: the oracle cannot vouch"
-                if row.failed and first_bad is None and lost_at is None:
-                    first_bad = step
-            row.first_failing_step = first_bad
-            if first_bad is not None:
-                row.status = FAIL
-                row.note = (row.note + "; " if row.note else "") + f"left tolerance at step {first_bad}"
-            elif lost_at is not None:
-                inconclusive += 1
-                row.status = INFO
-                row.note = f"inconclusive from step {lost_at}: the training diverges, so rounding decides the weights"
-            report.rows.append(row)
+                if first_bad is None and lost_at is None:
+                    if _oracle_suspect(row, o):
+                        first_bad, suspect = step, row
+                    elif row.mismatched:
+                        first_bad, suspect = step, None
+            if first_bad is not None and suspect is not None:
+                row.note = f"at step {first_bad} torch was off the float64 oracle by more than {ORACLE_SANITY:.0%}: the oracle cannot vouch"
+            inconclusive += first_bad is None and lost_at is not None
+            report.rows.append(decide(row, first_failing_step=first_bad, inconclusive_from=lost_at))
     if inconclusive:
         report.notes.append(
             f"{inconclusive} weights could not be judged: the training diverges (loss {t.losses[0]:.4g} -> {t.losses[-1]:.4g}), "
@@ -561,14 +422,8 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
 
 
 def run_check(command: str, cfg: Config, candidate: Candidate = REFERENCE, **options) -> Report:
-    """Dispatch one command by name."""
-    if command == "forward":
-        return check_forward(cfg, candidate)
-    if command == "grad":
-        return check_grad(cfg, candidate, **options)
-    if command == "sgd-step":
-        return check_sgd(cfg, candidate, **{k: v for k, v in options.items() if k not in ("per_head", "strict")})
-    raise ValueError(f"unknown command {command!r}")
+    """Run one command (see attncheck.commands) by name; options it does not take are dropped."""
+    return globals()[COMMANDS[command].check](cfg, candidate, **options_for(command, options))
 
 
-__all__ = ["Candidate", "REFERENCE", "check_forward", "check_grad", "check_sgd", "run_check", "INFO"]
+__all__ = ["Candidate", "REFERENCE", "REFERENCE_SPEC", "check_forward", "check_grad", "check_sgd", "run_check", "module_options"]

@@ -19,6 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from attncheck import __version__
+from attncheck.commands import COMMANDS, NAMES, parse_commands
 from attncheck.errors import UsageError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -175,16 +176,15 @@ def _run_suite(suite, label, commands, impl, tolerance, workers, verbose, option
     return result
 
 
-@app.command()
+@app.command(help=COMMANDS["forward"].summary)
 def forward(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
 ) -> None:  # fmt: skip
-    """Compare outputs and attention weights with torch.nn.MultiheadAttention."""
     raise typer.Exit(_run(("forward",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers, verbose=verbose))
 
 
-@app.command()
+@app.command(help=COMMANDS["grad"].summary)
 def grad(
     config: ConfigOption = None,
     json: JsonOption = None,
@@ -197,17 +197,15 @@ def grad(
     workers: WorkersOption = 1,
     verbose: VerboseOption = False,
 ) -> None:
-    """Compare every gradient with torch autograd, and with finite differences in float64."""
     raise typer.Exit(_run(("grad",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
                           verbose=verbose, per_head=per_head, strict=strict))  # fmt: skip
 
 
-@app.command("sgd-step")
+@app.command("sgd-step", help=COMMANDS["sgd-step"].summary)
 def sgd_step(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
 ) -> None:  # fmt: skip
-    """Compare the weights after `steps` SGD steps with torch.optim.SGD."""
     raise typer.Exit(_run(("sgd-step",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers, verbose=verbose))
 
 
@@ -226,10 +224,8 @@ def run(
     strict: Annotated[bool, typer.Option("--strict", help="grad: count gradients the candidate does not return as failures.")] = False,
 ) -> None:
     """Run forward, grad and sgd-step for every case of a config or suite: the one command for CI."""
-    from attncheck.suite import COMMANDS, parse_commands
-
     try:
-        commands = COMMANDS if only is None else parse_commands(only)
+        commands = NAMES if only is None else parse_commands(only)
     except UsageError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(EXIT_USAGE) from None

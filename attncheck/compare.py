@@ -20,11 +20,12 @@ it, is a mismatch. There is no blanket equal_nan.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from attncheck.report import FAIL, PASS, Row
+from attncheck.report import FAIL, INFO, NOT_PROVIDED, PASS, Row
 
 # (kind, dtype) -> (atol, rtol) for the fixed rule.
 FIXED: dict[tuple[str, str], tuple[float, float]] = {
@@ -64,8 +65,12 @@ BUDGET_FLOOR: dict[str, float] = {"float32": 1e-5, "float64": 1e-13}
 
 @dataclass(frozen=True)
 class Fixed:
+    """Elementwise against torch: |candidate - torch| <= atol + rtol * |torch|."""
+
     atol: float
     rtol: float
+    kind = "fixed"
+    needs_oracle = False
 
     def describe(self) -> str:
         return f"atol {self.atol:.1e}, rtol {self.rtol:.1e}"
@@ -73,8 +78,12 @@ class Fixed:
 
 @dataclass(frozen=True)
 class Budget:
+    """Against the float64 oracle: max|candidate - oracle| <= factor * max|torch - oracle| + floor * scale."""
+
     factor: float
     floor: float
+    kind = "budget"
+    needs_oracle = True
 
     def describe(self) -> str:
         return f"{self.factor:g}x torch + {self.floor:.0e}"
@@ -119,26 +128,40 @@ def compare(
     *,
     oracle: np.ndarray | None = None,
     scale: float = 0.0,
+    strict: bool = False,
 ) -> Row:
-    """Compare a candidate's array with torch's under a rule; every finding goes in the Row.
+    """Compare a candidate's array with torch's under a rule, and decide the row (see `decide`)."""
+    return decide(measure(section, quantity, actual, expected, rule, oracle=oracle, scale=scale), strict=strict)
+
+
+def measure(
+    section: str,
+    quantity: str,
+    actual: np.ndarray | None,
+    expected: np.ndarray,
+    rule: Rule,
+    *,
+    oracle: np.ndarray | None = None,
+    scale: float = 0.0,
+) -> Row:
+    """Every finding of comparing a candidate's array with torch's under a rule; no verdict yet.
 
     `scale` raises the magnitude the budget's floor is relative to (default: max|oracle| of
     this quantity alone). Gradients pass the largest gradient of the check: a gradient that
     cancels to exactly zero still carries rounding of the size of the terms that cancelled.
     """
     expected = np.asarray(expected)
-    row = Row(section, quantity, PASS, shape=expected.shape, numel=int(expected.size), rule=rule.describe())
+    row = Row(section, quantity, "", shape=expected.shape, numel=int(expected.size), rule=rule.describe(), rule_kind=rule.kind)
     if actual is None:
-        row.status = FAIL
-        row.note = "missing"
+        row.missing = True
         return row
     actual = np.asarray(actual)
     if actual.shape != expected.shape:
-        row.status, row.mismatched = FAIL, row.numel
+        row.mismatched = row.numel
         row.note = f"shape {actual.shape}, expected {expected.shape}"
         return row
     if actual.dtype != expected.dtype:
-        row.status, row.mismatched = FAIL, row.numel
+        row.mismatched = row.numel
         row.note = f"dtype {actual.dtype}, expected {expected.dtype}"
         return row
 
@@ -161,7 +184,14 @@ def compare(
         row.max_rel, row.max_rel_at = float(rel.flat[j]), _index(j, rel.shape)
 
     if isinstance(rule, Fixed):
-        bad = diff > rule.atol + rule.rtol * np.abs(np.where(valid, e, 0.0))
+        allowed = rule.atol + rule.rtol * np.abs(np.where(valid, e, 0.0))
+        bad = diff > allowed
+        if diff.size:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(diff > 0, diff / allowed, 0.0)
+            k = int(np.argmax(np.where(np.isnan(ratio), np.inf, ratio)))
+            row.allowed = float(allowed.flat[k])  # what the rule allowed where it was most exceeded
+            row.ratio = float(ratio.flat[k])
     else:
         if oracle is None:
             raise ValueError("the budget rule needs an oracle")
@@ -176,13 +206,47 @@ def compare(
         row.candidate_error = float(cand_err.max()) if o.size else 0.0
         row.torch_error = float(torch_err.max()) if o.size else 0.0
         row.allowed = rule.factor * row.torch_error + rule.floor * scale
+        row.ratio = _ratio(row.candidate_error, row.allowed)
         bad = cand_err > row.allowed
     row.mismatched = int((bad | nan_wrong).sum())
-    if row.mismatched:
-        row.status = FAIL
     if nan_wrong.any():
         row.note = (
             f"NaN in {int((nan_a & ~nan_e).sum())} places torch has none, "
             f"missing in {int((nan_e & ~nan_a).sum())} places torch has NaN"
         )
+    return row
+
+
+def _ratio(error: float, allowed: float) -> float:
+    if error == 0:
+        return 0.0
+    return error / allowed if allowed > 0 else math.inf
+
+
+def decide(
+    row: Row,
+    *,
+    strict: bool = False,
+    first_failing_step: int | None = None,
+    inconclusive_from: int | None = None,
+) -> Row:
+    """The one place a compared row's status is decided, from what was measured and the context.
+
+    missing value        NOT_PROVIDED (FAIL with strict): the candidate returned nothing to judge
+    mismatched elements  FAIL (a shape or dtype difference counts every element)
+    sgd: a step left the rule before torch's training diverged: FAIL, naming the step;
+         the training diverged before any step failed: INFO (inconclusive), not judged
+    otherwise            PASS
+    """
+    if row.missing:
+        row.status = FAIL if strict else NOT_PROVIDED
+        row.note = row.note or "missing: not returned by the candidate"
+    elif first_failing_step is not None:
+        row.status, row.first_failing_step = FAIL, first_failing_step
+        row.note = (row.note + "; " if row.note else "") + f"left tolerance at step {first_failing_step}"
+    elif inconclusive_from is not None:
+        row.status = INFO
+        row.note = f"inconclusive from step {inconclusive_from}: the training diverges, so rounding decides the weights"
+    else:
+        row.status = FAIL if row.mismatched else PASS
     return row

@@ -9,21 +9,13 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from attncheck.report import Report, Row, short_number
+from attncheck.report import Report, failure_line, failure_lines
 from attncheck.suite import SuiteResult
-
-
-def failure_line(row: Row) -> str:
-    """One failing row: section quantity, max abs err, allowed or rule, note."""
-    allowed = f"allowed {short_number(row.allowed)}" if row.allowed is not None else (f"rule {row.rule}" if row.rule else "")
-    parts = [f"{row.section} {row.quantity}", f"max|Δ| {short_number(row.max_abs)}", allowed, row.note]
-    return "; ".join(p for p in parts if p)
 
 
 def failure_message(report: Report) -> str:
     failures = report.failures
-    lines = [failure_line(r) for r in failures]
-    return f"{len(failures)} quantities differ: " + " | ".join(lines)
+    return f"{len(failures)} quantities differ: " + " | ".join(failure_line(r) for r in failures)
 
 
 def to_junit(result: SuiteResult) -> str:
@@ -43,7 +35,7 @@ def to_junit(result: SuiteResult) -> str:
         case = ET.SubElement(suite, "testcase", classname=f"attncheck.{report.command}", name=report.name, time=f"{report.seconds:.3f}")
         if not report.passed:
             failure = ET.SubElement(case, "failure", message=failure_message(report), type="mismatch")
-            failure.text = "\n".join(failure_line(r) for r in report.failures)
+            failure.text = "\n\n".join("\n".join(failure_lines(r)) for r in report.failures)
     for skipped in result.skipped:
         for command in result.commands:
             case = ET.SubElement(suite, "testcase", classname=f"attncheck.{command}", name=skipped.name, time="0")

@@ -8,7 +8,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from attncheck.report import FAIL, INFO, NOT_PROVIDED, PASS, SKIPPED, Report, Row
+from attncheck.config import Config
+from attncheck.report import FAIL, INFO, NOT_PROVIDED, PASS, SKIPPED, Report, Row, failure_lines
 
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", NOT_PROVIDED: "yellow", SKIPPED: "dim", INFO: "cyan"}
 
@@ -50,7 +51,7 @@ def header(report: Report) -> Text:
         facts.append("need_weights=false")
     if report.command == "sgd-step":
         facts.append(f"steps={c['steps']} lr={c['lr']:g}")
-    facts.append(f"tolerance={c.get('tolerance', 'fixed')}")
+    facts.append(f"tolerance={c.get('tolerance', Config.model_fields['tolerance'].default)}")
     text = Text()
     text.append(f"attncheck {report.command}", style="bold")
     text.append(f"  {report.name}  ", style="bold cyan")
@@ -73,7 +74,7 @@ def section_tables(report: Report) -> list[Table]:
     sections = list(dict.fromkeys(r.section for r in report.rows))
     for section in sections:
         rows = [r for r in report.rows if r.section == section]
-        budget = any(r.candidate_error is not None for r in rows)
+        budget = any(r.rule_kind == "budget" for r in rows)
         fd = section == "finite-diff"
         rules = sorted({r.rule for r in rows if r.rule})
         title = section + (f"  [dim]({'; '.join(rules)})[/dim]" if rules and not fd else "")
@@ -111,20 +112,15 @@ def section_tables(report: Report) -> list[Table]:
 
 
 def details(report: Report) -> list[Text]:
-    """Where each failing or annotated row went wrong, one line each."""
+    """Each failing row in the one failure shape (report.failure_lines); each other note, one line."""
     lines = []
     for r in report.rows:
-        quiet = r.status == PASS and r.section == "finite-diff"  # its note only restates the table
-        if not (r.note or r.failed) or quiet:
-            continue
-        text = Text(f"  {r.section} {r.quantity}: ", style=_STATUS_STYLE[r.status])
-        parts = []
-        if r.failed and r.max_abs_at is not None and r.max_abs:
-            parts.append(f"largest difference {fmt(r.max_abs, 3)} at index {list(r.max_abs_at)}")
-        if r.note:
-            parts.append(r.note)
-        text.append("; ".join(parts) or "failed")
-        lines.append(text)
+        if r.failed:
+            head, *rest = failure_lines(r)
+            lines.append(Text(f"  {head}", style=_STATUS_STYLE[r.status]))
+            lines += [Text(f"    {line}") for line in rest]
+        elif r.note and not (r.status == PASS and r.rule_kind == "finite-diff"):  # that note only restates the table
+            lines.append(Text(f"  {r.section} {r.quantity}: {r.note}", style=_STATUS_STYLE[r.status]))
     return lines
 
 
@@ -192,7 +188,7 @@ def suite_summary(reports: list[Report], skipped: list[tuple[str, str]], title: 
     """One row per case x command with its worst quantity, then one per skipped case."""
     table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False, box=None)
     for column, justify in (("case", "left"), ("command", "left"), ("worst quantity", "left"),
-                            ("max|Δ| torch", "right"), ("allowed", "right"), ("verdict", "left"), ("time", "right")):
+                            ("max|Δ| torch", "right"), ("allowed", "right"), ("of allowed", "right"), ("verdict", "left"), ("time", "right")):
         table.add_column(column, justify=justify, overflow="fold")  # fmt: skip
     for report in reports:
         worst = report.worst()
@@ -203,11 +199,12 @@ def suite_summary(reports: list[Report], skipped: list[tuple[str, str]], title: 
             Text("" if worst is None else f"{worst.section} {worst.quantity}"),
             "" if worst is None else fmt(worst.max_abs),
             "" if worst is None else (fmt(worst.allowed) or worst.rule),
+            "" if worst is None or worst.ratio is None else f"{worst.ratio:.2g}x",
             Text(status.upper(), style=_STATUS_STYLE[status]),
             f"{report.seconds:.2f}s",
         )
     for name, reason in skipped:
-        table.add_row(Text(name), "", Text(reason, style="dim"), "", "", Text(SKIPPED, style=_STATUS_STYLE[SKIPPED]), "")
+        table.add_row(Text(name), "", Text(reason, style="dim"), "", "", "", Text(SKIPPED, style=_STATUS_STYLE[SKIPPED]), "")
     return table
 
 

@@ -30,11 +30,14 @@ class Row:
     max_rel: float | None = None  # max |candidate - torch| / |torch|
     max_rel_at: tuple[int, ...] | None = None
     rule: str = ""  # the closeness rule applied, in words
-    allowed: float | None = None  # the largest error the rule allows (budget and finite-diff rules)
+    rule_kind: str = ""  # "fixed", "budget" or "finite-diff": which error `allowed` bounds
+    allowed: float | None = None  # budget, finite-diff: the largest error allowed; fixed: atol + rtol|torch| where most exceeded
+    ratio: float | None = None  # the largest error relative to what the rule allowed there (> 1: outside)
     candidate_error: float | None = None  # max |candidate - oracle| (budget rule)
     torch_error: float | None = None  # max |torch - oracle| (budget rule)
     nan_agreed: int = 0  # NaN elements present in both (fully masked rows)
     first_failing_step: int | None = None  # sgd: the first step at which it left tolerance
+    missing: bool = False  # the candidate returned no value for this quantity
     note: str = ""
 
     @property
@@ -69,6 +72,46 @@ def _json_float(v: Any) -> Any:
 def short_number(v: float | None) -> str:
     """A number in three significant digits for one-line messages; '-' for none."""
     return "-" if v is None else f"{v:.3g}"
+
+
+def _at(index: tuple[int, ...] | None) -> str:
+    return "" if index is None else f" at index {tuple(index)}"
+
+
+def failure_lines(row: Row) -> list[str]:
+    """A failing (or not provided) row in one fixed shape, as torch.testing.assert_close words it:
+    the quantity, `k / n (p%)` mismatched, the greatest absolute difference with its index and what
+    was allowed, the greatest relative difference with its index, the note. Every report format
+    (terminal details, assert_passed, JUnit) uses these lines."""
+    lines = [f"{row.section} {row.quantity}" + (f" ({row.rule})" if row.rule else "")]
+    if row.missing:
+        lines.append(row.note or "missing: not returned by the candidate")
+        return lines
+    if row.numel:
+        lines.append(f"Mismatched elements: {row.mismatched} / {row.numel} ({100.0 * row.mismatched / row.numel:.1f}%)")
+    if row.max_abs is not None:
+        line = f"Greatest absolute difference from torch: {short_number(row.max_abs)}{_at(row.max_abs_at)}"
+        if row.rule_kind == "fixed" and row.allowed is not None:
+            line += f" (up to {short_number(row.allowed)} allowed where most exceeded)"
+        elif row.rule_kind == "finite-diff" and row.allowed is not None:
+            line = f"|finite difference - <grad, u>|: {short_number(row.max_abs)} (up to {short_number(row.allowed)} allowed)"
+        lines.append(line)
+    if row.rule_kind == "budget" and row.candidate_error is not None:
+        lines.append(
+            f"Error against the float64 oracle: {short_number(row.candidate_error)} "
+            f"(up to {short_number(row.allowed)} allowed; torch's own error {short_number(row.torch_error)})"
+        )
+    if row.max_rel is not None and row.rule_kind != "finite-diff":
+        lines.append(f"Greatest relative difference from torch: {short_number(row.max_rel)}{_at(row.max_rel_at)}")
+    if row.note:
+        lines.append(row.note)
+    return lines
+
+
+def failure_line(row: Row) -> str:
+    """`failure_lines` on one line, for one-line contexts (JUnit's message attribute, summaries)."""
+    head, *rest = failure_lines(row)
+    return f"{head}: " + "; ".join(rest) if rest else head
 
 
 @dataclass
@@ -106,19 +149,15 @@ class Report:
             return
         lines = [f"attncheck {self.command} on {self.name!r} ({self.impl}): {len(failures)} of {len(self.rows)} rows failed"]
         for r in failures:
-            numbers = f"max abs err {short_number(r.max_abs)}, allowed {short_number(r.allowed)}"
-            if r.numel:
-                numbers += f", {r.mismatched}/{r.numel} mismatched"
-            lines.append(f"  {r.section} {r.quantity}: {numbers}" + (f"; {r.note}" if r.note else ""))
+            head, *rest = failure_lines(r)
+            lines += [f"  {head}", *(f"    {line}" for line in rest)]
         raise AssertionError("\n".join(lines))
 
     def worst(self) -> Row | None:
-        """The compared row with the largest error relative to what it was allowed."""
+        """The compared row with the largest error relative to what it was allowed (failures first)."""
 
-        def badness(r: Row) -> float:
-            if r.failed:
-                return math.inf
-            return r.max_abs if r.max_abs is not None and math.isfinite(r.max_abs) else -1.0
+        def badness(r: Row) -> tuple[bool, float]:
+            return r.failed, -1.0 if r.ratio is None or math.isnan(r.ratio) else r.ratio
 
         rows = [r for r in self.rows if r.status in (PASS, FAIL)]
         return max(rows, key=badness, default=None)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
-from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,8 +18,6 @@ from typing import Any, Callable
 from attncheck.config import Case, Config, Suite
 from attncheck.errors import UsageError
 from attncheck.report import Report
-
-COMMANDS = ("forward", "grad", "sgd-step")
 
 
 @dataclass(frozen=True)
@@ -60,15 +57,6 @@ class SuiteResult:
         }
 
 
-def parse_commands(spec: str) -> tuple[str, ...]:
-    """'forward,grad' as command names in the canonical order; unknown names are a UsageError."""
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in COMMANDS]
-    if unknown or not names:
-        raise UsageError(f"--only {spec!r}: unknown command {', '.join(map(repr, unknown)) or '(none)'}; choose from {', '.join(COMMANDS)}")
-    return tuple(c for c in COMMANDS if c in names)
-
-
 def parse_shard(spec: str) -> tuple[int, int]:
     """'I/N' (1-based I) as (I, N); anything else is a UsageError."""
     index, sep, count = spec.partition("/")
@@ -105,7 +93,7 @@ _candidates: dict[str | None, Any] = {}
 
 def _candidate(spec: str | None) -> Any:
     """The candidate a SPEC names, imported once per process."""
-    from attncheck.impl import load_candidate  # imports torch
+    from attncheck.candidate import load_candidate
 
     if spec not in _candidates:
         _candidates[spec] = load_candidate(spec)
@@ -125,20 +113,6 @@ def run_job(job: Job, options: dict[str, Any]) -> Report:
     return run_check(job.command, job.config, _candidate(job.impl), **options)
 
 
-@contextmanager
-def _one_thread():
-    """torch on one thread: its float32 sums round differently with more threads, so every check
-    runs single-threaded and the results do not depend on --workers or the machine's cores."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _run_chunk(jobs: list[Job], options: dict[str, Any]) -> list[Report]:
     return [run_job(job, options) for job in jobs]
 
@@ -146,9 +120,9 @@ def _run_chunk(jobs: list[Job], options: dict[str, Any]) -> list[Report]:
 def _worker_init() -> None:
     # The parent handles Ctrl-C and ends the pool; workers must not each print a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import torch
+    from attncheck import torch_side
 
-    torch.set_num_threads(1)  # as in the parent (_one_thread), and K workers on K cores
+    torch_side.use_one_thread()
 
 
 Progress = Callable[[int, int, Job, Report], None]
@@ -158,8 +132,10 @@ def run_jobs(jobs: list[Job], options: dict[str, Any], *, workers: int = 1, prog
     """Reports for every job, in job order; `progress(done, total, job, report)` as each finishes."""
     total = len(jobs)
     if workers <= 1 or total <= 1:
+        from attncheck import torch_side
+
         reports = []
-        with _one_thread():
+        with torch_side.one_thread():
             for job in jobs:
                 reports.append(run_job(job, options))
                 if progress:

@@ -6,31 +6,41 @@ Everything returned is NumPy, so nothing above this module needs torch.
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from attncheck.candidate import module_options
 from attncheck.config import Config
 from attncheck.inputs import Workload
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
+@contextmanager
+def one_thread():
+    """torch on one thread: its float32 sums round differently with more threads, so every check
+    runs single-threaded and the results do not depend on --workers, the API or the machine's cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def use_one_thread() -> None:
+    """For a worker process: one thread for good (K workers on K cores), as `one_thread` does."""
+    torch.set_num_threads(1)
+
+
 def build_module(cfg: Config, params: dict[str, np.ndarray]) -> torch.nn.MultiheadAttention:
     """nn.MultiheadAttention for the config, every parameter overwritten from `params`."""
     module = torch.nn.MultiheadAttention(
-        cfg.embed_dim,
-        cfg.num_heads,
-        dropout=cfg.dropout,
-        bias=cfg.bias,
-        add_bias_kv=cfg.add_bias_kv,
-        add_zero_attn=cfg.add_zero_attn,
-        kdim=cfg.kdim,
-        vdim=cfg.vdim,
-        batch_first=cfg.batch_first,
-        dtype=_DTYPES[cfg.dtype],
+        num_heads=cfg.num_heads, batch_first=cfg.batch_first, dtype=_DTYPES[cfg.dtype], **module_options(cfg)
     )
     load_params(module, params)
     return module

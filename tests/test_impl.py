@@ -18,7 +18,7 @@ import attncheck
 from attncheck.cli import app
 from attncheck.config import load_config
 from attncheck.errors import UsageError
-from attncheck.impl import load_candidate
+from attncheck.candidate import load_candidate
 from attncheck.reference import MultiheadAttention as Reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -298,6 +298,12 @@ def test_assert_passed_lists_every_failing_row_with_its_numbers():
         report.assert_passed()
     message = str(info.value)
     assert f"{len(report.failures)} of {len(report.rows)} rows failed" in message
-    for row in report.failures:
-        assert f"{row.section} {row.quantity}: max abs err {row.max_abs:.3g}, allowed {row.allowed:.3g}" in message
+    for row in report.failures:  # one message shape (report.failure_lines): quantity, counts, numbers, allowed
+        assert f"{row.section} {row.quantity} ({row.rule})" in message
+        assert f"Mismatched elements: {row.mismatched} / {row.numel}" in message
+        if row.rule_kind == "finite-diff":
+            assert f"|finite difference - <grad, u>|: {row.max_abs:.3g} (up to {row.allowed:.3g} allowed)" in message
+        else:
+            assert f"Greatest absolute difference from torch: {row.max_abs:.3g} at index {tuple(row.max_abs_at)}" in message
+            assert f"(up to {row.allowed:.3g} allowed;" in message
     assert "in_proj_weight[v]" not in message

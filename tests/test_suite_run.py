@@ -147,7 +147,7 @@ def test_junit_parses_and_counts_match(suites, tmp_path):
         ("attncheck.grad", "wrong-softmax"), ("attncheck.sgd-step", "wrong-softmax")
     }  # fmt: skip
     message = failed[0].find("failure").get("message")
-    assert "grad in_proj_weight[q]" in message and "max|Δ|" in message and "allowed" in message
+    assert "grad in_proj_weight[q]" in message and "Greatest absolute difference" in message and "allowed" in message
     assert "is_causal" in skipped[0].find("skipped").get("message")
     assert all(float(c.get("time")) >= 0 for c in cases)
 
