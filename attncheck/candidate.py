@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from attncheck.errors import CandidateError, UsageError
+from attncheck.errors import CandidateError, Unsupported, UsageError
 from attncheck.inputs import Workload
 from attncheck.reference import MultiheadAttention
 
@@ -150,6 +150,8 @@ def _guard(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
     """Call into the candidate; anything it raises becomes a CandidateError naming the call."""
     try:
         return fn(*args, **kwargs)
+    except NotImplementedError as exc:  # the candidate declares this feature unsupported
+        raise Unsupported(f"{what} raised NotImplementedError: {exc}", _located(exc)) from exc
     except Exception as exc:  # the candidate's bug is a finding, not a crash of attncheck
         raise CandidateError(f"{what} raised {type(exc).__name__}: {exc}", _located(exc)) from exc
 

@@ -19,9 +19,9 @@ from attncheck.candidate import REFERENCE, REFERENCE_SPEC, Candidate, Session, m
 from attncheck.commands import COMMANDS, options_for
 from attncheck.compare import compare, decide, measure, rule_for, sgd_rule
 from attncheck.config import Config
-from attncheck.errors import CandidateError
+from attncheck.errors import CandidateError, Unsupported
 from attncheck.inputs import Workload, directions, make_workload
-from attncheck.report import FAIL, INFO, NOT_PROVIDED, PASS, SKIPPED, LossStep, Report, Row
+from attncheck.report import FAIL, SKIPPED, UNSUPPORTED, LossStep, Report, Row
 from attncheck.sgd import SGD
 from attncheck.sgd import SGD as TRUSTED_SGD  # the oracle's: tests swap `SGD` for a wrong update
 
@@ -83,8 +83,14 @@ def _masking_note(cfg: Config, w: Workload, report: Report) -> int:
     return masked
 
 
-def _failed_call(report: Report, section: str, err: CandidateError) -> Report:
-    report.rows.append(Row(section, "candidate", FAIL, note=str(err)))
+def _call_row(section: str, quantity: str, err: CandidateError | Unsupported) -> Row:
+    """A candidate call that raised: a failure, or the feature declared unsupported."""
+    return Row(section, quantity, UNSUPPORTED if isinstance(err, Unsupported) else FAIL, note=str(err))
+
+
+def _failed_call(report: Report, section: str, err: CandidateError | Unsupported) -> Report:
+    """The check ends at a candidate call that raised."""
+    report.rows.append(_call_row(section, "candidate", err))
     return report
 
 
@@ -105,7 +111,7 @@ def check_forward(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
     session = Session(cfg, candidate)
     try:
         out, weights = session.forward(session.build(w.params), w)
-    except CandidateError as err:
+    except (CandidateError, Unsupported) as err:
         return _failed_call(report, "forward", err)
     report.rows.append(compare("forward", "output", out, t_out, rule, oracle=o_out))
     if cfg.need_weights:
@@ -195,7 +201,7 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
     session = Session(cfg, candidate)
     try:
         out, loss, grads = _run_grad(session, cfg, w)
-    except CandidateError as err:
+    except (CandidateError, Unsupported) as err:
         return _failed_call(report, "grad", err)
     o_out, o_loss, o_grads = oracle if grad_rule.needs_oracle else (None, None, None)
     o_grads = None if o_grads is None else _full_grads(cfg, o_grads)
@@ -265,8 +271,8 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
                 _, loss0, grads64 = _run_grad(session, cfg64, w64)
         else:
             loss0 = loss_and_grad(cfg64, session.forward(session.build(w64.params), w64)[0], w64.target)[0]
-    except CandidateError as err:
-        return [Row("finite-diff", "candidate", FAIL, note=str(err))]
+    except (CandidateError, Unsupported) as err:
+        return [_call_row("finite-diff", "candidate", err)]
     if not math.isfinite(loss0):
         return [Row("finite-diff", "all", SKIPPED, note="the loss is NaN (fully masked rows): finite differences are undefined")]
 
@@ -296,8 +302,8 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
             try:
                 f_plus = loss_at(_perturbed(w64, name, eps * u, cfg.self_attention))
                 f_minus = loss_at(_perturbed(w64, name, -eps * u, cfg.self_attention))
-            except CandidateError as err:
-                return rows + [Row("finite-diff", label, FAIL, note=str(err))]
+            except (CandidateError, Unsupported) as err:
+                return rows + [_call_row("finite-diff", label, err)]
             numeric = (f_plus - f_minus) / (2 * eps)
             analytic = float(np.sum(g.astype(np.float64) * u))
             noise = FD_NOISE_ULPS * np.finfo(np.float64).eps * magnitude / eps
@@ -382,7 +388,7 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
         oracle = _run_sgd(Session(oracle_config(cfg), REFERENCE), oracle_config(cfg), w.astype(np.float64), TRUSTED_SGD)
     try:
         mine = _run_sgd(Session(cfg, candidate), cfg, w)
-    except CandidateError as err:
+    except (CandidateError, Unsupported) as err:
         return _failed_call(report, "sgd", err)
 
     n = cfg.steps

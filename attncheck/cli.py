@@ -2,7 +2,7 @@
 
 Exit codes: 0 every compared quantity agrees, 1 a mismatch (or a candidate that failed),
 2 bad usage or config, 3 an internal error (a bug in attncheck: please report it),
-130 interrupted. This is the only module that exits. torch is imported only once a check runs,
+4 inconclusive (something could not be judged, or nothing was), 130 interrupted. This is the only module that exits. torch is imported only once a check runs,
 so `--help` and config errors stay fast.
 """
 
@@ -22,7 +22,7 @@ from attncheck import __version__
 from attncheck.commands import COMMANDS, NAMES, parse_commands
 from attncheck.errors import UsageError
 
-EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_BUG, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
 app = typer.Typer(
     name="attncheck",
@@ -129,7 +129,14 @@ def _run(
         from attncheck.junit import to_junit
 
         write_atomic(junit_path, to_junit(result))
-    return EXIT_OK if result.passed else EXIT_MISMATCH
+    return exit_code(result.verdict)
+
+
+def exit_code(verdict: str) -> int:
+    """0 pass, 1 fail, 4 inconclusive: a run that proved nothing never exits 0."""
+    from attncheck.report import FAIL, PASS
+
+    return {PASS: EXIT_OK, FAIL: EXIT_MISMATCH}.get(verdict, EXIT_INCONCLUSIVE)
 
 
 def _run_suite(suite, label, commands, impl, tolerance, workers, verbose, options, *, many: bool):
@@ -169,10 +176,10 @@ def _run_suite(suite, label, commands, impl, tolerance, workers, verbose, option
             render(report, console)
         return result
     for report in reports:
-        if verbose or not report.passed:
+        if verbose or not report.passed:  # failing, inconclusive and unsupported checks show their tables
             render(report, console)
     summary = suite_summary(reports, [(c.name, c.skip_reason or "") for c in skipped], f"summary  {label}")
-    console.print(Group(summary, suite_verdict(reports, len(skipped), result.seconds)))
+    console.print(Group(summary, suite_verdict(reports, len(skipped), result.seconds, result.verdict)))
     return result
 
 

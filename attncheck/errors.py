@@ -56,3 +56,12 @@ class CandidateError(AttncheckError):
     def __init__(self, message: str, location: str | None = None):
         self.location = location
         super().__init__(f"{message} (at {location})" if location else message)
+
+
+class Unsupported(AttncheckError):
+    """The candidate raised NotImplementedError: it declares the feature unsupported, which is not
+    a failure. The check reports the candidate's reason instead of a verdict on values."""
+
+    def __init__(self, message: str, location: str | None = None):
+        self.location = location
+        super().__init__(f"{message} (at {location})" if location else message)

@@ -1,15 +1,16 @@
 """A suite's result as JUnit XML, for CI test-report viewers. Turns results into text; decides nothing.
 
 One <testsuite>; one <testcase classname="attncheck.COMMAND" name="CASE"> per case x command.
-A failing case carries <failure message=...> with one line per failing row; a skipped case
-carries <skipped message=REASON/> under every command the run asked for.
+A failing case carries <failure message=...> with one line per failing row; an inconclusive one
+an <error> (CI must stop: nothing was proven); a case the candidate declares unsupported, and a
+skipped case, carry <skipped message=REASON/>.
 """
 
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from attncheck.report import Report, failure_line, failure_lines
+from attncheck.report import FAIL, INCONCLUSIVE, UNSUPPORTED, Report, failure_line, failure_lines
 from attncheck.suite import SuiteResult
 
 
@@ -21,21 +22,27 @@ def failure_message(report: Report) -> str:
 def to_junit(result: SuiteResult) -> str:
     """The XML document, as text."""
     tests = len(result.reports) + len(result.skipped) * len(result.commands)
-    failures = sum(not r.passed for r in result.reports)
+    verdicts = [r.verdict for r in result.reports]
     suite = ET.Element(
         "testsuite",
         name=f"attncheck.{result.name}",
         tests=str(tests),
-        failures=str(failures),
-        errors="0",
-        skipped=str(len(result.skipped) * len(result.commands)),
+        failures=str(verdicts.count(FAIL)),
+        errors=str(verdicts.count(INCONCLUSIVE)),
+        skipped=str(len(result.skipped) * len(result.commands) + verdicts.count(UNSUPPORTED)),
         time=f"{result.seconds:.3f}",
     )
     for report in result.reports:
         case = ET.SubElement(suite, "testcase", classname=f"attncheck.{report.command}", name=report.name, time=f"{report.seconds:.3f}")
-        if not report.passed:
+        if report.verdict == FAIL:
             failure = ET.SubElement(case, "failure", message=failure_message(report), type="mismatch")
             failure.text = "\n\n".join("\n".join(failure_lines(r)) for r in report.failures)
+        elif report.verdict == INCONCLUSIVE:
+            unjudged = [r for r in report.rows if r.status == INCONCLUSIVE]
+            message = "; ".join(f"{r.section} {r.quantity}: {r.note}" for r in unjudged) or "nothing was compared"
+            ET.SubElement(case, "error", message=f"inconclusive: {message}", type="inconclusive")
+        elif report.verdict == UNSUPPORTED:
+            ET.SubElement(case, "skipped", message="unsupported: " + "; ".join(r.note for r in report.rows if r.status == UNSUPPORTED))
     for skipped in result.skipped:
         for command in result.commands:
             case = ET.SubElement(suite, "testcase", classname=f"attncheck.{command}", name=skipped.name, time="0")

@@ -9,9 +9,10 @@ from rich.table import Table
 from rich.text import Text
 
 from attncheck.config import Config
-from attncheck.report import FAIL, INFO, NOT_PROVIDED, PASS, SKIPPED, Report, Row, failure_lines
+from attncheck.report import FAIL, INCONCLUSIVE, INFO, NOT_PROVIDED, PASS, SKIPPED, UNSUPPORTED, Report, Row, failure_lines
 
-_STATUS_STYLE = {PASS: "green", FAIL: "bold red", NOT_PROVIDED: "yellow", SKIPPED: "dim", INFO: "cyan"}
+_STATUS_STYLE = {PASS: "green", FAIL: "bold red", NOT_PROVIDED: "yellow", SKIPPED: "dim", INFO: "cyan",
+                 INCONCLUSIVE: "bold magenta", UNSUPPORTED: "yellow"}  # fmt: skip
 
 
 def fmt(x: float | None, digits: int = 2) -> str:
@@ -141,14 +142,20 @@ def losses_table(report: Report) -> Table | None:
 def verdict(report: Report) -> Text:
     compared = [r for r in report.rows if r.status in (PASS, FAIL)]
     failed = report.failures
-    if not failed:
-        text = Text("PASS", style="bold green")
-        text.append(f"  all {len(compared)} compared quantities agree")
-    else:
-        text = Text("FAIL", style="bold red")
+    v = report.verdict
+    text = Text(v.upper(), style=_STATUS_STYLE[v])
+    if failed:
         names = ", ".join(f"{r.section} {r.quantity}" for r in failed[:8])
         more = f" and {len(failed) - 8} more" if len(failed) > 8 else ""
         text.append(f"  {len(failed)} of {len(compared)} compared quantities differ: {names}{more}")
+    elif v == UNSUPPORTED:
+        text.append("  the candidate declares this unsupported: " + "; ".join(r.note for r in report.rows if r.status == UNSUPPORTED))
+    elif v == INCONCLUSIVE:
+        unjudged = [f"{r.section} {r.quantity}" for r in report.rows if r.status == INCONCLUSIVE]
+        text.append(f"  could not judge {', '.join(unjudged[:8])}" if unjudged else "  nothing was compared")
+        text.append(f"; {len(compared)} quantities compared and agree" if compared else "")
+    else:
+        text.append(f"  all {len(compared)} compared quantities agree")
     not_provided = sum(r.status == NOT_PROVIDED for r in report.rows)
     if not_provided:
         text.append(f"  ({not_provided} not provided)", style="yellow")
@@ -180,8 +187,7 @@ def render(report: Report, console: Console) -> None:
 # ------------------------------------------------------------------------------------- suites
 def progress_line(done: int, total: int, report: Report) -> str:
     """One plain line per finished check, for logs: `[3/40] case-name forward PASS 0.01s`."""
-    status = "PASS" if report.passed else "FAIL"
-    return f"[{done}/{total}] {report.name} {report.command} {status} {report.seconds:.2f}s"
+    return f"[{done}/{total}] {report.name} {report.command} {report.verdict.upper()} {report.seconds:.2f}s"
 
 
 def suite_summary(reports: list[Report], skipped: list[tuple[str, str]], title: str) -> Table:
@@ -192,7 +198,7 @@ def suite_summary(reports: list[Report], skipped: list[tuple[str, str]], title: 
         table.add_column(column, justify=justify, overflow="fold")  # fmt: skip
     for report in reports:
         worst = report.worst()
-        status = PASS if report.passed else FAIL
+        status = report.verdict
         table.add_row(
             Text(report.name),
             report.command,
@@ -208,12 +214,13 @@ def suite_summary(reports: list[Report], skipped: list[tuple[str, str]], title: 
     return table
 
 
-def suite_verdict(reports: list[Report], skipped: int, seconds: float) -> Text:
-    failed = sum(not r.passed for r in reports)
-    text = Text("FAIL" if failed else "PASS", style="bold red" if failed else "bold green")
-    text.append(f"  {len(reports) - failed} of {len(reports)} checks pass")
-    if failed:
-        text.append(f", {failed} fail")
+def suite_verdict(reports: list[Report], skipped: int, seconds: float, verdict: str) -> Text:
+    counts = {v: sum(r.verdict == v for r in reports) for v in (PASS, FAIL, INCONCLUSIVE, UNSUPPORTED)}
+    text = Text(verdict.upper(), style=_STATUS_STYLE[verdict])
+    text.append(f"  {counts[PASS]} of {len(reports)} checks pass")
+    for v in (FAIL, INCONCLUSIVE, UNSUPPORTED):
+        if counts[v]:
+            text.append(f", {counts[v]} {v if v != FAIL else 'fail'}")
     if skipped:
         text.append(f"; {skipped} cases skipped", style="dim")
     text.append(f"  [{seconds:.2f}s]", style="dim")

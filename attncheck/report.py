@@ -10,7 +10,27 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# A row's status. INCONCLUSIVE: the quantity could not be judged (nothing was proven about it);
+# UNSUPPORTED: the candidate declared the feature unsupported (it raised NotImplementedError).
 PASS, FAIL, NOT_PROVIDED, SKIPPED, INFO = "pass", "fail", "not provided", "skipped", "info"
+INCONCLUSIVE, UNSUPPORTED = "inconclusive", "unsupported"
+
+
+def verdict_of(statuses: list[str]) -> str:
+    """The verdict of a check (its rows' statuses) or of a suite (its checks' verdicts).
+
+    fail          anything failed
+    unsupported   the candidate declared it unsupported, and nothing failed
+    inconclusive  something could not be judged, or nothing was judged at all: never a pass
+    pass          something was proven, and everything that was judged agrees
+    """
+    if FAIL in statuses:
+        return FAIL
+    if statuses and all(s == UNSUPPORTED for s in statuses):
+        return UNSUPPORTED
+    if INCONCLUSIVE in statuses or PASS not in statuses:
+        return INCONCLUSIVE
+    return PASS
 
 JSON_SCHEMA_VERSION = 1
 
@@ -135,8 +155,15 @@ class Report:
     seconds: float = 0.0
 
     @property
+    def verdict(self) -> str:
+        """PASS, FAIL, INCONCLUSIVE or UNSUPPORTED (see `verdict_of`)."""
+        if any(r.status == UNSUPPORTED for r in self.rows):
+            return verdict_of([r.status for r in self.rows if r.status in (FAIL, UNSUPPORTED)])
+        return verdict_of([r.status for r in self.rows])
+
+    @property
     def passed(self) -> bool:
-        return not any(r.failed for r in self.rows)
+        return self.verdict == PASS
 
     @property
     def failures(self) -> list[Row]:
@@ -168,7 +195,7 @@ class Report:
             "command": self.command,
             "name": self.name,
             "impl": self.impl,
-            "verdict": PASS if self.passed else FAIL,
+            "verdict": self.verdict,
             "config": self.config,
             "rows": [r.to_dict() for r in self.rows],
             "losses": [{k: _json_float(v) for k, v in asdict(s).items()} for s in self.losses],

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from attncheck.config import Case, Config, Suite
 from attncheck.errors import UsageError
-from attncheck.report import Report
+from attncheck.report import INCONCLUSIVE, JSON_SCHEMA_VERSION, UNSUPPORTED, Report, verdict_of
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,22 @@ class SuiteResult:
     seconds: float = 0.0
 
     @property
+    def verdict(self) -> str:
+        """FAIL if any check failed; PASS if every check the candidate supports passed and at least
+        one did; else INCONCLUSIVE (nothing judged, or something could not be judged)."""
+        verdicts = [r.verdict for r in self.reports]
+        supported = [v for v in verdicts if v != UNSUPPORTED]
+        return verdict_of(supported) if supported else INCONCLUSIVE
+
+    @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.reports)
+        return self.verdict == PASS
 
     def to_dict(self) -> dict[str, Any]:
-        from attncheck.report import FAIL, JSON_SCHEMA_VERSION, PASS
-
         return {
             "schema": JSON_SCHEMA_VERSION,
             "suite": self.name,
-            "verdict": PASS if self.passed else FAIL,
+            "verdict": self.verdict,
             "results": [r.to_dict() for r in self.reports],
             "skipped": [{"case": c.name, "reason": c.skip_reason} for c in self.skipped],
         }

@@ -228,7 +228,9 @@ def test_per_head_loop_example_supports_what_it_documents(overrides):
 def test_per_head_loop_refuses_what_it_does_not_support():
     report = attncheck.check({"add_bias_kv": True}, "forward", impl=PER_HEAD)
     assert not report.passed
+    assert report.verdict == "unsupported" and report.rows[0].status == "unsupported"  # declared, not failed
     assert "NotImplementedError: per_head_loop: add_bias_kv and add_zero_attn are not supported" in report.rows[0].note
+    assert run("forward", "--impl", PER_HEAD, "-c", str(ROOT / "configs/bias_kv.yaml")).exit_code == 4  # nothing judged
 
 
 def test_wrong_softmax_diagonal_fails_exactly_the_q_and_k_paths(tmp_path):
