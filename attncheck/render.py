@@ -77,9 +77,9 @@ def _mismatch(row: Row) -> str:
 
 # Columns a narrow terminal drops first, group by group, so that no number or name is ever cut:
 # the relative difference (the absolute one stays), then the two errors against the oracle
-# (their ratio to what was allowed stays), then the shape. Only then do cells wrap, and only at
-# their spaces: a mismatch count before its percentage, a verdict before its reason.
-OPTIONAL_COLUMNS = (("max rel",), ("cand err", "torch err"), ("shape",))
+# (what was allowed stays), then the shape, then the candidate's error relative to torch's.
+# Only then may a cell wrap, and only at a space: a mismatch count before its percentage.
+OPTIONAL_COLUMNS = (("max rel",), ("cand err", "torch err"), ("shape",), ("ratio",))
 
 
 def section_tables(report: Report, width: int | None = None) -> list[Table]:
@@ -131,10 +131,11 @@ def _section_table(section: str, rows: list[Row], dropped: tuple[str, ...]) -> T
     for name, _ in columns:
         if name == "quantity":
             table.add_column(name, no_wrap=True)
-        elif name in ("verdict", "mismatched"):  # may wrap at a space, inside the column
-            table.add_column(name, justify="right" if name == "mismatched" else "left", overflow="fold")
+        elif name == "mismatched":  # "256/256 (100%)" may wrap before its percentage
+            longest = max(cell_len(word) for r in rows for word in [name, *_mismatch(r).split()])
+            table.add_column(name, justify="right", min_width=longest)
         else:
-            table.add_column(name, justify="left" if name == "shape" else "right", no_wrap=True)
+            table.add_column(name, justify="left" if name in ("shape", "verdict") else "right", no_wrap=True)
     for r in rows:
         table.add_row(*(cell(r) for _, cell in columns))
     return table
@@ -157,12 +158,16 @@ def _accuracy(r: Row) -> str:
 
 
 def contradiction(r: Row) -> str:
-    """Why a row's verdict is what it is when its numbers alone do not show it; "" when they do."""
+    """Why a failing row failed, in a word, when its numbers alone do not show it (values NaN where
+    torch has numbers, a value not returned, a wrong shape or dtype); "" when they do."""
     if r.status != FAIL or (r.ratio is not None and r.ratio > 1 and math.isfinite(r.ratio)):
         return ""
     if r.missing:
         return "not returned"
-    return (r.note or "see below").split(";")[0]
+    for word in ("NaN", "shape", "dtype"):
+        if r.note.startswith(word):
+            return word
+    return "see below"
 
 
 def _verdict_cell(r: Row) -> Text:
