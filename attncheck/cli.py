@@ -184,8 +184,10 @@ def _run(
         from attncheck.plot import write_plots
 
         written = write_plots(result.reports, plot_path, every_row=plot_all)
-        what = "every compared quantity" if plot_all else "each failing quantity"
-        typer.echo(f"plots: {len(written)} file(s) of {what} in {plot_path}" if written else "plots: nothing failed, nothing drawn (--plot-all draws every quantity)", err=True)
+        if not written:
+            typer.echo("plot: nothing failed, nothing drawn (--plot-all draws every quantity)", err=True)
+        for path in written:
+            typer.echo(f"plot: {path}", err=True)
     return exit_code(result.verdict)
 
 

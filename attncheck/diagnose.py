@@ -276,7 +276,8 @@ def _finite_difference(analytic: float, numeric: float, cfg: Config) -> str:
     meaning = factor_meaning(k, cfg)
     if meaning:
         return f"<grad, u> = {_short(k)} x the finite difference ({_short(k)} = {meaning}): the backward misses or adds a scale its forward does not have"
-    return f"<grad, u> = {_short(k)} x the finite difference: the backward does not differentiate the candidate's own forward"
+    return (f"<grad, u> / finite difference = {_short(k)} along a random u (no dimension of the config): "
+            "the backward does not differentiate the candidate's own forward")
 
 
 # ------------------------------------------------------------------------------------- where

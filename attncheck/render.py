@@ -185,8 +185,8 @@ def details(report: Report) -> list[Any]:
     for r in report.rows:
         if r.failed:
             head, *rest = failure_lines(r)
-            lines.append(Padding(Text(head, style=_STATUS_STYLE[r.status]), (0, 0, 0, 2)))
-            lines += [Padding(Text(line), (0, 0, 0, 4)) for line in rest]
+            lines.append(Padding(Text(head, style=_STATUS_STYLE[r.status]), (0, 0, 0, 2), expand=False))
+            lines += [Padding(Text(line), (0, 0, 0, 4), expand=False) for line in rest]
         elif r.note and not (r.status == PASS and r.rule_kind == "finite-diff"):  # that note only restates the table
             lines.append(Text(f"  {r.section} {r.quantity}: {r.note}", style=_STATUS_STYLE[r.status]))
     return lines
