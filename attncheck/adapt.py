@@ -7,14 +7,19 @@ attention weights and the gradients back in the same conventions. An implementat
 another way needs an adapter; with these helpers the adapter is a list of conversions, each
 paired with its inverse for the gradients:
 
-    weights   in_weights / in_biases / out_proj / bias_kv      <->  in_grads / out_grads / bias_kv_grads
-              xw (x @ W layout), columns (inputs (E, N))           (each its own inverse)
-              fused_qkv (GPT-2's (E, 3E) c_attn)               <->  fused_qkv_grads
-              split_heads ([(E, D)] * H)                        <->  merge_heads
-    inputs    Layout(query, batch_first).to_ble                 <->  .from_ble, .attention_weights
-    masks     additive_mask, keep_mask, masked_mask, is_exactly_causal
-    refusing  unsupported(...), refuse(options, ...), require_self_attention(...)
-    backward  mse_target, undo_batch_mean, self_attention_grads
+    weights   projections(params, layout)  W_q .. b_o         <->  projection_grads(params, grads, layout)
+              (layout "torch" W @ x, "xw" x @ W, "columns" inputs (E, N) and (E, 1) biases)
+              fused_qkv: GPT-2's (E, 3E) c_attn               <->  fused_qkv_grads
+              per_head: [(E, D)] * H lists                     <->  per_head_grads
+              bias_kv                                          <->  bias_kv_grads
+              xw, columns, split_heads / merge_heads: the array conversions beneath
+    inputs    io = Layout(query, batch_first); io.to_ble      <->  io.from_ble, io.attention_weights,
+                                                                   io.input_grads, io.self_attention_grads
+    masks     additive_mask, keep_mask, masked_mask (merged, broadcast to (B, H, L, S) or (B, L, S)),
+              is_exactly_causal, fully_masked_rows
+    refusing  unsupported(...), refuse(options, ...), require_self_attention, require_causal,
+              refuse_fully_masked_rows
+    backward  mse_target, undo_batch_mean
 
 Every helper asserts the shapes it is given and raises ValueError naming what was expected: an
 adapter's mistake then fails the check at the adapter's own line. Helpers raise
@@ -105,31 +110,87 @@ def _embed_dim(params: Mapping[str, Array]) -> int:
     return int(np.shape(params["out_proj.weight"])[0])
 
 
-def in_weights(params: Mapping[str, Array]) -> tuple[Array, Array, Array]:
-    """The q, k, v projection weights in torch's layout: (E, E), (E, Ek), (E, Ev), for `W @ x`.
+# The names `projections` gives the four projections, whatever the state_dict keys are.
+PROJECTIONS = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o")
+_LAYOUTS = ("torch", "xw", "columns")
 
-    From `in_proj_weight` (3E, E), split in q, k, v order, or from `q_proj_weight`,
-    `k_proj_weight`, `v_proj_weight` (kdim/vdim other than E). Inverse: `in_grads`.
-    """
+
+def _torch_projections(params: Mapping[str, Array]) -> dict[str, Array | None]:
     E = _embed_dim(params)
     if "in_proj_weight" in params:
         w = _check_shape("in_proj_weight", params["in_proj_weight"], (3 * E, E))
-        return w[:E], w[E:2 * E], w[2 * E:]
-    return params["q_proj_weight"], params["k_proj_weight"], params["v_proj_weight"]
+        W_q, W_k, W_v = w[:E], w[E:2 * E], w[2 * E:]  # q, k, v order, as torch splits it
+    else:
+        W_q, W_k, W_v = params["q_proj_weight"], params["k_proj_weight"], params["v_proj_weight"]
+    b_q = b_k = b_v = None
+    if "in_proj_bias" in params:
+        b = _check_shape("in_proj_bias", params["in_proj_bias"], (3 * E,))
+        b_q, b_k, b_v = b[:E], b[E:2 * E], b[2 * E:]
+    return dict(W_q=W_q, W_k=W_k, W_v=W_v, W_o=params["out_proj.weight"], b_q=b_q, b_k=b_k, b_v=b_v, b_o=params.get("out_proj.bias"))
 
 
-def in_biases(params: Mapping[str, Array]) -> tuple[Array | None, Array | None, Array | None]:
-    """The q, k, v projection biases, (E,) each, split from `in_proj_bias`; None without bias."""
+def projections(params: Mapping[str, Array], layout: str = "torch") -> dict[str, Array | None]:
+    """The four projections under one set of names, W_q W_k W_v W_o and b_q b_k b_v b_o, in `layout`:
+
+        torch    weights (out, in): (E, E), (E, Ek), (E, Ev), (E, E) for `W @ x`; biases (E,)
+        xw       weights (in, out): (E, E), (Ek, E), (Ev, E), (E, E) for `x @ W`; biases (E,)
+        columns  weights as torch's; biases (E, 1) columns, for inputs (E, N): `W @ X + b`
+
+    From `in_proj_weight` (3E, E) split in q, k, v order, or the three `*_proj_weight` (kdim/vdim),
+    and `in_proj_bias`, `out_proj.*`. Biases are None without bias. Inverse: `projection_grads`.
+    """
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout {layout!r}: choose from {', '.join(_LAYOUTS)}")
+    p = _torch_projections(params)
+    for name in PROJECTIONS:
+        if p[name] is not None and layout == "xw" and name.startswith("W"):
+            p[name] = p[name].T
+        elif p[name] is not None and layout == "columns" and name.startswith("b"):
+            p[name] = p[name][:, None]
+    return p
+
+
+def projection_grads(params: Mapping[str, Array], grads: Mapping[str, Array | None], layout: str = "torch") -> dict[str, Array]:
+    """Gradients named as `projections` names the projections (dW_q or W_q, ...), in `layout`, as
+    torch's state_dict keys: the inverse of `projections`.
+
+    Weights become `in_proj_weight` (3E, E) or the three `*_proj_weight`, and `out_proj.weight`,
+    in torch's layout; biases (E,) or (E, 1) become `in_proj_bias` (3E,) and `out_proj.bias`.
+    A gradient left out or None is not returned (attncheck reports it "not provided"); so is
+    `in_proj_bias` unless all three of q, k, v are given. Shapes are checked against `params`.
+    """
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout {layout!r}: choose from {', '.join(_LAYOUTS)}")
+    unknown = sorted(set(grads) - set(PROJECTIONS) - {"d" + n for n in PROJECTIONS})
+    if unknown:
+        raise ValueError(f"projection_grads: unknown name {', '.join(unknown)}; expected {', '.join(PROJECTIONS)} (or d-prefixed)")
     E = _embed_dim(params)
-    if "in_proj_bias" not in params:
-        return None, None, None
-    b = _check_shape("in_proj_bias", params["in_proj_bias"], (3 * E,))
-    return b[:E], b[E:2 * E], b[2 * E:]
-
-
-def out_proj(params: Mapping[str, Array]) -> tuple[Array, Array | None]:
-    """The output projection in torch's layout: weight (E, E) and bias (E,) or None. Inverse: `out_grads`."""
-    return params["out_proj.weight"], params.get("out_proj.bias")
+    p = _torch_projections(params)
+    g: dict[str, Array] = {}
+    for name in PROJECTIONS:
+        value = grads.get(name, grads.get("d" + name))
+        if value is None:
+            continue
+        if name.startswith("W"):
+            value = np.asarray(value).T if layout == "xw" else value
+            g[name] = _check_shape(f"d{name}", value, np.shape(p[name]))
+        else:
+            g[name] = _vector(f"d{name}", value, E)
+    out: dict[str, Array] = {}
+    if all(n in g for n in ("W_q", "W_k", "W_v")):
+        if "in_proj_weight" in params:
+            out["in_proj_weight"] = np.concatenate([g["W_q"], g["W_k"], g["W_v"]])  # (3E, E)
+        else:
+            out.update(q_proj_weight=g["W_q"], k_proj_weight=g["W_k"], v_proj_weight=g["W_v"])
+    elif "in_proj_weight" not in params:
+        out.update({f"{n[-1]}_proj_weight": g[n] for n in ("W_q", "W_k", "W_v") if n in g})
+    if "in_proj_bias" in params and all(n in g for n in ("b_q", "b_k", "b_v")):
+        out["in_proj_bias"] = np.concatenate([g["b_q"], g["b_k"], g["b_v"]])  # (3E,)
+    if "W_o" in g:
+        out["out_proj.weight"] = g["W_o"]
+    if "b_o" in g and "out_proj.bias" in params:
+        out["out_proj.bias"] = g["b_o"]
+    return out
 
 
 def bias_kv(params: Mapping[str, Array]) -> tuple[Array | None, Array | None]:
@@ -140,77 +201,33 @@ def bias_kv(params: Mapping[str, Array]) -> tuple[Array | None, Array | None]:
     return _vector("bias_k", params["bias_k"], E), _vector("bias_v", params["bias_v"], E)
 
 
+def bias_kv_grads(d_bias_k: Array, d_bias_v: Array) -> dict[str, Array]:
+    """Gradients of `bias_k` and `bias_v` from (E,) vectors, in torch's (1, 1, E) shape."""
+    E = np.size(d_bias_k)
+    return {"bias_k": _vector("d_bias_k", d_bias_k, E).reshape(1, 1, E), "bias_v": _vector("d_bias_v", d_bias_v, E).reshape(1, 1, E)}
+
+
 def xw(*weights: Array) -> Array | tuple[Array, ...]:
     """Weights between torch's (out, in) layout for `W @ x` and the (in, out) layout for `x @ W`.
-
-    A transpose, so it is its own inverse: `xw(*in_weights(params))` gives (E, E), (Ek, E), (Ev, E)
-    for `x @ W`, and `in_grads(params, *xw(dW_q, dW_k, dW_v))` brings such gradients back.
-    One weight in, one out; several in, a tuple out.
-    """
+    A transpose, so it is its own inverse. One weight in, one out; several in, a tuple out."""
     flipped = tuple(np.asarray(w).T for w in weights)
     return flipped[0] if len(flipped) == 1 else flipped
 
 
 def columns(x: Array) -> Array:
     """Inputs between rows (..., N, E) and the column convention (..., E, N), where each column is
-    one position and a projection is `W @ X + b[:, None]` with torch's weights as they are.
-    A swap of the last two axes, so it is its own inverse (use it on outputs and gradients too)."""
+    one position and a projection is `W @ X + b` with torch's weights as they are (see
+    `projections(params, "columns")`). A swap of the last two axes, so it is its own inverse:
+    use it on outputs and gradients too."""
     return np.swapaxes(x, -1, -2)
 
 
 def _vector(what: str, array: Any, n: int) -> Array:
     """A bias gradient as (n,): (n,), (n, 1) column and (1, n) or (1, 1, n) row forms are accepted."""
     array = np.asarray(array)
-    if array.size != n or array.shape[-1] not in (n, 1) or any(d not in (1, n) for d in array.shape):
+    if array.size != n or any(d not in (1, n) for d in array.shape):
         raise ValueError(f"{what}: expected shape ({n},) (or a ({n}, 1) column), got {array.shape}")
     return array.reshape(n)
-
-
-def in_grads(
-    params: Mapping[str, Array],
-    dW_q: Array,
-    dW_k: Array,
-    dW_v: Array,
-    db_q: Array | None = None,
-    db_k: Array | None = None,
-    db_v: Array | None = None,
-) -> dict[str, Array]:
-    """Gradients of the q, k, v projections, in torch's layout, keyed as `params` is.
-
-    The inverse of `in_weights`/`in_biases`: weights (E, E), (E, Ek), (E, Ev) become
-    `in_proj_weight` (3E, E) (or the three `*_proj_weight`); biases (E,) or (E, 1) become
-    `in_proj_bias` (3E,). A bias gradient left out (None) is not returned, which attncheck reports
-    as "not provided".
-    """
-    E = _embed_dim(params)
-    w_q, w_k, w_v = in_weights(params)
-    dW = [_check_shape(f"d{name}", g, w.shape) for name, g, w in (("W_q", dW_q, w_q), ("W_k", dW_k, w_k), ("W_v", dW_v, w_v))]
-    if "in_proj_weight" in params:
-        grads = {"in_proj_weight": np.concatenate(dW)}  # (3E, E)
-    else:
-        grads = dict(zip(("q_proj_weight", "k_proj_weight", "v_proj_weight"), dW))
-    db = (db_q, db_k, db_v)
-    if "in_proj_bias" in params and all(b is not None for b in db):
-        grads["in_proj_bias"] = np.concatenate([_vector(f"db_{p}", b, E) for p, b in zip("qkv", db)])  # (3E,)
-    return grads
-
-
-def out_grads(dW_o: Array, db_o: Array | None = None) -> dict[str, Array]:
-    """Gradients of the output projection keyed as torch's: `out_proj.weight` (E, E) in torch's
-    layout (pass `xw(dW)` for an `x @ W` implementation), `out_proj.bias` (E,) when given."""
-    dW_o = np.asarray(dW_o)
-    if dW_o.ndim != 2 or dW_o.shape[0] != dW_o.shape[1]:
-        raise ValueError(f"dW_o: expected shape (E, E), got {dW_o.shape}")
-    grads = {"out_proj.weight": dW_o}
-    if db_o is not None:
-        grads["out_proj.bias"] = _vector("db_o", db_o, dW_o.shape[0])
-    return grads
-
-
-def bias_kv_grads(d_bias_k: Array, d_bias_v: Array) -> dict[str, Array]:
-    """Gradients of `bias_k` and `bias_v` from (E,) vectors, in torch's (1, 1, E) shape."""
-    E = np.size(d_bias_k)
-    return {"bias_k": _vector("d_bias_k", d_bias_k, E).reshape(1, 1, E), "bias_v": _vector("d_bias_v", d_bias_v, E).reshape(1, 1, E)}
 
 
 def fused_qkv(params: Mapping[str, Array]) -> tuple[Array, Array | None]:
@@ -252,23 +269,55 @@ def merge_heads(pieces: Sequence[Array]) -> Array:
     return np.concatenate(pieces, axis=-1)
 
 
+_PER_HEAD = ("W_q", "W_k", "W_v", "b_q", "b_k", "b_v")
+
+
+def per_head(params: Mapping[str, Array], num_heads: int) -> list[dict[str, Array | None]]:
+    """The q, k, v projections as one dict per head, {W_q, W_k, W_v, b_q, b_k, b_v}, in the `x @ W`
+    layout: weights (E, D), (Ek, D), (Ev, D) and biases (D,) or None: the per-head lists
+    [(E, D)] * H. The output projection stays whole (`projections(params, "xw")["W_o"]`).
+    Inverse: `per_head_grads`."""
+    p = projections(params, "xw")
+    split = {n: [None] * num_heads if p[n] is None else split_heads(p[n], num_heads) for n in _PER_HEAD}
+    return [{n: split[n][h] for n in _PER_HEAD} for h in range(num_heads)]
+
+
+def per_head_grads(params: Mapping[str, Array], heads: Sequence[Mapping[str, Array | None]]) -> dict[str, Array]:
+    """Per-head gradients, one dict per head named as `per_head` names them (W_q or dW_q, ...),
+    merged and returned under torch's state_dict keys. A name missing from any head is not returned."""
+    merged = {}
+    for n in _PER_HEAD:
+        pieces = [h.get(n, h.get("d" + n)) for h in heads]
+        if all(piece is not None for piece in pieces):
+            merged[n] = merge_heads([np.asarray(piece) for piece in pieces])
+    return projection_grads(params, merged, "xw")
+
+
 # ------------------------------------------------------------------------ inputs and outputs
 class Layout:
     """The layout of one forward call's inputs, to convert them to (B, N, E) and results back.
 
-        io = adapt.Layout(query, batch_first)
+        io = adapt.Layout(query, batch_first, key)
         x = io.to_ble(query)                  # (B, L, E) from (B, L, E), (L, B, E) or (L, E)
-        return io.from_ble(y), io.attention_weights(p, average_attn_weights)
+        mask = adapt.keep_mask(attn_mask, key_padding_mask, io.mask_shape(num_heads))  # (B, H, L, S)
+        return io.from_ble(y), io.attention_weights(p, need_weights, average_attn_weights)
 
-    Keep it from forward to backward: `io.to_ble(grad_output)` and `io.from_ble(dx)` convert
-    the gradients the same way.
+    Keep it from forward to backward: `io.to_ble(grad_output)`, and `io.input_grads(...)` or
+    `io.self_attention_grads(dx)` bring the input gradients back to the caller's layout.
     """
 
-    def __init__(self, query: Array, batch_first: bool):
+    def __init__(self, query: Array, batch_first: bool, key: Array | None = None):
         if np.ndim(query) not in (2, 3):
             raise ValueError(f"query: expected (L, E), (B, L, E) or (L, B, E), got shape {np.shape(query)}")
         self.unbatched = np.ndim(query) == 2
         self.batch_first = batch_first
+        q = self.to_ble(query)
+        self.B, self.L = q.shape[:2]
+        self.S = self.L if key is None else self.to_ble(key).shape[1]
+
+    def mask_shape(self, num_heads: int | None = None) -> tuple[int, ...]:
+        """(B, H, L, S) with num_heads, else (B, L, S): the `shape` the mask helpers take."""
+        return (self.B, self.L, self.S) if num_heads is None else (self.B, num_heads, self.L, self.S)
 
     def to_ble(self, x: Array) -> Array:
         """(B, N, E) from the caller's (B, N, E), (N, B, E) or (N, E) (as B = 1)."""
@@ -282,16 +331,31 @@ class Layout:
             return y[0]
         return y if self.batch_first else np.swapaxes(y, 0, 1)
 
-    def attention_weights(self, probs: Array | None, average: bool) -> Array | None:
-        """Attention probabilities (B, H, L, S) as torch returns them: averaged over heads to
-        (B, L, S) when `average` (average_attn_weights), per head otherwise; without B when
-        unbatched. None stays None."""
-        if probs is None:
+    def attention_weights(self, probs: Array | None, need_weights: bool, average: bool) -> Array | None:
+        """Attention probabilities (B, H, L, S) as torch returns them: None unless `need_weights`;
+        averaged over heads to (B, L, S) when `average` (average_attn_weights), per head
+        otherwise; without B when unbatched."""
+        if not need_weights:
             return None
         if np.ndim(probs) != 4:
             raise ValueError(f"attention_weights: expected probabilities (B, H, L, S), got shape {np.shape(probs)}")
         weights = probs.mean(axis=1) if average else probs
         return weights[0] if self.unbatched else weights
+
+    def input_grads(self, d_query: Array | None, d_key: Array | None = None, d_value: Array | None = None) -> dict[str, Array]:
+        """Input gradients (B, N, E) keyed `query`, `key`, `value` in the caller's layout; one left
+        out (None) is not returned, which attncheck reports as "not provided"."""
+        grads = {"query": d_query, "key": d_key, "value": d_value}
+        return {name: self.from_ble(g) for name, g in grads.items() if g is not None}
+
+    def self_attention_grads(self, d_input: Array) -> dict[str, Array]:
+        """Input gradients of an implementation that takes one input x (self-attention) and returns
+        dx (B, L, E). Under self-attention attncheck compares the sum of the query, key and value
+        gradients with torch's gradient of its one input, so dx is given as the query's and zeros
+        as the key's and value's."""
+        d_input = self.from_ble(np.asarray(d_input))
+        zeros = np.zeros_like(d_input)
+        return {"query": d_input, "key": zeros, "value": zeros}
 
 
 # ------------------------------------------------------------------------------------ masks
@@ -329,7 +393,7 @@ def _merged(attn_mask, key_padding_mask, B: int, H: int, L: int, S: int, dtype) 
             raise ValueError(f"attn_mask: expected shape {(L, S)} or {(B * H, L, S)}, got {am.shape}")
         merged = merged + am
     if key_padding_mask is not None:
-        kpm = _as_additive("key_padding_mask", key_padding_mask, dtype)
+        kpm = _as_additive("key_padding_mask", key_padding_mask, dtype)  # (B, S), or (S,) unbatched
         if kpm.size != B * S or kpm.shape[-1] != S:
             raise ValueError(f"key_padding_mask: expected shape {(B, S)} (or ({S},) unbatched), got {kpm.shape}")
         merged = merged + kpm.reshape(B, 1, 1, S)
@@ -388,21 +452,50 @@ def is_exactly_causal(attn_mask: Array | None, key_padding_mask: Array | None, s
     """Whether the merged masks are exactly the causal mask: position i attends to keys 0..i and
     nothing else is masked or biased (top-left aligned, as scaled_dot_product_attention's is_causal).
     For implementations that apply a causal mask of their own."""
+    L, S = shape[-2:]
+    causal = np.triu(np.ones((L, S), dtype=bool), k=1)  # (L, S), True = masked
     try:
         masked = masked_mask(attn_mask, key_padding_mask, shape)
-    except NotImplementedError:
+    except NotImplementedError:  # an additive bias
         return False
-    if masked is None:
-        return False
-    L, S = masked.shape[-2:]
-    return bool((masked == np.triu(np.ones((L, S), dtype=bool), k=1)).all())
+    return not causal.any() if masked is None else bool((masked == causal).all())
 
 
-def fully_masked_rows(keep: Array | None) -> int:
-    """How many query rows of a keep mask (..., L, S) may attend to no key at all. torch gives such
-    rows NaN with need_weights=True and zero weights without (its SDPA path); a plain softmax gives
-    NaN, so an implementation may refuse `need_weights=False` where this is nonzero."""
-    return 0 if keep is None else int((~np.asarray(keep, dtype=bool)).all(axis=-1).sum())
+def require_causal(attn_mask: Array | None, key_padding_mask: Array | None, shape: Sequence[int], reason: str = "") -> None:
+    """Raise NotImplementedError unless the masks are exactly causal (`is_exactly_causal`): for an
+    implementation that always applies its own causal mask and takes no other."""
+    if not is_exactly_causal(attn_mask, key_padding_mask, shape):
+        raise NotImplementedError("masks other than exactly causal not supported" + (f": {reason}" if reason else ""))
+
+
+def fully_masked_rows(mask: Array | None) -> int:
+    """How many query rows of a merged mask (..., L, S) may attend to no key at all: a keep mask,
+    bool or integer (True or 1 = may attend, as `keep_mask` gives), or an additive float mask
+    (-inf = masked, as `additive_mask` gives). torch gives such rows NaN with need_weights=True
+    but zero weights without (its SDPA path); a plain softmax gives NaN, so an implementation may
+    declare `need_weights=False` unsupported where this is nonzero."""
+    if mask is None:
+        return 0
+    mask = np.asarray(mask)
+    blocked = np.isneginf(mask) if np.issubdtype(mask.dtype, np.floating) else mask == 0
+    return int(blocked.all(axis=-1).sum())
+
+
+def refuse_fully_masked_rows(attn_mask: Array | None, key_padding_mask: Array | None, shape: Sequence[int], need_weights: bool) -> None:
+    """Raise NotImplementedError where torch and a plain softmax part ways: with need_weights=False,
+    rows whose every key is masked get zero weights on torch's SDPA path (its output there is the
+    output projection's bias), where `exp(s - max) / sum` gives NaN. With need_weights=True torch
+    gives NaN too, and nothing is refused."""
+    if need_weights:
+        return
+    B, H, L, S = _mask_shape(shape, attn_mask)
+    merged = _merged(attn_mask, key_padding_mask, B, H, L, S, np.float64)
+    rows = fully_masked_rows(merged)
+    if rows:
+        raise NotImplementedError(
+            f"{rows} query rows with every key masked, with need_weights=False, not supported: "
+            "torch's SDPA path gives them zero weights, a plain softmax NaN"
+        )
 
 
 # --------------------------------------------------------------------------------- backward
@@ -431,25 +524,15 @@ def mse_target(output: Array, grad_output: Array, reduction: str = "mean") -> Ar
     return output - grad_output * (1.0 / slope)
 
 
-def undo_batch_mean(grads: Mapping[str, Array], batch_size: int, *, inputs: bool = False) -> dict[str, Array]:
+def undo_batch_mean(grads: Mapping[str, Array | None], batch_size: int, *, inputs: bool = False) -> dict[str, Array | None]:
     """Gradients of a backward that averages over the batch, scaled back to the sum torch forms.
 
-    Parameter gradients (every key but query, key, value) are multiplied by `batch_size`; input
-    gradients too when `inputs` (a backward that divides d(output) itself, not only the weights').
+    `grads` keyed as torch's (after `projection_grads`): parameter gradients are multiplied by
+    `batch_size`; the input gradients (query, key, value) too when `inputs` (a backward that
+    divides d(output) itself, not only the weights' gradients).
     """
     scaled = {}
     for name, g in grads.items():
         is_input = name in ("query", "key", "value")
         scaled[name] = g if g is None or (is_input and not inputs) else np.asarray(g) * batch_size
     return scaled
-
-
-def self_attention_grads(d_input: Array) -> dict[str, Array]:
-    """Input gradients of an implementation that takes one input x (self-attention) and returns dx.
-
-    Under self-attention attncheck compares the sum of the query, key and value gradients with
-    torch's gradient of its one input, so dx is given as the query's and zeros as key's and value's.
-    """
-    d_input = np.asarray(d_input)
-    zeros = np.zeros_like(d_input)
-    return {"query": d_input, "key": zeros, "value": zeros}

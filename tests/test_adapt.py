@@ -40,14 +40,12 @@ def xw_attention(w, c, mask_kind: str):
     xq, xk, xv = io.to_ble(w.query), io.to_ble(w.key), io.to_ble(w.value)  # (B, L, E), (B, S, Ek), (B, S, Ev)
     B, L, E = xq.shape
     S, H = xk.shape[1], c.num_heads
-    W_q, W_k, W_v = adapt.xw(*adapt.in_weights(w.params))
-    b_q, b_k, b_v = (0.0 if b is None else b for b in adapt.in_biases(w.params))
-    W_o, b_o = adapt.out_proj(w.params)
+    p = {name: 0.0 if value is None else value for name, value in adapt.projections(w.params, "xw").items()}
 
     def heads(x):  # (B, N, E) -> (B, H, N, D)
         return x.reshape(B, x.shape[1], H, E // H).transpose(0, 2, 1, 3)
 
-    q, k, v = heads(xq @ W_q + b_q), heads(xk @ W_k + b_k), heads(xv @ W_v + b_v)
+    q, k, v = heads(xq @ p["W_q"] + p["b_q"]), heads(xk @ p["W_k"] + p["b_k"]), heads(xv @ p["W_v"] + p["b_v"])
     logits = q @ k.transpose(0, 1, 3, 2) / math.sqrt(E // H)  # (B, H, L, S)
     if mask_kind == "additive":
         mask = adapt.additive_mask(w.attn_mask, w.key_padding_mask, (B, H, L, S), q.dtype)
@@ -56,10 +54,10 @@ def xw_attention(w, c, mask_kind: str):
         keep = adapt.keep_mask(w.attn_mask, w.key_padding_mask, (B, H, L, S))
         logits = logits if keep is None else np.where(keep, logits, -np.inf)
     with np.errstate(invalid="ignore"):
-        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        p /= p.sum(axis=-1, keepdims=True)
-    out = (p @ v).transpose(0, 2, 1, 3).reshape(B, L, E) @ adapt.xw(W_o) + (0.0 if b_o is None else b_o)
-    return io.from_ble(out), io.attention_weights(p, c.average_attn_weights)
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+    out = (probs @ v).transpose(0, 2, 1, 3).reshape(B, L, E) @ p["W_o"] + p["b_o"]
+    return io.from_ble(out), io.attention_weights(probs, c.need_weights, c.average_attn_weights)
 
 
 # ---------------------------------------------------------------------------- against torch
@@ -104,23 +102,37 @@ def test_mse_target_half_sum_and_dtype():
 
 
 # ------------------------------------------------------------------------------ round trips
+@pytest.mark.parametrize("layout", ["torch", "xw", "columns"])
 @pytest.mark.parametrize("name", ["default", "no_bias", "kdim_vdim"])
-def test_in_and_out_projections_round_trip_to_state_dict_keys(name):
+def test_projections_round_trip_to_state_dict_keys(name, layout):
     _, w = workload(**CASES[name])
-    back = {**adapt.in_grads(w.params, *adapt.in_weights(w.params), *adapt.in_biases(w.params)),
-            **adapt.out_grads(*adapt.out_proj(w.params))}  # fmt: skip
+    p = adapt.projections(w.params, layout)
+    back = adapt.projection_grads(w.params, {f"d{k}": v for k, v in p.items()}, layout)
     assert back.keys() == w.params.keys()
     for key in back:
         np.testing.assert_array_equal(back[key], w.params[key], err_msg=key)
 
 
-def test_in_weights_split_in_q_k_v_order():
+def test_projections_split_in_q_k_v_order_in_each_layout():
+    _, w = workload(**CASES["kdim_vdim"])
+    torch_layout, xw_layout, columns = (adapt.projections(w.params, layout) for layout in ("torch", "xw", "columns"))
+    np.testing.assert_array_equal(torch_layout["W_k"], w.params["k_proj_weight"])  # (E, Ek)
+    assert xw_layout["W_k"].shape == (6, 16) and xw_layout["W_v"].shape == (10, 16)
+    np.testing.assert_array_equal(columns["b_v"][:, 0], w.params["in_proj_bias"][32:])
     _, w = workload()
-    E = w.params["out_proj.weight"].shape[0]
-    W_q, W_k, W_v = adapt.in_weights(w.params)
-    np.testing.assert_array_equal(W_k, w.params["in_proj_weight"][E:2 * E])
-    b_q, b_k, b_v = adapt.in_biases(w.params)
-    np.testing.assert_array_equal(b_v, w.params["in_proj_bias"][2 * E:])
+    np.testing.assert_array_equal(adapt.projections(w.params)["W_k"], w.params["in_proj_weight"][16:32])
+    with pytest.raises(ValueError, match="layout 'rows'"):
+        adapt.projections(w.params, "rows")
+
+
+def test_projection_grads_leave_out_what_is_not_given():
+    _, w = workload()
+    p = adapt.projections(w.params, "xw")
+    back = adapt.projection_grads(w.params, {"W_q": p["W_q"], "W_k": p["W_k"], "W_v": p["W_v"], "b_q": p["b_q"], "W_o": p["W_o"]}, "xw")
+    assert set(back) == {"in_proj_weight", "out_proj.weight"}  # in_proj_bias needs all three
+    assert adapt.projection_grads(w.params, {"W_o": p["W_o"], "b_o": None}, "xw").keys() == {"out_proj.weight"}
+    with pytest.raises(ValueError, match="unknown name W_x"):
+        adapt.projection_grads(w.params, {"W_x": p["W_q"]})
 
 
 def test_xw_and_columns_are_their_own_inverses():
@@ -134,10 +146,9 @@ def test_xw_and_columns_are_their_own_inverses():
 
 def test_column_convention_projection_matches_row_convention():
     _, w = workload()
-    W_q, _, _ = adapt.in_weights(w.params)
-    b_q, _, _ = adapt.in_biases(w.params)
+    cols, rows = adapt.projections(w.params, "columns"), adapt.projections(w.params, "xw")
     X = adapt.columns(w.query)  # (B, E, L)
-    np.testing.assert_allclose(adapt.columns(W_q @ X + b_q[:, None]), w.query @ adapt.xw(W_q) + b_q, rtol=1e-13)
+    np.testing.assert_allclose(adapt.columns(cols["W_q"] @ X + cols["b_q"]), w.query @ rows["W_q"] + rows["b_q"], rtol=1e-13)
 
 
 def test_fused_qkv_is_gpt2_c_attn_and_round_trips():
@@ -147,9 +158,8 @@ def test_fused_qkv_is_gpt2_c_attn_and_round_trips():
     assert c_attn_w.shape == (E, 3 * E)
     x = w.query
     q, k, v = np.split(x @ c_attn_w + c_attn_b, 3, axis=-1)  # GPT-2: qkv.split(n_embd, dim=2)
-    W_q, W_k, _ = adapt.in_weights(w.params)
-    b_q, b_k, _ = adapt.in_biases(w.params)
-    np.testing.assert_allclose(k, x @ W_k.T + b_k, rtol=1e-13)
+    p = adapt.projections(w.params, "xw")
+    np.testing.assert_allclose(k, x @ p["W_k"] + p["b_k"], rtol=1e-13)
     back = adapt.fused_qkv_grads(w.params, c_attn_w, c_attn_b)
     np.testing.assert_array_equal(back["in_proj_weight"], w.params["in_proj_weight"])
     np.testing.assert_array_equal(back["in_proj_bias"], w.params["in_proj_bias"])
@@ -163,7 +173,7 @@ def test_fused_qkv_refuses_separate_weights():
 
 def test_split_heads_takes_torchs_head_columns_and_merges_back():
     _, w = workload(num_heads=4)
-    W_q = adapt.xw(adapt.in_weights(w.params)[0])  # (E, E) for x @ W
+    W_q = adapt.projections(w.params, "xw")["W_q"]  # (E, E) for x @ W
     pieces = adapt.split_heads(W_q, 4)
     assert len(pieces) == 4 and pieces[1].shape == (16, 4)
     # torch's head h is rows h*D:(h+1)*D of the (out, in) weight
@@ -176,6 +186,19 @@ def test_split_heads_takes_torchs_head_columns_and_merges_back():
         adapt.merge_heads([np.ones((2, 3)), np.ones((2, 4))])
 
 
+@pytest.mark.parametrize("name", ["default", "no_bias", "kdim_vdim"])
+def test_per_head_lists_round_trip(name):
+    c, w = workload(**CASES[name])
+    heads = adapt.per_head(w.params, c.num_heads)
+    assert len(heads) == c.num_heads and heads[0]["W_k"].shape == (c.kdim_eff, c.head_dim)
+    # head 1's query projection is torch's rows D:2D
+    np.testing.assert_array_equal(heads[1]["W_q"].T, adapt.projections(w.params)["W_q"][c.head_dim:2 * c.head_dim])
+    back = adapt.per_head_grads(w.params, [{f"d{k}": v for k, v in h.items()} for h in heads])
+    assert back.keys() == {k for k in w.params if not k.startswith("out_proj")}
+    for key in back:
+        np.testing.assert_array_equal(back[key], w.params[key], err_msg=key)
+
+
 def test_bias_kv_round_trip():
     _, w = workload(add_bias_kv=True)
     bias_k, bias_v = adapt.bias_kv(w.params)
@@ -186,16 +209,13 @@ def test_bias_kv_round_trip():
     assert adapt.bias_kv(workload()[1].params) == (None, None)
 
 
-def test_grads_accept_column_biases_and_reject_wrong_shapes():
+def test_grads_reject_wrong_shapes():
     _, w = workload()
-    W = adapt.in_weights(w.params)
-    biases = [b[:, None] for b in adapt.in_biases(w.params)]  # (E, 1) columns
-    np.testing.assert_array_equal(adapt.in_grads(w.params, *W, *biases)["in_proj_bias"], w.params["in_proj_bias"])
-    assert "in_proj_bias" not in adapt.in_grads(w.params, *W)  # not given: "not provided"
+    p = adapt.projections(w.params)
     with pytest.raises(ValueError, match=r"dW_k: expected shape \(16, 16\), got \(16, 8\)"):
-        adapt.in_grads(w.params, W[0], W[1][:, :8], W[2])
+        adapt.projection_grads(w.params, {**p, "W_k": p["W_k"][:, :8]})
     with pytest.raises(ValueError, match="db_o"):
-        adapt.out_grads(np.ones((16, 16)), np.ones(15))
+        adapt.projection_grads(w.params, {**p, "b_o": np.ones(15)})
 
 
 @pytest.mark.parametrize("shape, batch_first", [((2, 5, 3), True), ((5, 2, 3), False), ((5, 3), True)])
@@ -211,11 +231,21 @@ def test_layout_round_trips_and_puts_the_batch_first(shape, batch_first):
 def test_attention_weights_average_and_unbatch():
     p = np.random.default_rng(1).random((1, 3, 4, 5))
     batched, unbatched = adapt.Layout(np.ones((1, 4, 6)), True), adapt.Layout(np.ones((4, 6)), True)
-    np.testing.assert_allclose(batched.attention_weights(p, True), p.mean(axis=1))
-    assert batched.attention_weights(p, False) is p
-    assert unbatched.attention_weights(p, True).shape == (4, 5)
-    assert unbatched.attention_weights(p, False).shape == (3, 4, 5)
-    assert batched.attention_weights(None, True) is None
+    np.testing.assert_allclose(batched.attention_weights(p, True, True), p.mean(axis=1))
+    assert batched.attention_weights(p, True, False) is p
+    assert unbatched.attention_weights(p, True, True).shape == (4, 5)
+    assert unbatched.attention_weights(p, True, False).shape == (3, 4, 5)
+    assert batched.attention_weights(p, False, True) is None
+
+
+def test_input_grads_in_the_callers_layout():
+    io = adapt.Layout(np.ones((5, 2, 3)), batch_first=False)
+    d = np.arange(30.0).reshape(2, 5, 3)  # (B, L, E)
+    grads = io.input_grads(d, d[:, :4])
+    assert grads.keys() == {"query", "key"} and grads["key"].shape == (4, 2, 3)
+    np.testing.assert_array_equal(grads["query"][1, 0], d[0, 1])
+    one = io.self_attention_grads(d)
+    np.testing.assert_array_equal(one["query"] + one["key"] + one["value"], io.from_ble(d))
 
 
 # ------------------------------------------------------------------------------------ masks
@@ -268,7 +298,7 @@ def test_masks_of_the_wrong_shape_are_adapter_bugs():
 CAUSAL = np.triu(np.ones((4, 4), dtype=bool), k=1)
 
 
-@pytest.mark.parametrize("attn_mask, kpm, expected", [
+@pytest.mark.parametrize("attn_mask, kpm, expected, shape", [(*case, (2, 3, 4, 4))[:4] for case in [
     (CAUSAL, None, True),
     (np.where(CAUSAL, -np.inf, 0.0), None, True),  # the same as a float mask
     (np.broadcast_to(CAUSAL, (2 * 3, 4, 4)), None, True),  # per head, every head causal
@@ -277,15 +307,22 @@ CAUSAL = np.triu(np.ones((4, 4), dtype=bool), k=1)
     (np.where(CAUSAL, -np.inf, 0.5), None, False),  # causal plus a bias
     (~CAUSAL, None, False),
     (None, None, False),
-])  # fmt: skip
-def test_is_exactly_causal(attn_mask, kpm, expected):
-    assert adapt.is_exactly_causal(attn_mask, kpm, (2, 3, 4, 4)) is expected
+    (None, None, True, (2, 3, 4, 1)),  # a single key: nothing to mask
+]])  # fmt: skip
+def test_is_exactly_causal(attn_mask, kpm, expected, shape):
+    assert adapt.is_exactly_causal(attn_mask, kpm, shape) is expected
+    if not expected:
+        with pytest.raises(NotImplementedError, match="other than exactly causal not supported: built in"):
+            adapt.require_causal(attn_mask, kpm, shape, reason="built in")
 
 
 def test_fully_masked_rows_counts_rows_with_no_key():
     keep = np.ones((2, 3, 4), dtype=bool)
     keep[1, 2] = False
     assert adapt.fully_masked_rows(keep) == 1 and adapt.fully_masked_rows(None) == 0
+    additive = np.where(keep, 0.5, -np.inf)  # finite values are biases, not masking
+    assert adapt.fully_masked_rows(additive) == 1
+    assert adapt.fully_masked_rows(keep.astype(np.int8)) == 1  # a 0/1 keep mask
 
 
 # --------------------------------------------------------------------------------- refusing
@@ -319,7 +356,15 @@ def test_undo_batch_mean_scales_parameters_and_optionally_inputs():
     assert adapt.undo_batch_mean(grads, 4, inputs=True)["query"][0] == 4
 
 
-def test_self_attention_grads_sum_to_the_input_gradient():
-    dx = np.arange(6.0).reshape(2, 3)
-    grads = adapt.self_attention_grads(dx)
-    np.testing.assert_array_equal(grads["query"] + grads["key"] + grads["value"], dx)
+def test_layout_knows_the_mask_shape():
+    io = adapt.Layout(np.ones((5, 2, 3)), batch_first=False, key=np.ones((7, 2, 4)))  # (L, B, E), (S, B, Ek)
+    assert io.mask_shape() == (2, 5, 7) and io.mask_shape(4) == (2, 4, 5, 7)
+    assert adapt.Layout(np.ones((5, 3)), True).mask_shape(2) == (1, 2, 5, 5)  # unbatched, self-attention
+
+
+def test_refuse_fully_masked_rows_only_without_weights():
+    kpm = np.array([[True, True, True], [False, True, False]])  # sequence 0 masks every key
+    adapt.refuse_fully_masked_rows(None, kpm, (2, 2, 4, 3), need_weights=True)  # torch gives NaN too
+    adapt.refuse_fully_masked_rows(None, kpm[1:], (1, 2, 4, 3), need_weights=False)  # no such row
+    with pytest.raises(NotImplementedError, match="8 query rows with every key masked, with need_weights=False"):
+        adapt.refuse_fully_masked_rows(None, kpm, (2, 2, 4, 3), need_weights=False)  # 2 heads x 4 rows
