@@ -17,7 +17,7 @@ from os import PathLike
 from typing import Any
 
 from attncheck.checks import REFERENCE, Candidate, run_check
-from attncheck.config import Config, config_from_mapping, load_config
+from attncheck.config import Config, check_memory, config_from_mapping, load_config
 from attncheck.errors import UsageError
 from attncheck.impl import load_candidate
 from attncheck.report import Report
@@ -46,6 +46,7 @@ def check(
     if unknown:
         raise UsageError(f"unknown option(s) {', '.join(sorted(unknown))}: grad takes per_head and strict")
     cfg = _config(config)
+    check_memory(cfg, str(config) if isinstance(config, (str, PathLike)) else "<check() config>")
     return run_check(command, cfg, _candidate(impl if impl is not None else cfg.impl), **options)
 
 

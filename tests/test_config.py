@@ -339,13 +339,14 @@ def test_estimate_counts_the_padded_key():
 
 def test_config_over_the_memory_limit_is_refused(monkeypatch):
     monkeypatch.setenv(MEMORY_LIMIT_ENV, "1")
+    big = parse_config("batch_size: 8\ntgt_len: 1000\n", "big.yaml")  # loading never reads the machine
     with pytest.raises(ConfigError) as caught:
-        parse_config("batch_size: 8\ntgt_len: 1000\n", "big.yaml")
+        check_memory(big, "big.yaml")
     message = str(caught.value)
     assert "big.yaml" in message
     assert "memory limit of 1.0 MiB" in message
     assert "8 x 4 x 1000 x 1000" in message
-    parse_config("seed: 1\n", "small.yaml")  # the default check fits in 1 MiB
+    check_memory(parse_config("seed: 1\n", "small.yaml"), "small.yaml")  # the default check fits in 1 MiB
 
 
 def test_memory_limit_defaults_to_physical_memory(monkeypatch):
@@ -360,7 +361,7 @@ def test_memory_limit_defaults_to_physical_memory(monkeypatch):
 def test_bad_memory_limit_setting_is_a_config_error(monkeypatch, value):
     monkeypatch.setenv(MEMORY_LIMIT_ENV, value)
     with pytest.raises(ConfigError, match=f"{MEMORY_LIMIT_ENV} must be a positive number"):
-        parse_config("seed: 1\n", "x.yaml")
+        check_memory(Config(), "x.yaml")
 
 
 # --- fuzz ------------------------------------------------------------------------------------

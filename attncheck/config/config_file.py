@@ -2,7 +2,9 @@
 
 A plain config file is a mapping of config keys; a file with suite keys (defaults, cases,
 matrix, exclude) is refused here and loaded by attncheck.config.suite_file instead. Every problem
-of a file is raised at once as one `ConfigError`, and so is a check too big for memory.
+of a file is raised at once as one `ConfigError`. Whether a check fits in memory is not decided
+here: the runner asks attncheck.config.memory when it plans the work, so a file loads the same
+on every machine.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from attncheck.config.memory import check_memory
 from attncheck.config.messages import locate, raise_if_any, validate
 from attncheck.config.schema import SUITE_KEYS, Config
 from attncheck.config.yaml_reading import Document, parse_document, read_config_file
@@ -43,7 +44,6 @@ def config_from_mapping(data: Mapping[str, Any], source: str = "<config>") -> Co
         Problem(finding.message, source=source, key=finding.keys[0] if finding.keys else None)
         for finding in findings
     ])
-    check_memory(cfg, source)
     return cfg
 
 
@@ -53,5 +53,4 @@ def plain_config(doc: Document, default_name: str) -> Config:
     cfg, findings = validate(data, extra_keys=SUITE_KEYS)
     origins = {key: (key,) for key in doc.data if isinstance(key, str)}
     raise_if_any(locate(doc, findings, origins, fallback=()))
-    check_memory(cfg, doc.source, line=None)
     return cfg

@@ -1,16 +1,23 @@
 """Whether a check fits in this machine's memory, decided before anything is allocated.
 
 The estimate counts the largest arrays one check holds at once; the limit is
-ATTNCHECK_MEMORY_LIMIT_MB when set, else 75% of physical memory.
+ATTNCHECK_MEMORY_LIMIT_MB when set, else 75% of physical memory. Both depend on the machine, so
+this is no part of loading a file (a suite expands the same everywhere): the runner checks
+every case when it plans the work, and attncheck.check() checks its one config, each raising a
+`ConfigError` (exit 2) with the estimate before any work starts.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 from attncheck.config.schema import Config
 from attncheck.errors import ConfigError, Problem
+
+if TYPE_CHECKING:
+    from attncheck.config.suite_file import Suite
 
 MEMORY_LIMIT_ENV = "ATTNCHECK_MEMORY_LIMIT_MB"
 
@@ -41,24 +48,37 @@ def estimate_bytes(cfg: Config) -> int:
 
 def check_memory(cfg: Config, source: str = "<config>", line: int | None = None) -> None:
     """Refuse a config whose check would not fit in memory: raise ConfigError naming both sizes."""
-    problem = memory_problem(cfg, source)
-    if problem is not None:
-        raise ConfigError(Problem(problem, source=source, line=line))
+    _refuse_oversized([(cfg, line, None)], source)
 
 
-def memory_problem(cfg: Config, source: str) -> str | None:
-    """Why a config's check would not fit in memory, naming both sizes; None when it fits."""
+def check_suite_memory(suite: Suite) -> None:
+    """Refuse a suite if any case's check would not fit in memory, naming every such case."""
+    cases = [(case.config, case.line, case.name) for case in suite.cases if case.config is not None]
+    _refuse_oversized(cases, suite.source)
+
+
+def _refuse_oversized(checks: list[tuple[Config, int | None, str | None]], source: str) -> None:
+    """Raise one ConfigError with a problem per (config, line, case name) over the memory limit."""
     limit, limit_origin = _memory_limit(source)
-    needed = estimate_bytes(cfg)
-    if limit is None or needed <= limit:
-        return None
-    B, H, L = cfg.effective_batch, cfg.num_heads, cfg.tgt_len
-    S = cfg.S + cfg.add_bias_kv + cfg.add_zero_attn
-    return (
-        f"this check needs about {_human_bytes(needed)} (its (B, H, L, S) attention matrix is "
-        f"{B} x {H} x {L} x {S}), more than the memory limit of {_human_bytes(limit)} "
-        f"({limit_origin}); make it smaller or set {MEMORY_LIMIT_ENV}"
-    )
+    if limit is None:
+        return
+    problems = []
+    for cfg, line, case in checks:
+        needed = estimate_bytes(cfg)
+        if needed <= limit:
+            continue
+        B, H, L = cfg.effective_batch, cfg.num_heads, cfg.tgt_len
+        S = cfg.S + cfg.add_bias_kv + cfg.add_zero_attn
+        subject = "this check" if case is None else f"case '{case}'"
+        problems.append(Problem(
+            f"{subject} needs about {_human_bytes(needed)} (its (B, H, L, S) attention matrix is "
+            f"{B} x {H} x {L} x {S}), more than the memory limit of {_human_bytes(limit)} "
+            f"({limit_origin}); make it smaller or set {MEMORY_LIMIT_ENV}",
+            source=source,
+            line=line,
+        ))
+    if problems:
+        raise ConfigError(problems)
 
 
 def _memory_limit(source: str) -> tuple[int | None, str]:

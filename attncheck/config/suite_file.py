@@ -2,8 +2,9 @@
 
 An invalid explicit case is an error at its line; a matrix combination that breaks a rule (say
 is_causal with add_bias_kv) is a skipped case with the reason; a typo anywhere (an unknown key,
-a wrong type) is an error. Every problem of a file is raised at once. A combination too big for
-this machine's memory is skipped, an explicit case too big is an error.
+a wrong type) is an error. Every problem of a file is raised at once. Expansion reads only the
+file, never the machine, so one suite file gives the same cases everywhere; whether each fits
+in memory is checked when the runner plans the work (attncheck.config.memory).
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from attncheck.config.config_file import plain_config
 from attncheck.config.display import plain, show, type_name
-from attncheck.config.memory import memory_problem
 from attncheck.config.messages import locate, raise_if_any, unknown_key_message, validate
 from attncheck.config.schema import CONFIG_KEYS, SUITE_KEYS, Config
 from attncheck.config.yaml_reading import Document, KeyPath, dotted, parse_document, read_config_file
@@ -33,6 +33,8 @@ class Case:
     name: str
     config: Config | None
     skip_reason: str | None = None
+    # Where the file writes it: its entry under `cases:`, or the `matrix:` key; None for a plain config.
+    line: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -165,11 +167,7 @@ class _SuiteBuilder:
             if findings:
                 self.problems += locate(self.doc, findings, origins, fallback=path)
                 continue
-            memory = memory_problem(cfg, self.doc.source)
-            if memory:
-                self.fail(memory, path)
-                continue
-            cases.append((Case(name, cfg), path))
+            cases.append((Case(name, cfg, line=self.doc.line_of(path)), path))
         return cases
 
     def matrix(self, top: dict) -> dict[str, list] | None:
@@ -249,6 +247,7 @@ class _SuiteBuilder:
         """The matrix's product over the defaults; a combination that fails validation is skipped."""
         if not matrix:
             return []
+        line = self.doc.line_of(("matrix",))
         cases = []
         for combination in itertools.product(*matrix.values()):
             chosen = dict(zip(matrix, combination))
@@ -258,10 +257,9 @@ class _SuiteBuilder:
             cfg, findings = validate({**defaults, **chosen, "name": name})
             if findings:
                 reason = "; ".join(f"{f.keys[0]}: {f.message}" if f.keys else f.message for f in findings)
-                cases.append((Case(name, None, reason), ("matrix",)))
-                continue
-            memory = memory_problem(cfg, self.doc.source)
-            cases.append((Case(name, None, memory) if memory else Case(name, cfg), ("matrix",)))
+                cases.append((Case(name, None, reason, line=line), ("matrix",)))
+            else:
+                cases.append((Case(name, cfg, line=line), ("matrix",)))
         return cases
 
     def check_unique_names(self, cases: list[tuple[Case, KeyPath]]) -> None:

@@ -91,6 +91,11 @@ class Document:
     data: dict
     marks: dict[KeyPath, yaml.Mark]
 
+    def line_of(self, path: KeyPath) -> int | None:
+        """The 1-based line where `path` starts, None when the file does not have it."""
+        mark = self.marks.get(path)
+        return None if mark is None else mark.line + 1
+
     def problem(self, message: str, path: KeyPath = (), fallback: KeyPath = ()) -> Problem:
         """A Problem at `path`, placed at the line of `fallback` when `path` is not in the file."""
         mark = self.marks.get(path) or self.marks.get(fallback)
