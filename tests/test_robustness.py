@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import attncheck.api
 import attncheck.checks
 import attncheck.cli
 from attncheck.cli import app
 from attncheck.config import MEMORY_LIMIT_ENV
+from attncheck.errors import ConfigError
 from attncheck.output import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +30,11 @@ def run(*args):
 
 def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
+
+
+def must_not_run(*args, **kwargs):
+    """Stands in for run_check where a test's point is that no check starts."""
+    raise AssertionError("the check ran")
 
 
 def test_ctrl_c_exits_130_quietly_and_leaves_no_file(tmp_path):
@@ -75,9 +82,6 @@ def test_internal_bug_exits_3_with_traceback_and_a_request_to_report(monkeypatch
 
 
 def test_oversized_config_is_refused_with_an_estimate_before_any_work(tmp_path, monkeypatch):
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("the check ran")
-
     monkeypatch.setattr(attncheck.checks, "run_check", must_not_run)
     monkeypatch.setenv(MEMORY_LIMIT_ENV, "1024")
     config = tmp_path / "huge.yaml"
@@ -87,6 +91,25 @@ def test_oversized_config_is_refused_with_an_estimate_before_any_work(tmp_path, 
     assert "64 x 16 x 100000 x 100000" in result.output
     assert "needs about" in result.output and "1.0 GiB" in result.output
     assert "Traceback" not in result.output
+
+
+def test_oversized_suite_case_is_refused_by_name_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(attncheck.checks, "run_check", must_not_run)
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "1")
+    config = tmp_path / "grid.yaml"
+    config.write_text("matrix:\n  tgt_len: [5, 2000]\n")
+    result = run("run", "-c", config)
+    assert result.exit_code == 2, result.output
+    assert "grid.yaml:1: case 'tgt_len=2000' needs about" in result.output
+    assert "tgt_len=5" not in result.output
+    assert "Traceback" not in result.output
+
+
+def test_check_refuses_an_oversized_config_before_any_work(monkeypatch):
+    monkeypatch.setattr(attncheck.api, "run_check", must_not_run)
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "1")
+    with pytest.raises(ConfigError, match=r"this check needs about .* 2 x 4 x 2000 x 2000"):
+        attncheck.check({"tgt_len": 2000})
 
 
 def test_oversized_config_is_refused_against_physical_memory(tmp_path, monkeypatch):
@@ -100,9 +123,6 @@ def test_oversized_config_is_refused_against_physical_memory(tmp_path, monkeypat
 
 @pytest.mark.parametrize("where", ["directory", "missing_dir"])
 def test_unwritable_json_path_exits_2_before_any_work(tmp_path, monkeypatch, where):
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("the check ran")
-
     monkeypatch.setattr(attncheck.checks, "run_check", must_not_run)
     target = tmp_path if where == "directory" else tmp_path / "no" / "such" / "out.json"
     result = run("forward", "--json", target)
