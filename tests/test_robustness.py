@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -37,23 +38,54 @@ def must_not_run(*args, **kwargs):
     raise AssertionError("the check ran")
 
 
+# A quick case, then one that takes minutes: the quick case's progress line says work is under way.
+LONG_SUITE = """\
+name: long
+cases:
+  - name: quick
+  - name: slow
+    steps: 20000
+"""
+READY = b"[1/2] quick sgd-step"
+
+
+def read_until(proc: subprocess.Popen, marker: bytes, timeout: float) -> bytes:
+    """What proc printed to stdout up to and including `marker`; fails if it exits or `timeout` s pass first."""
+    fd, seen, deadline = proc.stdout.fileno(), b"", time.monotonic() + timeout
+    while marker not in seen:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"no {marker!r} within {timeout} s; stdout so far: {seen!r}"
+        if select.select([fd], [], [], remaining)[0]:
+            chunk = os.read(fd, 4096)
+            assert chunk, f"exited before printing {marker!r}: {seen + proc.stderr.read()!r}"
+            seen += chunk
+    return seen
+
+
 def test_ctrl_c_exits_130_quietly_and_leaves_no_file(tmp_path):
     config = tmp_path / "long.yaml"
-    config.write_text("steps: 20000\n")  # minutes of work: still running when interrupted
+    config.write_text(LONG_SUITE)
     out = tmp_path / "out.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "attncheck", "sgd-step", "-c", str(config), "--json", str(out)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
-    time.sleep(1.5)
-    assert proc.poll() is None, proc.communicate()
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=30)
+    try:
+        printed = read_until(proc, READY, timeout=120)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    stdout, stderr = (printed + rest).decode(), err.decode()
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr
     assert "Traceback" not in stderr + stdout
     assert len(stderr.strip().splitlines()) == 1
+    assert "[2/2]" not in stdout  # interrupted during the slow case
     assert leftovers(tmp_path) == ["long.yaml"]  # neither out.json nor a temporary file
 
 
