@@ -114,6 +114,7 @@ def check_forward(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
         out, weights = session.forward(session.build(w.params), w)
     except (CandidateError, Unsupported) as err:
         return _failed_call(report, "forward", err)
+    report.notes.extend(session.notes)
     report.rows.append(compare("forward", "output", out, t_out, rule, oracle=o_out))
     if cfg.need_weights:
         report.rows.append(compare("forward", "attn_weights", weights, t_weights, rule, oracle=o_weights, strict=True))
@@ -204,6 +205,7 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
         out, loss, grads = _run_grad(session, cfg, w)
     except (CandidateError, Unsupported) as err:
         return _failed_call(report, "grad", err)
+    report.notes.extend(session.notes)
     o_out, o_loss, o_grads = oracle if grad_rule.needs_oracle else (None, None, None)
     o_grads = None if o_grads is None else _full_grads(cfg, o_grads)
     report.rows.append(compare("forward", "output", out, t.output, forward_rule, oracle=o_out))
@@ -388,10 +390,12 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
     oracle = None
     if rule_for(cfg, "sgd").needs_oracle:
         oracle = _run_sgd(Session(oracle_config(cfg), REFERENCE), oracle_config(cfg), w.astype(np.float64), TRUSTED_SGD)
+    session = Session(cfg, candidate)
     try:
-        mine = _run_sgd(Session(cfg, candidate), cfg, w)
+        mine = _run_sgd(session, cfg, w)
     except (CandidateError, Unsupported) as err:
         return _failed_call(report, "sgd", err)
+    report.notes.extend(session.notes)
 
     n = cfg.steps
     torch_losses = t.losses + [t.final_loss]  # before each step, then after the last
