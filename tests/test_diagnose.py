@@ -1,7 +1,7 @@
 """Diagnosis: each known-bad implementation gets the words that name its bug.
 
 DIAGNOSES: (implementation, command, config, quantity, fragments the diagnosis must contain).
-The implementations are the corpus's (tests/wrong_impls.py) and, where it has none with that
+The implementations are the corpus's (attncheck/testing/wrong_impls.py) and, where it has none with that
 bug, the small ones below, each a variation of the reference whose docstring names its bug.
 Configs avoid coincidences between dimensions where a factor's name matters (B=3, so 2 = sqrt(D)
 only).
@@ -17,7 +17,7 @@ from attncheck.compare import Evidence
 from attncheck.diagnose import diagnose, factor_meaning
 from attncheck.reference import MultiheadAttention
 from attncheck.report import FAIL, Row
-from tests import wrong_impls
+from attncheck.testing import wrong_impls
 from tests.conftest import cfg
 
 

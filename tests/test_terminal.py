@@ -166,7 +166,7 @@ def _attncheck(*args, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "attncheck", *args], cwd=ROOT, text=True, **kwargs)
 
 
-@pytest.mark.parametrize("impl,code", [(None, 0), ("tests/wrong_impls.py:HeadWeightsSummed", 1)])
+@pytest.mark.parametrize("impl,code", [(None, 0), ("attncheck.testing.wrong_impls:HeadWeightsSummed", 1)])
 def test_a_closed_pipe_stops_output_quietly_with_the_verdicts_exit_code(impl, code):
     proc = _attncheck("forward", *(["--impl", impl] if impl else []), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader goes away before anything is written, as `| head` does
