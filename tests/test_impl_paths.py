@@ -4,12 +4,15 @@ the line that wrote it."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+import attncheck
 from attncheck.cli import app
+from attncheck.errors import UsageError
 from attncheck.config import config_from_mapping, load_config, load_suite
 
 CANDIDATE = "from attncheck.reference import MultiheadAttention as Candidate\n"
@@ -79,3 +82,10 @@ def test_command_line_impl_stays_relative_to_the_current_directory(project):
     assert run("forward", "-c", config, "--impl", "here.py:Candidate")[0] == 0
     code, output = run("forward", "--impl", "gone.py:Candidate")
     assert code == 2 and "error: --impl 'gone.py:Candidate': no such file" in output
+
+
+def test_the_api_names_the_config_file_of_an_impl_it_cannot_load(project):
+    config = project / "tests" / "mha.yaml"
+    config.write_text("impl: cand.py:Nope\n")
+    with pytest.raises(UsageError, match=rf"^{re.escape(str(config))}: impl '.*cand.py:Nope': .* has no attribute 'Nope'"):
+        attncheck.check(config)
