@@ -186,9 +186,11 @@ def _run_suite(suite, label, commands, impl, tolerance, workers, verbose, option
 @app.command(help=COMMANDS["forward"].summary)
 def forward(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Count attention weights the candidate does not return as a failure.")] = False,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
 ) -> None:  # fmt: skip
-    raise typer.Exit(_run(("forward",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers, verbose=verbose))
+    raise typer.Exit(_run(("forward",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
+                          verbose=verbose, strict=strict))  # fmt: skip
 
 
 @app.command(help=COMMANDS["grad"].summary)
@@ -198,7 +200,7 @@ def grad(
     impl: ImplOption = None,
     tolerance: ToleranceOption = None,
     per_head: Annotated[bool, typer.Option("--per-head", help="Add one row per head for the projection blocks.")] = False,
-    strict: Annotated[bool, typer.Option("--strict", help="Count gradients the candidate does not return as failures.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Count gradients the candidate does not return as failures (in the finite-difference rows too).")] = False,
     junit: JunitOption = None,
     shard: ShardOption = None,
     workers: WorkersOption = 1,
@@ -228,7 +230,7 @@ def run(
     workers: WorkersOption = 1,
     verbose: VerboseOption = False,
     per_head: Annotated[bool, typer.Option("--per-head", help="grad: add one row per head for the projection blocks.")] = False,
-    strict: Annotated[bool, typer.Option("--strict", help="grad: count gradients the candidate does not return as failures.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Count gradients and attention weights the candidate does not return as failures.")] = False,
 ) -> None:
     """Run forward, grad and sgd-step for every case of a config or suite: the one command for CI."""
     try:

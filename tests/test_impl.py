@@ -87,7 +87,7 @@ BROKEN = {
             def forward(self, *args, **kw):
                 out, w = super().forward(*args, **kw)
                 return out.astype(np.float64), w
-        """, "forward", "dtype float64, expected float32", located=False),
+        """, "forward", "output returned as float64 for float32 inputs", located=False),
     "weights_none": Broken(
         """
         class Candidate(Ref):
