@@ -22,7 +22,7 @@ from attncheck.checks import run_check
 from attncheck.commands import COMMANDS as COMMAND_TABLE
 from attncheck.commands import NAMES
 from attncheck.commands import command as command_named
-from attncheck.config import Config, config_from_mapping, load_config
+from attncheck.config import Config, check_memory, config_from_mapping, load_config
 from attncheck.errors import UsageError
 from attncheck.report import Report
 
@@ -48,6 +48,7 @@ def check(
         what = f"takes {' and '.join(takes)}" if takes else "takes no options"
         raise UsageError(f"{command} {what} (got {', '.join(unknown)}); {'; '.join(owners)}")
     cfg = _config(config)
+    check_memory(cfg, str(config) if isinstance(config, (str, PathLike)) else "<check() config>")
     candidate = _candidate(impl if impl is not None else cfg.impl)
     with torch_side.one_thread():  # as on the command line, so the numbers are the CLI's
         return run_check(command, cfg, candidate, **options)

@@ -15,7 +15,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from attncheck.config import Case, Config, Suite
+from attncheck.config import Case, Config, Suite, check_suite_memory
 from attncheck.errors import UsageError
 from attncheck.report import INCONCLUSIVE, JSON_SCHEMA_VERSION, UNSUPPORTED, Report, verdict_of
 
@@ -81,7 +81,11 @@ def shard(cases: list[Case], i: int, n: int) -> list[Case]:
 
 
 def plan(suite: Suite, commands: tuple[str, ...], *, impl: str | None = None, tolerance: str | None = None) -> tuple[list[Job], list[Case]]:
-    """The jobs to run (case x command, case-major) and the skipped cases, in suite order."""
+    """The jobs to run (case x command, case-major) and the skipped cases, in suite order.
+
+    A case whose check would not fit in memory is a ConfigError here, before any work.
+    """
+    check_suite_memory(suite)
     jobs, skipped = [], []
     for case in suite.cases:
         if case.config is None:

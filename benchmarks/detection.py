@@ -5,10 +5,10 @@ Run from the repository root:
 
     PYTHONPATH=$PWD python benchmarks/detection.py [--configs 300]
 
-The table comes from tests/test_wrong_impls.py (CAUGHT and MISSED); the random configs from the
-strategies of tests/test_no_false_alarms.py: 60% anywhere in the option space, 20% with large
-logits (input_scale 8..16), 20% long sequences (64..256 positions). Every config runs forward,
-grad and sgd-step under the default budget rule.
+The table is attncheck/testing/detection.py's (CAUGHT and MISSED, with the rows each case must
+fail on); the random configs come from attncheck/testing/strategies.py: 60% anywhere in the option
+space, 20% with large logits (input_scale 8..16), 20% long sequences (64..256 positions). Every
+config runs forward, grad and sgd-step under the default budget rule.
 """
 
 from __future__ import annotations
@@ -16,35 +16,31 @@ from __future__ import annotations
 import argparse
 import time
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 
 from attncheck.checks import check_forward, check_grad, check_sgd
-from tests.test_no_false_alarms import large_logit_configs, long_configs
-from tests.test_reference import configs
-from tests.test_wrong_impls import CAUGHT, MISSED, _run
-
-
-def _describe(overrides) -> str:
-    if isinstance(overrides, str):
-        return f"configs/{overrides}"
-    return ", ".join(f"{k}={v}" for k, v in overrides.items()) or "defaults"
+from attncheck.testing import detection
+from attncheck.testing.strategies import configs, large_logit_configs, long_configs
 
 
 def detection_table() -> list[str]:
-    """One line per (implementation, command, config): caught or not, and whether that was expected."""
-    lines = [f"| implementation | command | config | result | expected |", "|---|---|---|---|---|"]
-    wrong = 0
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        for cases, expected in ((CAUGHT, "caught"), (MISSED, "not caught")):
-            for name, command, overrides in cases:
-                report = _run(name, command, overrides, monkeypatch)
-                monkeypatch.undo()
-                result = "not caught" if report.passed else "caught"
-                wrong += result != expected
-                lines.append(f"| {name} | {command} | {_describe(overrides)} | {result} | {'yes' if result == expected else 'NO'} |")
-    lines.append(f"\n{len(CAUGHT) + len(MISSED)} cases, {wrong} not as expected")
-    return lines
+    """One line per (implementation, command, config): caught or not, on which rows, and whether as expected.
+
+    As expected means exactly the case's rows fail, each a real mismatch, and nothing crashed;
+    what is not comes after the table, a line per problem.
+    """
+    lines = ["| implementation | command | config | result | rows that fail | expected |", "|---|---|---|---|---|---|"]
+    wrong, notes = 0, []
+    for case in detection.CAUGHT + detection.MISSED:
+        report = detection.run(case)
+        problems = detection.problems(case, report)
+        config = detection.describe_config(case.config)
+        wrong += bool(problems)
+        notes += [f"  {case.impl} {case.command} ({config}): {problem}" for problem in problems]
+        lines.append(f"| {case.impl} | {case.command} | {config} | {'not caught' if report.passed else 'caught'} "
+                     f"| {detection.describe_rows(detection.failing_rows(report))} | {'NO' if problems else 'yes'} |")  # fmt: skip
+    lines.append(f"\n{len(detection.CAUGHT) + len(detection.MISSED)} cases, {wrong} not as expected")
+    return lines + notes
 
 
 def false_alarms(n: int) -> tuple[int, int, list[str]]:

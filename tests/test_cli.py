@@ -26,10 +26,10 @@ def test_default_config_agrees(command):
 
 
 def test_wrong_backward_exits_1_and_names_the_blocks():
-    result = run("grad", "--impl", "tests/wrong_impls.py:SoftmaxDiagonalBackward")
+    result = run("grad", "--impl", "attncheck.testing.wrong_impls:SoftmaxDiagonalBackward")
     assert result.exit_code == 1, result.output
     assert "FAIL" in result.output and "in_proj_weight[q]" in result.output
-    assert run("forward", "--impl", "tests/wrong_impls.py:SoftmaxDiagonalBackward").exit_code == 0
+    assert run("forward", "--impl", "attncheck.testing.wrong_impls:SoftmaxDiagonalBackward").exit_code == 0
 
 
 def test_a_zero_tolerance_exits_1(tmp_path):

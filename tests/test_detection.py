@@ -9,7 +9,7 @@ from attncheck import checks, sgd
 from attncheck.checks import Candidate, check_forward, check_grad, check_sgd
 from attncheck.reference import MultiheadAttention
 from tests.conftest import cfg
-from tests.wrong_impls import SoftmaxDiagonalBackward
+from attncheck.testing.wrong_impls import SoftmaxDiagonalBackward
 
 
 def _status(report):

@@ -1,8 +1,9 @@
 """The correct reference is never flagged: no false alarms under the default budget rule.
 
-Random valid configs from the whole option space (test_reference.py's strategy), widened to
-large logits (input_scale up to 16) and, separately, to long sequences (64..256 positions with a
-small embed dim), each run through forward, grad and sgd-step (steps <= 3) in float32 and float64.
+Random valid configs from the whole option space, widened to large logits (input_scale up to 16)
+and, separately, to long sequences (64..256 positions with a small embed dim), each run through
+forward, grad and sgd-step (steps <= 3) in float32 and float64. The strategies are
+attncheck.testing.strategies'.
 
 Examples per run: 120 small configs + 30 large-logit + 20 long-sequence = 170 configs, 510
 checks (about 25 s on a 2-core machine), drawn with derandomize=True so that every run checks
@@ -12,20 +13,19 @@ In float64 the reference is its own oracle (error 0), so the float64 draws exerc
 torch side's NaN handling and the rules' plumbing more than the tolerance itself.
 
 KNOWN_FALSE_ALARMS are the configs where the reference IS flagged (3 of 1500 random configs, two since fixed,
-`benchmarks/detection.py --configs 1500`, 2026-11-21); they are pinned by a test that asserts
-they still fail, so a fix shows up as that test failing (then move the case out of the list).
+`benchmarks/detection.py --configs 1500`, 2026-11-21); each is a strict xfail of a test asserting
+it passes, so it shows as xfail while it fails and a fix turns it into a failure (XPASS strict):
+then move the case to FIXED_FALSE_ALARMS.
 """
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
 
 from attncheck.checks import check_forward, check_grad, check_sgd
-from attncheck.config import config_from_mapping
-from attncheck.errors import ConfigError
+from attncheck.testing.strategies import configs, large_logit_configs, long_configs
 from tests.conftest import cfg
-from tests.test_reference import configs
 
 COMMANDS = (check_forward, check_grad, check_sgd)
 DRAWS = dict(derandomize=True, database=None)
@@ -50,45 +50,6 @@ FIXED_FALSE_ALARMS = [
      dict(seed=3, embed_dim=3, num_heads=1, tgt_len=253, src_len=229, self_attention=False, attn_mask="random",
           key_padding_mask="random", input_scale=4.0, need_weights=False, loss="sum", momentum=0.9, steps=3)),
 ]  # fmt: skip
-
-
-@st.composite
-def large_logit_configs(draw):
-    """A config from `configs()` with inputs scaled up until the softmax saturates."""
-    c = draw(configs())
-    return c.model_copy(update={"input_scale": draw(st.sampled_from([8.0, 12.0, 16.0]))})
-
-
-@st.composite
-def long_configs(draw):
-    """Long sequences with a small embed dim: many keys per softmax row, long sums in every product."""
-    heads = draw(st.sampled_from([1, 2]))
-    self_attention = draw(st.booleans())
-    overrides = dict(
-        seed=draw(st.integers(0, 2**16)),
-        dtype=draw(st.sampled_from(["float32", "float64"])),
-        num_heads=heads,
-        embed_dim=heads * draw(st.integers(1, 4)),
-        batch_size=draw(st.integers(1, 2)),
-        tgt_len=draw(st.integers(64, 256)),
-        self_attention=self_attention,
-        attn_mask=draw(st.sampled_from(["none", "causal", "random"])),
-        mask_dtype=draw(st.sampled_from(["bool", "float"])),
-        key_padding_mask=draw(st.sampled_from(["none", "random"])),
-        need_weights=draw(st.booleans()),
-        input_scale=draw(st.sampled_from([1.0, 4.0, 8.0])),
-        loss=draw(st.sampled_from(["mse", "sum"])),
-        momentum=draw(st.sampled_from([0.0, 0.9])),
-        steps=draw(st.integers(1, 3)),
-    )
-    if not self_attention:
-        overrides["src_len"] = draw(st.integers(64, 256))
-    try:
-        return config_from_mapping(overrides, source="<hypothesis>")
-    except ConfigError:
-        from hypothesis import assume
-
-        assume(False)
 
 
 def _assert_no_false_alarm(c):
@@ -116,10 +77,14 @@ def test_no_false_alarm_on_long_sequences(c):
     _assert_no_false_alarm(c)
 
 
-@pytest.mark.parametrize("why,check,overrides", KNOWN_FALSE_ALARMS, ids=["forward-tiny-output"])
-def test_known_false_alarms_still_fire(why, check, overrides):
-    """Each pinned false alarm: the reference fails today. When one is fixed, move it out of the list."""
-    assert not check(cfg(**overrides)).passed, f"fixed? {why}"
+@pytest.mark.parametrize("why,check,overrides", [
+    pytest.param(*case, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="a known false alarm"))
+    for case in KNOWN_FALSE_ALARMS
+], ids=["forward-tiny-output"])  # fmt: skip
+def test_known_false_alarms(why, check, overrides):
+    """Each pinned false alarm would pass if fixed; until then an xfail, and once fixed an XPASS that fails the run."""
+    report = check(cfg(**overrides))
+    assert report.passed, (why, [(r.quantity, r.note) for r in report.failures])
 
 
 @pytest.mark.parametrize("why,check,overrides", FIXED_FALSE_ALARMS, ids=["sgd-bias_kv-full_row", "sgd-diverging-sum"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -13,10 +14,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import attncheck.api
 import attncheck.checks
 import attncheck.cli
 from attncheck.cli import app
 from attncheck.config import MEMORY_LIMIT_ENV
+from attncheck.errors import ConfigError
 from attncheck.output import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,23 +33,59 @@ def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
+def must_not_run(*args, **kwargs):
+    """Stands in for run_check where a test's point is that no check starts."""
+    raise AssertionError("the check ran")
+
+
+# A quick case, then one that takes minutes: the quick case's progress line says work is under way.
+LONG_SUITE = """\
+name: long
+cases:
+  - name: quick
+  - name: slow
+    steps: 20000
+"""
+READY = b"[1/2] quick sgd-step"
+
+
+def read_until(proc: subprocess.Popen, marker: bytes, timeout: float) -> bytes:
+    """What proc printed to stdout up to and including `marker`; fails if it exits or `timeout` s pass first."""
+    fd, seen, deadline = proc.stdout.fileno(), b"", time.monotonic() + timeout
+    while marker not in seen:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"no {marker!r} within {timeout} s; stdout so far: {seen!r}"
+        if select.select([fd], [], [], remaining)[0]:
+            chunk = os.read(fd, 4096)
+            assert chunk, f"exited before printing {marker!r}: {seen + proc.stderr.read()!r}"
+            seen += chunk
+    return seen
+
+
 def test_ctrl_c_exits_130_quietly_and_leaves_no_file(tmp_path):
     config = tmp_path / "long.yaml"
-    config.write_text("steps: 20000\n")  # minutes of work: still running when interrupted
+    config.write_text(LONG_SUITE)
     out = tmp_path / "out.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "attncheck", "sgd-step", "-c", str(config), "--json", str(out)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
-    time.sleep(1.5)
-    assert proc.poll() is None, proc.communicate()
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=30)
+    try:
+        printed = read_until(proc, READY, timeout=120)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    stdout, stderr = (printed + rest).decode(), err.decode()
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr
     assert "Traceback" not in stderr + stdout
     assert len(stderr.strip().splitlines()) == 1
+    assert "[2/2]" not in stdout  # interrupted during the slow case
     assert leftovers(tmp_path) == ["long.yaml"]  # neither out.json nor a temporary file
 
 
@@ -75,9 +114,6 @@ def test_internal_bug_exits_3_with_traceback_and_a_request_to_report(monkeypatch
 
 
 def test_oversized_config_is_refused_with_an_estimate_before_any_work(tmp_path, monkeypatch):
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("the check ran")
-
     monkeypatch.setattr(attncheck.checks, "run_check", must_not_run)
     monkeypatch.setenv(MEMORY_LIMIT_ENV, "1024")
     config = tmp_path / "huge.yaml"
@@ -87,6 +123,25 @@ def test_oversized_config_is_refused_with_an_estimate_before_any_work(tmp_path, 
     assert "64 x 16 x 100000 x 100000" in result.output
     assert "needs about" in result.output and "1.0 GiB" in result.output
     assert "Traceback" not in result.output
+
+
+def test_oversized_suite_case_is_refused_by_name_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(attncheck.checks, "run_check", must_not_run)
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "1")
+    config = tmp_path / "grid.yaml"
+    config.write_text("matrix:\n  tgt_len: [5, 2000]\n")
+    result = run("run", "-c", config)
+    assert result.exit_code == 2, result.output
+    assert "grid.yaml:1: case 'tgt_len=2000' needs about" in result.output
+    assert "tgt_len=5" not in result.output
+    assert "Traceback" not in result.output
+
+
+def test_check_refuses_an_oversized_config_before_any_work(monkeypatch):
+    monkeypatch.setattr(attncheck.api, "run_check", must_not_run)
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "1")
+    with pytest.raises(ConfigError, match=r"this check needs about .* 2 x 4 x 2000 x 2000"):
+        attncheck.check({"tgt_len": 2000})
 
 
 def test_oversized_config_is_refused_against_physical_memory(tmp_path, monkeypatch):
@@ -100,9 +155,6 @@ def test_oversized_config_is_refused_against_physical_memory(tmp_path, monkeypat
 
 @pytest.mark.parametrize("where", ["directory", "missing_dir"])
 def test_unwritable_json_path_exits_2_before_any_work(tmp_path, monkeypatch, where):
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("the check ran")
-
     monkeypatch.setattr(attncheck.checks, "run_check", must_not_run)
     target = tmp_path if where == "directory" else tmp_path / "no" / "such" / "out.json"
     result = run("forward", "--json", target)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from attncheck.config import MEMORY_LIMIT_ENV, Case, Config, Suite, load_suite, parse_suite
 from attncheck.errors import ConfigError
+from attncheck.suite import plan
 
 
 def suite(text: str, source: str = "suite.yaml") -> Suite:
@@ -364,13 +365,31 @@ def test_value_rules_in_a_matrix_skip_rather_than_fail():
     assert "same random dropout mask" in loaded.cases[1].skip_reason
 
 
-def test_memory_over_the_limit_skips_a_combination_but_fails_a_case(monkeypatch):
+# Two cases over a 1 MiB memory limit: an explicit one (line 3) and a matrix one (matrix: at line 4).
+LONG_CASES = "cases:\n  - seed: 1\n  - {name: long, tgt_len: 2000}\nmatrix:\n  tgt_len: [5, 2000]\n"
+
+
+def test_expansion_does_not_depend_on_the_memory_limit(monkeypatch):
     monkeypatch.setenv(MEMORY_LIMIT_ENV, "1")
-    loaded = suite("matrix:\n  tgt_len: [5, 2000]\n")
-    assert loaded.cases[0].config is not None
-    assert "memory limit" in loaded.cases[1].skip_reason
-    error = refusal("cases:\n  - seed: 1\n  - tgt_len: 2000\n")
-    assert problem_at(error, "memory limit")[0] == 3
+    tight = suite(LONG_CASES)
+    monkeypatch.delenv(MEMORY_LIMIT_ENV)
+    assert suite(LONG_CASES) == tight
+    assert [case.name for case in tight.cases] == ["seed=1", "long", "tgt_len=5", "tgt_len=2000"]
+    assert all(case.config is not None and case.skip_reason is None for case in tight.cases)
+
+
+def test_every_case_over_the_memory_limit_is_refused_when_planned(monkeypatch):
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "1")
+    with pytest.raises(ConfigError) as caught:
+        plan(suite(LONG_CASES), ("forward",))
+    error = caught.value
+    assert problem_at(error, "case 'long' needs about")[0] == 3
+    assert problem_at(error, "case 'tgt_len=2000' needs about")[0] == 4
+    assert len(error.problems) == 2
+    assert all("memory limit of 1.0 MiB" in str(p) and "suite.yaml" in str(p) for p in error.problems)
+    assert "2 x 4 x 2000 x 2000" in str(error)
+    jobs, skipped = plan(suite("cases:\n  - seed: 1\nmatrix:\n  tgt_len: [5, 6]\n"), ("forward",))
+    assert (len(jobs), skipped) == (3, [])
 
 
 def test_shipped_suite_example_skips_a_combination():

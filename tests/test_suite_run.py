@@ -31,7 +31,7 @@ matrix:
 WRONG_CASE = """\
 cases:
   - name: wrong-softmax
-    impl: tests/wrong_impls.py:SoftmaxDiagonalBackward
+    impl: attncheck.testing.wrong_impls:SoftmaxDiagonalBackward
 """
 # The matrix has 4 combinations; is_causal with add_bias_kv is refused, so one is skipped.
 MATRIX_RUNNABLE, MATRIX_SKIPPED = 3, 1

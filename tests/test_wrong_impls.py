@@ -1,10 +1,9 @@
-"""Every known-bad implementation is caught by the command that should catch it, and only by it.
+"""Every known-bad implementation is caught by the command that should catch it, on the rows its bug
+affects, and only there.
 
-CAUGHT: (implementation, command, config) where the check must fail (exit 1). MISSED: where it
-must pass, because the bug cannot show there (a backward bug under `forward`, a swap of two
-gradients that self-attention sums, an overflow that small logits never reach). A MISSED row
-documents a blind spot; if one starts failing, the table (and README's) needs updating.
-A config is a dict of overrides of the defaults, or the name of a shipped file in configs/.
+The table (CAUGHT, MISSED) is attncheck/testing/detection.py's, shared with
+benchmarks/detection.py: a caught case must fail on exactly its listed rows, each a real mismatch,
+with nothing crashed; a missed case must pass.
 """
 
 from __future__ import annotations
@@ -15,47 +14,14 @@ from typer.testing import CliRunner
 from attncheck import checks
 from attncheck.checks import Candidate, run_check
 from attncheck.cli import app
-from attncheck.config import load_config
-from tests import wrong_impls
+from attncheck.report import FAIL, Report, Row
+from attncheck.testing import detection, wrong_impls
+from attncheck.testing.detection import CAUGHT, MISSED
 from tests.conftest import cfg
 
-SGD_DAMPENED = dict(steps=2, momentum=0.9, dampening=0.5)
-CROSS_KV = dict(self_attention=False, src_len=7)  # distinct key and value tensors, kdim == vdim
+SPEC = "attncheck.testing.wrong_impls:{}"
 
-CAUGHT = [
-    ("SoftmaxDiagonalBackward", "grad", {}),
-    ("SoftmaxDiagonalBackward", "sgd-step", {}),
-    ("ScaleByHeadDim", "forward", {}),
-    ("MaskAfterSoftmax", "forward", "causal.yaml"),
-    ("MaskAfterSoftmax", "forward", dict(key_padding_mask="random")),
-    ("HeadsSplitTransposed", "forward", {}),
-    ("InProjBiasTwice", "forward", {}),
-    ("KeyPaddingPerQuery", "forward", dict(key_padding_mask="random")),
-    ("BiasKvProjected", "forward", dict(add_bias_kv=True)),
-    ("ZeroAttnPrepended", "forward", dict(add_zero_attn=True)),  # the weights' columns
-    ("ZeroAttnPrepended", "forward", dict(add_zero_attn=True, need_weights=False, attn_mask="causal")),
-    ("HeadWeightsSummed", "forward", {}),
-    ("KeyValueGradSwapped", "grad", CROSS_KV),
-    ("SoftmaxWithoutMaxSubtraction", "forward", dict(input_scale=16.0)),
-    ("SoftmaxWithoutMaxSubtraction", "grad", dict(input_scale=16.0)),
-    ("OutProjBiasGradMissing", "sgd-step", {}),
-    ("MomentumBufferFromZero", "sgd-step", SGD_DAMPENED),
-]
-
-MISSED = [
-    ("SoftmaxDiagonalBackward", "forward", {}),  # a backward bug
-    ("MaskAfterSoftmax", "forward", {}),  # no mask, nothing to misapply
-    ("ZeroAttnPrepended", "forward", dict(add_zero_attn=True, need_weights=False)),  # softmax is permutation invariant
-    ("HeadWeightsSummed", "forward", dict(average_attn_weights=False)),  # per-head weights are not summed
-    ("KeyValueGradSwapped", "grad", {}),  # self-attention: one input, the gradients are summed
-    ("KeyValueGradSwapped", "forward", CROSS_KV),  # a backward bug
-    ("SoftmaxWithoutMaxSubtraction", "forward", {}),  # logits far below exp's overflow
-    ("SoftmaxWithoutMaxSubtraction", "grad", {}),
-    ("OutProjBiasGradMissing", "grad", {}),  # a missing gradient is "not provided" unless --strict
-    ("MomentumBufferFromZero", "sgd-step", dict(steps=2, momentum=0.9)),  # without dampening it IS torch's rule
-]
-
-# The CLI's exit code on a few of them, through `--impl tests/wrong_impls.py:NAME`.
+# The CLI's exit code on a few of them, through `--impl attncheck.testing.wrong_impls:NAME`.
 CLI = [
     ("SoftmaxDiagonalBackward", ["grad"]),
     ("HeadsSplitTransposed", ["forward"]),
@@ -64,52 +30,69 @@ CLI = [
 ]
 
 
-def _config(overrides):
-    return load_config(f"configs/{overrides}") if isinstance(overrides, str) else cfg(**overrides)
-
-
-def _run(name, command, overrides, monkeypatch):
-    """The report of one wrong implementation under one command and config."""
-    if name in wrong_impls.MODULES:
-        return run_check(command, _config(overrides), Candidate(f"tests/wrong_impls.py:{name}", wrong_impls.MODULES[name]))
-    monkeypatch.setattr(checks, "SGD", getattr(wrong_impls, name))  # an optimizer: the candidate's SGD
-    return run_check(command, _config(overrides))
-
-
 def _case_id(case):
-    name, command, overrides = case
-    return f"{name}-{command}-{overrides if isinstance(overrides, str) else ','.join(f'{k}={v}' for k, v in overrides.items()) or 'defaults'}"
+    return f"{case.impl}-{case.command}-{detection.describe_config(case.config).replace(', ', ',')}"
 
 
 @pytest.mark.parametrize("case", CAUGHT, ids=_case_id)
-def test_caught(case, monkeypatch):
-    report = _run(*case, monkeypatch)
+def test_caught(case):
+    report = detection.run(case)
     assert not report.passed
     assert report.failures
+    assert detection.problems(case, report) == []
 
 
 @pytest.mark.parametrize("case", MISSED, ids=_case_id)
-def test_not_caught_where_the_bug_cannot_show(case, monkeypatch):
-    report = _run(*case, monkeypatch)
+def test_not_caught_where_the_bug_cannot_show(case):
+    report = detection.run(case)
     assert report.passed, [(r.section, r.quantity, r.note) for r in report.failures]
+    assert detection.problems(case, report) == []
+
+
+def test_a_crash_or_a_missing_row_is_not_a_catch():
+    """The judge itself: failing rows prove a catch only when they are the expected mismatches."""
+    case = detection.Case("SoftmaxDiagonalBackward", "grad", {}, {"grad": ("in_proj_weight[q]",)})
+
+    def report(*rows):
+        return Report("grad", "test", "test", {}, rows=list(rows))
+
+    mismatch = Row("grad", "in_proj_weight[q]", FAIL, mismatched=3)
+    assert detection.problems(case, report(mismatch)) == []
+    crashed = detection.problems(case, report(mismatch, Row("grad", "candidate", FAIL, note="raised KeyError")))
+    assert crashed == ["the candidate crashed (grad): raised KeyError"]
+    assert detection.problems(case, report(Row("grad", "in_proj_weight[q]", FAIL, note="shape (3,), expected (4,)"))) == [
+        "grad in_proj_weight[q] failed without a mismatch: shape (3,), expected (4,)",
+        "rows that should fail but did not: grad in_proj_weight[q]",
+    ]  # fmt: skip
+    extra = Row("grad", "out_proj.bias", FAIL, mismatched=1)
+    assert detection.problems(case, report(mismatch, extra)) == ["unexpected failing rows: grad out_proj.bias"]
+
+
+def test_an_optimizer_swap_is_undone():
+    trusted = checks.SGD
+    with detection.sgd_swapped(wrong_impls.MomentumBufferFromZero):
+        assert checks.SGD is wrong_impls.MomentumBufferFromZero
+    assert checks.SGD is trusted
 
 
 def test_strict_grad_fails_a_missing_gradient():
     report = run_check("grad", cfg(), Candidate("missing", wrong_impls.OutProjBiasGradMissing), strict=True)
     assert not report.passed
+    assert detection.failing_rows(report) == {"grad": ("out_proj.bias",), "finite-diff": ("out_proj.bias",)}
 
 
-def test_every_wrong_module_is_caught_somewhere():
-    assert {name for name, _, _ in CAUGHT} >= set(wrong_impls.MODULES) | {"MomentumBufferFromZero"}
-    assert len(wrong_impls.MODULES) + 1 >= 12
+def test_every_wrong_implementation_is_listed_and_caught_somewhere():
+    defined = {name for name, obj in vars(wrong_impls).items() if isinstance(obj, type) and obj.__module__ == wrong_impls.__name__}
+    assert set(wrong_impls.MODULES) | set(wrong_impls.OPTIMIZERS) == defined
+    assert {case.impl for case in CAUGHT} == defined
 
 
 @pytest.mark.parametrize("name,args", CLI, ids=[name for name, _ in CLI])
 def test_cli_exits_1(name, args):
-    result = CliRunner().invoke(app, [*args, "--impl", f"tests/wrong_impls.py:{name}"])
+    result = CliRunner().invoke(app, [*args, "--impl", SPEC.format(name)])
     assert result.exit_code == 1, result.output
 
 
 def test_cli_exits_0_where_the_bug_cannot_show():
-    result = CliRunner().invoke(app, ["forward", "--impl", "tests/wrong_impls.py:SoftmaxDiagonalBackward"])
+    result = CliRunner().invoke(app, ["forward", "--impl", SPEC.format("SoftmaxDiagonalBackward")])
     assert result.exit_code == 0, result.output

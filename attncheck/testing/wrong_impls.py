@@ -1,8 +1,8 @@
 """Deliberately wrong implementations: each must be caught by the command that should catch it.
 
-Each is a small variation of the correct reference, so a test that catches it proves the check
-can see exactly that bug. Usable as `--impl tests/wrong_impls.py:NAME`. Which command catches
-which, under which config, is the table at the top of tests/test_wrong_impls.py.
+Each is a small variation of the correct reference, so a check that catches it proves it can see
+exactly that bug. Usable as `--impl attncheck.testing.wrong_impls:NAME`. Which command catches
+which, under which config and on which rows, is the table in attncheck/testing/detection.py.
 
 Dimensions as in attncheck/reference.py: B batch, L target length, S source length, E embed dim,
 H heads, D head dim, G = B * H.
@@ -244,7 +244,7 @@ class MomentumBufferFromZero(SGD):
         return super().step(params, grads)
 
 
-# Every wrong module above, by name (the optimizer is not one).
+# Every wrong module above, by name.
 MODULES = {
     cls.__name__: cls
     for cls in (
@@ -253,3 +253,6 @@ MODULES = {
         SoftmaxWithoutMaxSubtraction, OutProjBiasGradMissing,
     )
 }  # fmt: skip
+
+# The wrong optimizers, by name: each is swapped in for attncheck.checks.SGD.
+OPTIMIZERS = {MomentumBufferFromZero.__name__: MomentumBufferFromZero}

@@ -1,0 +1,279 @@
+"""The config schema: what one check is, and the rules its keys must keep.
+
+A `Config` describes one check: the nn.MultiheadAttention module (E embed_dim, H num_heads,
+D = E / H head_dim, kdim, vdim), its inputs (B batch_size, L tgt_len, S src_len), the masks,
+the tolerance rule and the SGD steps. Ranges and the rules that span several keys are checked
+here; how a broken rule is worded for a YAML author is attncheck.config.messages' job.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from attncheck.config.display import show
+
+# Caps that keep a typo (an extra zero or three) from asking for an absurd check.
+MAX_DIM = 65_536  # embed_dim, kdim, vdim, num_heads
+MAX_BATCH = 65_536
+MAX_LEN = 1_000_000  # tgt_len, src_len
+MAX_STEPS = 100_000
+MAX_SEED = 2**63 - 1
+
+_INT_RANGES = {
+    "seed": (0, MAX_SEED),
+    "embed_dim": (1, MAX_DIM),
+    "num_heads": (1, MAX_DIM),
+    "batch_size": (1, MAX_BATCH),
+    "tgt_len": (1, MAX_LEN),
+    "src_len": (1, MAX_LEN),
+    "kdim": (1, MAX_DIM),
+    "vdim": (1, MAX_DIM),
+    "steps": (1, MAX_STEPS),
+}
+_FLOAT_FIELDS = (
+    "dropout", "input_scale", "budget_factor", "budget_floor", "atol", "rtol",
+    "lr", "momentum", "dampening", "weight_decay",
+)
+# field: (bound, whether the bound itself is allowed, the rule as the user reads it)
+_FLOAT_BOUNDS = {
+    "input_scale": (0.0, False, "must be > 0"),
+    "budget_factor": (0.0, False, "must be > 0"),
+    "budget_floor": (0.0, True, "must be >= 0"),
+    "atol": (0.0, True, "must be >= 0"),
+    "rtol": (0.0, True, "must be >= 0"),
+    # torch.optim.SGD's own checks, in its words.
+    "lr": (0.0, True, "Invalid learning rate: torch.optim.SGD needs lr >= 0"),
+    "momentum": (0.0, True, "Invalid momentum value: torch.optim.SGD needs momentum >= 0"),
+    "weight_decay": (0.0, True, "Invalid weight_decay value: torch.optim.SGD needs weight_decay >= 0"),
+}
+
+
+class Config(BaseModel):
+    """One check: the module's shape, its inputs and masks, the tolerance rule and the SGD steps."""
+
+    # strict: YAML's "16" is not an integer and true is not 1; an int is still a valid float.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: str | None = None
+    seed: int = 0
+    dtype: Literal["float32", "float64"] = "float32"
+
+    embed_dim: int = 16
+    num_heads: int = 4
+    batch_size: int = 2
+    tgt_len: int = 5
+    src_len: int | None = None
+    kdim: int | None = None
+    vdim: int | None = None
+    bias: bool = True
+    add_bias_kv: bool = False
+    add_zero_attn: bool = False
+    batch_first: bool = True
+    self_attention: bool = True
+    unbatched: bool = False
+    dropout: float = 0.0
+
+    attn_mask: Literal["none", "causal", "random"] = "none"
+    attn_mask_dims: Literal[2, 3] = 2
+    mask_dtype: Literal["bool", "float"] = "bool"
+    key_padding_mask_dtype: Literal["bool", "float"] | None = None
+    key_padding_mask: Literal["none", "random", "full_row"] = "none"
+    is_causal: bool = False
+    input_scale: float = 1.0
+    need_weights: bool = True
+    average_attn_weights: bool = True
+
+    tolerance: Literal["budget", "fixed"] = "budget"
+    budget_factor: float | None = None
+    budget_floor: float | None = None
+    atol: float | None = None
+    rtol: float | None = None
+
+    loss: Literal["mse", "sum"] = "mse"
+    lr: float = 0.1
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    maximize: bool = False
+    steps: int = 1
+
+    impl: str | None = None
+
+    @property
+    def S(self) -> int:
+        """The key and value length: src_len, or tgt_len when unset."""
+        return self.tgt_len if self.src_len is None else self.src_len
+
+    @property
+    def kdim_eff(self) -> int:
+        """The key features: kdim, or embed_dim when unset."""
+        return self.embed_dim if self.kdim is None else self.kdim
+
+    @property
+    def vdim_eff(self) -> int:
+        """The value features: vdim, or embed_dim when unset."""
+        return self.embed_dim if self.vdim is None else self.vdim
+
+    @property
+    def head_dim(self) -> int:
+        """D = E / H, the features of one head."""
+        return self.embed_dim // self.num_heads
+
+    @property
+    def effective_batch(self) -> int:
+        """B as the attention sees it: 1 for an unbatched input."""
+        return 1 if self.unbatched else self.batch_size
+
+    @property
+    def key_padding_mask_dtype_eff(self) -> str:
+        """The key padding mask's dtype: its own setting, else mask_dtype."""
+        return self.key_padding_mask_dtype or self.mask_dtype
+
+    @field_validator(*_INT_RANGES)
+    @classmethod
+    def _int_in_range(cls, value: int | None, info: ValidationInfo) -> int | None:
+        low, high = _INT_RANGES[info.field_name]
+        if value is not None and not low <= value <= high:
+            raise _value_error(f"must be between {low} and {high}, got {value}")
+        return value
+
+    @field_validator(*_FLOAT_FIELDS)
+    @classmethod
+    def _finite_in_range(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is None:
+            return value
+        if not math.isfinite(value):
+            raise _value_error(f"must be a finite number, got {show(value)}")
+        if info.field_name in _FLOAT_BOUNDS:
+            bound, inclusive, rule = _FLOAT_BOUNDS[info.field_name]
+            if value < bound or (value == bound and not inclusive):
+                raise _value_error(f"{rule}, got {show(value)}")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _named(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise _value_error("must be a non-empty string")
+        return value
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, value: float) -> float:
+        if value != 0:
+            raise _value_error(
+                f"must be 0, got {show(value)}: attncheck cannot give both sides the same random "
+                "dropout mask, so it only checks dropout=0"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        problems = _consistency_problems(self)
+        if problems:
+            raise PydanticCustomError(
+                INCONSISTENT,
+                "{summary}",
+                {
+                    "summary": "; ".join(f"{keys[0]}: {message}" for keys, message in problems),
+                    "problems": problems,
+                },
+            )
+        return self
+
+
+# The error types of our own validators, told apart from pydantic's type errors: a value that
+# breaks a rule may be a legitimate matrix combination to skip, a type error is always a typo.
+OUT_OF_RANGE = "attncheck_value"
+INCONSISTENT = "attncheck_consistency"
+
+
+def _value_error(message: str) -> PydanticCustomError:
+    return PydanticCustomError(OUT_OF_RANGE, "{detail}", {"detail": message})
+
+
+def _consistency_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
+    """Find the rules that span several keys: each problem names its keys, most specific first."""
+    problems: list[tuple[tuple[str, ...], str]] = []
+    E, H = cfg.embed_dim, cfg.num_heads
+
+    if H > E:
+        problems.append((("num_heads",), f"must be between 1 and embed_dim ({E}), got {H}"))
+    elif E % H:
+        options = " or ".join(str(d) for d in _nearest_divisors(E, H))
+        problems.append((
+            ("num_heads", "embed_dim"),
+            f"embed_dim {E} is not divisible by num_heads {H}, so heads cannot split it evenly; "
+            f"try num_heads: {options}",
+        ))
+
+    if (cfg.atol is None) != (cfg.rtol is None):
+        given, missing = ("atol", "rtol") if cfg.rtol is None else ("rtol", "atol")
+        problems.append(((given,), f"{given} is set but {missing} is not; give both or neither"))
+
+    if cfg.self_attention:
+        conflicts = [
+            (key, f"{key}: {value}")
+            for key, value in (("kdim", cfg.kdim), ("vdim", cfg.vdim))
+            if value is not None and value != E
+        ]
+        if cfg.src_len is not None and cfg.src_len != cfg.tgt_len:
+            conflicts.append(("src_len", f"src_len: {cfg.src_len} (tgt_len: {cfg.tgt_len})"))
+        if conflicts:
+            problems.append((
+                (*(key for key, _ in conflicts), "self_attention"),
+                "self_attention: true feeds one tensor as query, key and value, which conflicts with "
+                f"{', '.join(text for _, text in conflicts)} (embed_dim: {E}); "
+                "set self_attention: false for cross-attention",
+            ))
+
+    if cfg.is_causal:
+        if cfg.attn_mask != "causal":
+            problems.append((
+                ("is_causal", "attn_mask"),
+                f"true needs attn_mask: causal, got attn_mask: {cfg.attn_mask} (torch raises "
+                "'Need attn_mask if specifying the is_causal hint' without a mask, and any other "
+                "mask contradicts the hint)",
+            ))
+        padded = [key for key in ("add_bias_kv", "add_zero_attn") if getattr(cfg, key)]
+        if padded:
+            problems.append((
+                ("is_causal", *padded),
+                f"true cannot be combined with {' and '.join(f'{k}: true' for k in padded)}: "
+                "torch's SDPA path drops the explicit mask and applies its own causal mask over the "
+                "padded key, so a correct implementation would still differ from it",
+            ))
+
+    if cfg.unbatched and "batch_size" in cfg.model_fields_set and cfg.batch_size != 1:
+        problems.append((
+            ("batch_size", "unbatched"),
+            f"unbatched: true means one sequence without a batch dimension, so batch_size must be "
+            f"unset or 1, got {cfg.batch_size}",
+        ))
+
+    if cfg.nesterov and (cfg.momentum <= 0 or cfg.dampening != 0):
+        keys = ("momentum",) if cfg.momentum <= 0 else ("dampening",)
+        problems.append((
+            (*keys, "nesterov"),
+            "Nesterov momentum requires a momentum and zero dampening (torch.optim.SGD refuses "
+            f"nesterov: true with momentum: {show(cfg.momentum)}, dampening: {show(cfg.dampening)})",
+        ))
+    return problems
+
+
+def _nearest_divisors(n: int, near: int) -> list[int]:
+    """The divisors of n just below and just above `near` (one of them if the other is missing)."""
+    divisors = sorted({d for i in range(1, math.isqrt(n) + 1) if n % i == 0 for d in (i, n // i)})
+    below = [d for d in divisors if d < near]
+    above = [d for d in divisors if d > near]
+    return ([below[-1]] if below else []) + ([above[0]] if above else [])
+
+
+CONFIG_KEYS: tuple[str, ...] = tuple(Config.model_fields)
+# The top-level keys that make a file a suite rather than one config.
+SUITE_KEYS = ("defaults", "cases", "matrix", "exclude")
