@@ -131,9 +131,11 @@ def compare(
     strict: bool = False,
     nan_ok: np.ndarray | bool | None = None,
     undefined: np.ndarray | None = None,
+    candidate_nan_ok: bool = False,
 ) -> Row:
     """Compare a candidate's array with torch's under a rule, and decide the row (see `decide`)."""
-    row = measure(section, quantity, actual, expected, rule, oracle=oracle, scale=scale, nan_ok=nan_ok, undefined=undefined)
+    row = measure(section, quantity, actual, expected, rule, oracle=oracle, scale=scale, nan_ok=nan_ok, undefined=undefined,
+                  candidate_nan_ok=candidate_nan_ok)  # fmt: skip
     return decide(row, strict=strict)
 
 
@@ -148,6 +150,7 @@ def measure(
     scale: float = 0.0,
     nan_ok: np.ndarray | bool | None = None,
     undefined: np.ndarray | None = None,
+    candidate_nan_ok: bool = False,
 ) -> Row:
     """Every finding of comparing a candidate's array with torch's under a rule; no verdict yet.
 
@@ -178,8 +181,9 @@ def measure(
     nan_a, finite_e = np.isnan(a), np.isfinite(e)
     explained = np.isnan(e) & (False if nan_ok is None else nan_ok)
     accepted = nan_a & finite_e & (False if undefined is None else undefined)
-    unjudged = ~finite_e & ~explained
-    nan_wrong = (nan_a & finite_e & ~accepted) | (explained & ~nan_a)
+    spread = nan_a & finite_e & ~accepted if candidate_nan_ok else np.zeros_like(nan_a)
+    unjudged = (~finite_e & ~explained) | spread
+    nan_wrong = (nan_a & finite_e & ~accepted & ~spread) | (explained & ~nan_a)
     row.nan_agreed = int((explained & nan_a).sum() + accepted.sum())
     row.unjudged = int(unjudged.sum())
     valid = finite_e & ~nan_a
@@ -228,8 +232,10 @@ def measure(
             f"NaN in {int((nan_a & finite_e & ~accepted).sum())} places torch has none, "
             f"missing in {int((explained & ~nan_a).sum())} places torch has NaN"
         )
-    if row.unjudged:
-        notes.append(f"torch itself gives NaN or inf at {row.unjudged} of {row.numel} elements that no mask explains: nothing can be judged there")
+    if spread.any():
+        notes.append(f"NaN at {int(spread.sum())} of {row.numel} elements, spread from the NaN the candidate gives where no value is defined: not judged there")
+    if (~finite_e & ~explained).any():
+        notes.append(f"torch itself gives NaN or inf at {int((~finite_e & ~explained).sum())} of {row.numel} elements that no mask explains: nothing can be judged there")
     if undefined is not None and undefined.any():
         chose = "NaN" if accepted.any() else "torch's values"
         notes.append(f"{int(undefined.sum())} elements have no defined value (no allowed key): the candidate gives {chose} there, which is accepted")
