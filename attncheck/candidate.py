@@ -208,7 +208,8 @@ class Session:
 
     def __init__(self, cfg, candidate: Candidate):
         self.cfg, self.candidate = cfg, candidate
-        self.findings: list[str] = []
+        self.findings: list[str] = []  # contract breaches: failing rows
+        self.notes: list[str] = []  # what the report should say about the calls, e.g. conversions
         self._handed: list[tuple[str, np.ndarray, np.ndarray]] = []  # (what, original, the candidate's copy)
 
     def _hand(self, what: str, original: np.ndarray | None) -> np.ndarray | None:
@@ -267,13 +268,10 @@ class Session:
         where = _defined_at(obj.forward)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, weights)", where)
-        out, weights = result
-        if not isinstance(out, np.ndarray):
-            raise CandidateError(f"forward() returned an output of type {type(out).__name__}, expected a NumPy array", where)
+        out = self._as_numpy(result[0], "forward() returned an output", where)
         if out.shape != w.query.shape:  # (B, L, E) or (L, B, E) or (L, E): the query's own shape
             raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {w.query.shape}", where)
-        if weights is not None and not isinstance(weights, np.ndarray):
-            raise CandidateError(f"forward() returned weights of type {type(weights).__name__}, expected a NumPy array or None", where)
+        weights = None if result[1] is None else self._as_numpy(result[1], "forward() returned weights", where)
         return out, weights
 
     def backward(self, obj: Any, grad_output: np.ndarray, w: Workload) -> dict[str, np.ndarray]:
@@ -294,6 +292,7 @@ class Session:
         shapes = {**{k: v.shape for k, v in w.params.items()}, "query": w.query.shape, "key": w.key.shape, "value": w.value.shape}
         if w.key is w.query and w.value is w.query:
             shapes["input"] = w.query.shape  # self-attention: the one input's whole gradient
+        arrays = {}
         for name, g in grads.items():
             if name not in shapes:
                 finding = f"backward() returned unknown key {shorten(repr(name))}{_nearest(str(name), list(shapes))}"
@@ -302,8 +301,65 @@ class Session:
                 continue
             if g is None:
                 continue  # None is "not provided"
-            if not isinstance(g, np.ndarray):
-                raise CandidateError(f"backward() returned {name!r} of type {type(g).__name__}, expected a NumPy array", where)
+            arrays[name] = g = self._as_numpy(g, f"backward() returned {name!r}", where)
             if g.shape != shapes[name]:
                 raise CandidateError(f"backward() returned {name!r} of shape {g.shape}, expected {shapes[name]}", where)
-        return {k: v for k, v in grads.items() if v is not None and k in shapes}
+        return arrays
+
+    def _as_numpy(self, value: Any, what: str, where: str | None) -> np.ndarray:
+        """`value` as a NumPy array, converted once here; a conversion is noted in `self.notes`."""
+        array = as_numpy(value, what, where)
+        if array is not value:
+            note = f"the candidate returned {_type_name(value)}; converted to NumPy"
+            if note not in self.notes:
+                self.notes.append(note)
+        return array
+
+
+def _type_name(value: Any) -> str:
+    """The type's module and name, e.g. `torch.Tensor`; builtins by name alone."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+# DLPack device types whose memory NumPy can read: kDLCPU and kDLCUDAHost (pinned host memory).
+_HOST_DEVICES = (1, 3)
+
+
+def as_numpy(value: Any, what: str, where: str | None = None) -> np.ndarray:
+    """An array of any library as a NumPy array: anything NumPy converts (`__array__`, the array
+    interface, DLPack), e.g. a torch CPU tensor, a JAX or CuPy array.
+
+    Without importing any of those libraries: a tensor that tracks gradients is detached first
+    (torch refuses `__array__` otherwise), and an array on an accelerator is brought to the host
+    by its own `.cpu()` (torch) or `.get()` (CuPy). Anything else is a CandidateError (`what`
+    starts the message, e.g. "forward() returned an output").
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    kind = _type_name(value)
+    if not any(hasattr(value, a) for a in ("__array__", "__array_interface__", "__dlpack__")):
+        raise CandidateError(f"{what} of type {kind}, expected an array (NumPy, or one NumPy converts: __array__ or DLPack)", where)
+    try:
+        value = _on_host(value)
+        array = np.asarray(value) if hasattr(value, "__array__") or hasattr(value, "__array_interface__") else np.from_dlpack(value)
+    except Exception as first:  # noqa: BLE001 - the candidate's type decides what it raises
+        try:
+            array = np.from_dlpack(value)
+        except Exception:  # noqa: BLE001
+            raise CandidateError(f"{what} of type {kind} that NumPy cannot convert: {type(first).__name__}: {first}", where) from None
+    if array.dtype.kind not in "biufc":
+        raise CandidateError(f"{what} of type {kind} that converts to a NumPy array of dtype {array.dtype}, not numbers", where)
+    return array
+
+
+def _on_host(value: Any) -> Any:
+    detach = getattr(value, "detach", None)
+    if callable(detach):  # torch: a tensor that requires grad refuses __array__
+        value = detach()
+    device = getattr(value, "__dlpack_device__", None)
+    if callable(device) and device()[0] not in _HOST_DEVICES:
+        for to_host in ("cpu", "get"):  # torch's Tensor.cpu(), CuPy's ndarray.get()
+            if callable(getattr(value, to_host, None)):
+                return getattr(value, to_host)()
+    return value

@@ -209,6 +209,7 @@ def check_forward(cfg: Config, candidate: Candidate = REFERENCE, *, strict: bool
         out, weights = session.forward(obj, w)
     except (CandidateError, Unsupported) as err:
         return _failed_call(report, "forward", err)
+    report.notes.extend(session.notes)
     # Rows with no allowed key: NaN in torch's standard path (need_weights) is explained by the
     # masks; on its SDPA path they are zeros, and a candidate's NaN there is as good (no defined value).
     rows_nan = w.undefined if cfg.need_weights else None
@@ -320,6 +321,7 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
         out, loss, grads = _run_grad(session, cfg, w, obj)
     except (CandidateError, Unsupported) as err:
         return _failed_call(report, "grad", err)
+    report.notes.extend(session.notes)
     o_out, o_loss, o_grads = oracle if grad_rule.needs_oracle else (None, None, None)
     o_grads = None if o_grads is None else _full_grads(cfg, o_grads)
     rows_nan = w.undefined if cfg.need_weights else None
@@ -544,6 +546,7 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
         mine = _run_sgd(session, cfg, w)
     except (CandidateError, Unsupported) as err:
         return _failed_call(report, "sgd", err)
+    report.notes.extend(session.notes)
 
     n = cfg.steps
     last, why = judged_steps(cfg, w, t, oracle)
