@@ -455,6 +455,7 @@ class Trajectory:
     losses: list[float]
     params: list[dict[str, np.ndarray]]
     returned: dict[str, np.dtype] = field(default_factory=dict)  # dtypes of what the candidate returned
+    nan_where_undefined: bool = False  # its output had NaN where no value is defined (accepted there)
 
 
 def _run_sgd(session: Session, cfg: Config, w: Workload, optimizer: type | None = None) -> Trajectory:
@@ -469,6 +470,7 @@ def _run_sgd(session: Session, cfg: Config, w: Workload, optimizer: type | None 
         loss, d_out = loss_and_grad(cfg, out, w.target, w.undefined)
         grads = session.backward(obj, d_out, current)
         traj.returned.update({"output": out.dtype, **{k: v.dtype for k, v in grads.items()}})
+        traj.nan_where_undefined |= w.undefined is not None and bool(np.isnan(out[w.undefined]).any())
         # The update runs in the parameters' dtype, as torch's does; a gradient in another dtype
         # is reported by the dtype row, not silently passed.
         params = opt.step(params, {k: np.asarray(v, dtype=params[k].dtype) for k, v in grads.items() if k in params})
@@ -536,7 +538,7 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
     start = time.perf_counter()
     report = _new_report("sgd-step", cfg, candidate)
     w = make_workload(cfg)
-    _masking_note(cfg, w, report)
+    masked = _masking_note(cfg, w, report)
     t = torch_side.sgd(cfg, w)
     oracle = None
     if rule_for(cfg, "sgd").needs_oracle:
@@ -555,7 +557,8 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
             first_bad = None
             for step in range(1, last + 1):
                 o = None if oracle is None else oracle.params[step - 1][name][index]
-                row = measure("sgd", label, mine.params[step - 1][name][index], t.params[step - 1][name][index], sgd_rule(cfg, step), oracle=o)
+                row = measure("sgd", label, mine.params[step - 1][name][index], t.params[step - 1][name][index], sgd_rule(cfg, step),
+                              oracle=o, nan_ok=_grad_nan_explained(cfg, masked), candidate_nan_ok=mine.nan_where_undefined)  # fmt: skip
                 if row.mismatched:
                     first_bad = step
                     break  # the row shows the step that decided
