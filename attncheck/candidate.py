@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from attncheck.config.config_file import impl_file
 from attncheck.errors import CandidateError, Unsupported, UsageError, shorten
 from attncheck.inputs import Workload
 from attncheck.reference import MultiheadAttention
@@ -63,30 +64,35 @@ def module_options(cfg) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ loading
-def load_candidate(spec: str | None) -> Candidate:
-    """The candidate a SPEC names; the built-in reference when spec is None or its own SPEC."""
+def load_candidate(spec: str | None, origin: str | None = None) -> Candidate:
+    """The candidate a SPEC names; the built-in reference when spec is None or its own SPEC.
+
+    `origin` is where the SPEC was written, `file:line` of a config's `impl`; a SPEC that cannot
+    be loaded is a UsageError placed there (else it names `--impl`).
+    """
     if spec is None or spec == REFERENCE_SPEC:
         return REFERENCE
+    who = f"{origin}: impl {spec!r}" if origin else f"--impl {spec!r}"
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise UsageError(f"--impl {spec!r}: expected 'package.module:attr' or 'path/to/file.py:attr'")
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        module = _import_file(spec, Path(target))
+        raise UsageError(f"{who}: expected 'package.module:attr' or 'path/to/file.py:attr'")
+    if impl_file(spec):
+        module = _import_file(who, Path(target))
     else:
         try:
             module = importlib.import_module(target)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # any failure to import, sys.exit included, is the user's to fix
-            raise UsageError(f"--impl {spec!r}: cannot import module {target!r}: {_raised(exc)}") from None
+            raise UsageError(f"{who}: cannot import module {target!r}: {_raised(exc)}") from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
             names = sorted(n for n in dir(module) if not n.startswith("_"))
-            raise UsageError(f"--impl {spec!r}: {target} has no attribute {attr!r} (it has: {', '.join(names) or 'nothing public'})")
+            raise UsageError(f"{who}: {target} has no attribute {attr!r} (it has: {', '.join(names) or 'nothing public'})")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise UsageError(f"--impl {spec!r}: {attr} is a {type(obj).__name__}, not a class or function")
+        raise UsageError(f"{who}: {attr} is a {type(obj).__name__}, not a class or function")
     return Candidate(spec, obj)
 
 
@@ -100,13 +106,13 @@ def candidate_from_object(impl: Any) -> Candidate:
     return Candidate(f"{getattr(impl, '__module__', '?')}:{name}", impl)
 
 
-def _import_file(spec: str, path: Path):
+def _import_file(who: str, path: Path):
     if not path.is_file():
-        raise UsageError(f"--impl {spec!r}: no such file {str(path)!r}")
+        raise UsageError(f"{who}: no such file {str(path)!r}")
     name = f"attncheck_candidate_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
-        raise UsageError(f"--impl {spec!r}: cannot load {str(path)!r} as a Python module")
+        raise UsageError(f"{who}: cannot load {str(path)!r} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
@@ -116,7 +122,7 @@ def _import_file(spec: str, path: Path):
         raise
     except BaseException as exc:  # sys.exit at import too: never a silent green exit
         del sys.modules[name]
-        raise UsageError(f"--impl {spec!r}: importing {str(path)!r} failed: {_raised(exc)}") from None
+        raise UsageError(f"{who}: importing {str(path)!r} failed: {_raised(exc)}") from None
     finally:
         sys.path.remove(str(path.resolve().parent))
     return module

@@ -37,7 +37,7 @@ import pytest
 from attncheck.commands import NAMES, parse_commands
 
 if TYPE_CHECKING:
-    from attncheck.config import Config
+    from attncheck.config import Case, Config, Suite
     from attncheck.report import Report
 
 DEFAULT_FILES = ["attncheck_*.yaml", "attncheck_*.yml"]
@@ -52,6 +52,13 @@ class Check:
     config: Config | None  # None: the suite skips this case
     impl: Any = None  # a SPEC string, a class or factory; None: the case's `impl`, else the reference
     skip_reason: str | None = None
+    line: int | None = None  # the case's line in its suite file
+    impl_origin: str | None = None  # `file:line` of the case's `impl`, to place a load error
+
+    @classmethod
+    def of(cls, suite: Suite, case: Case, command: str, impl: Any = None) -> Check:
+        origin = f"{suite.source}:{case.impl_line}" if impl is None and case.impl_line else None
+        return cls(case.name, command, case.config, impl, case.skip_reason, case.line, origin)
 
     @property
     def id(self) -> str:
@@ -63,7 +70,7 @@ class Check:
 
         if self.impl is None or isinstance(self.impl, str):  # through the suite runner's import cache
             spec = self.impl if self.impl is not None else self.config.impl
-            return run_jobs([Job(0, self.case, self.command, self.config, spec)], {})[0]
+            return run_jobs([Job(0, self.case, self.command, self.config, spec, self.impl_origin)], {})[0]
         import attncheck
 
         return attncheck.check(self.config, self.command, impl=self.impl)
@@ -126,9 +133,10 @@ def cases(suite: str | PathLike | None = None, impl: Any = None, commands: str |
 
     names = parse_commands(commands if isinstance(commands, str) else ",".join(commands or NAMES))
     params = []
-    for case in load_suite(suite).cases:
+    loaded = load_suite(suite)
+    for case in loaded.cases:
         for command in names:
-            check = Check(case.name, command, case.config, impl, case.skip_reason)
+            check = Check.of(loaded, case, command, impl)
             marks = [pytest.mark.skip(reason=case.skip_reason)] if case.config is None else []
             params.append(pytest.param(check, id=check.id, marks=marks))
     return params
@@ -163,7 +171,7 @@ class SuiteFile(pytest.File):
             raise self.CollectError(str(exc)) from None
         for case in suite.cases:
             for command in commands:
-                check = Check(case.name, command, case.config, None, case.skip_reason)
+                check = Check.of(suite, case, command)
                 yield CheckItem.from_parent(self, name=check.id, check=check)
 
 
@@ -179,4 +187,5 @@ class CheckItem(pytest.Item):
         self.check.assert_passed()
 
     def reportinfo(self):
-        return self.path, 0, self.check.id  # the failure header: "___ case[command] ___"
+        line = 0 if self.check.line is None else self.check.line - 1  # 0-based, as pytest counts
+        return self.path, line, self.check.id  # the failure header: "___ case[command] ___"

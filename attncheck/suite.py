@@ -29,6 +29,7 @@ class Job:
     command: str
     config: Config
     impl: str | None  # the candidate's SPEC; None is the reference
+    impl_origin: str | None = None  # `file:line` of the config's `impl` it came from, if it did
 
 
 @dataclass
@@ -93,34 +94,35 @@ def plan(suite: Suite, commands: tuple[str, ...], *, impl: str | None = None, to
             continue
         cfg = case.config if tolerance is None else case.config.model_copy(update={"tolerance": tolerance})
         spec = impl if impl is not None else cfg.impl
+        origin = f"{suite.source}:{case.impl_line}" if impl is None and cfg.impl is not None and case.impl_line else None
         for command in commands:
-            jobs.append(Job(len(jobs), case.name, command, cfg, spec))
+            jobs.append(Job(len(jobs), case.name, command, cfg, spec, origin))
     return jobs, skipped
 
 
 _candidates: dict[str | None, Any] = {}
 
 
-def _candidate(spec: str | None) -> Any:
-    """The candidate a SPEC names, imported once per process."""
+def _candidate(spec: str | None, origin: str | None = None) -> Any:
+    """The candidate a SPEC names, imported once per process; `origin` places a load error."""
     from attncheck.candidate import load_candidate
 
     if spec not in _candidates:
-        _candidates[spec] = load_candidate(spec)
+        _candidates[spec] = load_candidate(spec, origin)
     return _candidates[spec]
 
 
 def check_candidates(jobs: list[Job]) -> None:
     """Import every candidate before any work, so a bad SPEC is a usage error up front."""
-    for spec in dict.fromkeys(job.impl for job in jobs):
-        _candidate(spec)
+    for spec, origin in dict.fromkeys((job.impl, job.impl_origin) for job in jobs):
+        _candidate(spec, origin)
 
 
 def run_job(job: Job, options: dict[str, Any]) -> Report:
     """Run one job with its candidate (imported once per process)."""
     from attncheck.checks import run_check
 
-    return run_check(job.command, job.config, _candidate(job.impl), **options)
+    return run_check(job.command, job.config, _candidate(job.impl, job.impl_origin), **options)
 
 
 def _run_chunk(jobs: list[Job], options: dict[str, Any]) -> list[Report]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import textwrap
 from importlib.metadata import entry_points
 
-import numpy  # noqa: F401 - loaded here, so pytester's in-process runs never import it twice
+import sys
+
 import pytest
 
 import attncheck
-import attncheck.checks  # noqa: F401 - likewise torch
 from attncheck.pytest_plugin import Check, failure_message
 from attncheck.report import INCONCLUSIVE, PASS, UNSUPPORTED, Report, Row
 
@@ -43,6 +43,34 @@ class NoBiasKv(Ref):
 '''
 
 
+# pytester forgets the modules an in-process run imported, after the run and again when the test
+# ends; numpy and parts of torch cannot be imported twice in one process, so a later run or test
+# would fail. The modules the runs imported are put back both times.
+_imported: dict = {}
+
+
+class _RecordModules:
+    def pytest_sessionfinish(self):
+        _imported.update(sys.modules)
+
+
+def _put_back() -> None:
+    for name, module in _imported.items():
+        sys.modules.setdefault(name, module)
+
+
+@pytest.fixture(autouse=True)
+def _keep_imported_modules():  # autouse: set up before pytester, so torn down after it
+    yield
+    _put_back()
+
+
+def runpytest(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    result = pytester.runpytest(*args, plugins=[_RecordModules()])
+    _put_back()
+    return result
+
+
 def write(pytester: pytest.Pytester, name: str, text: str):
     return pytester.path.joinpath(name).write_text(textwrap.dedent(text))
 
@@ -54,23 +82,23 @@ def test_the_plugin_is_registered_as_a_pytest11_entry_point():
 def test_one_item_per_case_and_command_with_ids_case_command(pytester):
     write(pytester, "attncheck_mha.yaml", SUITE)
     write(pytester, "other.yaml", SUITE)  # does not match attncheck_*.yaml: not collected
-    result = pytester.runpytest("--collect-only", "-q")
+    result = runpytest(pytester, "--collect-only", "-q")
     ids = [line for line in result.outlines if "::" in line]
     assert ids == [f"attncheck_mha.yaml::{case}[{command}]" for case in ("plain", "causal") for command in ("forward", "grad", "sgd-step")]
 
 
 def test_the_reference_passes_every_item(pytester):
     write(pytester, "attncheck_mha.yaml", SUITE)
-    pytester.runpytest().assert_outcomes(passed=6)
+    runpytest(pytester).assert_outcomes(passed=6)
 
 
 def test_a_failing_case_fails_with_the_failing_rows_and_no_traceback(pytester):
     write(pytester, "cand_wrong_scale.py", CANDIDATES)
     write(pytester, "attncheck_wrong.yaml", PLAIN + "impl: cand_wrong_scale.py:WrongScale\n")
-    result = pytester.runpytest("-k", "forward")
+    result = runpytest(pytester, "-k", "forward")
     result.assert_outcomes(failed=1, deselected=2)
     result.stdout.fnmatch_lines([
-        "*attncheck forward on 'attncheck_wrong' (cand_wrong_scale.py:WrongScale): fail, * rows",
+        "*attncheck forward on 'attncheck_wrong' (*/cand_wrong_scale.py:WrongScale): fail, * rows",
         "*forward output (2x torch + 1e-05)",
         "*Mismatched elements: * / 48 (*%)",
         "*Error against the float64 oracle: * (up to * allowed; torch's own error *)",
@@ -85,7 +113,7 @@ def test_unsupported_and_suite_skipped_cases_are_skips_with_the_reason(pytester)
           - {name: kv, add_bias_kv: true, impl: cand_no_bias_kv.py:NoBiasKv}
         matrix: {is_causal: [true], add_zero_attn: [true], attn_mask: [causal]}
         """.replace("        ", ""))  # fmt: skip
-    result = pytester.runpytest("-rs", "-k", "forward")
+    result = runpytest(pytester, "-rs", "-k", "forward")
     result.assert_outcomes(skipped=2, deselected=4)
     result.stdout.fnmatch_lines([
         "*kv*NotImplementedError: no bias_k/bias_v here*",
@@ -96,15 +124,15 @@ def test_unsupported_and_suite_skipped_cases_are_skips_with_the_reason(pytester)
 def test_k_and_x_select_and_stop_as_for_any_test(pytester):
     write(pytester, "cand_wrong_scale2.py", CANDIDATES)
     write(pytester, "attncheck_mha.yaml", SUITE + "  - {name: wrong, impl: cand_wrong_scale2.py:WrongScale}\n")
-    selected = pytester.runpytest("-k", "causal and not sgd", "--collect-only", "-q").outlines
+    selected = runpytest(pytester, "-k", "causal and not sgd", "--collect-only", "-q").outlines
     assert [line for line in selected if "::" in line] == ["attncheck_mha.yaml::causal[forward]", "attncheck_mha.yaml::causal[grad]"]
-    pytester.runpytest("-x", "-k", "wrong").assert_outcomes(failed=1)  # stops at wrong[forward]
+    runpytest(pytester, "-x", "-k", "wrong").assert_outcomes(failed=1)  # stops at wrong[forward]
 
 
 def test_junit_and_commands_ini_option(pytester):
     write(pytester, "attncheck_mha.yaml", SUITE)
     write(pytester, "pytest.ini", "[pytest]\nattncheck_commands = grad\n")
-    pytester.runpytest("--junitxml=junit.xml").assert_outcomes(passed=2)
+    runpytest(pytester, "--junitxml=junit.xml").assert_outcomes(passed=2)
     junit = (pytester.path / "junit.xml").read_text()
     assert 'name="plain[grad]"' in junit and 'name="causal[grad]"' in junit and "forward" not in junit
 
@@ -113,12 +141,12 @@ def test_files_ini_option_chooses_the_pattern(pytester):
     write(pytester, "my_suite.yaml", PLAIN)
     write(pytester, "attncheck_ignored.yaml", "embed_dim: [not a number\n")
     write(pytester, "pytest.ini", "[pytest]\nattncheck_files = my_*.yaml\nattncheck_commands = forward\n")
-    pytester.runpytest().assert_outcomes(passed=1)
+    runpytest(pytester).assert_outcomes(passed=1)
 
 
 def test_a_bad_suite_is_a_collection_error_with_its_location(pytester):
     write(pytester, "attncheck_bad.yaml", "embed_dim: 8\nnum_heads: 3\n")
-    result = pytester.runpytest()
+    result = runpytest(pytester)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*attncheck_bad.yaml:2*num_heads*"])
     assert "Traceback" not in result.stdout.str()
@@ -144,7 +172,7 @@ def test_cases_parametrizes_a_users_own_test(pytester):
         def test_attention(check):
             check.assert_passed()
         """)  # fmt: skip
-    result = pytester.runpytest("-v", "-p", "no:cacheprovider", "-o", "pythonpath=.")
+    result = runpytest(pytester, "-v", "-p", "no:cacheprovider", "-o", "pythonpath=.")
     result.assert_outcomes(passed=2, skipped=2)
     result.stdout.fnmatch_lines(["*test_attention?plain?forward?? PASSED*", "*test_attention?kv?grad?? SKIPPED*"], consecutive=False)
 
