@@ -13,10 +13,11 @@ paired with its inverse for the gradients:
               per_head: [(E, D)] * H lists                     <->  per_head_grads
               bias_kv                                          <->  bias_kv_grads
               xw, columns, split_heads / merge_heads: the array conversions beneath
-    inputs    io = Layout(query, batch_first); io.to_ble      <->  io.from_ble, io.attention_weights,
+    inputs    io = Layout(query, batch_first, key); io.to_ble <->  io.from_ble, io.attention_weights,
                                                                    io.input_grads, io.self_attention_grads
-    masks     additive_mask, keep_mask, masked_mask (merged, broadcast to (B, H, L, S) or (B, L, S)),
-              is_exactly_causal, fully_masked_rows
+    masks     additive_mask, keep_mask, masked_mask: merged as torch merges them and broadcast to
+              io.mask_shape(H) = (B, H, L, S) or io.mask_shape() = (B, L, S); is_exactly_causal,
+              fully_masked_rows
     refusing  unsupported(...), refuse(options, ...), require_self_attention, require_causal,
               refuse_fully_masked_rows
     backward  mse_target, undo_batch_mean

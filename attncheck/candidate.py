@@ -22,6 +22,7 @@ import inspect
 import os
 import sys
 import sysconfig
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -162,6 +163,14 @@ def _located(exc: BaseException) -> str | None:
     return own or outside
 
 
+def _traceback(exc: BaseException) -> str:
+    """The exception as Python prints it, from the first frame outside attncheck (its own calls dropped)."""
+    tb = exc.__traceback__
+    while tb is not None and _is_ours(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
+
+
 def _defined_at(fn: Any) -> str | None:
     """file:line where a candidate's method is defined: the place to look when it returns junk."""
     try:
@@ -190,9 +199,9 @@ def _guard(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
     except KeyboardInterrupt:
         raise
     except NotImplementedError as exc:  # the candidate declares this feature unsupported
-        raise Unsupported(f"{what} raised NotImplementedError: {shorten(str(exc), MESSAGE_LIMIT)}", _located(exc)) from exc
+        raise Unsupported(f"{what} raised NotImplementedError: {shorten(str(exc), MESSAGE_LIMIT)}", _located(exc), _traceback(exc)) from exc
     except BaseException as exc:  # the candidate's bug is a finding, not a crash of attncheck
-        raise CandidateError(f"{what} raised {_raised(exc)}", _located(exc)) from exc
+        raise CandidateError(f"{what} raised {_raised(exc)}", _located(exc), _traceback(exc)) from exc
 
 
 def _nearest(name: str, known: list[str]) -> str:

@@ -17,8 +17,9 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.candidate import INPUT_GRADIENTS, REFERENCE, REFERENCE_SPEC, Candidate, Session, module_options
 from attncheck.commands import COMMANDS, options_for
-from attncheck.compare import compare, decide, measure, rule_for, sgd_rule
+from attncheck.compare import Evidence, compare, decide, measure, rule_for, sgd_rule
 from attncheck.config import Config
+from attncheck.diagnose import diagnose_report
 from attncheck.errors import CandidateError, Unsupported
 from attncheck.inputs import Workload, directions, fully_masked, make_workload, weights_rows
 from attncheck.report import FAIL, INCONCLUSIVE, INFO, SKIPPED, UNSUPPORTED, LossStep, Report, Row
@@ -92,7 +93,7 @@ def _grad_nan_explained(cfg: Config, masked: np.ndarray) -> bool:
 
 def _call_row(section: str, quantity: str, err: CandidateError | Unsupported) -> Row:
     """A candidate call that raised: a failure, or the feature declared unsupported."""
-    return Row(section, quantity, UNSUPPORTED if isinstance(err, Unsupported) else FAIL, note=str(err))
+    return Row(section, quantity, UNSUPPORTED if isinstance(err, Unsupported) else FAIL, note=str(err), traceback=err.traceback)
 
 
 def _failed_call(report: Report, section: str, err: CandidateError | Unsupported) -> Report:
@@ -444,7 +445,8 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
             err = abs(numeric - analytic)
             row = Row("finite-diff", label, "", shape=u[index].shape, numel=int(u[index].size), mismatched=int(not err <= allowed), judged=1,
                       max_abs=err, rule=f"central diff, eps {eps:.0e}", rule_kind="finite-diff", allowed=allowed,
-                      ratio=err / allowed if allowed > 0 else math.inf, note=f"<grad, u> = {analytic:.9g}, finite difference = {numeric:.9g}")  # fmt: skip
+                      ratio=err / allowed if allowed > 0 else math.inf, note=f"<grad, u> = {analytic:.9g}, finite difference = {numeric:.9g}",
+                      evidence=Evidence(np.array(analytic), np.array(numeric), None, allowed))  # fmt: skip
             rows.append(decide(row))
     return rows
 
@@ -584,8 +586,11 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
 
 
 def run_check(command: str, cfg: Config, candidate: Candidate = REFERENCE, **options) -> Report:
-    """Run one command (see attncheck.commands) by name; options it does not take are dropped."""
-    return globals()[COMMANDS[command].check](cfg, candidate, **options_for(command, options))
+    """Run one command (see attncheck.commands) by name; options it does not take are dropped.
+    Each failing row gets its diagnosis (attncheck.diagnose)."""
+    report = globals()[COMMANDS[command].check](cfg, candidate, **options_for(command, options))
+    diagnose_report(report, cfg)
+    return report
 
 
 __all__ = ["Candidate", "REFERENCE", "REFERENCE_SPEC", "check_forward", "check_grad", "check_sgd", "run_check", "module_options"]

@@ -45,6 +45,27 @@ def test_example_passes_what_it_supports_and_declares_the_rest(example, config):
             assert_agrees(report)  # pass; or inconclusive only where the masks leave torch's own values NaN
 
 
+DEFAULT_SUITE = ROOT / "configs" / "default_suite.yaml"
+# The fewest default-suite cases each example must pass: GPT-2's attention only the causal ones.
+MIN_PASSED_CASES = {"gpt2_causal": 2, "per_head_lists": 20, "column_notebook": 15, "mse_trainer": 15}
+
+
+@pytest.mark.skipif(not DEFAULT_SUITE.exists(), reason="this tree has no configs/default_suite.yaml")
+@pytest.mark.parametrize("example", UNSUPPORTED_ON)
+def test_example_passes_or_declares_every_case_of_the_default_suite(example):
+    passed = set()
+    for case in load_suite(DEFAULT_SUITE).cases:
+        if case.config is None:
+            continue
+        for command in COMMANDS:
+            report = attncheck.check(case.config, command, impl=f"{ROOT}/examples/{example}.py:MultiheadAttention")
+            problems = [(r.section, r.quantity, r.note) for r in report.rows if r.status in ("fail", "inconclusive")]
+            assert report.verdict in (PASS, UNSUPPORTED), (case.name, command, problems)
+            if report.verdict == PASS and command == "forward":
+                passed.add(case.name)
+    assert len(passed) >= MIN_PASSED_CASES[example], sorted(passed)
+
+
 def adapter_lines(example: str) -> int:
     """Lines of code in the adapter's methods (their bodies: no class or def lines, blanks or comments)."""
     path = ROOT / "examples" / f"{example}.py"
