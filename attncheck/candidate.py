@@ -11,6 +11,10 @@ value, *, attn_mask, key_padding_mask, need_weights, average_attn_weights)` retu
 `query`, `key`, `value`. Everything it raises or returns is checked here and turned into a
 `CandidateError` naming the file and line in the candidate's own code; nothing it does can crash
 attncheck. This module imports neither torch nor anything that does.
+
+A candidate's framework (`numpy`, `torch`, `jax`) decides what arrays it is handed: `Session`
+here hands NumPy arrays; `attncheck.torch_candidate.TorchSession` torch tensors and
+`attncheck.jax_candidate.JaxSession` JAX arrays, each imported only for such a candidate.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from attncheck.config.config_file import impl_file
+from attncheck.dtypes import is_float
 from attncheck.errors import CandidateError, Unsupported, UsageError, shorten
 from attncheck.inputs import Workload
 from attncheck.reference import MultiheadAttention
@@ -39,15 +44,54 @@ REFERENCE_SPEC = "attncheck.reference:MultiheadAttention"
 MESSAGE_LIMIT = 200
 
 
+FRAMEWORKS = ("numpy", "torch", "jax")
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """An implementation under test: what built it, and how to build it."""
+    """An implementation under test: what built it, how to build it, and the arrays it takes."""
 
     spec: str
     factory: Callable[..., Any]
+    framework: str = "numpy"  # detected at load (detect_framework); a config's `framework` overrides it
 
 
 REFERENCE = Candidate(REFERENCE_SPEC, MultiheadAttention)
+
+
+def detect_framework(factory: Any) -> str:
+    """The array library a factory's objects take, told without building one or importing it:
+
+    torch   an `nn.Module` subclass, or defined in a module that imports torch and not NumPy;
+    jax     a Flax module subclass, or defined in a module that imports jax or flax;
+    numpy   anything else. A module importing NumPy besides torch is taken as NumPy (the NumPy
+            contract accepts returned tensors, and tests of NumPy code often import torch);
+            `framework:` or `--framework` says otherwise.
+    """
+    for cls in getattr(factory, "__mro__", ()):
+        origin = getattr(cls, "__module__", "") or ""
+        if cls.__name__ == "Module" and origin.startswith("torch.nn"):
+            return "torch"
+        if cls.__name__ == "Module" and origin.startswith("flax"):
+            return "jax"
+    module = sys.modules.get(getattr(factory, "__module__", None) or "")
+    if module is None:
+        return "numpy"
+    roots = set()
+    for value in list(vars(module).values()):
+        name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+        if isinstance(name, str):
+            roots.add(name.split(".")[0])
+    if roots & {"jax", "flax"}:
+        return "jax"
+    return "torch" if "torch" in roots and "numpy" not in roots else "numpy"
+
+
+def framework_of(cfg, candidate: Candidate) -> str:
+    """The framework a check uses for this candidate: the config's `framework`, else the detected one."""
+    if candidate.spec == REFERENCE_SPEC:
+        return "numpy"  # the built-in reference (and the oracle) is NumPy whatever the config says
+    return getattr(cfg, "framework", None) or candidate.framework
 
 
 def module_options(cfg) -> dict[str, Any]:
@@ -94,7 +138,7 @@ def load_candidate(spec: str | None, origin: str | None = None) -> Candidate:
         obj = getattr(obj, part)
     if not callable(obj):
         raise UsageError(f"{who}: {attr} is a {type(obj).__name__}, not a class or function")
-    return Candidate(spec, obj)
+    return Candidate(spec, obj, detect_framework(obj))
 
 
 def candidate_from_object(impl: Any) -> Candidate:
@@ -104,7 +148,7 @@ def candidate_from_object(impl: Any) -> Candidate:
     if impl is REFERENCE.factory:
         return REFERENCE
     name = getattr(impl, "__qualname__", None) or type(impl).__name__
-    return Candidate(f"{getattr(impl, '__module__', '?')}:{name}", impl)
+    return Candidate(f"{getattr(impl, '__module__', '?')}:{name}", impl, detect_framework(impl))
 
 
 def _import_file(who: str, path: Path):
@@ -227,27 +271,40 @@ class Session:
         self.notes: list[str] = []  # what the report should say about the calls, e.g. conversions
         self._handed: list[tuple[str, np.ndarray, np.ndarray]] = []  # (what, original, the candidate's copy)
 
-    def _hand(self, what: str, original: np.ndarray | None) -> np.ndarray | None:
-        """A copy of `original` for the candidate, remembered for the in-place check."""
+    def _hand(self, what: str, original: np.ndarray | None, grad_of: str | None = None) -> Any:
+        """A copy of `original` for the candidate, remembered for the in-place check.
+
+        `grad_of` names the gradient key of a parameter or input: a framework session that
+        differentiates the candidate itself (torch, JAX) differentiates with respect to it."""
         if original is None:
             return None
-        copy = original.copy()
+        copy = self._copy_for_candidate(original, grad_of)
         self._handed.append((what, original, copy))
         return copy
 
     def _check_handed(self, call: str) -> None:
         """Record every array the candidate changed in place since the last check."""
         for what, original, copy in self._handed:
-            if not np.array_equal(original, copy, equal_nan=True):
+            if not self._unchanged(original, copy):
                 finding = f"{call} modified {what} in place"
                 if finding not in self.findings:
                     self.findings.append(finding)
-            # a change already reported is not reported again by the next call
-            copy[...] = original
+                # a change already reported is not reported again by the next call
+                self._restore(copy, original)
         self._handed = [h for h in self._handed if h[0].startswith("parameter")]
 
+    # How arrays reach the candidate: NumPy copies here; framework sessions override these three.
+    def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None) -> Any:
+        return original.copy()
+
+    def _unchanged(self, original: np.ndarray, copy: Any) -> bool:
+        return bool(np.array_equal(original, copy, equal_nan=True))
+
+    def _restore(self, copy: Any, original: np.ndarray) -> None:
+        copy[...] = original
+
     def build(self, params: dict[str, np.ndarray]) -> Any:
-        handed = {k: self._hand(f"parameter `{k}`", v) for k, v in params.items()}
+        handed = {k: self._hand(f"parameter `{k}`", v, grad_of=k) for k, v in params.items()}
         obj = _guard(
             f"{self.candidate.spec}(...)",
             self.candidate.factory,
@@ -263,26 +320,24 @@ class Session:
         """The candidate's (output, weights), after checking it returned an output torch's shape."""
         if not callable(getattr(obj, "forward", None)):
             raise CandidateError(f"{self.candidate.spec} built a {type(obj).__name__} with no forward() method")
-        query = self._hand("its `query` argument", w.query)
+        one = w.key is w.query and w.value is w.query
+        query = self._hand("its `query` argument", w.query, grad_of="input" if one else "query")
         # One array passed as query, key and value stays one array (self-attention), so a candidate
         # may test `key is query`; likewise key and value (encoder-decoder attention).
-        key = query if w.key is w.query else self._hand("its `key` argument", w.key)
-        value = key if w.value is w.key else self._hand("its `value` argument", w.value)
-        result = _guard(
-            "forward()",
-            obj.forward,
-            query,
-            key,
-            value,
+        key = query if w.key is w.query else self._hand("its `key` argument", w.key, grad_of="key")
+        value = key if w.value is w.key else self._hand("its `value` argument", w.value, grad_of="value")
+        options = dict(
             attn_mask=self._hand("its `attn_mask` argument", w.attn_mask),
             key_padding_mask=self._hand("its `key_padding_mask` argument", w.key_padding_mask),
             need_weights=self.cfg.need_weights,
             average_attn_weights=self.cfg.average_attn_weights,
         )
+        result = _guard("forward()", obj.forward, query, key, value, **options)
         self._check_handed("forward()")
         where = _defined_at(obj.forward)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, weights)", where)
+        self._returned(result[0], obj, (query, key, value), options)
         out = self._as_numpy(result[0], "forward() returned an output", where)
         if out.shape != w.query.shape:  # (B, L, E) or (L, B, E) or (L, E): the query's own shape
             raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {w.query.shape}", where)
@@ -292,16 +347,7 @@ class Session:
     def backward(self, obj: Any, grad_output: np.ndarray, w: Workload) -> dict[str, np.ndarray]:
         """The candidate's gradients, keyed like params plus query/key/value (or `input` under
         self-attention); missing keys are allowed, unknown keys are findings."""
-        if not callable(getattr(obj, "backward", None)):
-            # Not a wrong answer but a check that cannot run: the user asked for gradients of an
-            # implementation that has none.
-            raise UsageError(
-                f"--impl {self.candidate.spec}: {type(obj).__name__} has no backward(grad_output) method, "
-                "which `grad` and `sgd-step` need (`forward` checks it without one)"
-            )
-        grads = _guard("backward()", obj.backward, self._hand("its `grad_output` argument", grad_output))
-        self._check_handed("backward()")
-        where = _defined_at(obj.backward)
+        grads, where = self._gradients(obj, grad_output)
         if not isinstance(grads, dict):
             raise CandidateError(f"backward() returned {type(grads).__name__}, expected a dict of arrays", where)
         shapes = {**{k: v.shape for k, v in w.params.items()}, "query": w.query.shape, "key": w.key.shape, "value": w.value.shape}
@@ -320,6 +366,24 @@ class Session:
             if g.shape != shapes[name]:
                 raise CandidateError(f"backward() returned {name!r} of shape {g.shape}, expected {shapes[name]}", where)
         return arrays
+
+    def _returned(self, output: Any, obj: Any, inputs: tuple[Any, Any, Any], options: dict[str, Any]) -> None:
+        """The output forward() returned, before conversion, and the call that returned it: what
+        a framework session differentiates when the candidate has no backward."""
+
+    def _gradients(self, obj: Any, grad_output: np.ndarray) -> tuple[Any, str | None]:
+        """What the candidate's backward(grad_output) returned, and where that method is defined."""
+        if not callable(getattr(obj, "backward", None)):
+            # Not a wrong answer but a check that cannot run: the user asked for gradients of an
+            # implementation that has none.
+            raise UsageError(
+                f"--impl {self.candidate.spec}: {type(obj).__name__} has no backward(grad_output) method, "
+                "which `grad` and `sgd-step` need (`forward` checks it without one; a torch or JAX "
+                "candidate gets its gradients from autograd)"
+            )
+        grads = _guard("backward()", obj.backward, self._hand("its `grad_output` argument", grad_output))
+        self._check_handed("backward()")
+        return grads, _defined_at(obj.backward)
 
     def _as_numpy(self, value: Any, what: str, where: str | None) -> np.ndarray:
         """`value` as a NumPy array, converted once here; a conversion is noted in `self.notes`."""
@@ -363,7 +427,7 @@ def as_numpy(value: Any, what: str, where: str | None = None) -> np.ndarray:
             array = np.from_dlpack(value)
         except Exception:  # noqa: BLE001
             raise CandidateError(f"{what} of type {kind} that NumPy cannot convert: {type(first).__name__}: {first}", where) from None
-    if array.dtype.kind not in "biufc":
+    if array.dtype.kind not in "biufc" and not is_float(array.dtype):  # bfloat16's kind is "V"
         raise CandidateError(f"{what} of type {kind} that converts to a NumPy array of dtype {array.dtype}, not numbers", where)
     return array
 

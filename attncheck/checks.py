@@ -15,16 +15,19 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from attncheck import torch_side
-from attncheck.candidate import INPUT_GRADIENTS, REFERENCE, REFERENCE_SPEC, Candidate, Session, module_options
+from attncheck.candidate import INPUT_GRADIENTS, REFERENCE, REFERENCE_SPEC, Candidate, Session, framework_of, module_options
 from attncheck.commands import COMMANDS, options_for
 from attncheck.compare import Evidence, compare, decide, measure, rule_for, sgd_rule
 from attncheck.config import Config
 from attncheck.diagnose import diagnose_report
+from attncheck.dtypes import eps as machine_eps
+from attncheck.dtypes import is_float, np_dtype
 from attncheck.errors import CandidateError, Unsupported
 from attncheck.inputs import Workload, directions, fully_masked, make_workload, weights_rows
 from attncheck.report import FAIL, INCONCLUSIVE, INFO, SKIPPED, UNSUPPORTED, LossStep, Report, Row
 from attncheck.sgd import SGD, sgd_options
 from attncheck.sgd import SGD as TRUSTED_SGD  # the oracle's: tests swap `SGD` for a wrong update
+from attncheck.torch_candidate import TorchSession
 
 # Finite differences run in float64: step eps * max(1, max|x|) along a unit-max direction u.
 FD_EPS = 1e-6
@@ -67,8 +70,25 @@ def oracle_config(cfg: Config) -> Config:
     return cfg.model_copy(update={"dtype": "float64"})
 
 
+def session_for(cfg: Config, candidate: Candidate) -> Session:
+    """The Session flavour for the candidate's framework: NumPy arrays, torch tensors or JAX arrays."""
+    framework = framework_of(cfg, candidate)
+    if framework == "torch":
+        return TorchSession(cfg, candidate)
+    if framework == "jax":
+        from attncheck.jax_candidate import JaxSession  # JAX is imported only for a JAX candidate
+
+        return JaxSession(cfg, candidate)
+    return Session(cfg, candidate)
+
+
 def _new_report(command: str, cfg: Config, candidate: Candidate) -> Report:
-    return Report(command, cfg.name or "config", candidate.spec, cfg.model_dump(mode="json"))
+    config = cfg.model_dump(mode="json")
+    config["framework"] = framework_of(cfg, candidate)  # as detected, when the config does not say
+    report = Report(command, cfg.name or "config", candidate.spec, config)
+    if cfg.device in torch_side.DEVICE_NOTES:
+        report.notes.append(torch_side.DEVICE_NOTES[cfg.device])
+    return report
 
 
 def _masking_note(cfg: Config, w: Workload, report: Report) -> np.ndarray:
@@ -124,7 +144,7 @@ def _same(a: np.ndarray | None, b: np.ndarray | None) -> tuple[bool, float]:
     with np.errstate(invalid="ignore"):
         diff = float(np.nanmax(np.abs(a64 - b64), initial=0.0))
     scale = float(np.nanmax(np.abs(b64), initial=0.0))
-    eps = float(np.finfo(np.asarray(b).dtype).eps) if np.asarray(b).dtype.kind == "f" else 0.0
+    eps = machine_eps(np.asarray(b).dtype) if is_float(np.asarray(b).dtype) else 0.0
     return not nan_differs and diff <= REPEAT_ULPS * eps * scale, diff
 
 
@@ -178,7 +198,7 @@ def _dtype_row(section: str, cfg: Config, returned: dict[str, np.dtype]) -> Row 
     Their values are compared all the same (in float64). A wrong dtype fails, as in
     torch.testing.assert_close, unless the config says `check_dtype: false`, when it is a note.
     """
-    wrong = {name: dt for name, dt in returned.items() if dt is not None and np.dtype(dt) != np.dtype(cfg.dtype)}
+    wrong = {name: dt for name, dt in returned.items() if dt is not None and np.dtype(dt) != np_dtype(cfg.dtype)}
     if not wrong:
         return None
     kinds = sorted({str(dt) for dt in wrong.values()})
@@ -204,7 +224,7 @@ def check_forward(cfg: Config, candidate: Candidate = REFERENCE, *, strict: bool
         oracle = Session(oracle_config(cfg), REFERENCE)
         w64 = w.astype(np.float64)
         o_out, o_weights = oracle.forward(oracle.build(w64.params), w64)
-    session = Session(cfg, candidate)
+    session = session_for(cfg, candidate)
     try:
         obj = session.build(w.params)
         out, weights = session.forward(obj, w)
@@ -316,7 +336,7 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
     if grad_rule.needs_oracle or cfg.dtype != "float64":  # the finite differences reuse it below
         oracle = _run_grad(Session(oracle_config(cfg), REFERENCE), oracle_config(cfg), w64)
 
-    session = Session(cfg, candidate)
+    session = session_for(cfg, candidate)
     try:
         obj = session.build(w.params)
         out, loss, grads = _run_grad(session, cfg, w, obj)
@@ -391,7 +411,7 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
     (loss(x + eps u) - loss(x - eps u)) / (2 eps): two forward passes per row, not one per element.
     """
     cfg64 = oracle_config(cfg)
-    session = Session(cfg64, candidate)
+    session = session_for(cfg64, candidate)
     try:
         if grads64 is None:
             if candidate is REFERENCE and oracle is not None:
@@ -521,7 +541,7 @@ def judged_steps(cfg: Config, w: Workload, t, oracle: Trajectory | None) -> tupl
     step can until torch's own training diverges or its weights leave the oracle's trajectory.
     """
     torch_losses = t.losses + [t.final_loss]  # before each step, then after the last
-    limit = LEFT_ORACLE_ULPS * float(np.finfo(np.dtype(cfg.dtype)).eps)
+    limit = LEFT_ORACLE_ULPS * machine_eps(cfg.dtype)
     for step in range(2, cfg.steps + 1):
         for name, start in w.params.items():
             if _diverged(t.params[step - 1][name], start, torch_losses, step):
@@ -545,7 +565,7 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
     oracle = None
     if rule_for(cfg, "sgd").needs_oracle:
         oracle = _run_sgd(Session(oracle_config(cfg), REFERENCE), oracle_config(cfg), w.astype(np.float64), TRUSTED_SGD)
-    session = Session(cfg, candidate)
+    session = session_for(cfg, candidate)
     try:
         mine = _run_sgd(session, cfg, w)
     except (CandidateError, Unsupported) as err:
@@ -588,7 +608,9 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
 def run_check(command: str, cfg: Config, candidate: Candidate = REFERENCE, **options) -> Report:
     """Run one command (see attncheck.commands) by name; options it does not take are dropped.
     Each failing row gets its diagnosis (attncheck.diagnose)."""
-    report = globals()[COMMANDS[command].check](cfg, candidate, **options_for(command, options))
+    torch_side.require_device(cfg)
+    with torch_side.deterministic(cfg):
+        report = globals()[COMMANDS[command].check](cfg, candidate, **options_for(command, options))
     diagnose_report(report, cfg)
     return report
 

@@ -61,6 +61,28 @@ ToleranceOption = Annotated[
 ]
 
 
+class Framework(str, enum.Enum):
+    numpy = "numpy"
+    torch = "torch"
+    jax = "jax"
+
+
+class Device(str, enum.Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+FrameworkOption = Annotated[
+    Optional[Framework],
+    typer.Option("--framework", help="The candidate's array library; default: the config's `framework`, else detected "
+                 "(an nn.Module, or a module importing torch or jax without NumPy).", show_default=False),
+]  # fmt: skip
+DeviceOption = Annotated[
+    Optional[Device],
+    typer.Option("--device", help="Where torch and a torch candidate run (cuda: exit 2 without a GPU). Overrides the config.", show_default=False),
+]
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"attncheck {__version__}")
@@ -128,6 +150,8 @@ def _run(
     impl: str | None,
     tolerance: Tolerance | None,
     *,
+    framework: Framework | None = None,
+    device: Device | None = None,
     junit_path: Path | None = None,
     shard_spec: str | None = None,
     workers: int = 1,
@@ -165,7 +189,8 @@ def _run(
             suite = Suite(suite.name, suite.source, shard(suite.cases, i, n))
             label += f" · shard {i}/{n}"
         view = View(verbose, tracebacks, keep_evidence=plot_path is not None)
-        result = _run_suite(suite, label, commands, impl, tolerance, workers, view, options, many=not one_case)
+        overrides = {k: v.value for k, v in (("tolerance", tolerance), ("framework", framework), ("device", device)) if v is not None}
+        result = _run_suite(suite, label, commands, impl, overrides, workers, view, options, many=not one_case)
     except UsageError as err:
         for line in str(err).splitlines():
             typer.echo(f"error: {line}", err=True)
@@ -208,19 +233,20 @@ def exit_code(verdict: str) -> int:
     return {PASS: EXIT_OK, FAIL: EXIT_MISMATCH}.get(verdict, EXIT_INCONCLUSIVE)
 
 
-def _run_suite(suite, label, commands, impl, tolerance, workers, view: View, options, *, many: bool):
+def _run_suite(suite, label, commands, impl, overrides, workers, view: View, options, *, many: bool):
     """Run and render: one case as today's full report, many as progress, failures and a summary."""
     from rich.console import Group
     from rich.text import Text
 
     from attncheck.render import make_console, progress_bar, progress_line, render, suite_summary, suite_verdict
-    from attncheck.suite import SuiteResult, check_candidates, plan, run_jobs
+    from attncheck.suite import SuiteResult, check_candidates, check_devices, plan, run_jobs
 
     console = make_console()
     if not suite.cases:
         console.print(f"attncheck: no cases in {label}")
-    jobs, skipped = plan(suite, commands, impl=impl, tolerance=None if tolerance is None else tolerance.value)
+    jobs, skipped = plan(suite, commands, impl=impl, overrides=overrides)
     check_candidates(jobs)
+    check_devices(jobs)
     start = time.perf_counter()
     run = functools.partial(run_jobs, jobs, options, workers=workers, keep_evidence=view.keep_evidence)
     if not many:
@@ -261,22 +287,24 @@ def _command(name: str, summary: str):
 @_command("forward", COMMANDS["forward"].summary)
 def forward(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
+    framework: FrameworkOption = None, device: DeviceOption = None,
     strict: StrictOption = False,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
 ) -> None:  # fmt: skip
-    raise typer.Exit(_run(("forward",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
+    raise typer.Exit(_run(("forward",), config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, strict=strict))  # fmt: skip
 
 
 @_command("grad", COMMANDS["grad"].summary)
 def grad(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
+    framework: FrameworkOption = None, device: DeviceOption = None,
     per_head: PerHeadOption = False, strict: StrictOption = False,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
 ) -> None:  # fmt: skip
-    raise typer.Exit(_run(("grad",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
+    raise typer.Exit(_run(("grad",), config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback,
                           per_head=per_head, strict=strict))  # fmt: skip
 
@@ -284,16 +312,18 @@ def grad(
 @_command("sgd-step", COMMANDS["sgd-step"].summary)
 def sgd_step(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
+    framework: FrameworkOption = None, device: DeviceOption = None,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
 ) -> None:  # fmt: skip
-    raise typer.Exit(_run(("sgd-step",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
+    raise typer.Exit(_run(("sgd-step",), config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback))  # fmt: skip
 
 
 @_command("run", "Run forward, grad and sgd-step for every case of a config or suite: the one command for CI.")
 def run(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
+    framework: FrameworkOption = None, device: DeviceOption = None,
     only: Annotated[Optional[str], typer.Option("--only", help="Comma-separated commands to run: forward, grad, sgd-step. Default: all three.", show_default=False)] = None,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     per_head: PerHeadOption = False, strict: StrictOption = False,
@@ -304,7 +334,7 @@ def run(
     except UsageError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
-    raise typer.Exit(_run(commands, config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
+    raise typer.Exit(_run(commands, config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback,
                           per_head=per_head, strict=strict))  # fmt: skip
 

@@ -40,6 +40,10 @@ FIXED: dict[tuple[str, str], tuple[float, float]] = {
     # since each step adds lr times a gradient carrying the grad rule's error.
     ("sgd", "float32"): (1e-5, 1e-5),
     ("sgd", "float64"): (1e-10, 1e-9),
+    # Half precision: torch.testing.assert_close's own table for every kind (atol 1e-5; rtol 1e-3
+    # float16, 1.6e-2 bfloat16). README "Kernels and other frameworks" measures what it does.
+    **{(kind, "float16"): (1e-5, 1e-3) for kind in ("forward", "grad", "sgd")},
+    **{(kind, "bfloat16"): (1e-5, 1.6e-2) for kind in ("forward", "grad", "sgd")},
 }
 
 # kind -> factor for the budget rule: how many times torch's own error the candidate may have.
@@ -60,7 +64,14 @@ BUDGET_FACTOR: dict[str, float] = {
 # dtype -> floor for the budget rule, relative to max|oracle|. About 80 units of rounding of the
 # largest value in float32 and 450 in float64: a sum whose terms cancel keeps the rounding of its
 # terms, and torch's own error on such a value can be zero by luck. Real bugs are O(1) relative.
-BUDGET_FLOOR: dict[str, float] = {"float32": 1e-5, "float64": 1e-13}
+# Half precision: two units of rounding of the largest value (eps 2^-10 float16, 2^-7 bfloat16),
+# and the factors above unchanged. Measured by benchmarks/half_precision.py on 40 random configs
+# with two correct implementations (the float32-accumulating reference; torch projections around
+# SDPA in the half dtype, autograd gradients): the largest factor a forward value, gradient or
+# weight needed was within the kind's factor except where torch's own error was zero by luck
+# (a scalar loss, an SGD update below half a unit of a weight), and the floor those needed was at
+# most 7.8e-4 (float16) and 5.9e-3 (bfloat16): 2.6x and 2.7x below these floors.
+BUDGET_FLOOR: dict[str, float] = {"float32": 1e-5, "float64": 1e-13, "float16": 2e-3, "bfloat16": 1.6e-2}
 
 
 @dataclass(frozen=True)
@@ -258,8 +269,8 @@ def measure(
     if (~finite_e & ~explained).any():
         notes.append(f"torch itself gives NaN or inf at {int((~finite_e & ~explained).sum())} of {row.numel} elements that no mask explains: nothing can be judged there")
     if undefined is not None and undefined.any():
-        chose = "NaN" if accepted.any() else "torch's values"
-        notes.append(f"{int(undefined.sum())} elements have no defined value (no allowed key): the candidate gives {chose} there, which is accepted")
+        chose = "NaN there, which is accepted" if accepted.any() else "numbers there, compared with torch's"
+        notes.append(f"{int(undefined.sum())} elements have no defined value (no allowed key): the candidate gives {chose}")
     row.note = "; ".join(notes)
     return row
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attncheck.config import Config
+from attncheck.dtypes import np_dtype
 
 # Stream ids: fixed forever, so a seed keeps meaning the same arrays.
 _PARAMS, _INPUTS, _ATTN_MASK, _KEY_PADDING, _TARGET, _DIRECTIONS = range(6)
@@ -93,7 +94,7 @@ def make_params(cfg: Config) -> dict[str, np.ndarray]:
     like the weights. Weights use Xavier-uniform bounds so logits stay in a realistic range.
     """
     gen = rng(cfg.seed, _PARAMS)
-    dtype = np.dtype(cfg.dtype)
+    dtype = np_dtype(cfg.dtype)
     params = {}
     for name, shape in param_shapes(cfg).items():
         if name.endswith("weight"):
@@ -118,7 +119,7 @@ def _input_shape(cfg: Config, length: int, dim: int) -> tuple[int, ...]:
 def make_inputs(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """query, key, value in the config's layout; one shared array under self-attention."""
     gen = rng(cfg.seed, _INPUTS)
-    dtype = np.dtype(cfg.dtype)
+    dtype = np_dtype(cfg.dtype)
 
     def draw(length: int, dim: int) -> np.ndarray:
         shape = _input_shape(cfg, length, dim)
@@ -162,7 +163,7 @@ def make_attn_mask(cfg: Config) -> np.ndarray | None:
         masked = _keep_one_per_row(gen.random(lead + (L, S)) < 0.3, gen)
         # A float mask is an additive bias, not only -inf: give the allowed places finite values.
         finite = gen.normal(0.0, 1.0, size=lead + (L, S))
-    return _as_mask_dtype(masked, cfg.mask_dtype, np.dtype(cfg.dtype), finite)
+    return _as_mask_dtype(masked, cfg.mask_dtype, np_dtype(cfg.dtype), finite)
 
 
 def make_key_padding_mask(cfg: Config) -> np.ndarray | None:
@@ -175,7 +176,7 @@ def make_key_padding_mask(cfg: Config) -> np.ndarray | None:
     if cfg.key_padding_mask == "full_row":
         masked[0, :] = True  # the first sequence has every key padded
     finite = gen.normal(0.0, 0.5, size=(B, S))
-    mask = _as_mask_dtype(masked, cfg.key_padding_mask_dtype_eff, np.dtype(cfg.dtype), finite)
+    mask = _as_mask_dtype(masked, cfg.key_padding_mask_dtype_eff, np_dtype(cfg.dtype), finite)
     return mask[0] if cfg.unbatched else mask
 
 
@@ -187,7 +188,7 @@ def output_shape(cfg: Config) -> tuple[int, ...]:
 def make_target(cfg: Config) -> np.ndarray:
     """The MSE target (loss: mse) or the cotangent (loss: sum), shaped like the output."""
     gen = rng(cfg.seed, _TARGET)
-    return gen.standard_normal(output_shape(cfg)).astype(np.dtype(cfg.dtype))
+    return gen.standard_normal(output_shape(cfg)).astype(np_dtype(cfg.dtype))
 
 
 def make_workload(cfg: Config) -> Workload:

@@ -15,6 +15,10 @@ of torch/nn/functional.py `multi_head_attention_forward`, rule for rule:
   zero weight instead;
 - weights are averaged over heads when `average_attn_weights`, per head otherwise.
 
+Half precision (float16, bfloat16) is handled as a careful kernel handles it: the half values
+are read exactly into float32, every product, sum and softmax runs in float32 (float32
+accumulation), and each result is rounded to the half dtype once, when it is returned.
+
 Dimensions: B batch, L target length, S source length (grown by bias_k and the zero key),
 E embed dim, H heads, D head dim (E // H), Ek key dim, Ev value dim, G = B * H (batch and
 heads flattened, the way torch's bmm sees them).
@@ -56,7 +60,12 @@ class MultiheadAttention:
     ):
         if dropout != 0.0:
             raise ValueError("the reference has no dropout: both sides must run with dropout=0")
-        self.params = {name: np.asarray(value) for name, value in params.items()}
+        params = {name: np.asarray(value) for name, value in params.items()}
+        # The dtype results are returned in; the arithmetic runs in float32 for half dtypes.
+        self.storage = np.result_type(*params.values()) if params else np.dtype(np.float64)
+        if self.storage.itemsize == 2:
+            params = {name: _compute(value) for name, value in params.items()}
+        self.params = params
         separate = "q_proj_weight" in self.params
         E = (self.params["q_proj_weight"] if separate else self.params["in_proj_weight"]).shape[1 if separate else 1]
         if embed_dim is not None and embed_dim != E:
@@ -165,8 +174,11 @@ class MultiheadAttention:
         average_attn_weights: bool = True,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Attention output and (optionally) weights, with torch's shapes and semantics."""
+        if self.storage.itemsize == 2:
+            query, key, value, attn_mask, key_padding_mask = (_compute(a) for a in (query, key, value, attn_mask, key_padding_mask))
         with np.errstate(invalid="ignore", divide="ignore"):  # fully masked rows: NaN, as torch
-            return self._forward(query, key, value, attn_mask, key_padding_mask, need_weights, average_attn_weights)
+            out, weights = self._forward(query, key, value, attn_mask, key_padding_mask, need_weights, average_attn_weights)
+        return self._stored(out), self._stored(weights)
 
     def _forward(self, query, key, value, attn_mask, key_padding_mask, need_weights, average_attn_weights):
         unbatched = query.ndim == 2
@@ -300,8 +312,14 @@ class MultiheadAttention:
 
         Keys: the state_dict() names of the parameters, plus `query`, `key` and `value`.
         """
+        if self.storage.itemsize == 2:
+            grad_output = _compute(grad_output)
         with np.errstate(invalid="ignore", divide="ignore"):
-            return self._backward(grad_output)
+            return {name: self._stored(g) for name, g in self._backward(grad_output).items()}
+
+    def _stored(self, a: np.ndarray | None) -> np.ndarray | None:
+        """A result in the dtype of the parameters: half dtypes rounded once, at the end."""
+        return a if a is None or self.storage.itemsize != 2 else a.astype(self.storage)
 
     def _backward(self, grad_output: np.ndarray) -> dict[str, np.ndarray]:
         if self._saved is None:
@@ -359,3 +377,10 @@ class MultiheadAttention:
         grads["key"] = self._from_internal(dk @ self.Wk, unbatched)  # (B, S0, Ek)
         grads["value"] = self._from_internal(dv @ self.Wv, unbatched)  # (B, S0, Ev)
         return grads
+
+
+def _compute(a):
+    """A half-precision array as float32, exactly (each float16 and bfloat16 value is a float32 value)."""
+    if a is None or np.asarray(a).dtype.itemsize != 2:
+        return a
+    return np.asarray(a).astype(np.float32)

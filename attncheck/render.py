@@ -64,6 +64,9 @@ def header(report: Report) -> Text:
     text.append(f"  {report.name}  ", style="bold cyan")
     text.append(" · ".join(facts))
     text.append(f"\ncandidate: {report.impl}", style="dim")
+    framework, device = c.get("framework") or "numpy", c.get("device", "cpu")
+    if framework != "numpy" or device != "cpu":  # the NumPy contract on the CPU goes without saying
+        text.append(f"  ({framework} candidate, torch on {device})", style="dim")
     return text
 
 

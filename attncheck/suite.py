@@ -81,10 +81,13 @@ def shard(cases: list[Case], i: int, n: int) -> list[Case]:
     return [case for index, case in enumerate(cases) if index % n == i - 1]
 
 
-def plan(suite: Suite, commands: tuple[str, ...], *, impl: str | None = None, tolerance: str | None = None) -> tuple[list[Job], list[Case]]:
+def plan(
+    suite: Suite, commands: tuple[str, ...], *, impl: str | None = None, overrides: dict[str, Any] | None = None
+) -> tuple[list[Job], list[Case]]:
     """The jobs to run (case x command, case-major) and the skipped cases, in suite order.
 
-    A case whose check would not fit in memory is a ConfigError here, before any work.
+    `overrides` replace config keys in every case (the command line's --tolerance, --framework,
+    --device). A case whose check would not fit in memory is a ConfigError here, before any work.
     """
     check_suite_memory(suite)
     jobs, skipped = [], []
@@ -92,7 +95,7 @@ def plan(suite: Suite, commands: tuple[str, ...], *, impl: str | None = None, to
         if case.config is None:
             skipped.append(case)
             continue
-        cfg = case.config if tolerance is None else case.config.model_copy(update={"tolerance": tolerance})
+        cfg = case.config.model_copy(update=overrides) if overrides else case.config
         spec = impl if impl is not None else cfg.impl
         origin = f"{suite.source}:{case.impl_line}" if impl is None and cfg.impl is not None and case.impl_line else None
         for command in commands:
@@ -116,6 +119,15 @@ def check_candidates(jobs: list[Job]) -> None:
     """Import every candidate before any work, so a bad SPEC is a usage error up front."""
     for spec, origin in dict.fromkeys((job.impl, job.impl_origin) for job in jobs):
         _candidate(spec, origin)
+
+
+def check_devices(jobs: list[Job]) -> None:
+    """A UsageError before any work when a case asks for a device this machine lacks (cuda)."""
+    for job in jobs:
+        if job.config.device != "cpu":
+            from attncheck import torch_side
+
+            torch_side.require_device(job.config)
 
 
 def run_job(job: Job, options: dict[str, Any], keep_evidence: bool = False) -> Report:

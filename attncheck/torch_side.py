@@ -5,6 +5,7 @@ Everything returned is NumPy, so nothing above this module needs torch.
 
 from __future__ import annotations
 
+import os
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,10 +16,63 @@ import torch.nn.functional as F
 
 from attncheck.candidate import module_options
 from attncheck.config import Config
+from attncheck.dtypes import BFLOAT16
+from attncheck.errors import UsageError
 from attncheck.inputs import Workload
 from attncheck.sgd import sgd_options
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def tensor(a: np.ndarray, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A NumPy array as a torch tensor of the same dtype on `device`: always a copy, never a view
+    of `a` (a candidate's tensor must not share attncheck's memory).
+
+    bfloat16 (ml_dtypes) goes through float32, which holds every bfloat16 value exactly."""
+    if a.dtype == BFLOAT16:
+        return torch.from_numpy(a.astype(np.float32)).to(device=device, dtype=torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device, copy=True)
+
+
+def numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a NumPy copy on the host, bfloat16 as ml_dtypes' bfloat16."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy().astype(BFLOAT16)
+    return t.numpy().copy()
+
+
+class DeviceMissing(UsageError):
+    """The config asks for a device this machine does not have."""
+
+
+def require_device(cfg: Config) -> None:
+    """A UsageError (exit 2) when the config's device is not available here."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise DeviceMissing(f"device: cuda, but torch {torch.__version__} sees no CUDA GPU on this machine (torch.cuda.is_available() is False); use device: cpu")
+
+
+# What the report says about run-to-run variation on each device.
+DEVICE_NOTES = {
+    "cuda": "device cuda: torch's deterministic algorithms are on (torch.use_deterministic_algorithms, "
+    "warn_only) where torch has them; kernels without a deterministic version may vary run to run",
+}
+
+
+@contextmanager
+def deterministic(cfg: Config):
+    """The GPU counterpart of `one_thread`: deterministic algorithms where torch offers them."""
+    if cfg.device != "cuda":
+        yield
+        return
+    # cuBLAS is deterministic only with a fixed workspace; read when cuBLAS first starts.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 @contextmanager
@@ -41,7 +95,7 @@ def use_one_thread() -> None:
 def build_module(cfg: Config, params: dict[str, np.ndarray]) -> torch.nn.MultiheadAttention:
     """nn.MultiheadAttention for the config, every parameter overwritten from `params`."""
     module = torch.nn.MultiheadAttention(
-        num_heads=cfg.num_heads, batch_first=cfg.batch_first, dtype=_DTYPES[cfg.dtype], **module_options(cfg)
+        num_heads=cfg.num_heads, batch_first=cfg.batch_first, dtype=DTYPES[cfg.dtype], device=cfg.device, **module_options(cfg)
     )
     load_params(module, params)
     return module
@@ -53,24 +107,24 @@ def load_params(module: torch.nn.Module, params: dict[str, np.ndarray]) -> None:
     if set(state) != set(params):
         raise AssertionError(f"parameter names differ: torch {sorted(state)} vs {sorted(params)}")
     with torch.no_grad():
-        for name, tensor in state.items():
+        for name, held in state.items():
             value = params[name]
-            if tuple(tensor.shape) != value.shape:
-                raise AssertionError(f"{name}: torch shape {tuple(tensor.shape)} vs {value.shape}")
-            tensor.copy_(torch.from_numpy(np.ascontiguousarray(value)))
+            if tuple(held.shape) != value.shape:
+                raise AssertionError(f"{name}: torch shape {tuple(held.shape)} vs {value.shape}")
+            held.copy_(tensor(value, held.device))
 
 
 def state_numpy(module: torch.nn.Module) -> dict[str, np.ndarray]:
     """The module's parameters as NumPy copies, keyed by state_dict() names."""
-    return {name: t.detach().cpu().numpy().copy() for name, t in module.state_dict().items()}
+    return {name: numpy(t) for name, t in module.state_dict().items()}
 
 
-def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
-    return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+def _tensor(a: np.ndarray | None, cfg: Config) -> torch.Tensor | None:
+    return None if a is None else tensor(a, cfg.device)
 
 
 def _numpy(t: torch.Tensor | None) -> np.ndarray | None:
-    return None if t is None else t.detach().cpu().numpy().copy()
+    return None if t is None else numpy(t)
 
 
 @dataclass
@@ -84,13 +138,13 @@ class _Inputs:
 
 def _inputs(cfg: Config, w: Workload, requires_grad: bool) -> _Inputs:
     """torch tensors for the workload; under self-attention one tensor is passed three times."""
-    query = _tensor(w.query).requires_grad_(requires_grad)
+    query = _tensor(w.query, cfg).requires_grad_(requires_grad)
     if cfg.self_attention:
         key = value = query
     else:
-        key = _tensor(w.key).requires_grad_(requires_grad)
-        value = _tensor(w.value).requires_grad_(requires_grad)
-    return _Inputs(query, key, value, _tensor(w.attn_mask), _tensor(w.key_padding_mask))
+        key = _tensor(w.key, cfg).requires_grad_(requires_grad)
+        value = _tensor(w.value, cfg).requires_grad_(requires_grad)
+    return _Inputs(query, key, value, _tensor(w.attn_mask, cfg), _tensor(w.key_padding_mask, cfg))
 
 
 def _call(module: torch.nn.MultiheadAttention, cfg: Config, x: _Inputs):
@@ -116,7 +170,7 @@ def loss_torch(cfg: Config, output: torch.Tensor, target: torch.Tensor, undefine
     NumPy side (checks.loss_and_grad) computes the same.
     """
     if undefined is not None:
-        keep = ~_tensor(np.ascontiguousarray(undefined))
+        keep = ~tensor(np.ascontiguousarray(undefined), output.device)
         if cfg.loss == "mse":
             return torch.where(keep, output - target, 0).pow(2).sum() / keep.sum().clamp(min=1)
         return torch.where(keep, output * target, 0).sum()
@@ -180,7 +234,7 @@ def grad(cfg: Config, w: Workload) -> GradResult:
     module = build_module(cfg, w.params).train()
     x = _inputs(cfg, w, requires_grad=True)
     out, weights = _call(module, cfg, x)
-    loss = loss_torch(cfg, out, _tensor(w.target), w.undefined)
+    loss = loss_torch(cfg, out, _tensor(w.target, cfg), w.undefined)
     loss.backward()
     grads = {name: _numpy(p.grad) for name, p in module.named_parameters()}
     if cfg.self_attention:
@@ -204,7 +258,7 @@ def sgd(cfg: Config, w: Workload) -> SGDResult:
     module = build_module(cfg, w.params).train()
     optimizer = torch.optim.SGD(module.parameters(), **sgd_options(cfg))
     x = _inputs(cfg, w, requires_grad=False)
-    target = _tensor(w.target)
+    target = _tensor(w.target, cfg)
     result = SGDResult([], [])
     for _ in range(cfg.steps):
         optimizer.zero_grad()

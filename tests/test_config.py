@@ -92,7 +92,7 @@ BAD_INPUTS: dict[str, Bad] = {
     "bad_literal": Bad("attn_mask: causl\n", "got 'causl'; allowed: none, causal, random", 1),
     "bad_literal_int": Bad("attn_mask_dims: 4\n", "got 4; allowed: 2, 3", 1),
     "bad_literal_optional": Bad("key_padding_mask_dtype: int\n", "allowed: bool, float, null", 1),
-    "bad_dtype": Bad("dtype: float16\n", "allowed: float32, float64", 1),
+    "bad_dtype": Bad("dtype: float8\n", "allowed: float32, float64, float16, bfloat16", 1),
     # Ranges.
     "zero_embed_dim": Bad("embed_dim: 0\n", "must be between 1 and 65536, got 0", 1),
     "huge_tgt_len": Bad("tgt_len: 10000000\n", "must be between 1 and 1000000, got 10000000", 1),

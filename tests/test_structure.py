@@ -11,7 +11,7 @@ import pytest
 import attncheck
 
 # torch_side is the one module that imports torch; the others import it on purpose to run checks.
-IMPORTS_TORCH = {"attncheck.torch_side", "attncheck.checks", "attncheck.api", "attncheck.testing.detection"}
+IMPORTS_TORCH = {"attncheck.torch_side", "attncheck.torch_candidate", "attncheck.checks", "attncheck.api", "attncheck.testing.detection"}
 
 MODULES = sorted(m.name for m in pkgutil.walk_packages(attncheck.__path__, "attncheck.") if m.name != "attncheck.__main__")
 

@@ -60,7 +60,11 @@ class Config(BaseModel):
 
     name: str | None = None
     seed: int = 0
-    dtype: Literal["float32", "float64"] = "float32"
+    dtype: Literal["float32", "float64", "float16", "bfloat16"] = "float32"
+    # The candidate's array library; None: detected from the candidate (attncheck.candidate.detect_framework).
+    framework: Literal["numpy", "torch", "jax"] | None = None
+    # Where torch (and a torch candidate) runs; cuda needs a GPU, else exit 2.
+    device: Literal["cpu", "cuda"] = "cpu"
 
     embed_dim: int = 16
     num_heads: int = 4

@@ -1,0 +1,103 @@
+"""JAX candidates: a Session that hands JAX arrays and differentiates with `jax.vjp`.
+
+Imported only when a JAX candidate is checked (`pip install attncheck[jax]`). Every parameter,
+input and mask the candidate receives is a JAX array of the config's dtype (bfloat16 natively).
+A candidate with no `backward` gets its gradients from `jax.vjp` of the function
+`(parameters, inputs) -> factory(parameters, ...).forward(inputs, ...)[0]`: the candidate is built
+again inside the traced function, as JAX differentiates functions, not objects. A hand-written
+`backward(grad_output)` is used when present.
+
+float64 needs JAX's 64-bit mode, which this module turns on (`jax_enable_x64`): the finite
+differences and float64 configs run in float64 as for every other candidate. JAX arrays are
+immutable, so the in-place check has nothing to find; it runs all the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from attncheck.candidate import Session, _defined_at, _guard, module_options
+from attncheck.errors import UsageError
+
+try:
+    import jax
+    import jax.numpy as jnp
+except ImportError as exc:  # the extra is not installed
+    raise UsageError(f"a JAX candidate needs JAX: pip install 'attncheck[jax]' ({exc})") from None
+
+jax.config.update("jax_enable_x64", True)
+
+
+# Objects whose handed parameters are remembered: a check calls the latest two (reused, fresh).
+KEEP_OBJECTS = 4
+
+
+class JaxSession(Session):
+    """A JAX candidate's run on one workload: JAX arrays in, gradients from jax.vjp."""
+
+    def __init__(self, cfg, candidate):
+        super().__init__(cfg, candidate)
+        self._leaves: dict[str, Any] = {}  # gradient key -> array handed in since the last build or forward
+        self._params_of: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(obj) -> (obj, its parameters)
+        self._call: tuple[Any, dict[str, Any], dict[str, Any]] | None = None  # (obj, inputs by key, options)
+
+    def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None) -> Any:
+        array = jnp.asarray(original)
+        if grad_of is not None:
+            self._leaves[grad_of] = array
+        return array
+
+    def _unchanged(self, original: np.ndarray, copy: Any) -> bool:
+        return bool(np.array_equal(np.asarray(original, dtype=np.float64) if original.dtype != np.bool_ else original,
+                                   np.asarray(copy, dtype=np.float64) if original.dtype != np.bool_ else np.asarray(copy),
+                                   equal_nan=True))  # fmt: skip
+
+    def _as_numpy(self, value: Any, what: str, where: str | None) -> np.ndarray:
+        if isinstance(value, jax.Array):  # what a JAX candidate returns: no note
+            return np.asarray(value)
+        return super()._as_numpy(value, what, where)
+
+    def _restore(self, copy: Any, original: np.ndarray) -> None:
+        pass  # JAX arrays cannot change in place
+
+    def build(self, params):
+        self._leaves = {}
+        obj = super().build(params)
+        self._params_of[id(obj)] = (obj, self._leaves)
+        while len(self._params_of) > KEEP_OBJECTS:  # sgd-step builds one per step: keep the latest
+            del self._params_of[next(iter(self._params_of))]
+        return obj
+
+    def forward(self, obj, w):
+        self._leaves, self._call = {}, None
+        return super().forward(obj, w)
+
+    def _returned(self, output: Any, obj: Any, inputs: tuple, options: dict) -> None:
+        self._call = (obj, self._leaves, options)
+
+    def _gradients(self, obj: Any, grad_output: np.ndarray) -> tuple[Any, str | None]:
+        """The candidate's own backward if it has one; else jax.vjp of build-and-forward."""
+        if callable(getattr(obj, "backward", None)):
+            return super()._gradients(obj, grad_output)
+        where = _defined_at(obj.forward)
+        called, inputs, options = self._call
+        params = self._params_of[id(called)][1]
+        cfg, factory = self.cfg, self.candidate.factory
+
+        def output_of(diff: dict[str, Any]) -> Any:
+            """forward()'s output as a function of the parameters and inputs."""
+            built = factory({**params, **{k: v for k, v in diff.items() if k in params}}, num_heads=cfg.num_heads,
+                            batch_first=cfg.batch_first, **module_options(cfg))  # fmt: skip
+            if "input" in diff:  # self-attention: one array as query, key and value
+                q = k = v = diff["input"]
+            else:
+                q, k, v = diff["query"], diff["key"], diff["value"]
+            return built.forward(q, k, v, **options)[0]
+
+        def vjp() -> dict[str, Any]:
+            out, pullback = jax.vjp(output_of, {**params, **inputs})
+            return pullback(jnp.asarray(grad_output, dtype=out.dtype))[0]
+
+        return _guard("jax.vjp through building and calling the candidate", vjp), where

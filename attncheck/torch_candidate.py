@@ -1,0 +1,115 @@
+"""torch candidates: a Session that hands torch tensors and differentiates with autograd.
+
+A torch candidate is built and called exactly as a NumPy one (attncheck.candidate), but every
+parameter, input and mask it receives is a torch tensor on the config's device and dtype, and its
+results are tensors. Parameters and inputs are handed as leaves that require grad, so a candidate
+with no `backward` gets its gradients from torch autograd: the vector-Jacobian product of
+forward()'s output with d(loss)/d(output), which is the gradient of the same loss. A hand-written
+`backward(grad_output)` is used when the object has one (it then receives a tensor).
+
+This module imports torch on purpose (tests/test_structure.py lists it); checks.py imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from attncheck import torch_side
+from attncheck.candidate import Session, _defined_at, _guard
+from attncheck.dtypes import is_float
+from attncheck.errors import CandidateError
+
+
+def _exact(a: np.ndarray) -> np.ndarray:
+    """Floats (bfloat16 included) as float64, which holds each value exactly; others as they are."""
+    return a.astype(np.float64) if is_float(a.dtype) else a
+
+
+# Objects whose handed parameters are remembered: a check calls the latest two (reused, fresh).
+KEEP_OBJECTS = 4
+
+
+class TorchSession(Session):
+    """A torch candidate's run on one workload: tensors in, tensors out, autograd gradients."""
+
+    def __init__(self, cfg, candidate):
+        super().__init__(cfg, candidate)
+        self.device = torch.device(cfg.device)
+        self._leaves: dict[str, torch.Tensor] = {}  # gradient key -> leaf handed in since the last build or forward
+        self._params_of: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}  # id(obj) -> (obj, its parameter leaves)
+        self._inputs: dict[str, torch.Tensor] = {}
+        self._output: Any = None
+
+    # -------------------------------------------------------------------- handing tensors in
+    def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None) -> torch.Tensor:
+        t = torch_side.tensor(original, self.device)
+        if grad_of is not None and t.is_floating_point():
+            t.requires_grad_(True)
+            self._leaves[grad_of] = t
+        return t
+
+    def _unchanged(self, original: np.ndarray, copy: torch.Tensor) -> bool:
+        return bool(np.array_equal(_exact(original), _exact(torch_side.numpy(copy)), equal_nan=True))
+
+    def _restore(self, copy: torch.Tensor, original: np.ndarray) -> None:
+        with torch.no_grad():
+            copy.copy_(torch_side.tensor(original, copy.device))
+
+    def build(self, params):
+        self._leaves = {}
+        obj = super().build(params)
+        self._params_of[id(obj)] = (obj, self._leaves)
+        while len(self._params_of) > KEEP_OBJECTS:  # sgd-step builds one per step: keep the latest
+            del self._params_of[next(iter(self._params_of))]
+        return obj
+
+    def forward(self, obj, w):
+        self._leaves, self._output = {}, None
+        result = super().forward(obj, w)
+        self._inputs = self._leaves
+        return result
+
+    def _returned(self, output: Any, obj: Any, inputs: tuple, options: dict) -> None:
+        self._output = output
+
+    def _as_numpy(self, value: Any, what: str, where: str | None) -> np.ndarray:
+        if isinstance(value, torch.Tensor):
+            if value.is_complex() or not (value.is_floating_point() or value.dtype == torch.bool):
+                raise CandidateError(f"{what} of dtype {value.dtype}, expected a floating-point tensor", where)
+            return torch_side.numpy(value)
+        return super()._as_numpy(value, what, where)
+
+    # ------------------------------------------------------------------------------ gradients
+    def _gradients(self, obj: Any, grad_output: np.ndarray) -> tuple[Any, str | None]:
+        """The candidate's own backward if it has one; else autograd from forward()'s output."""
+        if callable(getattr(obj, "backward", None)):
+            return super()._gradients(obj, grad_output)
+        where = _defined_at(obj.forward)
+        out = self._output
+        if not isinstance(out, torch.Tensor) or out.grad_fn is None:
+            raise CandidateError(
+                "forward() returned an output autograd cannot differentiate (no grad_fn: computed under no_grad, "
+                "detached, or not a tensor): give the object a backward(grad_output), or keep the graph", where)  # fmt: skip
+        params = self._params_of.get(id(obj), (obj, {}))[1]
+        own = dict(obj.named_parameters()) if isinstance(obj, torch.nn.Module) else {}
+        # Each parameter's gradient through the tensor handed in and through the module's own
+        # parameter of the same state_dict() name (a module may copy the values into its own).
+        sources = [(name, leaf) for name, leaf in {**params, **self._inputs}.items()]
+        sources += [(name, p) for name, p in own.items() if name in params and p is not params[name] and p.requires_grad]
+        cotangent = torch_side.tensor(np.ascontiguousarray(grad_output), out.device).to(out.dtype)
+        found = _guard("autograd through forward()", torch.autograd.grad, out, [t for _, t in sources],
+                       grad_outputs=cotangent, allow_unused=True)  # fmt: skip
+        grads: dict[str, torch.Tensor | None] = {name: None for name in {**params, **self._inputs}}
+        for (name, _), g in zip(sources, found):
+            if g is not None:
+                grads[name] = g if grads[name] is None else grads[name] + g
+        unreached = [name for name in params if grads[name] is None]
+        if unreached:
+            note = (f"autograd: no gradient reaches {', '.join(unreached)} from forward()'s output (through the tensor "
+                    "handed in, or the module's parameter of that name): not provided")  # fmt: skip
+            if note not in self.notes:
+                self.notes.append(note)
+        return grads, where

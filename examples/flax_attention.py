@@ -1,0 +1,65 @@
+"""A JAX candidate: Flax's `nn.MultiHeadDotProductAttention` against torch's nn.MultiheadAttention.
+
+    pip install 'attncheck[jax]'
+    attncheck grad --impl examples/flax_attention.py:MultiheadAttention -c ...   # detected as JAX
+
+attncheck hands this object JAX arrays and takes the gradients from `jax.vjp`: there is no
+backward. The adapter converts torch's layout to Flax's, explicitly:
+
+- Flax's query/key/value kernels are `(E, H, D)` (in, heads, head dim) for `x @ W`; torch's
+  `in_proj_weight` blocks are `(E, E)` (out, in): kernel = W.T reshaped to `(E, H, D)`, biases
+  `(H, D)`; the output kernel is `(H, D, E)`: `out_proj.weight.T` reshaped.
+- Flax's mask is True = attend, `(B, H, L, S)`: `adapt.keep_mask` merges torch's masks into it.
+
+Flax returns no attention weights (need_weights is unsupported), and takes no add_bias_kv,
+add_zero_attn or kdim/vdim (refused). README "Kernels and other frameworks" says what it showed.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from attncheck import adapt
+
+
+class MultiheadAttention:
+    """Flax's MultiHeadDotProductAttention with torch's weights, called as attncheck's contract."""
+
+    def __init__(self, params, *, num_heads, batch_first, **options):
+        adapt.refuse(options, "kdim", "vdim", "add_bias_kv", "add_zero_attn", reason="Flax's attention has none")
+        E, H = options["embed_dim"], num_heads
+        D = E // H
+        self.H, self.batch_first = H, batch_first
+        w_q, w_k, w_v = jnp.split(params["in_proj_weight"], 3)  # 3 x (E, E), torch's (out, in)
+        w_o = params["out_proj.weight"]  # (E, H*D), torch's (out, in)
+        for w in (w_q, w_k, w_v, w_o):
+            assert w.shape == (E, E), w.shape
+
+        def dense(w, b):  # torch (out, in) -> Flax DenseGeneral kernel (in, H, D), bias (H, D)
+            layer = {"kernel": w.T.reshape(E, H, D)}
+            if b is not None:
+                layer["bias"] = b.reshape(H, D)
+            return layer
+
+        b_q, b_k, b_v = jnp.split(params["in_proj_bias"], 3) if options["bias"] else (None, None, None)  # 3 x (E,)
+        out = {"kernel": w_o.T.reshape(H, D, E)}  # (H, D, E)
+        if options["bias"]:
+            out["bias"] = params["out_proj.bias"]  # (E,)
+        self.variables = {"params": {"query": dense(w_q, b_q), "key": dense(w_k, b_k), "value": dense(w_v, b_v), "out": out}}
+        self.module = nn.MultiHeadDotProductAttention(
+            num_heads=H, qkv_features=E, out_features=E, use_bias=options["bias"], dropout_rate=0.0, deterministic=True,
+            dtype=w_o.dtype, param_dtype=w_o.dtype,
+        )  # fmt: skip
+
+    def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, need_weights=True, average_attn_weights=True):
+        adapt.unsupported(need_weights=need_weights, unbatched=query.ndim == 2, reason="Flax's attention returns no weights and takes batches")
+        if not self.batch_first:  # (L, B, E) -> (B, L, E)
+            query, key, value = (jnp.swapaxes(x, 0, 1) for x in (query, key, value))
+        B, L, _ = query.shape
+        S = key.shape[1]
+        keep = adapt.keep_mask(None if attn_mask is None else np.asarray(attn_mask),
+                               None if key_padding_mask is None else np.asarray(key_padding_mask), (B, self.H, L, S))  # fmt: skip
+        out = self.module.apply(self.variables, query, key, value, mask=None if keep is None else jnp.asarray(keep))  # (B, L, E)
+        return (out if self.batch_first else jnp.swapaxes(out, 0, 1)), None

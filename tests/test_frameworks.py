@@ -1,0 +1,233 @@
+"""torch candidates (autograd gradients), framework detection, half precision and the device."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import attncheck
+from attncheck.candidate import detect_framework, load_candidate
+from attncheck.cli import main
+from attncheck.dtypes import BFLOAT16
+from attncheck.reference import MultiheadAttention as Reference
+
+ROOT = Path(__file__).resolve().parent.parent
+SDPA = f"{ROOT}/examples/torch_sdpa.py:MultiheadAttention"
+WRONG_HALF = f"{ROOT}/examples/wrong_half_accumulation.py:MultiheadAttention"
+# What the SDPA candidate supports: no attention weights (SDPA returns none).
+SDPA_CONFIG = {"need_weights": False, "attn_mask": "causal", "key_padding_mask": "random"}
+COMMANDS = ["forward", "grad", "sgd-step"]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+# ----------------------------------------------------------------------------- torch candidates
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_torch_sdpa_candidate_passes_with_autograd_gradients(command, dtype):
+    report = attncheck.check({**SDPA_CONFIG, "dtype": dtype}, command, impl=SDPA)
+    report.assert_passed()
+    assert report.config["framework"] == "torch"
+    if command != "forward":  # every gradient came from autograd: none is missing
+        assert not [r for r in report.rows if r.status == "not provided"]
+
+
+def test_seq_first_and_cross_attention_through_autograd():
+    cfg = {"need_weights": False, "batch_first": False, "self_attention": False, "src_len": 7, "attn_mask": "random"}
+    report = attncheck.check(cfg, "grad", impl=SDPA)
+    report.assert_passed()
+    assert {"grad"} <= {r.section for r in report.rows}
+    assert {r.quantity for r in report.rows} >= {"query", "key", "value"}
+
+
+class FunctionalTorch:
+    """A torch candidate that keeps the tensors it is handed and has no backward."""
+
+    def __init__(self, params, num_heads, batch_first, **options):
+        self.params, self.H, self.batch_first, self.options = params, num_heads, batch_first, options
+
+    def forward(self, query, key, value, **kwargs):
+        return torch.nn.functional.multi_head_attention_forward(
+            query.transpose(0, 1) if self.batch_first else query, key.transpose(0, 1) if self.batch_first else key,
+            value.transpose(0, 1) if self.batch_first else value, self.options["embed_dim"], self.H,
+            self.params["in_proj_weight"], self.params["in_proj_bias"], None, None, False, 0.0,
+            self.params["out_proj.weight"], self.params["out_proj.bias"], training=True,
+            key_padding_mask=kwargs["key_padding_mask"], need_weights=kwargs["need_weights"], attn_mask=kwargs["attn_mask"],
+            average_attn_weights=kwargs["average_attn_weights"],
+        )[0].transpose(0, 1), None  # fmt: skip
+
+
+def test_gradients_flow_to_the_handed_tensors_of_a_functional_candidate():
+    report = attncheck.check({"need_weights": False, "framework": "torch"}, "grad", impl=FunctionalTorch)
+    report.assert_passed()
+
+
+class DetachedOutput(FunctionalTorch):
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out.detach(), weights
+
+
+def test_an_output_autograd_cannot_differentiate_fails_with_the_reason():
+    report = attncheck.check({"need_weights": False, "framework": "torch"}, "grad", impl=DetachedOutput)
+    assert report.verdict == "fail"
+    assert "autograd cannot differentiate" in report.rows[0].note
+
+
+class WrongHandWrittenBackward(FunctionalTorch):
+    """A hand-written backward is used when present: this one returns a wrong gradient."""
+
+    def backward(self, grad_output):
+        return {"out_proj.bias": 2 * grad_output.sum(dim=(0, 1))}
+
+
+def test_a_hand_written_backward_is_used_instead_of_autograd():
+    report = attncheck.check({"need_weights": False, "framework": "torch"}, "grad", impl=WrongHandWrittenBackward)
+    failing = {r.quantity for r in report.failures}
+    assert "out_proj.bias" in failing and report.verdict == "fail"
+
+
+class InPlace(FunctionalTorch):
+    def forward(self, query, key, value, **kwargs):
+        with torch.no_grad():
+            self.params["out_proj.bias"].add_(1.0)
+        return super().forward(query, key, value, **kwargs)
+
+
+def test_in_place_changes_to_handed_tensors_fail():
+    report = attncheck.check({"need_weights": False, "framework": "torch"}, "forward", impl=InPlace)
+    assert report.verdict == "fail"
+    assert any("modified parameter `out_proj.bias` in place" in r.note for r in report.failures)
+
+
+# ------------------------------------------------------------------------------------ detection
+def test_framework_is_detected_before_building():
+    assert load_candidate(SDPA).framework == "torch"  # an nn.Module subclass
+    assert detect_framework(Reference) == "numpy"
+    # A class in a module that imports NumPy besides torch is a NumPy candidate (this test module).
+    assert detect_framework(FunctionalTorch) == "numpy"
+
+
+def test_the_header_names_the_framework(capsys):
+    with pytest.raises(SystemExit) as ended:
+        main(["forward", "--impl", SDPA, "-c", str(_config_file(SDPA_CONFIG))])
+    assert ended.value.code == 0
+    assert "(torch candidate, torch on cpu)" in capsys.readouterr().out
+
+
+def test_framework_option_overrides_detection(capsys):
+    # The NumPy reference told it is a torch candidate receives tensors: NumPy cannot use them.
+    spec = f"{ROOT}/examples/per_head_loop.py:MultiheadAttention"
+    with pytest.raises(SystemExit) as ended:
+        main(["forward", "--impl", spec, "--framework", "torch"])
+    assert ended.value.code == 1
+    assert "(torch candidate, torch on cpu)" in capsys.readouterr().out
+
+
+def _config_file(mapping) -> Path:
+    import tempfile
+
+    import yaml
+
+    path = Path(tempfile.mkdtemp()) / "config.yaml"
+    path.write_text(yaml.safe_dump(mapping))
+    return path
+
+
+# ------------------------------------------------------------------------------- half precision
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_the_reference_passes_in_half_precision(command, dtype):
+    attncheck.check({"dtype": dtype, "attn_mask": "causal", "key_padding_mask": "random"}, command).assert_passed()
+
+
+class Recording(Reference):
+    seen: list = []
+
+    def forward(self, query, *args, **kwargs):
+        Recording.seen.append((query.dtype, self.params["out_proj.weight"].dtype))
+        return super().forward(query, *args, **kwargs)
+
+
+def test_numpy_candidates_receive_bfloat16_through_ml_dtypes():
+    Recording.seen.clear()
+    attncheck.check({"dtype": "bfloat16"}, "forward", impl=Recording).assert_passed()
+    # The reference computes in float32 internally; what it was handed is ml_dtypes' bfloat16.
+    assert Recording.seen[0][0] == BFLOAT16
+
+
+def test_a_float32_result_for_half_inputs_is_a_dtype_row():
+    class Float32Out(Reference):
+        def forward(self, *args, **kwargs):
+            out, weights = super().forward(*args, **kwargs)
+            return out.astype(np.float32), weights
+
+    report = attncheck.check({"dtype": "float16"}, "forward", impl=Float32Out)
+    assert [r.quantity for r in report.failures] == ["dtype"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_accumulation_is_caught_by_the_budget_and_the_correct_kernel_passes(dtype):
+    # Long rows (S = 512), where a half-precision accumulator's error grows past torch's.
+    cfg = {"dtype": dtype, "need_weights": False, "tgt_len": 512, "embed_dim": 32, "num_heads": 4,
+           "attn_mask": "causal", "batch_size": 1, "seed": 3}  # fmt: skip
+    attncheck.check(cfg, "forward", impl=SDPA).assert_passed()
+    wrong = attncheck.check(cfg, "forward", impl=WRONG_HALF)
+    assert "output" in {r.quantity for r in wrong.failures}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_testing_fixed_table_fails_the_correct_kernel_in_half_precision(dtype):
+    # The argument for the budget rule: elementwise atol/rtol cries wolf on a correct kernel.
+    report = attncheck.check({**SDPA_CONFIG, "dtype": dtype, "tolerance": "fixed"}, "forward", impl=SDPA)
+    assert report.verdict == "fail"
+    assert attncheck.check({**SDPA_CONFIG, "dtype": dtype}, "forward", impl=SDPA).passed
+
+
+def test_wrong_half_accumulation_is_right_in_float32():
+    cfg = {"need_weights": False, "tgt_len": 64, "attn_mask": "causal"}
+    for command in COMMANDS:
+        attncheck.check(cfg, command, impl=WRONG_HALF).assert_passed()
+
+
+# ----------------------------------------------------------------------------------------- GPU
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_exit_2(capsys):
+    with pytest.raises(SystemExit) as ended:
+        main(["forward", "--device", "cuda"])
+    assert ended.value.code == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_reference_against_torch_on_the_gpu(command, dtype):
+    attncheck.check({"dtype": dtype, "device": "cuda"}, command).assert_passed()
+
+
+SDPA_BACKENDS = ["MATH", "FLASH", "EFFICIENT", "CUDNN"]
+
+
+@cuda
+@pytest.mark.parametrize("backend", SDPA_BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_sdpa_backend_on_the_gpu(backend, dtype, command):
+    cfg = {"need_weights": False, "attn_mask": "causal", "dtype": dtype, "device": "cuda", "embed_dim": 64, "num_heads": 4, "tgt_len": 16}
+    report = attncheck.check(cfg, command, impl=f"{ROOT}/examples/torch_sdpa.py:{backend}")
+    if report.verdict == "fail" and "No available kernel" in " ".join(r.note for r in report.rows):
+        pytest.skip(f"torch has no {backend} kernel for {dtype} on this GPU")
+    report.assert_passed()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_the_math_sdpa_backend_on_the_cpu(dtype):
+    attncheck.check({**SDPA_CONFIG, "dtype": dtype}, "grad", impl=f"{ROOT}/examples/torch_sdpa.py:MATH").assert_passed()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -1,0 +1,45 @@
+"""JAX candidates (the `attncheck[jax]` extra): Flax's attention, gradients from jax.vjp."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jax", reason="JAX is not installed: pip install 'attncheck[jax]'")
+pytest.importorskip("flax", reason="Flax is not installed: pip install 'attncheck[jax]'")
+
+import attncheck  # noqa: E402
+from attncheck.candidate import load_candidate  # noqa: E402
+
+FLAX = f"{Path(__file__).resolve().parent.parent}/examples/flax_attention.py:MultiheadAttention"
+# What Flax's attention supports: no attention weights.
+CONFIG = {"need_weights": False, "attn_mask": "causal", "key_padding_mask": "random"}
+
+
+def test_a_flax_module_is_detected_as_jax():
+    assert load_candidate(FLAX).framework == "jax"
+
+
+@pytest.mark.parametrize("command, dtype", [("forward", "float32"), ("grad", "float32"), ("sgd-step", "float32"), ("forward", "bfloat16"), ("sgd-step", "bfloat16")])
+def test_flax_attention_agrees_with_torch(command, dtype):
+    report = attncheck.check({**CONFIG, "dtype": dtype}, command, impl=FLAX)
+    report.assert_passed()
+    assert report.config["framework"] == "jax"
+    assert not [r for r in report.rows if r.status == "not provided"]  # every gradient from jax.vjp
+    assert not [n for n in report.notes if "converted to NumPy" in n]
+
+
+def test_cross_attention_seq_first_through_vjp():
+    cfg = {"need_weights": False, "attn_mask": "random", "self_attention": False, "src_len": 7, "batch_first": False}
+    report = attncheck.check(cfg, "grad", impl=FLAX)
+    report.assert_passed()
+    assert {"query", "key", "value"} <= {r.quantity for r in report.rows}
+
+
+def test_flax_gives_the_mean_of_the_values_where_torch_gives_zeros():
+    # A row whose every key is masked: Flax masks with the dtype's most negative number, so its
+    # softmax is uniform there; torch's SDPA path gives zero weights (its output: the bias).
+    report = attncheck.check({"need_weights": False, "key_padding_mask": "full_row"}, "forward", impl=FLAX)
+    (row,) = report.failures
+    assert row.quantity == "output" and row.mismatched == 80  # exactly the fully masked rows' 5 x 16 elements
