@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from attncheck.dtypes import eps
 from attncheck.report import FAIL, INCONCLUSIVE, NOT_PROVIDED, PASS, Row
 
 # (kind, dtype) -> (atol, rtol) for the fixed rule.
@@ -127,6 +128,25 @@ def rule_for(cfg, kind: str) -> Rule:
     factor = cfg.budget_factor if cfg.budget_factor is not None else BUDGET_FACTOR[kind]
     floor = cfg.budget_floor if cfg.budget_floor is not None else BUDGET_FLOOR[cfg.dtype]
     return Budget(factor, floor)
+
+
+# A logit summed from terms of magnitude T carries rounding of about eps * T, however small the
+# logit itself (its terms cancel), and exp turns that absolute error into the same relative error
+# of its probability and of an output that probability dominates. So forward values may be off by
+# eps * T relative in any correct implementation, while torch can be exact by luck. Measured: a
+# float32 output of 4e-10 (nearly all weight on the zero key, a logit of -22 from terms of 583)
+# where a correct implementation was 0.15 * eps * T off and torch 6e-17: one unit (6.5x margin)
+# joins the floor. At ordinary scales (T ~ 10 in the default config) it stays below BUDGET_FLOOR.
+LOGIT_ULPS = 1.0
+
+
+def with_logit_floor(rule: Rule, cfg, logit_magnitude: float | None) -> Rule:
+    """A forward budget rule whose floor covers the rounding of logits of this magnitude (the
+    oracle's `logit_magnitude`); a floor the config sets is kept as it is."""
+    if not isinstance(rule, Budget) or cfg.budget_floor is not None or not logit_magnitude:
+        return rule
+    floor = LOGIT_ULPS * eps(cfg.dtype) * logit_magnitude
+    return Budget(rule.factor, floor) if floor > rule.floor else rule
 
 
 def sgd_rule(cfg, step: int) -> Rule:
