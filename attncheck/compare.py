@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attncheck.dtypes import eps
+from attncheck.dtypes import HALF, eps
 from attncheck.report import FAIL, INCONCLUSIVE, NOT_PROVIDED, PASS, Row
 
 # (kind, dtype) -> (atol, rtol) for the fixed rule.
@@ -144,6 +144,11 @@ def with_logit_floor(rule: Rule, cfg, logit_magnitude: float | None) -> Rule:
     """A forward budget rule whose floor covers the rounding of logits of this magnitude (the
     oracle's `logit_magnitude`); a floor the config sets is kept as it is."""
     if not isinstance(rule, Budget) or cfg.budget_floor is not None or not logit_magnitude:
+        return rule
+    if cfg.dtype in HALF:
+        # Not in half precision: its floors were measured directly (BUDGET_FLOOR, inputs scaled 1
+        # to 4), and eps * T there (1e-2 at T = 10 in float16) would hide the accumulation
+        # errors a half-precision kernel makes (examples/wrong_half_accumulation.py).
         return rule
     floor = LOGIT_ULPS * eps(cfg.dtype) * logit_magnitude
     return Budget(rule.factor, floor) if floor > rule.floor else rule
