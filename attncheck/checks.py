@@ -170,14 +170,30 @@ def grad_labels(cfg: Config, name: str, per_head: bool) -> list[tuple[str, tuple
     return labels
 
 
+def _summed(*parts: np.ndarray | None) -> np.ndarray | None:
+    """The gradient of one array passed several times: the sum of its parts (None if any is missing)."""
+    if any(p is None for p in parts):
+        return None
+    return sum(parts[1:], parts[0])
+
+
 def _input_grads(cfg: Config, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
-    """Input gradients keyed as torch reports them: one summed `input` under self-attention."""
+    """Input gradients keyed as torch reports them: one summed `input` under self-attention, one
+    summed `key_value` when key and value are one array."""
     if cfg.self_attention:
-        parts = [grads.get(k) for k in ("query", "key", "value")]
-        if any(p is None for p in parts):
-            return {"input": None}
-        return {"input": parts[0] + parts[1] + parts[2]}
+        return {"input": _summed(*(grads.get(k) for k in ("query", "key", "value")))}
+    if cfg.key_is_value:
+        return {"query": grads.get("query"), "key_value": _summed(grads.get("key"), grads.get("value"))}
     return {k: grads.get(k) for k in ("query", "key", "value")}
+
+
+def _input_shapes(cfg: Config, w: Workload) -> dict[str, tuple[int, ...]]:
+    """The inputs as torch sees them: one `input` (self-attention), or query and `key_value`, or all three."""
+    if cfg.self_attention:
+        return {"input": w.query.shape}
+    if cfg.key_is_value:
+        return {"query": w.query.shape, "key_value": w.key.shape}
+    return {"query": w.query.shape, "key": w.key.shape, "value": w.value.shape}
 
 
 def _full_grads(cfg: Config, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
@@ -228,6 +244,8 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
 
     if cfg.self_attention:
         report.notes.append("self-attention: `input` is the sum of the query, key and value gradients.")
+    elif cfg.key_is_value:
+        report.notes.append("key is value: `key_value` is the sum of the key and value gradients.")
     report.rows.extend(_finite_difference_rows(cfg, candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict))
     report.seconds = time.perf_counter() - start
     return report
@@ -245,14 +263,24 @@ def _run_grad(session: Session, cfg: Config, w: Workload):
     return out, loss, session.backward(obj, d_out, w)
 
 
-def _perturbed(w: Workload, name: str, delta: np.ndarray, self_attention: bool) -> Workload:
+def _perturbed(w: Workload, name: str, delta: np.ndarray) -> Workload:
     """The workload with one parameter or input moved by delta."""
     if name in w.params:
         return replace(w, params={**w.params, name: w.params[name] + delta})
     if name == "input":  # one tensor under self-attention
         x = w.query + delta
         return replace(w, query=x, key=x, value=x)
+    if name == "key_value":  # one tensor as key and value
+        x = w.key + delta
+        return replace(w, key=x, value=x)
     return replace(w, **{name: getattr(w, name) + delta})
+
+
+def _input_value(w: Workload, name: str) -> np.ndarray:
+    """The array a parameter or input gradient is taken against."""
+    if name in w.params:
+        return w.params[name]
+    return {"input": w.query, "key_value": w.key}.get(name, getattr(w, name, None))
 
 
 def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool = False) -> list[Row]:
@@ -277,8 +305,7 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
         return [Row("finite-diff", "all", SKIPPED, note="the loss is NaN (fully masked rows): finite differences are undefined")]
 
     grads = _full_grads(cfg64, grads64)
-    shapes = {**{k: v.shape for k, v in w64.params.items()}}
-    shapes.update({"input": w64.query.shape} if cfg.self_attention else {"query": w64.query.shape, "key": w64.key.shape, "value": w64.value.shape})
+    shapes = {**{k: v.shape for k, v in w64.params.items()}, **_input_shapes(cfg, w64)}
     dirs = directions(cfg, shapes)
 
     out0, _ = session.forward(session.build(w64.params), w64)
@@ -297,11 +324,11 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
                 continue
             u = np.zeros(shape)
             u[index] = dirs[name][index]
-            x = w64.params[name] if name in w64.params else (w64.query if name == "input" else getattr(w64, name))
+            x = _input_value(w64, name)
             eps = FD_EPS * max(1.0, float(np.abs(x).max()))
             try:
-                f_plus = loss_at(_perturbed(w64, name, eps * u, cfg.self_attention))
-                f_minus = loss_at(_perturbed(w64, name, -eps * u, cfg.self_attention))
+                f_plus = loss_at(_perturbed(w64, name, eps * u))
+                f_minus = loss_at(_perturbed(w64, name, -eps * u))
             except (CandidateError, Unsupported) as err:
                 return rows + [_call_row("finite-diff", label, err)]
             numeric = (f_plus - f_minus) / (2 * eps)

@@ -41,7 +41,7 @@ class Tolerance(str, enum.Enum):
 
 ConfigOption = Annotated[
     Optional[Path],
-    typer.Option("--config", "-c", help="YAML config file; the embedded default config when omitted.", show_default=False),
+    typer.Option("--config", "-c", help="YAML config or suite file; the embedded default suite (a case per feature) when omitted.", show_default=False),
 ]
 JsonOption = Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON to this path.", show_default=False)]
 ImplOption = Annotated[
@@ -145,8 +145,8 @@ def _run_suite(suite, label, commands, impl, tolerance, workers, verbose, option
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
-    from attncheck.render import make_console, progress_line, render, suite_summary, suite_verdict
-    from attncheck.suite import SuiteResult, check_candidates, plan, run_jobs
+    from attncheck.render import capability_table, case_lines, make_console, progress_line, render, suite_summary, suite_verdict
+    from attncheck.suite import SuiteResult, capabilities, check_candidates, plan, run_jobs
 
     console = make_console()
     if not suite.cases:
@@ -178,8 +178,11 @@ def _run_suite(suite, label, commands, impl, tolerance, workers, verbose, option
     for report in reports:
         if verbose or not report.passed:  # failing, inconclusive and unsupported checks show their tables
             render(report, console)
-    summary = suite_summary(reports, [(c.name, c.skip_reason or "") for c in skipped], f"summary  {label}")
-    console.print(Group(summary, suite_verdict(reports, len(skipped), result.seconds, result.verdict)))
+    skips = [(c.name, c.skip_reason or "") for c in skipped]
+    parts = [case_lines(reports, f"summary  {label}  (worst ratio to what was allowed)"), capability_table(capabilities(reports))]
+    if verbose or skips or not result.passed:
+        parts.insert(0, suite_summary(reports, skips, "checks that did not pass" if not verbose else "every check", every_check=verbose))
+    console.print(Group(*parts, suite_verdict(reports, len(skipped), result.seconds, result.verdict)))
     return result
 
 

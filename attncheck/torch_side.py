@@ -82,13 +82,14 @@ class _Inputs:
 
 
 def _inputs(cfg: Config, w: Workload, requires_grad: bool) -> _Inputs:
-    """torch tensors for the workload; under self-attention one tensor is passed three times."""
+    """torch tensors for the workload; under self-attention one tensor is passed three times,
+    under key_is_value one tensor as key and value."""
     query = _tensor(w.query).requires_grad_(requires_grad)
     if cfg.self_attention:
         key = value = query
     else:
         key = _tensor(w.key).requires_grad_(requires_grad)
-        value = _tensor(w.value).requires_grad_(requires_grad)
+        value = key if cfg.key_is_value else _tensor(w.value).requires_grad_(requires_grad)
     return _Inputs(query, key, value, _tensor(w.attn_mask), _tensor(w.key_padding_mask))
 
 
@@ -175,6 +176,8 @@ def grad(cfg: Config, w: Workload) -> GradResult:
     grads = {name: _numpy(p.grad) for name, p in module.named_parameters()}
     if cfg.self_attention:
         grads["input"] = _numpy(x.query.grad)  # the sum of the query, key and value gradients
+    elif cfg.key_is_value:
+        grads.update(query=_numpy(x.query.grad), key_value=_numpy(x.key.grad))  # the key and value gradients summed
     else:
         grads.update(query=_numpy(x.query.grad), key=_numpy(x.key.grad), value=_numpy(x.value.grad))
     return GradResult(_numpy(out), _numpy(weights), float(loss.detach()), grads)

@@ -20,7 +20,7 @@ from attncheck.config.config_file import plain_config
 from attncheck.config.display import plain, show, type_name
 from attncheck.config.messages import locate, raise_if_any, unknown_key_message, validate
 from attncheck.config.schema import CONFIG_KEYS, SUITE_KEYS, Config
-from attncheck.config.yaml_reading import Document, KeyPath, dotted, parse_document, read_config_file
+from attncheck.config.yaml_reading import Document, KeyPath, dotted, parse_document, read_suite_file
 from attncheck.errors import Problem
 
 MAX_MATRIX_CASES = 10_000
@@ -47,8 +47,9 @@ class Suite:
 
 
 def load_suite(path: str | Path | None) -> Suite:
-    """Load a suite from a YAML file; a plain config file is a suite of one case."""
-    text, source, name = read_config_file(path)
+    """Load a suite from a YAML file; a plain config file is a suite of one case; None is the
+    embedded default suite (a case per feature)."""
+    text, source, name = read_suite_file(path)
     return parse_suite(text, source, name=name)
 
 
