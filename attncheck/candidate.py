@@ -137,7 +137,9 @@ def _located(exc: BaseException) -> str | None:
 
 
 def _defined_at(fn: Any) -> str | None:
-    """file:line where a candidate's method is defined: the place to look when it returns junk."""
+    """file:line where a candidate's method is defined: the place to look when it returns junk.
+
+    Only looked up when raising: inspect reads the source file, milliseconds a call."""
     try:
         fn = inspect.unwrap(getattr(fn, "__func__", fn))
         filename, line = inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
@@ -187,16 +189,15 @@ class Session:
             need_weights=self.cfg.need_weights,
             average_attn_weights=self.cfg.average_attn_weights,
         )
-        where = _defined_at(obj.forward)
         if not (isinstance(result, tuple) and len(result) == 2):
-            raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, weights)", where)
+            raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, weights)", _defined_at(obj.forward))
         out, weights = result
         if not isinstance(out, np.ndarray):
-            raise CandidateError(f"forward() returned an output of type {type(out).__name__}, expected a NumPy array", where)
+            raise CandidateError(f"forward() returned an output of type {type(out).__name__}, expected a NumPy array", _defined_at(obj.forward))
         if out.shape != w.query.shape:  # (B, L, E) or (L, B, E) or (L, E): the query's own shape
-            raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {w.query.shape}", where)
+            raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {w.query.shape}", _defined_at(obj.forward))
         if weights is not None and not isinstance(weights, np.ndarray):
-            raise CandidateError(f"forward() returned weights of type {type(weights).__name__}, expected a NumPy array or None", where)
+            raise CandidateError(f"forward() returned weights of type {type(weights).__name__}, expected a NumPy array or None", _defined_at(obj.forward))
         return out, weights
 
     def backward(self, obj: Any, grad_output: np.ndarray, w: Workload) -> dict[str, np.ndarray]:
@@ -209,15 +210,14 @@ class Session:
                 "which `grad` and `sgd-step` need (`forward` checks it without one)"
             )
         grads = _guard("backward()", obj.backward, grad_output)
-        where = _defined_at(obj.backward)
         if not isinstance(grads, dict):
-            raise CandidateError(f"backward() returned {type(grads).__name__}, expected a dict of arrays", where)
+            raise CandidateError(f"backward() returned {type(grads).__name__}, expected a dict of arrays", _defined_at(obj.backward))
         shapes = {**{k: v.shape for k, v in w.params.items()}, "query": w.query.shape, "key": w.key.shape, "value": w.value.shape}
         for name, g in grads.items():
             if name not in shapes or g is None:
                 continue  # extra keys are ignored; None is "not provided"
             if not isinstance(g, np.ndarray):
-                raise CandidateError(f"backward() returned {name!r} of type {type(g).__name__}, expected a NumPy array", where)
+                raise CandidateError(f"backward() returned {name!r} of type {type(g).__name__}, expected a NumPy array", _defined_at(obj.backward))
             if g.shape != shapes[name]:
-                raise CandidateError(f"backward() returned {name!r} of shape {g.shape}, expected {shapes[name]}", where)
+                raise CandidateError(f"backward() returned {name!r} of shape {g.shape}, expected {shapes[name]}", _defined_at(obj.backward))
         return {k: v for k, v in grads.items() if v is not None}

@@ -119,3 +119,28 @@ def test_capabilities_name_the_unsupported_features_and_judge_the_rest():
     assert [(c.feature, c.cases, c.verdict) for c in caps] == [
         ("module options", ("kv", "nobias"), "fail"), ("shapes", ("plain",), "pass")]  # fmt: skip
     assert caps[0].unsupported == (("kv", "forward() raised NotImplementedError: no bias_kv"),)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(steps=3, momentum=0.9, dampening=0.5, weight_decay=0.01, maximize=True),
+    dict(steps=3, momentum=0.9, nesterov=True, weight_decay=0.01, add_bias_kv=True),
+    dict(steps=2),
+])  # fmt: skip
+def test_torch_sgd_update_is_torch_optim_sgd_bitwise(monkeypatch, overrides):
+    """torch_side calls torch.optim.SGD's CPU update function directly (the optimizer object would
+    import torch._dynamo, doubling start-up); the weights must be the optimizer's, bit for bit."""
+    import numpy as np
+
+    from attncheck import torch_side
+    from attncheck.inputs import make_workload
+    from tests.conftest import cfg
+
+    c = cfg(embed_dim=8, num_heads=2, tgt_len=3, **overrides)
+    w = make_workload(c)
+    direct = torch_side.sgd(c, w)
+    monkeypatch.setattr(torch_side, "DIRECT_SGD_UPDATE", False)
+    optimizer = torch_side.sgd(c, w)
+    assert direct.losses == optimizer.losses
+    for mine, theirs in zip(direct.params, optimizer.params):
+        assert mine.keys() == theirs.keys()
+        assert all(np.array_equal(mine[k], theirs[k]) for k in mine)
