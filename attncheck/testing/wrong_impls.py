@@ -449,12 +449,9 @@ class BiasKvMaskedOut(MultiheadAttention):
     as F.pad(mask, (0, 1), value=True)), so the bias key and value are never attended; its
     gradients are zero. Invisible without a mask."""
 
-    def _hiding(self, masked: bool):
-        """Whether bias_k is dropped for this call; when so, the reference runs without it."""
-        return masked and self.bias_k is not None
-
     def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, **kwargs):
-        self._hidden = self._hiding(attn_mask is not None or key_padding_mask is not None)
+        # With a mask, the bias key is never attended: the reference runs without bias_k and bias_v.
+        self._hidden = self.bias_k is not None and (attn_mask is not None or key_padding_mask is not None)
         if not self._hidden:
             return super().forward(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask, **kwargs)
         own, self.bias_k, self.bias_v = (self.bias_k, self.bias_v), None, None
