@@ -5,7 +5,13 @@ The Python API, for a user's own tests::
     import attncheck
     attncheck.check("configs/causal.yaml", "grad", impl=MyAttention).assert_passed()
 
-`check`, `Report`, `Config` and `load_config` are imported on first use, so `import attncheck`
+In a parametrized pytest test, over every case x command of a suite file::
+
+    @pytest.mark.parametrize("check", attncheck.cases("tests/attncheck_mha.yaml", impl=MyAttention))
+    def test_attention(check):
+        check.assert_passed()
+
+`check`, `cases`, `Report`, `Config` and `load_config` are imported on first use, so `import attncheck`
 (and `attncheck --help`) never imports torch.
 """
 
@@ -20,6 +26,7 @@ _LAZY = {
     "Report": ("attncheck.report", "Report"),
     "Config": ("attncheck.config", "Config"),
     "load_config": ("attncheck.config", "load_config"),
+    "cases": ("attncheck.pytest_plugin", "cases"),
 }
 
 __all__ = ["__version__", *_LAZY]

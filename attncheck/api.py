@@ -49,7 +49,8 @@ def check(
         raise UsageError(f"{command} {what} (got {', '.join(unknown)}); {'; '.join(owners)}")
     cfg = _config(config)
     check_memory(cfg, str(config) if isinstance(config, (str, PathLike)) else "<check() config>")
-    candidate = _candidate(impl if impl is not None else cfg.impl)
+    from_file = impl is None and cfg.impl is not None and isinstance(config, (str, PathLike))
+    candidate = _candidate(impl if impl is not None else cfg.impl, origin=str(config) if from_file else None)
     with torch_side.one_thread():  # as on the command line, so the numbers are the CLI's
         return run_check(command, cfg, candidate, **options)
 
@@ -64,9 +65,10 @@ def _config(config: Config | Mapping[str, Any] | str | PathLike | None) -> Confi
     raise UsageError(f"config: expected a Config, a mapping or a path, got {type(config).__name__}")
 
 
-def _candidate(impl: str | Any | None) -> Candidate:
+def _candidate(impl: str | Any | None, origin: str | None = None) -> Candidate:
+    """The candidate `impl` names; `origin` (the config file it came from) places a load error."""
     if impl is None or isinstance(impl, str):
-        return load_candidate(impl)
+        return load_candidate(impl, origin)
     return candidate_from_object(impl)
 
 

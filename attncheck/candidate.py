@@ -15,17 +15,20 @@ attncheck. This module imports neither torch nor anything that does.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from attncheck.config.config_file import impl_file
 from attncheck.errors import CandidateError, Unsupported, UsageError
 from attncheck.inputs import Workload
 from attncheck.reference import MultiheadAttention
@@ -59,28 +62,33 @@ def module_options(cfg) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ loading
-def load_candidate(spec: str | None) -> Candidate:
-    """The candidate a SPEC names; the built-in reference when spec is None or its own SPEC."""
+def load_candidate(spec: str | None, origin: str | None = None) -> Candidate:
+    """The candidate a SPEC names; the built-in reference when spec is None or its own SPEC.
+
+    `origin` is where the SPEC was written, `file:line` of a config's `impl`; a SPEC that cannot
+    be loaded is a UsageError placed there (else it names `--impl`).
+    """
     if spec is None or spec == REFERENCE_SPEC:
         return REFERENCE
+    who = f"{origin}: impl {spec!r}" if origin else f"--impl {spec!r}"
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise UsageError(f"--impl {spec!r}: expected 'package.module:attr' or 'path/to/file.py:attr'")
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        module = _import_file(spec, Path(target))
+        raise UsageError(f"{who}: expected 'package.module:attr' or 'path/to/file.py:attr'")
+    if impl_file(spec):
+        module = _import_file(who, Path(target))
     else:
         try:
             module = importlib.import_module(target)
         except Exception as exc:  # any failure to import is the user's to fix
-            raise UsageError(f"--impl {spec!r}: cannot import module {target!r}: {type(exc).__name__}: {exc}") from None
+            raise UsageError(f"{who}: cannot import module {target!r}: {type(exc).__name__}: {exc}") from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
             names = sorted(n for n in dir(module) if not n.startswith("_"))
-            raise UsageError(f"--impl {spec!r}: {target} has no attribute {attr!r} (it has: {', '.join(names) or 'nothing public'})")
+            raise UsageError(f"{who}: {target} has no attribute {attr!r} (it has: {', '.join(names) or 'nothing public'})")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise UsageError(f"--impl {spec!r}: {attr} is a {type(obj).__name__}, not a class or function")
+        raise UsageError(f"{who}: {attr} is a {type(obj).__name__}, not a class or function")
     return Candidate(spec, obj)
 
 
@@ -94,13 +102,13 @@ def candidate_from_object(impl: Any) -> Candidate:
     return Candidate(f"{getattr(impl, '__module__', '?')}:{name}", impl)
 
 
-def _import_file(spec: str, path: Path):
+def _import_file(who: str, path: Path):
     if not path.is_file():
-        raise UsageError(f"--impl {spec!r}: no such file {str(path)!r}")
+        raise UsageError(f"{who}: no such file {str(path)!r}")
     name = f"attncheck_candidate_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
-        raise UsageError(f"--impl {spec!r}: cannot load {str(path)!r} as a Python module")
+        raise UsageError(f"{who}: cannot load {str(path)!r} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
@@ -108,7 +116,7 @@ def _import_file(spec: str, path: Path):
         module_spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise UsageError(f"--impl {spec!r}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from None
+        raise UsageError(f"{who}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from None
     finally:
         sys.path.remove(str(path.resolve().parent))
     return module
@@ -136,12 +144,27 @@ def _located(exc: BaseException) -> str | None:
     return where
 
 
-def _defined_at(fn: Any) -> str | None:
-    """file:line where a candidate's method is defined: the place to look when it returns junk.
+def _traceback(exc: BaseException) -> str:
+    """The exception as Python prints it, from the first frame outside attncheck (its own calls dropped)."""
+    tb = exc.__traceback__
+    while tb is not None and _is_ours(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
 
-    Only looked up when raising: inspect reads the source file, milliseconds a call."""
+
+def _defined_at(fn: Any) -> str | None:
+    """file:line where a candidate's method is defined: the place to look when it returns junk."""
     try:
-        fn = inspect.unwrap(getattr(fn, "__func__", fn))
+        return _source_line(inspect.unwrap(getattr(fn, "__func__", fn)))
+    except TypeError:  # not hashable: look it up every time
+        return _source_line.__wrapped__(fn)
+
+
+@functools.lru_cache(maxsize=256)
+def _source_line(fn: Any) -> str | None:
+    """_defined_at's lookup, once per function: inspect reads the source file (milliseconds),
+    and every call into a candidate names its method."""
+    try:
         filename, line = inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
     except (TypeError, OSError):
         return None
@@ -153,9 +176,9 @@ def _guard(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
     try:
         return fn(*args, **kwargs)
     except NotImplementedError as exc:  # the candidate declares this feature unsupported
-        raise Unsupported(f"{what} raised NotImplementedError: {exc}", _located(exc)) from exc
+        raise Unsupported(f"{what} raised NotImplementedError: {exc}", _located(exc), _traceback(exc)) from exc
     except Exception as exc:  # the candidate's bug is a finding, not a crash of attncheck
-        raise CandidateError(f"{what} raised {type(exc).__name__}: {exc}", _located(exc)) from exc
+        raise CandidateError(f"{what} raised {type(exc).__name__}: {exc}", _located(exc), _traceback(exc)) from exc
 
 
 class Session:
@@ -163,6 +186,7 @@ class Session:
 
     def __init__(self, cfg, candidate: Candidate):
         self.cfg, self.candidate = cfg, candidate
+        self.notes: list[str] = []  # what the report should say about the calls, e.g. conversions
 
     def build(self, params: dict[str, np.ndarray]) -> Any:
         return _guard(
@@ -189,15 +213,13 @@ class Session:
             need_weights=self.cfg.need_weights,
             average_attn_weights=self.cfg.average_attn_weights,
         )
+        where = _defined_at(obj.forward)
         if not (isinstance(result, tuple) and len(result) == 2):
-            raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, weights)", _defined_at(obj.forward))
-        out, weights = result
-        if not isinstance(out, np.ndarray):
-            raise CandidateError(f"forward() returned an output of type {type(out).__name__}, expected a NumPy array", _defined_at(obj.forward))
+            raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, weights)", where)
+        out = self._as_numpy(result[0], "forward() returned an output", where)
         if out.shape != w.query.shape:  # (B, L, E) or (L, B, E) or (L, E): the query's own shape
-            raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {w.query.shape}", _defined_at(obj.forward))
-        if weights is not None and not isinstance(weights, np.ndarray):
-            raise CandidateError(f"forward() returned weights of type {type(weights).__name__}, expected a NumPy array or None", _defined_at(obj.forward))
+            raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {w.query.shape}", where)
+        weights = None if result[1] is None else self._as_numpy(result[1], "forward() returned weights", where)
         return out, weights
 
     def backward(self, obj: Any, grad_output: np.ndarray, w: Workload) -> dict[str, np.ndarray]:
@@ -210,14 +232,73 @@ class Session:
                 "which `grad` and `sgd-step` need (`forward` checks it without one)"
             )
         grads = _guard("backward()", obj.backward, grad_output)
+        where = _defined_at(obj.backward)
         if not isinstance(grads, dict):
-            raise CandidateError(f"backward() returned {type(grads).__name__}, expected a dict of arrays", _defined_at(obj.backward))
+            raise CandidateError(f"backward() returned {type(grads).__name__}, expected a dict of arrays", where)
         shapes = {**{k: v.shape for k, v in w.params.items()}, "query": w.query.shape, "key": w.key.shape, "value": w.value.shape}
+        arrays = {}
         for name, g in grads.items():
             if name not in shapes or g is None:
                 continue  # extra keys are ignored; None is "not provided"
-            if not isinstance(g, np.ndarray):
-                raise CandidateError(f"backward() returned {name!r} of type {type(g).__name__}, expected a NumPy array", _defined_at(obj.backward))
+            arrays[name] = g = self._as_numpy(g, f"backward() returned {name!r}", where)
             if g.shape != shapes[name]:
-                raise CandidateError(f"backward() returned {name!r} of shape {g.shape}, expected {shapes[name]}", _defined_at(obj.backward))
-        return {k: v for k, v in grads.items() if v is not None}
+                raise CandidateError(f"backward() returned {name!r} of shape {g.shape}, expected {shapes[name]}", where)
+        return arrays
+
+    def _as_numpy(self, value: Any, what: str, where: str | None) -> np.ndarray:
+        """`value` as a NumPy array, converted once here; a conversion is noted in `self.notes`."""
+        array = as_numpy(value, what, where)
+        if array is not value:
+            note = f"the candidate returned {_type_name(value)}; converted to NumPy"
+            if note not in self.notes:
+                self.notes.append(note)
+        return array
+
+
+def _type_name(value: Any) -> str:
+    """The type's module and name, e.g. `torch.Tensor`; builtins by name alone."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+# DLPack device types whose memory NumPy can read: kDLCPU and kDLCUDAHost (pinned host memory).
+_HOST_DEVICES = (1, 3)
+
+
+def as_numpy(value: Any, what: str, where: str | None = None) -> np.ndarray:
+    """An array of any library as a NumPy array: anything NumPy converts (`__array__`, the array
+    interface, DLPack), e.g. a torch CPU tensor, a JAX or CuPy array.
+
+    Without importing any of those libraries: a tensor that tracks gradients is detached first
+    (torch refuses `__array__` otherwise), and an array on an accelerator is brought to the host
+    by its own `.cpu()` (torch) or `.get()` (CuPy). Anything else is a CandidateError (`what`
+    starts the message, e.g. "forward() returned an output").
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    kind = _type_name(value)
+    if not any(hasattr(value, a) for a in ("__array__", "__array_interface__", "__dlpack__")):
+        raise CandidateError(f"{what} of type {kind}, expected an array (NumPy, or one NumPy converts: __array__ or DLPack)", where)
+    try:
+        value = _on_host(value)
+        array = np.asarray(value) if hasattr(value, "__array__") or hasattr(value, "__array_interface__") else np.from_dlpack(value)
+    except Exception as first:  # noqa: BLE001 - the candidate's type decides what it raises
+        try:
+            array = np.from_dlpack(value)
+        except Exception:  # noqa: BLE001
+            raise CandidateError(f"{what} of type {kind} that NumPy cannot convert: {type(first).__name__}: {first}", where) from None
+    if array.dtype.kind not in "biufc":
+        raise CandidateError(f"{what} of type {kind} that converts to a NumPy array of dtype {array.dtype}, not numbers", where)
+    return array
+
+
+def _on_host(value: Any) -> Any:
+    detach = getattr(value, "detach", None)
+    if callable(detach):  # torch: a tensor that requires grad refuses __array__
+        value = detach()
+    device = getattr(value, "__dlpack_device__", None)
+    if callable(device) and device()[0] not in _HOST_DEVICES:
+        for to_host in ("cpu", "get"):  # torch's Tensor.cpu(), CuPy's ndarray.get()
+            if callable(getattr(value, to_host, None)):
+                return getattr(value, to_host)()
+    return value

@@ -17,8 +17,9 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.candidate import REFERENCE, REFERENCE_SPEC, Candidate, Session, module_options
 from attncheck.commands import COMMANDS, options_for
-from attncheck.compare import compare, decide, measure, rule_for, sgd_rule
+from attncheck.compare import Evidence, compare, decide, measure, rule_for, sgd_rule
 from attncheck.config import Config
+from attncheck.diagnose import diagnose_report
 from attncheck.errors import CandidateError, Unsupported
 from attncheck.inputs import Workload, directions, make_workload
 from attncheck.report import FAIL, SKIPPED, UNSUPPORTED, LossStep, Report, Row
@@ -85,7 +86,7 @@ def _masking_note(cfg: Config, w: Workload, report: Report) -> int:
 
 def _call_row(section: str, quantity: str, err: CandidateError | Unsupported) -> Row:
     """A candidate call that raised: a failure, or the feature declared unsupported."""
-    return Row(section, quantity, UNSUPPORTED if isinstance(err, Unsupported) else FAIL, note=str(err))
+    return Row(section, quantity, UNSUPPORTED if isinstance(err, Unsupported) else FAIL, note=str(err), traceback=err.traceback)
 
 
 def _failed_call(report: Report, section: str, err: CandidateError | Unsupported) -> Report:
@@ -113,6 +114,7 @@ def check_forward(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
         out, weights = session.forward(session.build(w.params), w)
     except (CandidateError, Unsupported) as err:
         return _failed_call(report, "forward", err)
+    report.notes.extend(session.notes)
     report.rows.append(compare("forward", "output", out, t_out, rule, oracle=o_out))
     if cfg.need_weights:
         report.rows.append(compare("forward", "attn_weights", weights, t_weights, rule, oracle=o_weights, strict=True))
@@ -219,6 +221,7 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
         out, loss, grads = _run_grad(session, cfg, w)
     except (CandidateError, Unsupported) as err:
         return _failed_call(report, "grad", err)
+    report.notes.extend(session.notes)
     o_out, o_loss, o_grads = oracle if grad_rule.needs_oracle else (None, None, None)
     o_grads = None if o_grads is None else _full_grads(cfg, o_grads)
     report.rows.append(compare("forward", "output", out, t.output, forward_rule, oracle=o_out))
@@ -338,7 +341,8 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
             err = abs(numeric - analytic)
             row = Row("finite-diff", label, "", shape=u[index].shape, numel=int(u[index].size), mismatched=int(not err <= allowed),
                       max_abs=err, rule=f"central diff, eps {eps:.0e}", rule_kind="finite-diff", allowed=allowed,
-                      ratio=err / allowed if allowed > 0 else math.inf, note=f"<grad, u> = {analytic:.9g}, finite difference = {numeric:.9g}")  # fmt: skip
+                      ratio=err / allowed if allowed > 0 else math.inf, note=f"<grad, u> = {analytic:.9g}, finite difference = {numeric:.9g}",
+                      evidence=Evidence(np.array(analytic), np.array(numeric), None, allowed))  # fmt: skip
             rows.append(decide(row))
     return rows
 
@@ -413,10 +417,12 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
     oracle = None
     if rule_for(cfg, "sgd").needs_oracle:
         oracle = _run_sgd(Session(oracle_config(cfg), REFERENCE), oracle_config(cfg), w.astype(np.float64), TRUSTED_SGD)
+    session = Session(cfg, candidate)
     try:
-        mine = _run_sgd(Session(cfg, candidate), cfg, w)
+        mine = _run_sgd(session, cfg, w)
     except (CandidateError, Unsupported) as err:
         return _failed_call(report, "sgd", err)
+    report.notes.extend(session.notes)
 
     n = cfg.steps
     torch_losses = t.losses + [t.final_loss]  # before each step, then after the last
@@ -455,8 +461,11 @@ def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
 
 
 def run_check(command: str, cfg: Config, candidate: Candidate = REFERENCE, **options) -> Report:
-    """Run one command (see attncheck.commands) by name; options it does not take are dropped."""
-    return globals()[COMMANDS[command].check](cfg, candidate, **options_for(command, options))
+    """Run one command (see attncheck.commands) by name; options it does not take are dropped.
+    Each failing row gets its diagnosis (attncheck.diagnose)."""
+    report = globals()[COMMANDS[command].check](cfg, candidate, **options_for(command, options))
+    diagnose_report(report, cfg)
+    return report
 
 
 __all__ = ["Candidate", "REFERENCE", "REFERENCE_SPEC", "check_forward", "check_grad", "check_sgd", "run_check", "module_options"]

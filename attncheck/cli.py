@@ -9,10 +9,12 @@ so `--help` and config errors stay fast.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -77,8 +79,46 @@ ShardOption = Annotated[
     Optional[str],
     typer.Option("--shard", help="Run shard I of N (1-based, e.g. 2/4): the cases whose index is I-1 modulo N.", show_default=False),
 ]
-WorkersOption = Annotated[int, typer.Option("--workers", min=1, help="Run cases in this many local processes.")]
-VerboseOption = Annotated[bool, typer.Option("--verbose", "-v", help="Suites: full tables for every check, not only failing ones.")]
+WorkersOption = Annotated[
+    int,
+    typer.Option("--workers", min=1, help="Run cases in this many local processes. Each pays torch's import (~2-4 s), so "
+                 "workers pay off only when the suite's checks take longer than that per worker: "
+                 "large configs or many grad/sgd-step cases, not the small option grid."),
+]  # fmt: skip
+VerboseOption = Annotated[bool, typer.Option("--verbose", "-v", help="Suites: full tables for every check and a summary row for every check, not only failing ones.")]
+PlotOption = Annotated[
+    Optional[Path],
+    typer.Option("--plot", help="Draw |candidate - reference| / allowed for each failing quantity: PATH.png or PATH.svg "
+                 "(one file per quantity, PATH itself when there is one), PATH.pdf (one page per quantity), "
+                 "or a directory (PNG files). Needs matplotlib: pip install 'attncheck[plot]'.", show_default=False),
+]  # fmt: skip
+PlotAllOption = Annotated[bool, typer.Option("--plot-all", help="With --plot: draw every compared quantity, not only failing ones.")]
+TracebackOption = Annotated[bool, typer.Option("--traceback", help="Show the candidate's full traceback when a call into it raised.")]
+
+EPILOG = """\b
+The candidate (--impl SPEC, 'package.module:attr' or 'path/file.py:attr'), all NumPy:
+  obj = attr(params, num_heads=H, batch_first=..., embed_dim=E, kdim=..., vdim=...,
+             bias=..., add_bias_kv=..., add_zero_attn=..., dropout=0.0)
+  output, weights = obj.forward(query, key, value, *, attn_mask, key_padding_mask,
+                                need_weights, average_attn_weights)
+  grads = obj.backward(grad_output)    # grad and sgd-step: {"in_proj_weight": ..., "query": ...}
+params and grads are keyed as nn.MultiheadAttention.state_dict(); raising
+NotImplementedError declares a feature unsupported.
+
+\b
+Suites: a config with `cases` or a `matrix` runs every case (--shard I/N splits it across
+CI jobs; --junit, --json report it; --workers K pays off for long checks only).
+
+\b
+Exit codes: 0 pass, 1 fail, 2 usage or config error, 3 bug in attncheck,
+4 inconclusive (nothing proven), 130 interrupted.
+ATTNCHECK_MEMORY_LIMIT_MB: refuse configs needing more memory than this (default:
+75% of physical memory).
+
+\b
+Example:
+  attncheck {command} --impl mypkg/attention.py:MHA -c configs/causal.yaml --plot errors.pdf
+"""
 
 
 def _run(
@@ -92,6 +132,9 @@ def _run(
     shard_spec: str | None = None,
     workers: int = 1,
     verbose: bool = False,
+    plot_path: Path | None = None,
+    plot_all: bool = False,
+    tracebacks: bool = False,
     **options,
 ) -> int:
     """Run commands over every case of a config or suite, render, write outputs, pick the exit code."""
@@ -104,6 +147,13 @@ def _run(
             check_writable(json_path, "--json")
         if junit_path is not None:
             check_writable(junit_path, "--junit")
+        if plot_path is not None:
+            from attncheck.plot import plot_target, require_matplotlib
+
+            require_matplotlib()
+            plot_target(plot_path)
+        elif plot_all:
+            raise UsageError("--plot-all needs --plot PATH")
         suite = load_suite(config)
         # One runnable case renders as full reports; with one command it also keeps the
         # single-report JSON. Decided before sharding, so a shard never changes the shape.
@@ -114,7 +164,8 @@ def _run(
             i, n = parse_shard(shard_spec)
             suite = Suite(suite.name, suite.source, shard(suite.cases, i, n))
             label += f" · shard {i}/{n}"
-        result = _run_suite(suite, label, commands, impl, tolerance, workers, verbose, options, many=not one_case)
+        view = View(verbose, tracebacks, keep_evidence=plot_path is not None)
+        result = _run_suite(suite, label, commands, impl, tolerance, workers, view, options, many=not one_case)
     except UsageError as err:
         for line in str(err).splitlines():
             typer.echo(f"error: {line}", err=True)
@@ -129,7 +180,25 @@ def _run(
         from attncheck.junit import to_junit
 
         write_atomic(junit_path, to_junit(result))
+    if plot_path is not None:
+        from attncheck.plot import write_plots
+
+        written = write_plots(result.reports, plot_path, every_row=plot_all)
+        if not written:
+            typer.echo("plot: nothing failed, nothing drawn (--plot-all draws every quantity)", err=True)
+        for path in written:
+            typer.echo(f"plot: {path}", err=True)
     return exit_code(result.verdict)
+
+
+@dataclass(frozen=True)
+class View:
+    """What to show: full tables and summary rows for every check (verbose), candidates'
+    tracebacks, and whether to keep the arrays behind each row for plots."""
+
+    verbose: bool = False
+    tracebacks: bool = False
+    keep_evidence: bool = False
 
 
 def exit_code(verdict: str) -> int:
@@ -139,14 +208,13 @@ def exit_code(verdict: str) -> int:
     return {PASS: EXIT_OK, FAIL: EXIT_MISMATCH}.get(verdict, EXIT_INCONCLUSIVE)
 
 
-def _run_suite(suite, label, commands, impl, tolerance, workers, verbose, options, *, many: bool):
+def _run_suite(suite, label, commands, impl, tolerance, workers, view: View, options, *, many: bool):
     """Run and render: one case as today's full report, many as progress, failures and a summary."""
     from rich.console import Group
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
-    from attncheck.render import capability_table, case_lines, make_console, progress_line, render, suite_summary, suite_verdict
-    from attncheck.suite import SuiteResult, capabilities, check_candidates, plan, run_jobs
+    from attncheck.render import make_console, progress_bar, progress_line, render, suite_summary, suite_verdict
+    from attncheck.suite import SuiteResult, check_candidates, plan, run_jobs
 
     console = make_console()
     if not suite.cases:
@@ -154,93 +222,90 @@ def _run_suite(suite, label, commands, impl, tolerance, workers, verbose, option
     jobs, skipped = plan(suite, commands, impl=impl, tolerance=None if tolerance is None else tolerance.value)
     check_candidates(jobs)
     start = time.perf_counter()
+    run = functools.partial(run_jobs, jobs, options, workers=workers, keep_evidence=view.keep_evidence)
     if not many:
-        reports = run_jobs(jobs, options, workers=workers)
+        reports = run()
     else:
         head = Text(f"attncheck {' + '.join(commands)}  ", style="bold")
         head.append(label, style="bold cyan")
         head.append(f"  {len(suite.cases)} cases ({len(skipped)} skipped) · {len(jobs)} checks · workers={workers}")
         console.print(head)
         if console.is_terminal:
-            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-            with Progress(*columns, console=console, transient=True) as bar:
-                task = bar.add_task("checking", total=len(jobs))
-                reports = run_jobs(jobs, options, workers=workers,
-                                   progress=lambda done, total, job, report: bar.update(task, completed=done, description=f"{job.case} {job.command}"))
+            with progress_bar(console) as bar:
+                task = bar.add_task("starting", total=len(jobs))
+                reports = run(progress=lambda done, total, job, report: bar.update(task, completed=done, description=f"{job.case} {job.command}"))
         else:
-            reports = run_jobs(jobs, options, workers=workers,
-                               progress=lambda done, total, job, report: typer.echo(progress_line(done, total, report)))
+            reports = run(progress=lambda done, total, job, report: console.print(progress_line(done, total, report), soft_wrap=True))
     result = SuiteResult(suite.name, commands, reports, skipped, time.perf_counter() - start)
     if not many:
         for report in reports:
-            render(report, console)
+            render(report, console, tracebacks=view.tracebacks)
         return result
     for report in reports:
-        if verbose or not report.passed:  # failing, inconclusive and unsupported checks show their tables
-            render(report, console)
-    skips = [(c.name, c.skip_reason or "") for c in skipped]
-    parts = [case_lines(reports, f"summary  {label}  (worst ratio to what was allowed)"), capability_table(capabilities(reports))]
-    if verbose or skips or not result.passed:
-        parts.insert(0, suite_summary(reports, skips, "checks that did not pass" if not verbose else "every check", every_check=verbose))
-    console.print(Group(*parts, suite_verdict(reports, len(skipped), result.seconds, result.verdict)))
+        if view.verbose or not report.passed:  # failing, inconclusive and unsupported checks show their tables
+            render(report, console, tracebacks=view.tracebacks)
+    summary = suite_summary(reports, [(c.name, c.skip_reason or "") for c in skipped], f"summary  {label}", every_check=view.verbose)
+    console.print(Group(*summary, suite_verdict(reports, len(skipped), result.seconds, result.verdict)))
     return result
 
 
-@app.command(help=COMMANDS["forward"].summary)
+PerHeadOption = Annotated[bool, typer.Option("--per-head", help="grad: add one row per head for the projection blocks.")]
+StrictOption = Annotated[bool, typer.Option("--strict", help="grad: count gradients the candidate does not return as failures.")]
+
+
+def _command(name: str, summary: str):
+    """Register a command with its summary as help and the shared epilog (contract, exit codes, example)."""
+    return app.command(name, help=summary, epilog=EPILOG.replace("{command}", name))
+
+
+@_command("forward", COMMANDS["forward"].summary)
 def forward(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
+    plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
 ) -> None:  # fmt: skip
-    raise typer.Exit(_run(("forward",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers, verbose=verbose))
+    raise typer.Exit(_run(("forward",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback))  # fmt: skip
 
 
-@app.command(help=COMMANDS["grad"].summary)
+@_command("grad", COMMANDS["grad"].summary)
 def grad(
-    config: ConfigOption = None,
-    json: JsonOption = None,
-    impl: ImplOption = None,
-    tolerance: ToleranceOption = None,
-    per_head: Annotated[bool, typer.Option("--per-head", help="Add one row per head for the projection blocks.")] = False,
-    strict: Annotated[bool, typer.Option("--strict", help="Count gradients the candidate does not return as failures.")] = False,
-    junit: JunitOption = None,
-    shard: ShardOption = None,
-    workers: WorkersOption = 1,
-    verbose: VerboseOption = False,
-) -> None:
+    config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
+    per_head: PerHeadOption = False, strict: StrictOption = False,
+    junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
+    plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
+) -> None:  # fmt: skip
     raise typer.Exit(_run(("grad",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, per_head=per_head, strict=strict))  # fmt: skip
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback,
+                          per_head=per_head, strict=strict))  # fmt: skip
 
 
-@app.command("sgd-step", help=COMMANDS["sgd-step"].summary)
+@_command("sgd-step", COMMANDS["sgd-step"].summary)
 def sgd_step(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
+    plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
 ) -> None:  # fmt: skip
-    raise typer.Exit(_run(("sgd-step",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers, verbose=verbose))
+    raise typer.Exit(_run(("sgd-step",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback))  # fmt: skip
 
 
-@app.command()
+@_command("run", "Run forward, grad and sgd-step for every case of a config or suite: the one command for CI.")
 def run(
-    config: ConfigOption = None,
-    json: JsonOption = None,
-    impl: ImplOption = None,
-    tolerance: ToleranceOption = None,
+    config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
     only: Annotated[Optional[str], typer.Option("--only", help="Comma-separated commands to run: forward, grad, sgd-step. Default: all three.", show_default=False)] = None,
-    junit: JunitOption = None,
-    shard: ShardOption = None,
-    workers: WorkersOption = 1,
-    verbose: VerboseOption = False,
-    per_head: Annotated[bool, typer.Option("--per-head", help="grad: add one row per head for the projection blocks.")] = False,
-    strict: Annotated[bool, typer.Option("--strict", help="grad: count gradients the candidate does not return as failures.")] = False,
-) -> None:
-    """Run forward, grad and sgd-step for every case of a config or suite: the one command for CI."""
+    junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
+    per_head: PerHeadOption = False, strict: StrictOption = False,
+    plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
+) -> None:  # fmt: skip
     try:
         commands = NAMES if only is None else parse_commands(only)
     except UsageError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
     raise typer.Exit(_run(commands, config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, per_head=per_head, strict=strict))  # fmt: skip
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback,
+                          per_head=per_head, strict=strict))  # fmt: skip
 
 
 def _interrupted() -> int:
@@ -269,4 +334,12 @@ def main(argv: list[str] | None = None) -> None:
             err=True,
         )
         code = EXIT_BUG
+    _flush_quietly()
     sys.exit(code if isinstance(code, int) else EXIT_OK)
+
+
+def _flush_quietly() -> None:
+    """Flush stdout; a reader that has gone (`attncheck forward | head`) is not an error."""
+    from attncheck.render import QuietWhenClosed
+
+    QuietWhenClosed(sys.stdout).flush()

@@ -92,6 +92,21 @@ class Budget:
 Rule = Fixed | Budget
 
 
+@dataclass(frozen=True)
+class Evidence:
+    """The arrays a row was measured on, in float64, for diagnosis and plots (never written to JSON)."""
+
+    candidate: np.ndarray
+    expected: np.ndarray  # torch's
+    oracle: np.ndarray | None  # the float64 reference (budget rule)
+    allowed: np.ndarray | float  # the error allowed: one number (budget) or per element (fixed)
+
+    @property
+    def reference(self) -> np.ndarray:
+        """What the candidate's error is measured against: the oracle when there is one, else torch."""
+        return self.expected if self.oracle is None else self.oracle
+
+
 def rule_for(cfg, kind: str) -> Rule:
     """The closeness rule for one kind of quantity ("forward", "grad", "sgd") under a config."""
     if cfg.tolerance == "fixed":
@@ -177,11 +192,6 @@ def measure(
     if diff.size:
         i = int(np.argmax(diff))
         row.max_abs, row.max_abs_at = float(diff.flat[i]), _index(i, diff.shape)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rel = np.where(diff > 0, diff / np.abs(e), 0.0)
-        rel = np.where(np.isnan(rel), 0.0, rel)
-        j = int(np.argmax(rel))
-        row.max_rel, row.max_rel_at = float(rel.flat[j]), _index(j, rel.shape)
 
     if isinstance(rule, Fixed):
         allowed = rule.atol + rule.rtol * np.abs(np.where(valid, e, 0.0))
@@ -208,6 +218,17 @@ def measure(
         row.allowed = rule.factor * row.torch_error + rule.floor * scale
         row.ratio = _ratio(row.candidate_error, row.allowed)
         bad = cand_err > row.allowed
+    # The relative difference only where torch's value is more than the error the rule allows
+    # (atol; the budget): below that the expected value is rounding noise (say a gradient that
+    # is zero in exact arithmetic), and dividing by it measures nothing. None where no value is.
+    noise = rule.atol if isinstance(rule, Fixed) else row.allowed
+    meaningful = valid & (np.abs(np.where(valid, e, 0.0)) > noise)
+    if meaningful.any():
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(meaningful & (diff > 0), diff / np.abs(e), 0.0)
+        j = int(np.argmax(rel))
+        row.max_rel, row.max_rel_at = float(rel.flat[j]), _index(j, rel.shape)
+    row.evidence = Evidence(a, e, None if isinstance(rule, Fixed) else o, allowed if isinstance(rule, Fixed) else row.allowed)
     row.mismatched = int((bad | nan_wrong).sum())
     if nan_wrong.any():
         row.note = (

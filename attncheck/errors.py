@@ -53,8 +53,9 @@ class ConfigError(UsageError):
 class CandidateError(AttncheckError):
     """A candidate implementation raised or returned something unusable: a failed check (exit 1)."""
 
-    def __init__(self, message: str, location: str | None = None):
+    def __init__(self, message: str, location: str | None = None, traceback: str = ""):
         self.location = location
+        self.traceback = traceback  # the candidate's exception as Python prints it (`--traceback`); "" if none
         super().__init__(f"{message} (at {location})" if location else message)
 
 
@@ -62,6 +63,7 @@ class Unsupported(AttncheckError):
     """The candidate raised NotImplementedError: it declares the feature unsupported, which is not
     a failure. The check reports the candidate's reason instead of a verdict on values."""
 
-    def __init__(self, message: str, location: str | None = None):
+    def __init__(self, message: str, location: str | None = None, traceback: str = ""):
         self.location = location
+        self.traceback = traceback  # the candidate's exception as Python prints it (`--traceback`); "" if none
         super().__init__(f"{message} (at {location})" if location else message)

@@ -20,11 +20,25 @@ def check_writable(path: Path, option: str) -> None:
         raise UsageError(f"{option} {str(path)!r}: not writable")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write text to a temporary file beside `path`, then rename it into place."""
+def _mode_for(path: Path) -> int:
+    """The mode a plain `open(path, "w")` would give: an existing file's own, else 0o666 less the umask.
+
+    mkstemp creates its file 0600, which would leave a report no one else can read."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write text (or bytes) to a temporary file beside `path`, then rename it into place."""
     fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(fd, _mode_for(path))
+        binary = isinstance(text, bytes)
+        with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import math
 
+import os
+from typing import Any
+
 from rich.console import Console, Group
-from rich.table import Table
+from rich.cells import cell_len
+from rich.padding import Padding
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
+from rich.table import Column, Table
 from rich.text import Text
 
 from attncheck.config import Config
 from attncheck.report import FAIL, INCONCLUSIVE, INFO, NOT_PROVIDED, PASS, SKIPPED, UNSUPPORTED, Report, Row, failure_lines, verdict_of
-from attncheck.suite import Capability
+from attncheck.suite import Capability, capabilities
 
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", NOT_PROVIDED: "yellow", SKIPPED: "dim", INFO: "cyan",
                  INCONCLUSIVE: "bold magenta", UNSUPPORTED: "yellow"}  # fmt: skip
@@ -70,57 +76,118 @@ def _mismatch(row: Row) -> str:
     return f"{row.mismatched}/{row.numel} ({100.0 * row.mismatched / row.numel:.3g}%)"
 
 
-def section_tables(report: Report) -> list[Table]:
-    """One table per section (forward, grad, ...), its closeness rule in the title."""
+# Columns a narrow terminal drops first, group by group, so that no number or name is ever cut:
+# the relative difference (the absolute one stays), then the two errors against the oracle
+# (what was allowed stays), then the shape, then the candidate's error relative to torch's.
+# Only then may a cell wrap, and only at a space: a mismatch count before its percentage.
+OPTIONAL_COLUMNS = (("max rel",), ("cand err", "torch err"), ("shape",), ("ratio",))
+
+
+def section_tables(report: Report, width: int | None = None) -> list[Table]:
+    """One table per section (forward, grad, ...), its closeness rule in the title; at most `width`
+    columns wide when given, by dropping OPTIONAL_COLUMNS in order (never by cutting a cell)."""
     tables = []
-    sections = list(dict.fromkeys(r.section for r in report.rows))
-    for section in sections:
+    for section in dict.fromkeys(r.section for r in report.rows):
         rows = [r for r in report.rows if r.section == section]
-        budget = any(r.rule_kind == "budget" for r in rows)
-        fd = section == "finite-diff"
-        rules = sorted({r.rule for r in rows if r.rule})
-        title = section + (f"  [dim]({'; '.join(rules)})[/dim]" if rules and not fd else "")
-        table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False, box=None)
-        table.add_column("quantity")
-        table.add_column("shape")
-        if fd:
-            table.add_column("|fd - <g,u>|", justify="right")
-            table.add_column("allowed", justify="right")
-        else:
-            table.add_column("max|Δ| torch", justify="right")
-            table.add_column("max rel", justify="right")
-            table.add_column("mismatched", justify="right")
-        if budget:
-            table.add_column("cand err", justify="right")
-            table.add_column("torch err", justify="right")
-            table.add_column("allowed", justify="right")
-            table.add_column("ratio", justify="right")
-        table.add_column("verdict")
-        for r in rows:
-            shape = "×".join(map(str, r.shape)) if r.shape else ("scalar" if r.shape == () else "")
-            cells = [Text(r.quantity), shape]  # Text: labels like in_proj_weight[q] are not markup
-            if fd:
-                cells += [fmt(r.max_abs), fmt(r.allowed)]
-            else:
-                cells += [fmt(r.max_abs), fmt(r.max_rel), _mismatch(r)]
-            if budget:
-                ratio = r.accuracy_ratio
-                cells += [fmt(r.candidate_error), fmt(r.torch_error), fmt(r.allowed), "" if ratio is None else f"{ratio:.2g}x"]
-            label = r.status.upper() if r.status in (PASS, FAIL) else r.status
-            cells.append(Text(label, style=_STATUS_STYLE[r.status]))
-            table.add_row(*cells)
-        tables.append(table)
+        levels = [_section_table(section, rows, dropped=sum(OPTIONAL_COLUMNS[:k], ())) for k in range(len(OPTIONAL_COLUMNS) + 1)]
+        if width is None:
+            tables.append(levels[0])
+            continue
+        fits = [t for t in levels if _needed(t, wrapped=False) <= width] or [t for t in levels if _needed(t, wrapped=True) <= width]
+        tables.append((fits or levels[-1:])[0])
     return tables
 
 
-def details(report: Report) -> list[Text]:
+def _needed(table: Table, *, wrapped: bool) -> int:
+    """The width a table needs with every cell on one line, or with wrappable cells wrapped at
+    their spaces (a word is never broken)."""
+    widths = []
+    for column in table.columns:
+        texts = [str(column.header), *(str(c) for c in column.cells)]
+        if wrapped and not column.no_wrap:
+            widths.append(max(cell_len(word) for t in texts for word in t.split() or [""]))
+        else:
+            widths.append(max(cell_len(t) for t in texts))
+    return sum(widths) + 2 * (len(widths) - 1)  # box=None: two spaces between columns
+
+
+def _section_table(section: str, rows: list[Row], dropped: tuple[str, ...]) -> Table:
+    budget = any(r.rule_kind == "budget" for r in rows)
+    fd = section == "finite-diff"
+    rules = sorted({r.rule for r in rows if r.rule})
+    title = Text(section)
+    if rules and not fd:
+        title.append(f"  ({'; '.join(rules)})", style="dim")
+    table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False, box=None)
+    columns: list[tuple[str, Any]] = [("quantity", lambda r: Text(r.quantity)), ("shape", _shape)]
+    if fd:
+        columns += [("|fd - <g,u>|", lambda r: fmt(r.max_abs)), ("allowed", lambda r: fmt(r.allowed))]
+    else:
+        columns += [("max|Δ| torch", lambda r: fmt(r.max_abs)), ("max rel", _relative), ("mismatched", _mismatch)]
+    if budget:
+        columns += [("cand err", lambda r: fmt(r.candidate_error)), ("torch err", lambda r: fmt(r.torch_error)),
+                    ("allowed", lambda r: fmt(r.allowed)), ("ratio", _accuracy)]  # fmt: skip
+    columns.append(("verdict", _verdict_cell))
+    columns = [(name, cell) for name, cell in columns if name not in dropped]
+    for name, _ in columns:
+        if name == "quantity":
+            table.add_column(name, no_wrap=True)
+        elif name == "mismatched":  # "256/256 (100%)" may wrap before its percentage
+            longest = max(cell_len(word) for r in rows for word in [name, *_mismatch(r).split()])
+            table.add_column(name, justify="right", min_width=longest)
+        else:
+            table.add_column(name, justify="left" if name in ("shape", "verdict") else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(*(cell(r) for _, cell in columns))
+    return table
+
+
+def _shape(r: Row) -> str:
+    return "×".join(map(str, r.shape)) if r.shape else ("scalar" if r.shape == () else "")
+
+
+def _relative(r: Row) -> str:
+    """max rel, or "noise" where every expected value it could be taken at is rounding noise."""
+    if r.max_rel is None and r.max_abs is not None and r.rule_kind in ("budget", "fixed"):
+        return "noise"
+    return fmt(r.max_rel)
+
+
+def _accuracy(r: Row) -> str:
+    ratio = r.accuracy_ratio
+    return "" if ratio is None else f"{ratio:.2g}x"
+
+
+def contradiction(r: Row) -> str:
+    """Why a failing row failed, in a word, when its numbers alone do not show it (values NaN where
+    torch has numbers, a value not returned, a wrong shape or dtype); "" when they do."""
+    if r.status != FAIL or (r.ratio is not None and r.ratio > 1 and math.isfinite(r.ratio)):
+        return ""
+    if r.missing:
+        return "not returned"
+    for word in ("NaN", "shape", "dtype"):
+        if r.note.startswith(word):
+            return word
+    return "see below"
+
+
+def _verdict_cell(r: Row) -> Text:
+    label = r.status.upper() if r.status in (PASS, FAIL) else r.status
+    text = Text(label, style=_STATUS_STYLE[r.status])
+    why = contradiction(r)
+    if why:
+        text.append(f": {why}", style=_STATUS_STYLE[r.status])
+    return text
+
+
+def details(report: Report) -> list[Any]:
     """Each failing row in the one failure shape (report.failure_lines); each other note, one line."""
     lines = []
     for r in report.rows:
         if r.failed:
             head, *rest = failure_lines(r)
-            lines.append(Text(f"  {head}", style=_STATUS_STYLE[r.status]))
-            lines += [Text(f"    {line}") for line in rest]
+            lines.append(Padding(Text(head, style=_STATUS_STYLE[r.status]), (0, 0, 0, 2), expand=False))
+            lines += [Padding(Text(line), (0, 0, 0, 4), expand=False) for line in rest]
         elif r.note and not (r.status == PASS and r.rule_kind == "finite-diff"):  # that note only restates the table
             lines.append(Text(f"  {r.section} {r.quantity}: {r.note}", style=_STATUS_STYLE[r.status]))
     return lines
@@ -164,22 +231,62 @@ def verdict(report: Report) -> Text:
     return text
 
 
-def make_console() -> Console:
-    """The terminal's console; a wide page when output is a log rather than a terminal."""
-    console = Console(highlight=False)
+class QuietWhenClosed:
+    """A text stream that stops writing, quietly, once its reader has gone (`attncheck ... | head`).
+
+    The check goes on, so the exit code is still the verdict's. The file descriptor is pointed at
+    /dev/null, so that Python's own flush at exit does not fail on the closed pipe either."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        return self._quietly(self._stream.write, text) or len(text)
+
+    def flush(self) -> None:
+        self._quietly(self._stream.flush)
+
+    def _quietly(self, call, *args):
+        if self.reader_gone:
+            return None
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            self.reader_gone = True
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+            return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def make_console(stream=None) -> Console:
+    """The terminal's console (stdout, quiet on a closed pipe); a wide page when output is a log."""
+    import sys
+
+    file = QuietWhenClosed(stream or sys.stdout)
+    console = Console(highlight=False, file=file)
     if not console.is_terminal:
-        console = Console(highlight=False, width=max(console.width, 132))
+        console = Console(highlight=False, file=file, width=max(console.width, 132))
     return console
 
 
-def render(report: Report, console: Console) -> None:
-    """Print a report: header, table, losses, notes and details, verdict."""
-    parts = [header(report), *section_tables(report)]
+def render(report: Report, console: Console, *, tracebacks: bool = False) -> None:
+    """Print a report: header, table, losses, notes and details, verdict; with `tracebacks`, the
+    full traceback of every candidate call that raised."""
+    parts = [header(report), *section_tables(report, console.width)]
     losses = losses_table(report)
     if losses is not None:
         parts.append(losses)
     parts += [Text(f"note: {n}", style="dim") for n in report.notes]
     parts += details(report)
+    if tracebacks:
+        parts += [Text(r.traceback, style="dim") for r in report.rows if r.traceback]
+    elif any(r.traceback for r in report.rows):
+        parts.append(Text("(--traceback shows the candidate's full traceback)", style="dim"))
     parts.append(verdict(report))
     console.print(Group(*parts))
     console.print()
@@ -191,14 +298,18 @@ def progress_line(done: int, total: int, report: Report) -> str:
     return f"[{done}/{total}] {report.name} {report.command} {report.verdict.upper()} {report.seconds:.2f}s"
 
 
-def case_lines(reports: list[Report], title: str) -> Table:
+# Up to this many cases a suite's summary has a line per case; beyond, counts per command.
+CASE_LINES_MAX = 60
+
+
+def case_lines(reports: list[Report]) -> Table:
     """One line per case: for each command, the worst ratio to what was allowed (or the check's
     verdict where it did not pass), then the case's verdict."""
     commands = list(dict.fromkeys(r.command for r in reports))
     by_case: dict[str, dict[str, Report]] = {}
     for report in reports:
         by_case.setdefault(report.name, {})[report.command] = report
-    table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False, box=None)
+    table = Table(header_style="bold", pad_edge=False, box=None)
     table.add_column("case", overflow="fold")
     for command in commands:
         table.add_column(command, justify="right")
@@ -225,7 +336,7 @@ def _worst_cell(report: Report) -> Text:
     return Text(verdict.upper() if verdict in (PASS, FAIL) else verdict, style=_STATUS_STYLE[verdict])
 
 
-def capability_table(capabilities: list[Capability]) -> Table:
+def capability_table(features: list[Capability]) -> Table:
     """Each feature of the suite: its cases, whether the candidate supports them (and its reason
     where not), and the verdict of what it supports."""
     table = Table(title="capabilities", title_justify="left", header_style="bold", pad_edge=False, box=None)
@@ -233,7 +344,7 @@ def capability_table(capabilities: list[Capability]) -> Table:
     table.add_column("cases", justify="right")
     table.add_column("supported", overflow="fold")
     table.add_column("verdict")
-    for cap in capabilities:
+    for cap in features:
         n = len(cap.cases)
         if not cap.unsupported:
             supported = Text("all")
@@ -251,20 +362,85 @@ def _reason(note: str) -> str:
     return (reason if sep else note).split(" (at ")[0] or "NotImplementedError"
 
 
-def suite_summary(reports: list[Report], skipped: list[tuple[str, str]], title: str, *, every_check: bool = False) -> Table:
-    """A row for each check that did not pass (every check with `every_check`) with its worst
-    quantity, then one per skipped case."""
-    table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False, box=None)
+class _Times(ProgressColumn):
+    """Elapsed and remaining time: `0:05 elapsed, 0:12 left`."""
+
+    def render(self, task) -> Text:
+        elapsed = task.finished_time if task.finished else task.elapsed
+        remaining = task.time_remaining
+        return Text(f"{_clock(elapsed)} elapsed, {'?' if remaining is None else _clock(remaining)} left", style="dim")
+
+
+def _clock(seconds: float | None) -> str:
+    minutes, secs = divmod(int(seconds or 0), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
+
+
+def progress_bar(console: Console) -> Progress:
+    """A suite's progress on a terminal: the bar, k/n, elapsed and remaining time, and the case
+    being checked in whatever space is left (cut at its end, never the counts)."""
+    name = TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis", min_width=8))
+    return Progress(BarColumn(bar_width=20), MofNCompleteColumn(), _Times(), name, console=console, transient=True, expand=True)
+
+
+def suite_summary(reports: list[Report], skipped: list[tuple[str, str]], title: str, *, every_check: bool = False) -> list[Any]:
+    """The suite's summary: a line per case (counts per command for a suite of more than
+    CASE_LINES_MAX cases), the capability table, a row for each check that did not pass (every
+    check with `every_check`), then the skipped cases grouped by reason."""
+    per_case = len({r.name for r in reports}) <= CASE_LINES_MAX
+    if per_case:
+        parts: list[Any] = [Text(f"{title}  (per case and command: the worst ratio to what was allowed)", style="bold"), case_lines(reports)]
+    else:
+        parts = [Text(title, style="bold"), command_counts(reports)]
+    parts.append(capability_table(capabilities(reports)))
+    # An unsupported check is in the capability table, with the candidate's reason.
+    shown = reports if every_check else [r for r in reports if r.verdict not in (PASS, UNSUPPORTED)]
+    if shown:
+        parts.append(check_rows(shown))
+    if skipped:
+        parts.append(skipped_cases(skipped))
+    return parts
+
+
+def command_counts(reports: list[Report]) -> Table:
+    """One row per command: how many checks ended in each verdict, and the passing check nearest its limit."""
+    table = Table(header_style="bold", pad_edge=False, box=None)
+    table.add_column("command", no_wrap=True)
+    table.add_column("checks", justify="right", no_wrap=True)
+    table.add_column("pass", justify="right", no_wrap=True)
+    table.add_column("not pass", justify="right", no_wrap=True)
+    table.add_column("closest to its limit among passing checks", overflow="fold")
+    for command in dict.fromkeys(r.command for r in reports):
+        mine = [r for r in reports if r.command == command]
+        passing = [(r, r.worst()) for r in mine if r.passed]
+        passing = [(r, w) for r, w in passing if w is not None and w.ratio is not None and math.isfinite(w.ratio)]
+        closest = ""
+        if passing:
+            report, worst = max(passing, key=lambda p: p[1].ratio)
+            closest = f"{_breakable(report.name)}: {worst.section} {worst.quantity} at {worst.ratio:.2g}x of allowed"
+        failing = len(mine) - sum(r.passed for r in mine)
+        table.add_row(command, str(len(mine)), str(len(mine) - failing),
+                      Text(str(failing), style=_STATUS_STYLE[FAIL] if failing else ""), Text(closest))  # fmt: skip
+    return table
+
+
+def _breakable(name: str) -> Text:
+    """A case name that may wrap at its own separators (the commas of a matrix case), never mid-word."""
+    return Text(name.replace(",", ", "))
+
+
+def check_rows(reports: list[Report]) -> Table:
+    """One row per case x command with its worst quantity."""
+    table = Table(header_style="bold", pad_edge=False, box=None)
     for column, justify in (("case", "left"), ("command", "left"), ("worst quantity", "left"),
                             ("max|Δ| torch", "right"), ("allowed", "right"), ("of allowed", "right"), ("verdict", "left"), ("time", "right")):
-        table.add_column(column, justify=justify, overflow="fold")  # fmt: skip
+        wraps = column in ("case", "worst quantity")
+        table.add_column(column, justify=justify, no_wrap=not wraps, overflow="fold")  # fmt: skip
     for report in reports:
-        if report.passed and not every_check:
-            continue
         worst = report.worst()
         status = report.verdict
         table.add_row(
-            Text(report.name),
+            _breakable(report.name),
             report.command,
             Text("" if worst is None else f"{worst.section} {worst.quantity}"),
             "" if worst is None else fmt(worst.max_abs),
@@ -273,8 +449,20 @@ def suite_summary(reports: list[Report], skipped: list[tuple[str, str]], title: 
             Text(status.upper(), style=_STATUS_STYLE[status]),
             f"{report.seconds:.2f}s",
         )
+    return table
+
+
+def skipped_cases(skipped: list[tuple[str, str]]) -> Table:
+    """Skipped cases grouped by reason: how many, and which."""
+    by_reason: dict[str, list[str]] = {}
     for name, reason in skipped:
-        table.add_row(Text(name), "", Text(reason, style="dim"), "", "", "", Text(SKIPPED, style=_STATUS_STYLE[SKIPPED]), "")
+        by_reason.setdefault(reason, []).append(name)
+    table = Table(header_style="bold", pad_edge=False, box=None)
+    table.add_column("skipped", justify="right", no_wrap=True)
+    table.add_column("reason", overflow="fold")
+    table.add_column("cases", overflow="fold")
+    for reason, names in by_reason.items():
+        table.add_row(str(len(names)), Text(reason, style="dim"), Text(", ".join(str(_breakable(n)) for n in names)))
     return table
 
 

@@ -7,7 +7,7 @@ Its JSON form (`Report.to_dict`) is a stable, documented shape (see README, "JSO
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 # A row's status. INCONCLUSIVE: the quantity could not be judged (nothing was proven about it);
@@ -59,6 +59,11 @@ class Row:
     first_failing_step: int | None = None  # sgd: the first step at which it left tolerance
     missing: bool = False  # the candidate returned no value for this quantity
     note: str = ""
+    diagnosis: str = ""  # failing rows: where the error lies and what kind it is (attncheck.diagnose)
+    # Not in JSON: the candidate's traceback when a call raised (`--traceback`), and the arrays
+    # behind the comparison (compare.Evidence) for diagnosis and plots, kept in memory only.
+    traceback: str = field(default="", repr=False)
+    evidence: Any = field(default=None, repr=False, compare=False)
 
     @property
     def failed(self) -> bool:
@@ -74,12 +79,15 @@ class Row:
         return self.candidate_error / self.torch_error
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_IN_JSON}
         d["accuracy_ratio"] = self.accuracy_ratio
         for k in ("shape", "max_abs_at", "max_rel_at"):
             if d[k] is not None:
                 d[k] = list(d[k])
         return {k: _json_float(v) for k, v in d.items()}
+
+
+_NOT_IN_JSON = ("traceback", "evidence")
 
 
 def _json_float(v: Any) -> Any:
@@ -125,6 +133,8 @@ def failure_lines(row: Row) -> list[str]:
         lines.append(f"Greatest relative difference from torch: {short_number(row.max_rel)}{_at(row.max_rel_at)}")
     if row.note:
         lines.append(row.note)
+    if row.diagnosis:
+        lines.append(f"Diagnosis: {row.diagnosis}")
     return lines
 
 

@@ -29,6 +29,7 @@ class Job:
     command: str
     config: Config
     impl: str | None  # the candidate's SPEC; None is the reference
+    impl_origin: str | None = None  # `file:line` of the config's `impl` it came from, if it did
 
 
 @dataclass
@@ -142,38 +143,44 @@ def plan(suite: Suite, commands: tuple[str, ...], *, impl: str | None = None, to
             continue
         cfg = case.config if tolerance is None else case.config.model_copy(update={"tolerance": tolerance})
         spec = impl if impl is not None else cfg.impl
+        origin = f"{suite.source}:{case.impl_line}" if impl is None and cfg.impl is not None and case.impl_line else None
         for command in commands:
-            jobs.append(Job(len(jobs), case.name, command, cfg, spec))
+            jobs.append(Job(len(jobs), case.name, command, cfg, spec, origin))
     return jobs, skipped
 
 
 _candidates: dict[str | None, Any] = {}
 
 
-def _candidate(spec: str | None) -> Any:
-    """The candidate a SPEC names, imported once per process."""
+def _candidate(spec: str | None, origin: str | None = None) -> Any:
+    """The candidate a SPEC names, imported once per process; `origin` places a load error."""
     from attncheck.candidate import load_candidate
 
     if spec not in _candidates:
-        _candidates[spec] = load_candidate(spec)
+        _candidates[spec] = load_candidate(spec, origin)
     return _candidates[spec]
 
 
 def check_candidates(jobs: list[Job]) -> None:
     """Import every candidate before any work, so a bad SPEC is a usage error up front."""
-    for spec in dict.fromkeys(job.impl for job in jobs):
-        _candidate(spec)
+    for spec, origin in dict.fromkeys((job.impl, job.impl_origin) for job in jobs):
+        _candidate(spec, origin)
 
 
-def run_job(job: Job, options: dict[str, Any]) -> Report:
-    """Run one job with its candidate (imported once per process)."""
+def run_job(job: Job, options: dict[str, Any], keep_evidence: bool = False) -> Report:
+    """Run one job with its candidate (imported once per process). The arrays behind each row
+    are dropped unless kept for plots: they would otherwise travel back from every worker."""
     from attncheck.checks import run_check
 
-    return run_check(job.command, job.config, _candidate(job.impl), **options)
+    report = run_check(job.command, job.config, _candidate(job.impl, job.impl_origin), **options)
+    if not keep_evidence:
+        for row in report.rows:
+            row.evidence = None
+    return report
 
 
-def _run_chunk(jobs: list[Job], options: dict[str, Any]) -> list[Report]:
-    return [run_job(job, options) for job in jobs]
+def _run_chunk(jobs: list[Job], options: dict[str, Any], keep_evidence: bool) -> list[Report]:
+    return [run_job(job, options, keep_evidence) for job in jobs]
 
 
 def _worker_init() -> None:
@@ -187,7 +194,9 @@ def _worker_init() -> None:
 Progress = Callable[[int, int, Job, Report], None]
 
 
-def run_jobs(jobs: list[Job], options: dict[str, Any], *, workers: int = 1, progress: Progress | None = None) -> list[Report]:
+def run_jobs(
+    jobs: list[Job], options: dict[str, Any], *, workers: int = 1, progress: Progress | None = None, keep_evidence: bool = False
+) -> list[Report]:
     """Reports for every job, in job order; `progress(done, total, job, report)` as each finishes."""
     total = len(jobs)
     if workers <= 1 or total <= 1:
@@ -196,7 +205,7 @@ def run_jobs(jobs: list[Job], options: dict[str, Any], *, workers: int = 1, prog
         reports = []
         with torch_side.one_thread():
             for job in jobs:
-                reports.append(run_job(job, options))
+                reports.append(run_job(job, options, keep_evidence))
                 if progress:
                     progress(len(reports), total, job, reports[-1])
         return reports
@@ -208,7 +217,7 @@ def run_jobs(jobs: list[Job], options: dict[str, Any], *, workers: int = 1, prog
     size = max(1, total // (workers * 8))
     try:
         futures: dict[Future, list[Job]] = {
-            pool.submit(_run_chunk, jobs[i:i + size], options): jobs[i:i + size] for i in range(0, total, size)
+            pool.submit(_run_chunk, jobs[i:i + size], options, keep_evidence): jobs[i:i + size] for i in range(0, total, size)
         }
         results: dict[int, Report] = {}
         pending = set(futures)
@@ -222,8 +231,12 @@ def run_jobs(jobs: list[Job], options: dict[str, Any], *, workers: int = 1, prog
         pool.shutdown(wait=True)
         return [results[i] for i in range(total)]
     except BaseException:
-        # Ctrl-C or a bug: drop queued jobs and end the workers now rather than after their jobs.
-        pool.shutdown(wait=False, cancel_futures=True)
-        for process in list((pool._processes or {}).values()):  # no public way to stop running jobs
+        # Ctrl-C or a bug: end the workers now rather than after their jobs. There is no public
+        # way to stop running jobs; the process table is read before shutdown(), which empties it.
+        processes = list((pool._processes or {}).values())
+        for process in processes:
             process.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.join(timeout=1.0)
         raise

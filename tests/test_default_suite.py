@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from attncheck.cli import app
 from attncheck.config import load_suite
-from attncheck.render import capability_table, case_lines, suite_verdict
+from attncheck.render import suite_summary, suite_verdict
 from attncheck.report import UNSUPPORTED
 from attncheck.commands import NAMES
 from attncheck.suite import SuiteResult, capabilities, plan, run_jobs
@@ -89,11 +89,11 @@ def test_the_reference_passes_every_case(reference_run):
 def test_an_all_pass_summary_fits_one_screen(reference_run):
     console = Console(width=100, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
     reports = reference_run.reports
-    console.print(case_lines(reports, "summary"), capability_table(capabilities(reports)),
-                  suite_verdict(reports, 0, 1.0, reference_run.verdict))  # fmt: skip
+    console.print(*suite_summary(reports, [], "summary  default-suite"), suite_verdict(reports, 0, 1.0, reference_run.verdict))
     lines = console.export_text().splitlines()
     assert len(lines) <= 40 and max(map(len, lines)) <= 100
-    assert sum(line.split()[-1:] == ["PASS"] for line in lines) >= len(load_suite(None).cases)
+    assert sum(line.split()[-1:] == ["PASS"] for line in lines) >= len(load_suite(None).cases)  # a line per case
+    assert "capabilities" in lines[len(load_suite(None).cases) + 2]
 
 
 def test_no_config_cli_passes_the_reference_and_the_example():

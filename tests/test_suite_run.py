@@ -188,7 +188,7 @@ def test_workers_give_identical_results(suites, tmp_path):
 def test_ctrl_c_exits_130_and_writes_nothing(suites, tmp_path, monkeypatch):
     import attncheck.suite
 
-    def interrupt(job, options):
+    def interrupt(*args):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(attncheck.suite, "run_job", interrupt)

@@ -9,6 +9,7 @@ on every machine.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -53,4 +54,23 @@ def plain_config(doc: Document, default_name: str) -> Config:
     cfg, findings = validate(data, extra_keys=SUITE_KEYS)
     origins = {key: (key,) for key in doc.data if isinstance(key, str)}
     raise_if_any(locate(doc, findings, origins, fallback=()))
-    return cfg
+    return resolve_impl(cfg, doc.source)
+
+
+def impl_file(spec: str) -> tuple[str, str] | None:
+    """(path, attr) when a SPEC names a file, `path/to/file.py:attr`; None for `package.module:attr`."""
+    target, sep, attr = spec.rpartition(":")
+    if sep and (target.endswith(".py") or "/" in target or "\\" in target):
+        return target, attr
+    return None
+
+
+def resolve_impl(cfg: Config, source: str) -> Config:
+    """The config with a relative `impl` file resolved against the folder of the file it was read
+    from (`source`), so a config means the same from any current directory. Made absolute; a
+    `package.module:attr` SPEC, and configs that come from no file ("<...>"), are left alone."""
+    named = None if cfg.impl is None or source.startswith("<") else impl_file(cfg.impl)
+    if named is None or Path(named[0]).is_absolute():
+        return cfg
+    path, attr = named
+    return cfg.model_copy(update={"impl": f"{os.path.abspath(Path(source).parent / path)}:{attr}"})

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attncheck.config.config_file import plain_config
+from attncheck.config.config_file import plain_config, resolve_impl
 from attncheck.config.display import plain, show, type_name
 from attncheck.config.messages import locate, raise_if_any, unknown_key_message, validate
 from attncheck.config.schema import CONFIG_KEYS, SUITE_KEYS, Config
@@ -35,6 +35,8 @@ class Case:
     skip_reason: str | None = None
     # Where the file writes it: its entry under `cases:`, or the `matrix:` key; None for a plain config.
     line: int | None = field(default=None, compare=False)
+    # Where the file writes the `impl` this case runs (its own, the matrix's or the defaults'), if any.
+    impl_line: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def parse_suite(text: str, source: str, *, name: str | None = None) -> Suite:
     default_name = name if name is not None else Path(source).stem
     if not any(key in SUITE_KEYS for key in doc.data):
         cfg = plain_config(doc, default_name)
-        return Suite(name=cfg.name, source=source, cases=[Case(cfg.name, cfg)])
+        return Suite(name=cfg.name, source=source, cases=[Case(cfg.name, cfg, impl_line=doc.line_of(("impl",)))])
     return _SuiteBuilder(doc, default_name).build()
 
 
@@ -168,7 +170,8 @@ class _SuiteBuilder:
             if findings:
                 self.problems += locate(self.doc, findings, origins, fallback=path)
                 continue
-            cases.append((Case(name, cfg, line=self.doc.line_of(path)), path))
+            impl_line = self.impl_line((*path, "impl"))
+            cases.append((Case(name, resolve_impl(cfg, self.doc.source), line=self.doc.line_of(path), impl_line=impl_line), path))
         return cases
 
     def matrix(self, top: dict) -> dict[str, list] | None:
@@ -248,7 +251,7 @@ class _SuiteBuilder:
         """The matrix's product over the defaults; a combination that fails validation is skipped."""
         if not matrix:
             return []
-        line = self.doc.line_of(("matrix",))
+        line, impl_line = self.doc.line_of(("matrix",)), self.impl_line(("matrix", "impl"))
         cases = []
         for combination in itertools.product(*matrix.values()):
             chosen = dict(zip(matrix, combination))
@@ -260,8 +263,13 @@ class _SuiteBuilder:
                 reason = "; ".join(f"{f.keys[0]}: {f.message}" if f.keys else f.message for f in findings)
                 cases.append((Case(name, None, reason, line=line), ("matrix",)))
             else:
-                cases.append((Case(name, cfg, line=line), ("matrix",)))
+                cases.append((Case(name, resolve_impl(cfg, self.doc.source), line=line, impl_line=impl_line), ("matrix",)))
         return cases
+
+    def impl_line(self, path: KeyPath) -> int | None:
+        """The line of the `impl` in effect: at `path` (a case's own, the matrix's), else the defaults'."""
+        line = self.doc.line_of(path)
+        return line if line is not None else self.doc.line_of(("defaults", "impl"))
 
     def check_unique_names(self, cases: list[tuple[Case, KeyPath]]) -> None:
         first: dict[str, KeyPath] = {}

@@ -1,0 +1,359 @@
+"""What kind of error a failing quantity has, and where it lies (NumPy only).
+
+For each failing row that carries its arrays (compare.Evidence), in words:
+
+pattern  a relation between the candidate and the expected value that holds to within FIT_RTOL:
+         a constant factor (named when it is sqrt(D), D, H, B, L, S or E), a sign flip, a
+         transpose, heads permuted (which permutation), a shift by one position, or attention
+         logits scaled by a factor (per-head weights);
+where    the heads, query rows, key columns or positions the error is confined to; masked or
+         unmasked positions (and which mask), the diagonal band (a causal mask off by one), the
+         appended bias_k or zero-attention column, the first or last key.
+
+A diagnosis is a hint for the reader, not a verdict: it never changes a row's status.
+Dimensions as in attncheck/reference.py: B batch, L target length, S source length, E embed
+dim, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from attncheck.config import Config
+from attncheck.inputs import make_attn_mask, make_key_padding_mask
+from attncheck.report import FAIL, Report, Row
+
+# A pattern fits when the candidate is the transformed expected value to within the row's own
+# tolerance or 1e-3 of the expected value's magnitude, whichever is larger. A wrong implementation
+# is off by O(1) relative, and a float32 computation of the transformed value (a scaled or
+# permuted one) rounds to ~1e-6 relative: 1e-3 separates "exactly this relation" from coincidence.
+FIT_RTOL = 1e-3
+# A factor is named (sqrt(D), H, ...) when it matches to this relative precision.
+NAME_RTOL = 2e-3
+# Index lists longer than this are summarized as a count.
+MAX_LISTED = 6
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What each axis of a quantity's array means, and which axis (if any) is split by head."""
+
+    axes: tuple[str, ...]  # "batch", "head", "query", "key", "position", "feature", "row", "column", ...
+    head_axis: int | None = None  # an axis whose blocks of D elements belong to one head each
+    weights: bool = False  # attention weights: masks and the diagonal apply
+
+
+def diagnose_report(report: Report, cfg: Config) -> None:
+    """Fill in `diagnosis` for every failing row of a report that has its arrays."""
+    masks = None
+    for row in report.rows:
+        if row.status != FAIL or row.evidence is None:
+            continue
+        if masks is None:
+            masks = Masks.of(cfg)
+        row.diagnosis = diagnose(row, cfg, masks)
+
+
+def diagnose(row: Row, cfg: Config, masks: Masks | None = None) -> str:
+    """One row's diagnosis: its pattern, then where its error lies; "" when nothing can be said."""
+    ev = row.evidence
+    c, x = np.asarray(ev.candidate, dtype=np.float64), np.asarray(ev.reference, dtype=np.float64)
+    if c.shape != x.shape:
+        return ""
+    allowed = np.broadcast_to(np.asarray(ev.allowed, dtype=np.float64), x.shape)
+    if row.section == "finite-diff":
+        return _finite_difference(float(c), float(x), cfg)
+    layout = layout_of(row, cfg, x.ndim)
+    findings = _patterns(c, x, allowed, layout, cfg)
+    where = _where(c, x, allowed, layout, cfg, masks or Masks.of(cfg))
+    if not where and not findings and layout.axes:
+        where = ["everywhere: no head, row or column is spared"]
+    return "; ".join(findings + where)
+
+
+# ----------------------------------------------------------------------------------- layouts
+def layout_of(row: Row, cfg: Config, ndim: int) -> Layout:
+    """The meaning of each axis of a row's array, from its quantity's name and the config."""
+    name = row.quantity.split(" head ")[0]  # per-head gradient rows: one head's slice already
+    per_head_slice = " head " in row.quantity
+    sequence = ("position", "feature")
+    batched = () if cfg.unbatched else (("batch",) + sequence if cfg.batch_first else ("position", "batch", "feature"))
+    positions = batched or sequence
+    if name == "attn_weights":
+        axes = {4: ("batch", "head", "query", "key"), 2: ("query", "key")}.get(ndim)
+        if ndim == 3:
+            axes = ("head", "query", "key") if cfg.unbatched else ("batch", "query", "key")
+        return Layout(axes or (), weights=True)
+    if name in ("output", "input", "query", "key", "value"):
+        return Layout(positions if ndim == len(positions) else ())
+    head = None if per_head_slice else 0
+    if name.startswith(("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")) and ndim == 2:
+        return Layout(("row", "column"), head_axis=head)
+    if name == "out_proj.weight" and ndim == 2:
+        return Layout(("row", "column"), head_axis=None if per_head_slice else 1)
+    if name.startswith("in_proj_bias") and ndim == 1:
+        return Layout(("feature",), head_axis=head)
+    if name in ("bias_k", "bias_v") and ndim == 3:
+        return Layout(("", "", "feature"), head_axis=2)
+    return Layout(("element",) * ndim if ndim == 1 else ())
+
+
+@dataclass(frozen=True)
+class Masks:
+    """Which (batch, head, query, key) positions torch masks, by which mask; padded columns allowed."""
+
+    attn: np.ndarray  # (B, H, L, S') bool
+    key_padding: np.ndarray  # (B, H, L, S') bool
+    padded: tuple[tuple[int, str], ...]  # appended key columns: (index, "bias_k" or "zero-attention")
+
+    @staticmethod
+    def of(cfg: Config) -> Masks:
+        B, H, L, S = cfg.effective_batch, cfg.num_heads, cfg.tgt_len, cfg.S
+        padded = []
+        if cfg.add_bias_kv:
+            padded.append((S + len(padded), "bias_k"))
+        if cfg.add_zero_attn:
+            padded.append((S + len(padded), "zero-attention"))
+        attn = np.zeros((B, H, L, S + len(padded)), dtype=bool)
+        kpm = np.zeros_like(attn)
+        mask = make_attn_mask(cfg)
+        if mask is not None:
+            attn[..., :S] = _blocked(mask).reshape(-1, L, S).reshape(-1 if mask.ndim == 3 else 1, H if mask.ndim == 3 else 1, L, S)
+        pad = make_key_padding_mask(cfg)
+        if pad is not None:
+            kpm[..., :S] = _blocked(pad).reshape(B, 1, 1, S)
+        return Masks(attn, kpm, tuple(padded))
+
+    def for_weights(self, layout: Layout) -> tuple[np.ndarray, np.ndarray] | None:
+        """(attn-masked, key-padding-masked) shaped like a weights array of this layout."""
+        attn, kpm = self.attn, self.key_padding
+        if "head" not in layout.axes:  # averaged over heads: masked where every head is masked
+            attn, kpm = attn.all(axis=1), kpm.all(axis=1)
+        if "batch" not in layout.axes:
+            attn, kpm = attn[0], kpm[0]
+        return attn, kpm
+
+
+def _blocked(mask: np.ndarray) -> np.ndarray:
+    return mask if mask.dtype == np.bool_ else np.isneginf(mask)
+
+
+# ---------------------------------------------------------------------------------- patterns
+def _fits(candidate: np.ndarray, transformed: np.ndarray, allowed: np.ndarray, scale: float) -> bool:
+    """Whether the candidate equals a transformed expected value, where both are finite."""
+    ok = np.isfinite(candidate) & np.isfinite(transformed)
+    if ok.sum() < max(1, candidate.size // 2):
+        return False
+    tol = np.maximum(allowed, FIT_RTOL * scale)
+    return bool(np.all(np.abs(candidate - transformed)[ok] <= tol[ok]))
+
+
+def factor_meaning(k: float, cfg: Config) -> str:
+    """'sqrt(D)', '1/H', ... for a factor that matches a dimension of the config; '' if none."""
+    D, E = cfg.head_dim, cfg.embed_dim
+    named = {"sqrt(D)": math.sqrt(D), "D": D, "H": cfg.num_heads, "B": cfg.effective_batch, "L": cfg.tgt_len,
+             "S": cfg.S, "sqrt(E)": math.sqrt(E), "E": E}  # fmt: skip
+    matches = []
+    for name, value in named.items():
+        if value == 1:
+            continue
+        for shown, v in ((name, value), (f"1/{name}", 1 / value)):
+            if math.isclose(k, v, rel_tol=NAME_RTOL) and shown not in matches:
+                matches.append(shown)
+    return " = ".join(matches)
+
+
+def _factor_words(k: float, cfg: Config, what: str = "expected") -> str:
+    meaning = factor_meaning(k, cfg)
+    values = f"D={cfg.head_dim}, H={cfg.num_heads}, B={cfg.effective_batch}, L={cfg.tgt_len}, S={cfg.S}"
+    why = f" ({_short(k)} = {meaning}; {values}): a missing or extra scale" if meaning else ": a missing or extra scale"
+    return f"candidate = {_short(k)} x {what}{why}"
+
+
+def _short(k: float) -> str:
+    return f"{k:.3g}" if abs(k) >= 0.01 else f"{k:.2e}"
+
+
+def _patterns(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, layout: Layout, cfg: Config) -> list[str]:
+    """The first relation between candidate and expected that fits, in words; [] if none does."""
+    finite = np.isfinite(c) & np.isfinite(x)
+    scale = float(np.abs(x[finite]).max()) if finite.any() else 0.0
+    if scale == 0.0:
+        return []
+    if _fits(c, -x, allowed, scale):
+        return ["candidate = -expected: a sign flip"]
+    k = float(np.sum(c[finite] * x[finite]) / np.sum(x[finite] ** 2))
+    if math.isfinite(k) and abs(k - 1) > FIT_RTOL and k != 0 and _fits(c, k * x, allowed, scale):
+        return [_factor_words(k, cfg)]
+    if x.ndim >= 2 and x.shape[-1] == x.shape[-2] and _fits(c, np.swapaxes(x, -1, -2), allowed, scale):
+        last = layout.axes[-2:] if len(layout.axes) == x.ndim else ("rows", "columns")
+        return [f"candidate = expected transposed ({' and '.join(last)} swapped)"]
+    permuted = _head_permutation(c, x, allowed, layout, cfg, scale)
+    if permuted:
+        return [permuted]
+    shifted = _shift(c, x, allowed, layout, scale)
+    if shifted:
+        return [shifted]
+    if layout.weights and "head" in layout.axes:
+        scaled = _logit_scale(c, x)
+        if scaled is not None:
+            return [_factor_words(scaled, cfg, "expected in the attention logits")]
+    return []
+
+
+def _head_blocks(a: np.ndarray, layout: Layout, cfg: Config) -> list[np.ndarray] | None:
+    """The array split into one block per head, or None when it has no head axis."""
+    if "head" in layout.axes:
+        axis = layout.axes.index("head")
+        return [np.take(a, h, axis=axis) for h in range(a.shape[axis])]
+    if layout.head_axis is not None and a.shape[layout.head_axis] == cfg.embed_dim:
+        return np.split(a, cfg.num_heads, axis=layout.head_axis)
+    return None
+
+
+def _head_permutation(c, x, allowed, layout, cfg, scale) -> str:
+    """'heads permuted: ...' when each candidate head equals some other expected head."""
+    cs, xs, tols = _head_blocks(c, layout, cfg), _head_blocks(x, layout, cfg), _head_blocks(allowed, layout, cfg)
+    if cs is None or len(cs) < 2:
+        return ""
+    order = []
+    for ch, th in zip(cs, tols):
+        match = [h for h, xh in enumerate(xs) if _fits(ch, xh, th, scale)]
+        if not match:
+            return ""
+        order.append(match[0])
+    if sorted(order) != list(range(len(cs))) or order == sorted(order):
+        return ""
+    return f"heads permuted: candidate head h holds expected head {order}[h]"
+
+
+def _shift(c, x, allowed, layout, scale) -> str:
+    """'shifted by one ...' when the candidate is the expected value moved one step along a position axis."""
+    for axis, name in enumerate(layout.axes):
+        if name not in ("query", "key", "position") or c.shape[axis] < 3:
+            continue
+        for step in (1, -1):
+            if _fits(c, np.roll(x, step, axis=axis), allowed, scale):
+                return f"candidate = expected shifted by one {name} position, cyclically (candidate[{name} j] = expected[{name} j{'-' if step > 0 else '+'}1])"
+            n = c.shape[axis]
+            later, earlier = (slice(1, n), slice(0, n - 1)) if step > 0 else (slice(0, n - 1), slice(1, n))
+            moved = np.take(c, range(n)[later], axis=axis)
+            if _fits(moved, np.take(x, range(n)[earlier], axis=axis), np.take(allowed, range(n)[later], axis=axis), scale):
+                return f"candidate = expected shifted by one {name} position (candidate[{name} j] = expected[{name} j{'-' if step > 0 else '+'}1])"
+    return ""
+
+
+def _logit_scale(c: np.ndarray, x: np.ndarray) -> float | None:
+    """k when softmax(k * logits) fits the candidate's per-head weights, from centered log weights."""
+    ok = (c > 1e-6) & (x > 1e-6)
+    if ok.sum() < max(4, c.size // 4):
+        return None
+    with np.errstate(divide="ignore"):
+        lc, lx = np.where(ok, np.log(np.where(ok, c, 1.0)), 0.0), np.where(ok, np.log(np.where(ok, x, 1.0)), 0.0)
+    count = np.maximum(ok.sum(axis=-1, keepdims=True), 1)
+    lc = np.where(ok, lc - lc.sum(axis=-1, keepdims=True) / count, 0.0)  # log weights up to a row's constant
+    lx = np.where(ok, lx - lx.sum(axis=-1, keepdims=True) / count, 0.0)
+    denom = float(np.sum(lx**2))
+    if denom == 0.0:
+        return None
+    k = float(np.sum(lc * lx) / denom)
+    if abs(k - 1) <= FIT_RTOL or not np.all(np.abs(lc - k * lx)[ok] <= FIT_RTOL * max(1.0, float(np.abs(lx).max()))):
+        return None
+    return k
+
+
+def _finite_difference(analytic: float, numeric: float, cfg: Config) -> str:
+    """A failing finite-difference row: the candidate's gradient against its own loss's slope."""
+    if numeric == 0.0 or not (math.isfinite(analytic) and math.isfinite(numeric)):
+        return ""
+    k = analytic / numeric
+    if math.isclose(k, -1.0, rel_tol=FIT_RTOL):
+        return "<grad, u> = -(finite difference): the gradient has the wrong sign"
+    meaning = factor_meaning(k, cfg)
+    if meaning:
+        return f"<grad, u> = {_short(k)} x the finite difference ({_short(k)} = {meaning}): the backward misses or adds a scale its forward does not have"
+    return (f"<grad, u> / finite difference = {_short(k)} along a random u (no dimension of the config): "
+            "the backward does not differentiate the candidate's own forward")
+
+
+# ------------------------------------------------------------------------------------- where
+def _indices(idx: list[int]) -> str:
+    """'1, 3' or '0-3, 6' or '12 of 16'-style lists of indices."""
+    runs = []
+    for _, group in itertools.groupby(enumerate(idx), key=lambda t: t[1] - t[0]):
+        members = [v for _, v in group]
+        runs.append(str(members[0]) if len(members) == 1 else f"{members[0]}-{members[-1]}")
+    return ", ".join(runs) if len(runs) <= MAX_LISTED else f"{len(idx)} of them"
+
+
+def _where(c, x, allowed, layout: Layout, cfg: Config, masks: Masks) -> list[str]:
+    """Where the error lies: the axes it is confined to, the masks, the diagonal, padded columns."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        err = np.abs(c - x) / np.where(allowed > 0, allowed, np.inf)
+    nan_c, nan_x = np.isnan(c), np.isnan(x)
+    err = np.where(nan_c & nan_x, 0.0, np.where(nan_c | nan_x | np.isnan(err), np.inf, err))
+    bad = err > 1
+    if not bad.any() or len(layout.axes) != bad.ndim:
+        return []
+    findings = []
+    if (nan_c & ~nan_x).any():
+        findings.append(f"NaN in {int((nan_c & ~nan_x).sum())} places where torch has a number")
+    blocks = _head_blocks(bad, layout, cfg)
+    if blocks is not None:
+        heads = [h for h, b in enumerate(blocks) if b.any()]
+        if len(heads) < len(blocks):
+            findings.append(f"only in head{'s' if len(heads) > 1 else ''} {_indices(heads)} (of {len(blocks)})")
+    for axis, name in enumerate(layout.axes):
+        if name in ("", "head", "element") or bad.shape[axis] < 2:
+            continue
+        hit = np.nonzero(bad.any(axis=tuple(a for a in range(bad.ndim) if a != axis)))[0].tolist()
+        if len(hit) < bad.shape[axis]:
+            label = {"query": "query row", "key": "key column", "batch": "batch entry", "position": "position", "feature": "feature"}.get(name, name)
+            label += "s" if len(hit) > 1 else ""
+            edge = ""
+            if name == "key" and hit == [0]:
+                edge = " (the first key)"
+            elif name == "key" and hit == [bad.shape[axis] - 1]:
+                edge = " (the last key)"
+            findings.append(f"only in {label} {_indices(hit)}{edge} (of {bad.shape[axis]})")
+    if layout.weights:
+        findings += _where_in_weights(c, x, err, bad, layout, masks)
+    return findings
+
+
+def _where_in_weights(c: np.ndarray, x: np.ndarray, err: np.ndarray, bad: np.ndarray, layout: Layout, masks: Masks) -> list[str]:
+    """Attention weights: masked or unmasked positions, the diagonal band, the appended columns."""
+    findings = []
+    attn, kpm = masks.for_weights(layout)
+    if attn.shape != bad.shape:
+        return []
+    masked = attn | kpm
+    if masked.any() and (~masked).any():
+        which = " and ".join(n for n, m in (("attn_mask", attn), ("key_padding_mask", kpm)) if (bad & m).any())
+        if not (bad & ~masked).any():
+            findings.append(f"only at positions torch masks ({which}): the candidate gives them weight")
+        elif not (bad & masked).any():
+            findings.append("only at unmasked positions; the masked ones agree")
+        else:
+            top = err >= 0.5 * np.max(np.where(np.isfinite(err), err, 0.0)) if np.isfinite(err).all() else np.isinf(err)
+            if not (top & ~masked).any():
+                findings.append(f"largest at positions torch masks ({which})")
+        leaks = masked & (c > 0) & (x == 0)
+        if leaks.any():
+            findings.append(f"the candidate gives weight to {int(leaks.sum())} positions torch masks ({which})")
+    S = bad.shape[-1] - len(masks.padded)
+    for column, name in masks.padded:
+        if bad[..., column].any() and not np.delete(bad, column, axis=-1).any():
+            findings.append(f"only in the appended {name} column (key {column})")
+    # Where one side gives zero weight and the other does not: the two masks differ there.
+    differ = np.argwhere(((c == 0) != (x == 0))[..., :S] & np.isfinite(c[..., :S]) & np.isfinite(x[..., :S]))
+    offsets = set((differ[:, -1] - differ[:, -2]).tolist())
+    if len(offsets) == 1 and abs(next(iter(offsets))) <= 1 and min(bad.shape[-2], S) > 2:
+        d = next(iter(offsets))
+        diagonal = "key = query" + (f" {'+' if d > 0 else '-'} {abs(d)}" if d else "")
+        findings.append(f"the candidate's mask differs from torch's exactly on the diagonal {diagonal}: a causal mask off by one")
+    return findings

@@ -1,0 +1,191 @@
+"""attncheck in pytest: suite files collected as tests, and a parametrized form for a user's own test.
+
+Registered through the `pytest11` entry point, so installing attncheck is enough. pytest then
+collects every file matching the ini option `attncheck_files` (default `attncheck_*.yaml
+attncheck_*.yml`) as an attncheck suite, one test item per case x command with the id
+`case[command]`:
+
+    tests/attncheck_mha.yaml::causal[grad] PASSED
+    tests/attncheck_mha.yaml::bias_kv[forward] SKIPPED (forward() raised NotImplementedError: ...)
+
+A failing check fails with the rows that failed, each in the shape of `report.failure_lines`;
+a case the candidate declares unsupported (NotImplementedError) or the suite skips is a pytest
+skip; an inconclusive check fails, since it proved nothing. `-k`, `-x`, `--junitxml` and
+pytest-xdist's `-n` work as for any test. `attncheck_commands` (default: forward grad sgd-step)
+chooses the commands.
+
+In a test of one's own, `attncheck.cases(suite, impl=...)` gives the same checks as pytest params:
+
+    @pytest.mark.parametrize("check", attncheck.cases("tests/attncheck_mha.yaml", impl=MyAttention))
+    def test_attention(check):
+        check.assert_passed()
+
+This module imports only pytest at import time (it is loaded by every pytest run where attncheck
+is installed); the checks, and torch, load when a check runs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from attncheck.commands import NAMES, parse_commands
+
+if TYPE_CHECKING:
+    from attncheck.config import Case, Config, Suite
+    from attncheck.report import Report
+
+DEFAULT_FILES = ["attncheck_*.yaml", "attncheck_*.yml"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One case x command of a suite, as a test runs it."""
+
+    case: str
+    command: str
+    config: Config | None  # None: the suite skips this case
+    impl: Any = None  # a SPEC string, a class or factory; None: the case's `impl`, else the reference
+    skip_reason: str | None = None
+    line: int | None = None  # the case's line in its suite file
+    impl_origin: str | None = None  # `file:line` of the case's `impl`, to place a load error
+
+    @classmethod
+    def of(cls, suite: Suite, case: Case, command: str, impl: Any = None) -> Check:
+        origin = f"{suite.source}:{case.impl_line}" if impl is None and case.impl_line else None
+        return cls(case.name, command, case.config, impl, case.skip_reason, case.line, origin)
+
+    @property
+    def id(self) -> str:
+        return f"{self.case}[{self.command}]"
+
+    def run(self) -> Report:
+        """The check's Report (raises attncheck.errors.UsageError for a candidate that cannot load)."""
+        from attncheck.suite import Job, run_jobs
+
+        if self.impl is None or isinstance(self.impl, str):  # through the suite runner's import cache
+            spec = self.impl if self.impl is not None else self.config.impl
+            return run_jobs([Job(0, self.case, self.command, self.config, spec, self.impl_origin)], {})[0]
+        import attncheck
+
+        return attncheck.check(self.config, self.command, impl=self.impl)
+
+    def assert_passed(self) -> None:
+        """Pass, fail with the failing rows, or skip (unsupported, or skipped by the suite)."""
+        __tracebackhide__ = True
+        from attncheck.errors import UsageError
+        from attncheck.report import PASS, UNSUPPORTED
+
+        if self.config is None:
+            raise _skip(self.skip_reason or "skipped by the suite")
+        try:
+            report = self.run()
+        except UsageError as exc:
+            pytest.fail(f"attncheck {self.command} on {self.case!r}: {exc}", pytrace=False)
+        if report.verdict == UNSUPPORTED:
+            raise _skip(_unsupported_reason(report))
+        if report.verdict != PASS:
+            pytest.fail(failure_message(report), pytrace=False)
+
+
+def _skip(reason: str) -> BaseException:
+    """A skip reported at the test's location (the suite file, or the user's test), not at this module's."""
+    try:
+        return pytest.skip.Exception(reason, _use_item_location=True)
+    except TypeError:  # a pytest without the flag (before 7.0)
+        return pytest.skip.Exception(reason)
+
+
+def _unsupported_reason(report: Report) -> str:
+    from attncheck.report import UNSUPPORTED
+
+    return next((r.note for r in report.rows if r.status == UNSUPPORTED), "unsupported by the candidate")
+
+
+def failure_message(report: Report) -> str:
+    """Why a check did not pass: each failing or inconclusive row in `failure_lines`' shape, and
+    the report's notes where nothing failed outright (they say why it could not be judged)."""
+    from attncheck.report import FAIL, INCONCLUSIVE, failure_lines
+
+    bad = [r for r in report.rows if r.status in (FAIL, INCONCLUSIVE)]
+    lines = [f"attncheck {report.command} on {report.name!r} ({report.impl}): {report.verdict}, {len(bad)} of {len(report.rows)} rows"]
+    for row in bad:
+        head, *rest = failure_lines(row)
+        lines += [f"  {head}" + ("" if row.status == FAIL else f" [{row.status}]"), *(f"    {line}" for line in rest)]
+    if not any(r.status == FAIL for r in report.rows):
+        lines += [f"  note: {note}" for note in report.notes]
+    return "\n".join(lines)
+
+
+def cases(suite: str | PathLike | None = None, impl: Any = None, commands: str | tuple[str, ...] | None = None) -> list:
+    """The checks of a suite file as pytest params, with ids `case[command]`, to parametrize a test.
+
+    suite: a suite or config file (None: the embedded default); impl: a SPEC, a class or factory,
+    or None for each case's `impl`; commands: "forward,grad" or a tuple (default: all three).
+    Cases the suite skips come with a skip mark. Use `check.assert_passed()` in the test.
+    """
+    from attncheck.config import load_suite
+
+    names = parse_commands(commands if isinstance(commands, str) else ",".join(commands or NAMES))
+    params = []
+    loaded = load_suite(suite)
+    for case in loaded.cases:
+        for command in names:
+            check = Check.of(loaded, case, command, impl)
+            marks = [pytest.mark.skip(reason=case.skip_reason)] if case.config is None else []
+            params.append(pytest.param(check, id=check.id, marks=marks))
+    return params
+
+
+# ------------------------------------------------------------------------------ collection
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini("attncheck_files", type="args", default=DEFAULT_FILES,
+                  help="glob patterns of the attncheck suite files pytest collects (default: attncheck_*.yaml attncheck_*.yml)")  # fmt: skip
+    parser.addini("attncheck_commands", type="args", default=list(NAMES),
+                  help=f"the attncheck commands run for each suite case (default: {' '.join(NAMES)})")  # fmt: skip
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    patterns = parent.config.getini("attncheck_files")
+    if any(fnmatch.fnmatch(file_path.name, pattern) for pattern in patterns):
+        return SuiteFile.from_parent(parent, path=file_path)
+    return None
+
+
+class SuiteFile(pytest.File):
+    """An attncheck suite file: one item per case x command."""
+
+    def collect(self):
+        from attncheck.config import load_suite
+        from attncheck.errors import UsageError
+
+        try:
+            commands = parse_commands(",".join(self.config.getini("attncheck_commands")))
+            suite = load_suite(self.path)
+        except UsageError as exc:  # one clear message per problem, no traceback
+            raise self.CollectError(str(exc)) from None
+        for case in suite.cases:
+            for command in commands:
+                check = Check.of(suite, case, command)
+                yield CheckItem.from_parent(self, name=check.id, check=check)
+
+
+class CheckItem(pytest.Item):
+    """One case x command of a suite file."""
+
+    def __init__(self, *, check: Check, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.check = check
+        self.extra_keyword_matches.update({check.case, check.command})
+
+    def runtest(self) -> None:
+        self.check.assert_passed()
+
+    def reportinfo(self):
+        line = 0 if self.check.line is None else self.check.line - 1  # 0-based, as pytest counts
+        return self.path, line, self.check.id  # the failure header: "___ case[command] ___"

@@ -1,0 +1,108 @@
+"""--plot: heatmaps of |candidate - reference| / allowed, drawn headless (Agg), one figure per quantity.
+
+Each known bug must show as its shape: a causal off-by-one as a diagonal, a head bug as whole
+heads, a key-padding bug as columns; and the files must be written as asked.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import matplotlib
+import numpy as np
+import pytest
+from matplotlib.image import imread
+from typer.testing import CliRunner
+
+from attncheck.api import check
+from attncheck.cli import app
+from attncheck.config import config_from_mapping
+from attncheck.plot import figures, panels, write_plots
+from tests.test_diagnose import CausalOffByOne, HeadsReversed, HeadTwoQGradZero, KeyPaddingIgnored
+
+matplotlib.use("Agg")
+runner = CliRunner()
+PER_HEAD_CAUSAL = dict(attn_mask="causal", average_attn_weights=False, tgt_len=8)
+
+
+def _row(report, quantity, section="forward"):
+    return next(r for r in report.rows if r.quantity == quantity and r.section == section)
+
+
+def test_a_causal_off_by_one_shows_as_the_diagonal_above_the_main_one():
+    report = check(PER_HEAD_CAUSAL, "forward", impl=CausalOffByOne)
+    ps = panels(_row(report, "attn_weights"), config_from_mapping(report.config))
+    assert [p.title.split(",")[0] for p in ps] == ["head 0", "head 1", "head 2", "head 3"]  # one panel per head
+    for p in ps:
+        L = p.ratio.shape[0]
+        above = np.array([p.ratio[i, i + 1] for i in range(L - 1)])
+        assert (above > 1).all()  # the key torch masks and the candidate lets through
+        assert np.array_equal(p.masked, np.triu(np.ones((L, L), bool), 1))  # hatched: torch's causal mask
+        assert (p.ratio[L - 1] <= 1).all()  # the last query has no later key: that row agrees
+
+
+def test_a_head_bug_shows_as_whole_heads():
+    report = check({}, "grad", impl=HeadTwoQGradZero)
+    (p,) = panels(_row(report, "in_proj_weight[q]", "grad"), config_from_mapping(report.config))
+    assert p.head_size == (4, None)  # head boundaries drawn every D rows
+    assert (p.ratio[8:12] > 1).all() and (p.ratio[:8] <= 1).all() and (p.ratio[12:] <= 1).all()
+
+
+def test_a_key_padding_bug_shows_at_the_padded_columns():
+    report = check(dict(key_padding_mask="random", tgt_len=8), "forward", impl=KeyPaddingIgnored)
+    (p,) = panels(_row(report, "attn_weights"), config_from_mapping(report.config))
+    padded = p.masked.all(axis=0)
+    assert padded.any() and np.array_equal(p.masked, np.broadcast_to(padded, p.masked.shape))  # whole columns hatched
+    assert (p.ratio[:, padded] > 1).all()
+
+
+def test_one_figure_per_failing_quantity_with_a_panel_per_head():
+    report = check(dict(average_attn_weights=False), "forward", impl=HeadsReversed)
+    named = figures(report)
+    assert [name.split("-", 2)[2] for name, _ in named] == ["forward-attn_weights", "fast-path-attn_weights"]
+    fig = named[0][1]
+    images = [ax for ax in fig.axes if ax.get_images()]
+    assert len(images) == 4
+    assert len(figures(report, every_row=True)) == 4  # outputs too, passing
+
+
+def test_files_in_a_directory(tmp_path):
+    report = check(PER_HEAD_CAUSAL, "forward", impl=CausalOffByOne)
+    written = write_plots([report], tmp_path / "plots")
+    assert sorted(p.name for p in written) == sorted(
+        ["config-forward-forward-output.png", "config-forward-forward-attn_weights.png",
+         "config-forward-fast-path-output.png", "config-forward-fast-path-attn_weights.png"])  # fmt: skip
+    height, width, _ = imread(tmp_path / "plots" / "config-forward-forward-attn_weights.png").shape
+    assert width > 1000 and 300 < height < width  # four panels side by side
+
+
+def test_one_svg_for_one_quantity_and_one_pdf_page_per_quantity(tmp_path):
+    report = check({}, "grad", impl=HeadTwoQGradZero)
+    (svg,) = write_plots([report], tmp_path / "q.svg")
+    assert svg == tmp_path / "q.svg" and svg.read_text().lstrip().startswith("<?xml")
+    forward = check(PER_HEAD_CAUSAL, "forward", impl=CausalOffByOne)
+    (pdf,) = write_plots([report, forward], tmp_path / "all.pdf")
+    data = pdf.read_bytes()
+    assert data.startswith(b"%PDF") and data.count(b"/Type /Page\n") + data.count(b"/Type /Page ") + data.count(b"/Type /Page>") >= 5
+
+
+def test_cli_plot_and_plot_all(tmp_path):
+    result = runner.invoke(app, ["grad", "--impl", "tests/test_diagnose.py:HeadTwoQGradZero", "--plot", str(tmp_path / "g.png")])
+    assert result.exit_code == 1 and (tmp_path / "g.png").is_file()
+    result = runner.invoke(app, ["forward", "--plot", str(tmp_path / "pass"), "--plot-all"])
+    assert result.exit_code == 0 and len(list((tmp_path / "pass").glob("*.png"))) == 4
+
+
+def test_plot_without_matplotlib_is_a_usage_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    result = runner.invoke(app, ["forward", "--plot", str(tmp_path / "x.png")])
+    assert result.exit_code == 2 and "pip install 'attncheck[plot]'" in result.output
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--plot", "x.gif"], "expected a .png, .svg or .pdf"),
+    (["--plot-all"], "--plot-all needs --plot"),
+])  # fmt: skip
+def test_bad_plot_options_are_usage_errors(args, fragment):
+    result = runner.invoke(app, ["forward", *args])
+    assert result.exit_code == 2 and fragment in result.output

@@ -1,0 +1,213 @@
+"""The pytest plugin (attncheck_*.yaml suite files collected as tests) and attncheck.cases()."""
+
+from __future__ import annotations
+
+import textwrap
+from importlib.metadata import entry_points
+
+import sys
+
+import pytest
+
+import attncheck
+from attncheck.pytest_plugin import Check, failure_message
+from attncheck.report import INCONCLUSIVE, PASS, UNSUPPORTED, Report, Row
+
+pytest_plugins = ["pytester"]
+
+SMALL = "defaults: {embed_dim: 8, num_heads: 2, tgt_len: 3}\n"
+PLAIN = "embed_dim: 8\nnum_heads: 2\ntgt_len: 3\n"  # a plain config: a suite of one case
+
+SUITE = SMALL + """\
+cases:
+  - name: plain
+  - name: causal
+    attn_mask: causal
+"""
+
+# A candidate that scales by 1/D instead of 1/sqrt(D) (wrong wherever D != 1), and one that
+# refuses add_bias_kv as a candidate declares a feature unsupported.
+CANDIDATES = '''
+import numpy as np
+from attncheck.reference import MultiheadAttention as Ref
+
+class WrongScale(Ref):
+    def forward(self, query, key, value, **kw):
+        return super().forward(query / np.sqrt(self.D), key, value, **kw)
+
+class NoBiasKv(Ref):
+    def __init__(self, params, **options):
+        if options.get("add_bias_kv"):
+            raise NotImplementedError("no bias_k/bias_v here")
+        super().__init__(params, **options)
+'''
+
+
+# pytester forgets the modules an in-process run imported, after the run and again when the test
+# ends; numpy and parts of torch cannot be imported twice in one process, so a later run or test
+# would fail. The modules the runs imported are put back both times.
+_imported: dict = {}
+
+
+class _RecordModules:
+    def pytest_sessionfinish(self):
+        _imported.update(sys.modules)
+
+
+def _put_back() -> None:
+    for name, module in _imported.items():
+        sys.modules.setdefault(name, module)
+
+
+@pytest.fixture(autouse=True)
+def _keep_imported_modules():  # autouse: set up before pytester, so torn down after it
+    yield
+    _put_back()
+
+
+def runpytest(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    result = pytester.runpytest(*args, plugins=[_RecordModules()])
+    _put_back()
+    return result
+
+
+def write(pytester: pytest.Pytester, name: str, text: str):
+    return pytester.path.joinpath(name).write_text(textwrap.dedent(text))
+
+
+def test_the_plugin_is_registered_as_a_pytest11_entry_point():
+    assert any(e.value == "attncheck.pytest_plugin" for e in entry_points(group="pytest11"))
+
+
+def test_one_item_per_case_and_command_with_ids_case_command(pytester):
+    write(pytester, "attncheck_mha.yaml", SUITE)
+    write(pytester, "other.yaml", SUITE)  # does not match attncheck_*.yaml: not collected
+    result = runpytest(pytester, "--collect-only", "-q")
+    ids = [line for line in result.outlines if "::" in line]
+    assert ids == [f"attncheck_mha.yaml::{case}[{command}]" for case in ("plain", "causal") for command in ("forward", "grad", "sgd-step")]
+
+
+def test_the_reference_passes_every_item(pytester):
+    write(pytester, "attncheck_mha.yaml", SUITE)
+    runpytest(pytester).assert_outcomes(passed=6)
+
+
+def test_a_failing_case_fails_with_the_failing_rows_and_no_traceback(pytester):
+    write(pytester, "cand_wrong_scale.py", CANDIDATES)
+    write(pytester, "attncheck_wrong.yaml", PLAIN + "impl: cand_wrong_scale.py:WrongScale\n")
+    result = runpytest(pytester, "-k", "forward")
+    result.assert_outcomes(failed=1, deselected=2)
+    result.stdout.fnmatch_lines([
+        "*attncheck forward on 'attncheck_wrong' (*/cand_wrong_scale.py:WrongScale): fail, * rows",
+        "*forward output (2x torch + 1e-05)",
+        "*Mismatched elements: * / 48 (*%)",
+        "*Error against the float64 oracle: * (up to * allowed; torch's own error *)",
+    ])  # fmt: skip
+    assert "Traceback" not in result.stdout.str() and "def runtest" not in result.stdout.str()
+
+
+def test_unsupported_and_suite_skipped_cases_are_skips_with_the_reason(pytester):
+    write(pytester, "cand_no_bias_kv.py", CANDIDATES)
+    write(pytester, "attncheck_skips.yaml", SMALL + """\
+        cases:
+          - {name: kv, add_bias_kv: true, impl: cand_no_bias_kv.py:NoBiasKv}
+        matrix: {is_causal: [true], add_zero_attn: [true], attn_mask: [causal]}
+        """.replace("        ", ""))  # fmt: skip
+    result = runpytest(pytester, "-rs", "-k", "forward")
+    result.assert_outcomes(skipped=2, deselected=4)
+    result.stdout.fnmatch_lines([
+        "*kv*NotImplementedError: no bias_k/bias_v here*",
+        "*is_causal*add_zero_attn*",
+    ], consecutive=False)  # fmt: skip
+
+
+def test_k_and_x_select_and_stop_as_for_any_test(pytester):
+    write(pytester, "cand_wrong_scale2.py", CANDIDATES)
+    write(pytester, "attncheck_mha.yaml", SUITE + "  - {name: wrong, impl: cand_wrong_scale2.py:WrongScale}\n")
+    selected = runpytest(pytester, "-k", "causal and not sgd", "--collect-only", "-q").outlines
+    assert [line for line in selected if "::" in line] == ["attncheck_mha.yaml::causal[forward]", "attncheck_mha.yaml::causal[grad]"]
+    runpytest(pytester, "-x", "-k", "wrong").assert_outcomes(failed=1)  # stops at wrong[forward]
+
+
+def test_junit_and_commands_ini_option(pytester):
+    write(pytester, "attncheck_mha.yaml", SUITE)
+    write(pytester, "pytest.ini", "[pytest]\nattncheck_commands = grad\n")
+    runpytest(pytester, "--junitxml=junit.xml").assert_outcomes(passed=2)
+    junit = (pytester.path / "junit.xml").read_text()
+    assert 'name="plain[grad]"' in junit and 'name="causal[grad]"' in junit and "forward" not in junit
+
+
+def test_files_ini_option_chooses_the_pattern(pytester):
+    write(pytester, "my_suite.yaml", PLAIN)
+    write(pytester, "attncheck_ignored.yaml", "embed_dim: [not a number\n")
+    write(pytester, "pytest.ini", "[pytest]\nattncheck_files = my_*.yaml\nattncheck_commands = forward\n")
+    runpytest(pytester).assert_outcomes(passed=1)
+
+
+def test_a_bad_suite_is_a_collection_error_with_its_location(pytester):
+    write(pytester, "attncheck_bad.yaml", "embed_dim: 8\nnum_heads: 3\n")
+    result = runpytest(pytester)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*attncheck_bad.yaml:2*num_heads*"])
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_xdist_distributes_the_items(pytester):
+    pytest.importorskip("xdist")
+    write(pytester, "attncheck_mha.yaml", SUITE)
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=6)
+    assert "2 workers" in result.stdout.str()
+
+
+# ------------------------------------------------------------------------ attncheck.cases()
+def test_cases_parametrizes_a_users_own_test(pytester):
+    write(pytester, "cand_user.py", CANDIDATES)
+    write(pytester, "suite.yaml", SMALL + "cases:\n  - {name: plain}\n  - {name: kv, add_bias_kv: true}\n")
+    write(pytester, "test_mine.py", """
+        import attncheck, pytest
+        from cand_user import NoBiasKv
+
+        @pytest.mark.parametrize("check", attncheck.cases("suite.yaml", impl=NoBiasKv, commands="forward,grad"))
+        def test_attention(check):
+            check.assert_passed()
+        """)  # fmt: skip
+    result = runpytest(pytester, "-v", "-p", "no:cacheprovider", "-o", "pythonpath=.")
+    result.assert_outcomes(passed=2, skipped=2)
+    result.stdout.fnmatch_lines(["*test_attention?plain?forward?? PASSED*", "*test_attention?kv?grad?? SKIPPED*"], consecutive=False)
+
+
+def test_cases_ids_and_skip_marks():
+    params = attncheck.cases(None, commands=("forward",))
+    assert [p.id for p in params] == ["default[forward]"]
+    assert isinstance(params[0].values[0], Check) and not params[0].marks
+
+
+class Canned(Check):
+    def run(self):
+        return self.impl  # the Report this test hands over
+
+
+def canned(status: str, note: str = "") -> Check:
+    report = Report("grad", "case", "mine:Impl", {}, rows=[Row("forward", "output", PASS), Row("grad", "loss", status, note=note)],
+                    notes=["the training diverges"])  # fmt: skip
+    cfg = attncheck.Config()
+    return Canned("case", "grad", cfg, report)
+
+
+def test_inconclusive_fails_with_the_rows_and_notes():
+    with pytest.raises(pytest.fail.Exception) as raised:
+        canned(INCONCLUSIVE, "could not be judged").assert_passed()
+    message = str(raised.value)
+    assert "attncheck grad on 'case' (mine:Impl): inconclusive, 1 of 2 rows" in message
+    assert "grad loss [inconclusive]" in message and "could not be judged" in message and "note: the training diverges" in message
+
+
+def test_unsupported_skips_with_the_reason():
+    with pytest.raises(pytest.skip.Exception, match="no masks here"):
+        canned(UNSUPPORTED, "no masks here").assert_passed()
+
+
+def test_failure_message_lists_only_failing_rows():
+    report = Report("forward", "c", "x:Y", {}, rows=[Row("forward", "output", "fail", note="bad"), Row("forward", "attn_weights", PASS)])
+    assert failure_message(report).splitlines() == ["attncheck forward on 'c' (x:Y): fail, 1 of 2 rows", "  forward output", "    bad"]
