@@ -194,12 +194,19 @@ def failing_rows(report: Report) -> dict[str, tuple[str, ...]]:
     return rows
 
 
+# Rows that report what a candidate's calls did rather than a value: results that depend on an
+# earlier call, an input changed in place, a gradient under an unknown name.
+CALL_FINDINGS = ("repeat call", "contract")
+
+
 def problems(case: Case, report: Report) -> list[str]:
     """Why `report` is not the outcome `case` expects, one line per problem; empty when it is."""
     found, mismatched = [], set()
     for row in report.failures:
         if row.quantity == "candidate":
             found.append(f"the candidate crashed ({row.section}): {row.note}")
+        elif row.quantity in CALL_FINDINGS:  # a finding about the calls themselves: no values to mismatch
+            mismatched.add((row.section, row.quantity))
         elif row.mismatched == 0:
             found.append(f"{row.section} {row.quantity} failed without a mismatch: {row.note}")
         else:
