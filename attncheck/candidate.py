@@ -15,12 +15,14 @@ attncheck. This module imports neither torch nor anything that does.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
+import sysconfig
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +31,13 @@ from typing import Any, Callable
 import numpy as np
 
 from attncheck.config.config_file import impl_file
-from attncheck.errors import CandidateError, Unsupported, UsageError
+from attncheck.errors import CandidateError, Unsupported, UsageError, shorten
 from attncheck.inputs import Workload
 from attncheck.reference import MultiheadAttention
 
 REFERENCE_SPEC = "attncheck.reference:MultiheadAttention"
+# A candidate's exception message is echoed in at most this many characters.
+MESSAGE_LIMIT = 200
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,10 @@ def load_candidate(spec: str | None, origin: str | None = None) -> Candidate:
     else:
         try:
             module = importlib.import_module(target)
-        except Exception as exc:  # any failure to import is the user's to fix
-            raise UsageError(f"{who}: cannot import module {target!r}: {type(exc).__name__}: {exc}") from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # any failure to import, sys.exit included, is the user's to fix
+            raise UsageError(f"{who}: cannot import module {target!r}: {_raised(exc)}") from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -114,9 +120,11 @@ def _import_file(who: str, path: Path):
     sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
     try:
         module_spec.loader.exec_module(module)
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # sys.exit at import too: never a silent green exit
         del sys.modules[name]
-        raise UsageError(f"{who}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from None
+        raise UsageError(f"{who}: importing {str(path)!r} failed: {_raised(exc)}") from None
     finally:
         sys.path.remove(str(path.resolve().parent))
     return module
@@ -127,21 +135,33 @@ def _import_file(who: str, path: Path):
 # Compared as a directory, not by name, so a user's own repository called "attncheck" still counts
 # as the candidate's code.
 _PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+# Where installed libraries and the standard library live: a frame there (NumPy's einsum, say) is
+# not where the user should look, unless nothing else is left.
+_LIBRARY_DIRS = tuple(
+    os.path.join(os.path.abspath(p), "") for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
 
 
 def _is_ours(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_PACKAGE_DIR)
 
 
+def _is_library(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_LIBRARY_DIRS) or filename.startswith("<")
+
+
 def _located(exc: BaseException) -> str | None:
-    """file:line of the innermost frame of a traceback that lies outside the attncheck package."""
-    tb, where = exc.__traceback__, None
+    """file:line of the innermost frame of a traceback in the candidate's own code: outside the
+    attncheck package and, where the traceback has such a frame, outside installed libraries."""
+    tb, own, outside = exc.__traceback__, None, None
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
         if not _is_ours(filename):
-            where = f"{filename}:{tb.tb_lineno}"
+            outside = f"{filename}:{tb.tb_lineno}"
+            if not _is_library(filename):
+                own = outside
         tb = tb.tb_next
-    return where
+    return own or outside
 
 
 def _traceback(exc: BaseException) -> str:
@@ -171,48 +191,105 @@ def _source_line(fn: Any) -> str | None:
     return None if filename is None or _is_ours(filename) else f"{filename}:{line}"
 
 
+def _raised(exc: BaseException) -> str:
+    """What an exception says, in one bounded line; SystemExit named for what it is."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit({exc.code!r}): the candidate tried to end the process"
+    return f"{type(exc).__name__}: {shorten(str(exc), MESSAGE_LIMIT)}"
+
+
 def _guard(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
-    """Call into the candidate; anything it raises becomes a CandidateError naming the call."""
+    """Call into the candidate; anything it raises becomes a CandidateError naming the call.
+
+    BaseException too: a candidate calling sys.exit() must not end attncheck with its exit code
+    (pytest treats sys.exit inside a test the same way). Only the user's own Ctrl-C goes through.
+    """
     try:
         return fn(*args, **kwargs)
+    except KeyboardInterrupt:
+        raise
     except NotImplementedError as exc:  # the candidate declares this feature unsupported
-        raise Unsupported(f"{what} raised NotImplementedError: {exc}", _located(exc), _traceback(exc)) from exc
-    except Exception as exc:  # the candidate's bug is a finding, not a crash of attncheck
-        raise CandidateError(f"{what} raised {type(exc).__name__}: {exc}", _located(exc), _traceback(exc)) from exc
+        raise Unsupported(f"{what} raised NotImplementedError: {shorten(str(exc), MESSAGE_LIMIT)}", _located(exc), _traceback(exc)) from exc
+    except BaseException as exc:  # the candidate's bug is a finding, not a crash of attncheck
+        raise CandidateError(f"{what} raised {_raised(exc)}", _located(exc), _traceback(exc)) from exc
+
+
+def _nearest(name: str, known: list[str]) -> str:
+    match = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else f" (expected one of {', '.join(known)})"
+
+
+INPUT_GRADIENTS = ("query", "key", "value")
 
 
 class Session:
-    """One candidate's run on one workload: builds it, calls it, checks what it returns."""
+    """One candidate's run on one workload: builds it, calls it, checks what it returns.
+
+    The candidate gets copies of every array (parameters, inputs, masks, grad_output), so nothing
+    it does can change attncheck's own; each copy is compared with its original after the call,
+    and an in-place change is recorded in `findings` (reported as a failing row), as is a gradient
+    key that names no parameter or input.
+    """
 
     def __init__(self, cfg, candidate: Candidate):
         self.cfg, self.candidate = cfg, candidate
+        self.findings: list[str] = []  # contract breaches: failing rows
         self.notes: list[str] = []  # what the report should say about the calls, e.g. conversions
+        self._handed: list[tuple[str, np.ndarray, np.ndarray]] = []  # (what, original, the candidate's copy)
+
+    def _hand(self, what: str, original: np.ndarray | None) -> np.ndarray | None:
+        """A copy of `original` for the candidate, remembered for the in-place check."""
+        if original is None:
+            return None
+        copy = original.copy()
+        self._handed.append((what, original, copy))
+        return copy
+
+    def _check_handed(self, call: str) -> None:
+        """Record every array the candidate changed in place since the last check."""
+        for what, original, copy in self._handed:
+            if not np.array_equal(original, copy, equal_nan=True):
+                finding = f"{call} modified {what} in place"
+                if finding not in self.findings:
+                    self.findings.append(finding)
+            # a change already reported is not reported again by the next call
+            copy[...] = original
+        self._handed = [h for h in self._handed if h[0].startswith("parameter")]
 
     def build(self, params: dict[str, np.ndarray]) -> Any:
-        return _guard(
+        handed = {k: self._hand(f"parameter `{k}`", v) for k, v in params.items()}
+        obj = _guard(
             f"{self.candidate.spec}(...)",
             self.candidate.factory,
-            params,
+            handed,
             num_heads=self.cfg.num_heads,
             batch_first=self.cfg.batch_first,
             **module_options(self.cfg),
         )
+        self._check_handed(f"{self.candidate.spec}(...)")
+        return obj
 
     def forward(self, obj: Any, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
         """The candidate's (output, weights), after checking it returned an output torch's shape."""
         if not callable(getattr(obj, "forward", None)):
             raise CandidateError(f"{self.candidate.spec} built a {type(obj).__name__} with no forward() method")
+        query = self._hand("its `query` argument", w.query)
+        # One array passed as query, key and value stays one array (self-attention), so a candidate
+        # may test `key is query`; likewise key and value (encoder-decoder attention).
+        key = query if w.key is w.query else self._hand("its `key` argument", w.key)
+        value = key if w.value is w.key else self._hand("its `value` argument", w.value)
         result = _guard(
             "forward()",
             obj.forward,
-            w.query,
-            w.key,
-            w.value,
-            attn_mask=w.attn_mask,
-            key_padding_mask=w.key_padding_mask,
+            query,
+            key,
+            value,
+            attn_mask=self._hand("its `attn_mask` argument", w.attn_mask),
+            key_padding_mask=self._hand("its `key_padding_mask` argument", w.key_padding_mask),
             need_weights=self.cfg.need_weights,
             average_attn_weights=self.cfg.average_attn_weights,
         )
+        self._check_handed("forward()")
         where = _defined_at(obj.forward)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, weights)", where)
@@ -223,7 +300,8 @@ class Session:
         return out, weights
 
     def backward(self, obj: Any, grad_output: np.ndarray, w: Workload) -> dict[str, np.ndarray]:
-        """The candidate's gradients, keyed like params plus query/key/value; missing keys are allowed."""
+        """The candidate's gradients, keyed like params plus query/key/value (or `input` under
+        self-attention); missing keys are allowed, unknown keys are findings."""
         if not callable(getattr(obj, "backward", None)):
             # Not a wrong answer but a check that cannot run: the user asked for gradients of an
             # implementation that has none.
@@ -231,15 +309,23 @@ class Session:
                 f"--impl {self.candidate.spec}: {type(obj).__name__} has no backward(grad_output) method, "
                 "which `grad` and `sgd-step` need (`forward` checks it without one)"
             )
-        grads = _guard("backward()", obj.backward, grad_output)
+        grads = _guard("backward()", obj.backward, self._hand("its `grad_output` argument", grad_output))
+        self._check_handed("backward()")
         where = _defined_at(obj.backward)
         if not isinstance(grads, dict):
             raise CandidateError(f"backward() returned {type(grads).__name__}, expected a dict of arrays", where)
         shapes = {**{k: v.shape for k, v in w.params.items()}, "query": w.query.shape, "key": w.key.shape, "value": w.value.shape}
+        if w.key is w.query and w.value is w.query:
+            shapes["input"] = w.query.shape  # self-attention: the one input's whole gradient
         arrays = {}
         for name, g in grads.items():
-            if name not in shapes or g is None:
-                continue  # extra keys are ignored; None is "not provided"
+            if name not in shapes:
+                finding = f"backward() returned unknown key {shorten(repr(name))}{_nearest(str(name), list(shapes))}"
+                if finding not in self.findings:
+                    self.findings.append(finding)
+                continue
+            if g is None:
+                continue  # None is "not provided"
             arrays[name] = g = self._as_numpy(g, f"backward() returned {name!r}", where)
             if g.shape != shapes[name]:
                 raise CandidateError(f"backward() returned {name!r} of shape {g.shape}, expected {shapes[name]}", where)

@@ -250,7 +250,7 @@ def _run_suite(suite, label, commands, impl, tolerance, workers, view: View, opt
 
 
 PerHeadOption = Annotated[bool, typer.Option("--per-head", help="grad: add one row per head for the projection blocks.")]
-StrictOption = Annotated[bool, typer.Option("--strict", help="grad: count gradients the candidate does not return as failures.")]
+StrictOption = Annotated[bool, typer.Option("--strict", help="Count gradients (grad) and attention weights (forward) the candidate does not return as failures.")]
 
 
 def _command(name: str, summary: str):
@@ -261,11 +261,12 @@ def _command(name: str, summary: str):
 @_command("forward", COMMANDS["forward"].summary)
 def forward(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
+    strict: StrictOption = False,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run(("forward",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback))  # fmt: skip
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, strict=strict))  # fmt: skip
 
 
 @_command("grad", COMMANDS["grad"].summary)

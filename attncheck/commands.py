@@ -23,7 +23,7 @@ class Command:
 COMMANDS: dict[str, Command] = {
     c.name: c
     for c in (
-        Command("forward", "check_forward", "Compare outputs and attention weights with torch.nn.MultiheadAttention."),
+        Command("forward", "check_forward", "Compare outputs and attention weights with torch.nn.MultiheadAttention.", ("strict",)),
         Command("grad", "check_grad", "Compare every gradient with torch autograd, and with finite differences in float64.",
                 ("per_head", "strict")),  # fmt: skip
         Command("sgd-step", "check_sgd", "Compare the weights after `steps` SGD steps with torch.optim.SGD."),

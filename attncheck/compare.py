@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attncheck.report import FAIL, INFO, NOT_PROVIDED, PASS, Row
+from attncheck.report import FAIL, INCONCLUSIVE, NOT_PROVIDED, PASS, Row
 
 # (kind, dtype) -> (atol, rtol) for the fixed rule.
 FIXED: dict[tuple[str, str], tuple[float, float]] = {
@@ -144,9 +144,14 @@ def compare(
     oracle: np.ndarray | None = None,
     scale: float = 0.0,
     strict: bool = False,
+    nan_ok: np.ndarray | bool | None = None,
+    undefined: np.ndarray | None = None,
+    candidate_nan_ok: bool = False,
 ) -> Row:
     """Compare a candidate's array with torch's under a rule, and decide the row (see `decide`)."""
-    return decide(measure(section, quantity, actual, expected, rule, oracle=oracle, scale=scale), strict=strict)
+    row = measure(section, quantity, actual, expected, rule, oracle=oracle, scale=scale, nan_ok=nan_ok, undefined=undefined,
+                  candidate_nan_ok=candidate_nan_ok)  # fmt: skip
+    return decide(row, strict=strict)
 
 
 def measure(
@@ -158,12 +163,20 @@ def measure(
     *,
     oracle: np.ndarray | None = None,
     scale: float = 0.0,
+    nan_ok: np.ndarray | bool | None = None,
+    undefined: np.ndarray | None = None,
+    candidate_nan_ok: bool = False,
 ) -> Row:
     """Every finding of comparing a candidate's array with torch's under a rule; no verdict yet.
 
     `scale` raises the magnitude the budget's floor is relative to (default: max|oracle| of
     this quantity alone). Gradients pass the largest gradient of the check: a gradient that
     cancels to exactly zero still carries rounding of the size of the terms that cancelled.
+
+    Non-finite values: NaN where torch has NaN agrees only where `nan_ok` says the masks explain
+    it (a row with no allowed key). NaN or inf that torch itself gives anywhere else leaves those
+    elements unjudged (`row.unjudged`). `undefined` marks elements with no defined value (such a
+    row on torch's SDPA path): a candidate's NaN there is accepted, any other value is compared.
     """
     expected = np.asarray(expected)
     row = Row(section, quantity, "", shape=expected.shape, numel=int(expected.size), rule=rule.describe(), rule_kind=rule.kind)
@@ -175,20 +188,23 @@ def measure(
         row.mismatched = row.numel
         row.note = f"shape {actual.shape}, expected {expected.shape}"
         return row
-    if actual.dtype != expected.dtype:
-        row.mismatched = row.numel
-        row.note = f"dtype {actual.dtype}, expected {expected.dtype}"
-        return row
+    if actual.dtype != expected.dtype:  # values are still compared; the checks report the dtype itself
+        row.actual_dtype = str(actual.dtype)
 
     a = actual.astype(np.float64)
     e = expected.astype(np.float64)
-    nan_a, nan_e = np.isnan(a), np.isnan(e)
-    nan_wrong = nan_a != nan_e
-    row.nan_agreed = int((nan_a & nan_e).sum())
-    valid = ~(nan_a | nan_e)
+    nan_a, finite_e = np.isnan(a), np.isfinite(e)
+    explained = np.isnan(e) & (False if nan_ok is None else nan_ok)
+    accepted = nan_a & finite_e & (False if undefined is None else undefined)
+    spread = nan_a & finite_e & ~accepted if candidate_nan_ok else np.zeros_like(nan_a)
+    unjudged = (~finite_e & ~explained) | spread
+    nan_wrong = (nan_a & finite_e & ~accepted & ~spread) | (explained & ~nan_a)
+    row.nan_agreed = int((explained & nan_a).sum() + accepted.sum())
+    row.unjudged = int(unjudged.sum())
+    valid = finite_e & ~nan_a
     with np.errstate(invalid="ignore"):
         diff = np.where(valid & (a != e), np.abs(a - e), 0.0)  # equal infinities differ by 0
-    diff = np.where(np.isnan(diff), np.inf, diff)  # inf - inf of opposite signs
+    diff = np.where(np.isnan(diff), np.inf, diff)
     if diff.size:
         i = int(np.argmax(diff))
         row.max_abs, row.max_abs_at = float(diff.flat[i]), _index(i, diff.shape)
@@ -206,7 +222,7 @@ def measure(
         if oracle is None:
             raise ValueError("the budget rule needs an oracle")
         o = np.asarray(oracle, dtype=np.float64)
-        ok = valid & ~np.isnan(o)
+        ok = valid & np.isfinite(o)
         with np.errstate(invalid="ignore"):
             cand_err = np.where(ok, np.abs(a - o), 0.0)
             torch_err = np.where(ok, np.abs(e - o), 0.0)
@@ -230,11 +246,21 @@ def measure(
         row.max_rel, row.max_rel_at = float(rel.flat[j]), _index(j, rel.shape)
     row.evidence = Evidence(a, e, None if isinstance(rule, Fixed) else o, allowed if isinstance(rule, Fixed) else row.allowed)
     row.mismatched = int((bad | nan_wrong).sum())
+    row.judged = int(valid.sum() + nan_wrong.sum())
+    notes = []
     if nan_wrong.any():
-        row.note = (
-            f"NaN in {int((nan_a & ~nan_e).sum())} places torch has none, "
-            f"missing in {int((nan_e & ~nan_a).sum())} places torch has NaN"
+        notes.append(
+            f"NaN in {int((nan_a & finite_e & ~accepted).sum())} places torch has none, "
+            f"missing in {int((explained & ~nan_a).sum())} places torch has NaN"
         )
+    if spread.any():
+        notes.append(f"NaN at {int(spread.sum())} of {row.numel} elements, spread from the NaN the candidate gives where no value is defined: not judged there")
+    if (~finite_e & ~explained).any():
+        notes.append(f"torch itself gives NaN or inf at {int((~finite_e & ~explained).sum())} of {row.numel} elements that no mask explains: nothing can be judged there")
+    if undefined is not None and undefined.any():
+        chose = "NaN" if accepted.any() else "torch's values"
+        notes.append(f"{int(undefined.sum())} elements have no defined value (no allowed key): the candidate gives {chose} there, which is accepted")
+    row.note = "; ".join(notes)
     return row
 
 
@@ -244,30 +270,27 @@ def _ratio(error: float, allowed: float) -> float:
     return error / allowed if allowed > 0 else math.inf
 
 
-def decide(
-    row: Row,
-    *,
-    strict: bool = False,
-    first_failing_step: int | None = None,
-    inconclusive_from: int | None = None,
-) -> Row:
+def decide(row: Row, *, strict: bool = False, first_failing_step: int | None = None) -> Row:
     """The one place a compared row's status is decided, from what was measured and the context.
 
     missing value        NOT_PROVIDED (FAIL with strict): the candidate returned nothing to judge
-    mismatched elements  FAIL (a shape or dtype difference counts every element)
-    sgd: a step left the rule before torch's training diverged: FAIL, naming the step;
-         the training diverged before any step failed: INFO (inconclusive), not judged
+    mismatched elements  FAIL (a shape difference counts every element); for weights after SGD
+                         steps, the first step that left the rule is named
+    unjudged elements    INCONCLUSIVE: torch's own NaN or inf that no mask explains, or nothing
+                         left to judge at all (every element NaN on both sides)
     otherwise            PASS
     """
     if row.missing:
         row.status = FAIL if strict else NOT_PROVIDED
         row.note = row.note or "missing: not returned by the candidate"
-    elif first_failing_step is not None:
+    elif row.mismatched:
         row.status, row.first_failing_step = FAIL, first_failing_step
-        row.note = (row.note + "; " if row.note else "") + f"left tolerance at step {first_failing_step}"
-    elif inconclusive_from is not None:
-        row.status = INFO
-        row.note = f"inconclusive from step {inconclusive_from}: the training diverges, so rounding decides the weights"
+        if first_failing_step is not None:
+            row.note = (row.note + "; " if row.note else "") + f"left tolerance at step {first_failing_step}"
+    elif row.unjudged or (row.numel and not row.judged):
+        row.status = INCONCLUSIVE
+        if not row.unjudged:
+            row.note = (row.note + "; " if row.note else "") + "every element is NaN on both sides (explained by the masks): nothing was judged"
     else:
-        row.status = FAIL if row.mismatched else PASS
+        row.status = PASS
     return row

@@ -9,6 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A user's value or a candidate's message is echoed in at most this many characters.
+QUOTE_LIMIT = 80
+
+
+def shorten(text: str, limit: int = QUOTE_LIMIT) -> str:
+    """`text` cut to `limit` characters with an ellipsis and the full length, on one line."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 1]}… ({len(text):,} characters)"
+
 
 class AttncheckError(Exception):
     """Base of every exception attncheck raises deliberately."""

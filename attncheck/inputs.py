@@ -36,6 +36,9 @@ class Workload:
     attn_mask: np.ndarray | None
     key_padding_mask: np.ndarray | None
     target: np.ndarray  # MSE target (loss: mse) or cotangent (loss: sum); shaped like the output
+    # Output elements of query rows with no allowed key in some head (shaped like the output; None
+    # when there are none): they have no defined value, and the loss leaves them out.
+    undefined: np.ndarray | None = None
 
     def astype(self, dtype: np.dtype) -> Workload:
         """The same problem cast to another float dtype (bool masks stay bool)."""
@@ -58,6 +61,7 @@ class Workload:
             attn_mask=cast(self.attn_mask),
             key_padding_mask=cast(self.key_padding_mask),
             target=cast(self.target),
+            undefined=self.undefined,
         )
 
 
@@ -195,15 +199,56 @@ def make_target(cfg: Config) -> np.ndarray:
 def make_workload(cfg: Config) -> Workload:
     """Everything one check needs, drawn from the config's seed."""
     query, key, value = make_inputs(cfg)
+    attn_mask, key_padding_mask = make_attn_mask(cfg), make_key_padding_mask(cfg)
+    masked = fully_masked(cfg, attn_mask, key_padding_mask)
     return Workload(
         params=make_params(cfg),
         query=query,
         key=key,
         value=value,
-        attn_mask=make_attn_mask(cfg),
-        key_padding_mask=make_key_padding_mask(cfg),
+        attn_mask=attn_mask,
+        key_padding_mask=key_padding_mask,
         target=make_target(cfg),
+        undefined=output_rows(cfg, masked.any(axis=1)) if masked.any() else None,
     )
+
+
+def fully_masked(cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None) -> np.ndarray:
+    """(B, H, L) bool: the query rows of each batch element and head whose every key is masked."""
+    B, H, L, S = cfg.effective_batch, cfg.num_heads, cfg.tgt_len, cfg.S
+    if cfg.add_bias_kv or cfg.add_zero_attn:
+        return np.zeros((B, H, L), dtype=bool)  # the appended key is always allowed
+    blocked = np.zeros((B, H, L, S), dtype=bool)
+
+    def as_blocked(mask: np.ndarray) -> np.ndarray:
+        return mask if mask.dtype == np.bool_ else np.isneginf(mask)
+
+    if attn_mask is not None:
+        blocked |= as_blocked(attn_mask).reshape(B, H, L, S) if attn_mask.ndim == 3 else as_blocked(attn_mask)
+    if key_padding_mask is not None:
+        blocked |= as_blocked(key_padding_mask).reshape(B, 1, 1, S)
+    return blocked.all(axis=-1)
+
+
+def output_rows(cfg: Config, rows: np.ndarray) -> np.ndarray:
+    """A (B, L) bool of query rows spread over the output's layout and features."""
+    B, L = rows.shape
+    if cfg.unbatched:
+        laid = rows.reshape(L, 1)
+    elif cfg.batch_first:
+        laid = rows.reshape(B, L, 1)
+    else:
+        laid = rows.T.reshape(L, B, 1)
+    return np.broadcast_to(laid, output_shape(cfg))
+
+
+def weights_rows(cfg: Config, masked: np.ndarray) -> np.ndarray:
+    """The (B, H, L) fully masked rows spread over the attention weights' shape: (B, L, S') averaged
+    over heads, (B, H, L, S') per head, without B when unbatched; S' counts bias_k and the zero key."""
+    S = cfg.S + cfg.add_bias_kv + cfg.add_zero_attn
+    rows = masked.any(axis=1)[:, :, None] if cfg.average_attn_weights else masked[..., None]
+    shape = rows.shape[:-1] + (S,)
+    return np.broadcast_to(rows, shape)[0] if cfg.unbatched else np.broadcast_to(rows, shape)
 
 
 def directions(cfg: Config, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:

@@ -55,7 +55,10 @@ class Row:
     ratio: float | None = None  # the largest error relative to what the rule allowed there (> 1: outside)
     candidate_error: float | None = None  # max |candidate - oracle| (budget rule)
     torch_error: float | None = None  # max |torch - oracle| (budget rule)
-    nan_agreed: int = 0  # NaN elements present in both (fully masked rows)
+    nan_agreed: int = 0  # NaN elements present in both where the masks explain it, or accepted where no value is defined
+    unjudged: int = 0  # elements where torch itself is NaN or inf and no mask explains it
+    judged: int = 0  # elements whose value (or NaN placement) was judged
+    actual_dtype: str | None = None  # the candidate's dtype where it differs from torch's
     first_failing_step: int | None = None  # sgd: the first step at which it left tolerance
     missing: bool = False  # the candidate returned no value for this quantity
     note: str = ""

@@ -145,7 +145,8 @@ def plan(suite: Suite, commands: tuple[str, ...], *, impl: str | None = None, to
         spec = impl if impl is not None else cfg.impl
         origin = f"{suite.source}:{case.impl_line}" if impl is None and cfg.impl is not None and case.impl_line else None
         for command in commands:
-            jobs.append(Job(len(jobs), case.name, command, cfg, spec, origin))
+            if case.commands is None or command in case.commands:
+                jobs.append(Job(len(jobs), case.name, command, cfg, spec, origin))
     return jobs, skipped
 
 

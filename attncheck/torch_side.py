@@ -110,8 +110,17 @@ def _call(module: torch.nn.MultiheadAttention, cfg: Config, x: _Inputs):
         )
 
 
-def loss_torch(cfg: Config, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The config's loss: mean squared error against the target, or <output, cotangent>."""
+def loss_torch(cfg: Config, output: torch.Tensor, target: torch.Tensor, undefined: np.ndarray | None = None) -> torch.Tensor:
+    """The config's loss: mean squared error against the target, or <output, cotangent>.
+
+    Output elements with no defined value (`undefined`) are left out, as ignore_index does; the
+    NumPy side (checks.loss_and_grad) computes the same.
+    """
+    if undefined is not None:
+        keep = ~_tensor(np.ascontiguousarray(undefined))
+        if cfg.loss == "mse":
+            return torch.where(keep, output - target, 0).pow(2).sum() / keep.sum().clamp(min=1)
+        return torch.where(keep, output * target, 0).sum()
     if cfg.loss == "mse":
         return F.mse_loss(output, target)
     return (output * target).sum()
@@ -172,7 +181,7 @@ def grad(cfg: Config, w: Workload) -> GradResult:
     module = build_module(cfg, w.params).train()
     x = _inputs(cfg, w, requires_grad=True)
     out, weights = _call(module, cfg, x)
-    loss = loss_torch(cfg, out, _tensor(w.target))
+    loss = loss_torch(cfg, out, _tensor(w.target), w.undefined)
     loss.backward()
     grads = {name: _numpy(p.grad) for name, p in module.named_parameters()}
     if cfg.self_attention:
@@ -203,14 +212,14 @@ def sgd(cfg: Config, w: Workload) -> SGDResult:
     for _ in range(cfg.steps):
         module.zero_grad(set_to_none=True)
         out, _ = _call(module, cfg, x)
-        loss = loss_torch(cfg, out, target)
+        loss = loss_torch(cfg, out, target, w.undefined)
         loss.backward()
         step()
         result.losses.append(float(loss.detach()))
         result.params.append(state_numpy(module))
     with torch.no_grad():  # the loss the last step leads to, for telling divergence
         out, _ = _call(module, cfg, x)
-        result.final_loss = float(loss_torch(cfg, out, target))
+        result.final_loss = float(loss_torch(cfg, out, target, w.undefined))
     return result
 
 

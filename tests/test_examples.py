@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import attncheck
+from tests.helpers import assert_agrees
 from attncheck.config import load_suite
 from attncheck.report import PASS, UNSUPPORTED
 
@@ -34,11 +35,14 @@ MAX_ADAPTER_LINES = 12
 @pytest.mark.parametrize("example", UNSUPPORTED_ON)
 def test_example_passes_what_it_supports_and_declares_the_rest(example, config):
     cfg = load_suite(ROOT / "configs" / f"{config}.yaml").cases[0].config
-    expected = UNSUPPORTED if config in UNSUPPORTED_ON[example] else PASS
+    unsupported = config in UNSUPPORTED_ON[example]
     for command in COMMANDS:
         report = attncheck.check(cfg, command, impl=f"{ROOT}/examples/{example}.py:MultiheadAttention")
         problems = [(r.section, r.quantity, r.status, r.note) for r in report.rows if r.status not in (PASS, "not provided", "skipped", "info")]
-        assert report.verdict == expected, (command, problems)
+        if unsupported:
+            assert report.verdict == UNSUPPORTED, (command, problems)
+        else:
+            assert_agrees(report)  # pass; or inconclusive only where the masks leave torch's own values NaN
 
 
 DEFAULT_SUITE = ROOT / "configs" / "default_suite.yaml"

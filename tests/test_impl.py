@@ -87,14 +87,23 @@ BROKEN = {
             def forward(self, *args, **kw):
                 out, w = super().forward(*args, **kw)
                 return out.astype(np.float64), w
-        """, "forward", "dtype float64, expected float32", located=False),
-    "weights_none": Broken(
-        """
-        class Candidate(Ref):
-            def forward(self, *args, **kw):
-                return super().forward(*args, **kw)[0], None
-        """, "forward", "missing", located=False),
+        """, "forward", "output returned as float64 for float32 inputs", located=False),
 }
+
+NO_WEIGHTS = """
+class Candidate(Ref):
+    def forward(self, *args, **kw):
+        return super().forward(*args, **kw)[0], None
+"""
+
+
+def test_missing_weights_are_not_provided_unless_strict(tmp_path):
+    path, _ = write_candidate(tmp_path, NO_WEIGHTS)
+    code, report = json_report(tmp_path, "forward", "--impl", f"{path}:Candidate")
+    weights = [r for r in report["rows"] if r["section"] == "forward" and r["quantity"] == "attn_weights"]
+    assert code == 0 and weights[0]["status"] == "not provided", report["rows"]
+    code, report = json_report(tmp_path, "forward", "--impl", f"{path}:Candidate", "--strict")
+    assert code == 1 and [r["quantity"] for r in report["rows"] if r["status"] == "fail"] == ["attn_weights"]
 
 
 def run(*args):
@@ -294,7 +303,9 @@ def test_check_rejects_bad_arguments():
     with pytest.raises(UsageError, match="command 'backward'"):
         attncheck.check(None, "backward")
     with pytest.raises(UsageError, match="per_head and strict are grad's"):
-        attncheck.check(None, "forward", strict=True)
+        attncheck.check(None, "forward", per_head=True)
+    with pytest.raises(UsageError, match="sgd-step takes no options"):
+        attncheck.check(None, "sgd-step", strict=True)
     with pytest.raises(UsageError, match="no such file"):
         attncheck.check(None, "forward", impl="nowhere/at_all.py:X")
     with pytest.raises(UsageError, match="unknown_key"):

@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from attncheck.checks import check_forward, check_grad, check_sgd
 from attncheck.testing.strategies import configs, large_logit_configs, long_configs
 from tests.conftest import cfg
+from tests.helpers import assert_agrees
 
 COMMANDS = (check_forward, check_grad, check_sgd)
 DRAWS = dict(derandomize=True, database=None)
@@ -56,7 +57,7 @@ def _assert_no_false_alarm(c):
     assert c.tolerance == "budget"
     for check in COMMANDS:
         report = check(c)
-        assert report.passed, (check.__name__, [(r.section, r.quantity, r.candidate_error, r.torch_error, r.allowed, r.note) for r in report.failures])
+        assert_agrees(report)
 
 
 @settings(max_examples=120, **DRAWS)

@@ -451,3 +451,21 @@ def test_fuzz_suites_expand_or_refuse(document):
         for case in loaded.cases:
             assert (case.config is None) == (case.skip_reason is not None)
             assert case.config is None or case.config.name == case.name
+
+
+def test_a_case_may_name_the_commands_it_is_for():
+    loaded = suite(
+        """\
+        cases:
+          - name: nan-rows
+            key_padding_mask: full_row
+            commands: [sgd-step, forward]
+          - name: all
+        """
+    )
+    assert [case.commands for case in loaded.cases] == [("forward", "sgd-step"), None]
+    jobs, _ = plan(loaded, ("forward", "grad", "sgd-step"))
+    assert [(job.case, job.command) for job in jobs] == [
+        ("nan-rows", "forward"), ("nan-rows", "sgd-step"), ("all", "forward"), ("all", "grad"), ("all", "sgd-step")]  # fmt: skip
+    assert "unknown command 'backward'" in str(refusal("cases:\n  - commands: [backward]\n"))
+    assert "non-empty list of commands" in str(refusal("cases:\n  - commands: forward\n"))

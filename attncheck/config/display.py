@@ -9,6 +9,8 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
+from attncheck.errors import QUOTE_LIMIT
+
 
 class _ShortRepr(reprlib.Repr):
     """reprlib that also survives integers too long for str()."""
@@ -22,6 +24,7 @@ class _ShortRepr(reprlib.Repr):
 _short_repr = _ShortRepr()
 _short_repr.maxstring = 60
 _short_repr.maxother = 60
+_short_repr.maxlevel = 3  # nested aliases (a "billion laughs" file) stay a few characters deep
 
 
 def show(value: Any) -> str:
@@ -30,7 +33,11 @@ def show(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    return _short_repr.repr(value)
+    text = _short_repr.repr(value)
+    if len(text) <= QUOTE_LIMIT:
+        return text
+    size = f"{len(value):,} items" if hasattr(value, "__len__") else f"{len(text):,} characters"
+    return f"{text[: QUOTE_LIMIT - 1]}… ({size})"
 
 
 def plain(value: Any) -> str:

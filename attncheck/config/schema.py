@@ -94,6 +94,7 @@ class Config(BaseModel):
     budget_floor: float | None = None
     atol: float | None = None
     rtol: float | None = None
+    check_dtype: bool = True
 
     loss: Literal["mse", "sum"] = "mse"
     lr: float = 0.1

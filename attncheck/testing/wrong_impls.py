@@ -359,15 +359,6 @@ class FullyMaskedRowsZeroed(MultiheadAttention):
         return out, np.nan_to_num(weights, nan=0.0)
 
 
-class FullyMaskedRowsNaNWithoutWeights(MultiheadAttention):
-    """With need_weights=False, rows whose every key is masked still give NaN (the softmax of -inf
-    only), where torch's scaled_dot_product_attention path gives them zero weights."""
-
-    def forward(self, query, key, value, *, need_weights=True, **kwargs):
-        out, weights = super().forward(query, key, value, need_weights=True, **kwargs)
-        return out, weights if need_weights else None
-
-
 class UnbatchedKeyPaddingDropped(MultiheadAttention):
     """Unbatched (2-D) inputs: the (S,) key padding mask is dropped on that code path."""
 
@@ -661,7 +652,7 @@ MODULES = {
         KeyPaddingPerQuery, BiasKvProjected, ZeroAttnPrepended, HeadWeightsSummed, KeyValueGradSwapped,
         SoftmaxWithoutMaxSubtraction, OutProjBiasGradMissing,
         BoolMaskInverted, KeyPaddingInverted, KeyPaddingHeadOrder, Mask3dHeadOrder, CausalDiagonalMasked, FloatMaskScaled,
-        KeyPaddingFloatAsBool, MixedMaskPaddingCast, FullyMaskedRowsZeroed, FullyMaskedRowsNaNWithoutWeights,
+        KeyPaddingFloatAsBool, MixedMaskPaddingCast, FullyMaskedRowsZeroed,
         UnbatchedKeyPaddingDropped, SeqFirstAsBatchFirst, KeyUsedAsValue, EncoderDecoderSharedProjection,
         KeysChunkedTailDropped, BiasKvMaskedOut, PerHeadWeightsHeadMajor, Float16Probabilities, SoftmaxEpsilon,
         Float32Internally, QueryGradScaleMissing, BiasGradAveragedOverBatch, OutProjWeightGradTransposed,
