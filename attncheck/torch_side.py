@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from attncheck.candidate import module_options
 from attncheck.config import Config
 from attncheck.inputs import Workload
+from attncheck.sgd import sgd_options
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -235,11 +236,10 @@ def _sgd_step(params: list[torch.Tensor], cfg: Config):
     have a gradient (foreach and fused are for accelerators). The optimizer object itself imports
     torch._dynamo on first use, which doubles torch's import time (measured: 1.7-2x `import
     torch`) for a wrapper that only matters under torch.compile; so that function is called
-    directly, with the optimizer's own momentum buffers. tests/test_default_suite.py checks that
+    directly, keeping the momentum buffers as the optimizer does. tests/test_default_suite.py checks that
     both give bitwise the same weights; without the function (another torch), the optimizer runs.
     """
-    settings = dict(lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening, weight_decay=cfg.weight_decay,
-                    nesterov=cfg.nesterov, maximize=cfg.maximize)  # fmt: skip
+    settings = sgd_options(cfg)
     # torch.optim deletes its submodule names; the module itself is where SGD is defined.
     single_tensor_sgd = getattr(sys.modules[torch.optim.SGD.__module__], "_single_tensor_sgd", None)
     if single_tensor_sgd is None or not DIRECT_SGD_UPDATE:
