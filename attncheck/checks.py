@@ -441,15 +441,14 @@ def _perturbed(w: Workload, name: str, delta: np.ndarray) -> Workload:
     return replace(w, **{name: getattr(w, name) + delta})
 
 
-<<<<<<< HEAD
 def _input_value(w: Workload, name: str) -> np.ndarray:
     """The array a parameter or input gradient is taken against."""
     if name in w.params:
         return w.params[name]
     return {"input": w.query, "key_value": w.key}.get(name, getattr(w, name, None))
-=======
+
+
 JOINT_FD = "all (one joint direction)"
->>>>>>> main
 
 
 def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool = False, grads_nan: bool = False) -> list[Row]:
@@ -498,35 +497,11 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
                 why = ("the NaN of a row with no allowed key reaches it, as in torch's standard path" if grads_nan
                        else "NaN or inf where torch's gradient is finite")  # fmt: skip
                 rows.append(Row("finite-diff", label, INCONCLUSIVE if grads_nan else FAIL, note=f"the gradient is not finite: {why}"))
-<<<<<<< HEAD
-                continue
-            u = np.zeros(shape)
-            u[index] = dirs[name][index]
-            x = _input_value(w64, name)
-            eps = FD_EPS * max(1.0, float(np.abs(x).max()))
-            try:
-                f_plus = loss_at(_perturbed(w64, name, eps * u))
-                f_minus = loss_at(_perturbed(w64, name, -eps * u))
-            except (CandidateError, Unsupported) as err:
-                return rows + [_call_row("finite-diff", label, err)]
-            numeric = (f_plus - f_minus) / (2 * eps)
-            analytic = float(np.sum(g.astype(np.float64) * u))
-            noise = FD_NOISE_ULPS * np.finfo(np.float64).eps * magnitude / eps
-            allowed = FD_RTOL * float(np.sum(np.abs(g) * np.abs(u))) + noise
-            err = abs(numeric - analytic)
-            row = Row("finite-diff", label, "", shape=u[index].shape, numel=int(u[index].size), mismatched=int(not err <= allowed), judged=1,
-                      max_abs=err, rule=f"central diff, eps {eps:.0e}", rule_kind="finite-diff", allowed=allowed,
-                      ratio=err / allowed if allowed > 0 else math.inf, note=f"<grad, u> = {analytic:.9g}, finite difference = {numeric:.9g}",
-                      evidence=Evidence(np.array(analytic), np.array(numeric), None, allowed))  # fmt: skip
-            rows.append(decide(row))
-    return rows
-=======
             else:
                 probes.append((label, name, index))
 
     def step(name: str) -> float:
-        x = w64.params[name] if name in w64.params else (w64.query if name == "input" else getattr(w64, name))
-        return FD_EPS * max(1.0, float(np.abs(x).max()))
+        return FD_EPS * max(1.0, float(np.abs(_input_value(w64, name)).max()))
 
     def probe_row(label: str, parts: list[tuple[str, tuple]], shape, numel: int) -> Row:
         """One central difference along the direction that moves each (name, index) part by its
@@ -536,7 +511,7 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
             moves[name][index] = step(name) * dirs[name][index]
         plus, minus = w64, w64
         for name, move in moves.items():
-            plus, minus = _perturbed(plus, name, move, cfg.self_attention), _perturbed(minus, name, -move, cfg.self_attention)
+            plus, minus = _perturbed(plus, name, move), _perturbed(minus, name, -move)
         f_plus, f_minus = loss_at(plus), loss_at(minus)
         # In units of the first part's step, so a one-part row reads as a slope as before.
         unit = step(parts[0][0])
@@ -568,7 +543,6 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
         return rows + [joint] + per_quantity()  # the joint row proves an error; these say where
     except (CandidateError, Unsupported) as err:
         return rows + [_call_row("finite-diff", "candidate", err)]
->>>>>>> main
 
 
 # ----------------------------------------------------------------------------------- sgd-step
