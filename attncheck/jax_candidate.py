@@ -92,12 +92,15 @@ class JaxSession(Session):
                             batch_first=cfg.batch_first, **module_options(cfg))  # fmt: skip
             if "input" in diff:  # self-attention: one array as query, key and value
                 q = k = v = diff["input"]
-            else:
-                q, k, v = diff["query"], diff["key"], diff["value"]
+            else:  # key_is_value: one array as key and value
+                q, k, v = diff["query"], diff["key"], diff.get("value", diff["key"])
             return built.forward(q, k, v, **options)[0]
 
         def vjp() -> dict[str, Any]:
             out, pullback = jax.vjp(output_of, {**params, **inputs})
-            return pullback(jnp.asarray(grad_output, dtype=out.dtype))[0]
+            grads = dict(pullback(jnp.asarray(grad_output, dtype=out.dtype))[0])
+            if "key" in grads and "value" not in grads:  # key_is_value: the one array's whole gradient is `key`'s
+                grads["value"] = jnp.zeros_like(grads["key"])
+            return grads
 
         return _guard("jax.vjp through building and calling the candidate", vjp), where

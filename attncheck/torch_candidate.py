@@ -106,6 +106,10 @@ class TorchSession(Session):
         for (name, _), g in zip(sources, found):
             if g is not None:
                 grads[name] = g if grads[name] is None else grads[name] + g
+        if "key" in grads and "value" not in grads and "input" not in grads and grads["key"] is not None:
+            # key_is_value: one tensor as key and value, whose gradient autograd gives whole; torch
+            # reports that one `key_value` gradient, the sum of the key and value parts.
+            grads["value"] = torch.zeros_like(grads["key"])
         unreached = [name for name in params if grads[name] is None]
         if unreached:
             note = (f"autograd: no gradient reaches {', '.join(unreached)} from forward()'s output (through the tensor "
