@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
 
 from attncheck.checks import check_forward, check_grad, check_sgd
 from attncheck.testing import detection
-from attncheck.testing.strategies import configs, large_logit_configs, long_configs
+from attncheck.testing.strategies import configs, large_logit_configs, long_configs, long_sgd_configs
 
 
 def detection_table() -> list[str]:
@@ -43,49 +44,71 @@ def detection_table() -> list[str]:
     return lines + notes
 
 
-def false_alarms(n: int) -> tuple[int, int, list[str]]:
-    """(configs run, configs the reference failed, a line per failure) over n random configs.
+def _each(run):
+    """A function of one config for @given (which takes no defaults or partials)."""
 
-    Drawn by hypothesis with derandomize=True: the same n configs on every run.
+    def each(c) -> None:
+        run(c)
+
+    return each
+
+
+def false_alarms(n: int, sgd_runs: int = 0) -> tuple[int, int, list[str], Counter]:
+    """(configs run, configs the reference failed, a line per failure, inconclusive checks by
+    reason) over n random configs and `sgd_runs` long float32 SGD runs.
+
+    A false alarm is a FAIL verdict on the correct reference. An inconclusive check (torch's own
+    values NaN or inf) is no alarm and no pass; those are counted apart, by their first reason.
+    Drawn by hypothesis with derandomize=True: the same configs on every run.
     """
-    ran, failed, notes = 0, 0, []
+    ran, failed, notes, inconclusive = 0, 0, [], Counter()
 
-    def run_one(c) -> None:
+    def run_one(c, checks=(check_forward, check_grad, check_sgd)) -> None:
         nonlocal ran, failed
         ran += 1
-        for check in (check_forward, check_grad, check_sgd):
+        for check in checks:
             report = check(c)
-            if not report.passed:
+            if report.verdict == "inconclusive":
+                reason = next((r.note for r in report.rows if r.status == "inconclusive"), "nothing judged")
+                inconclusive[f"{check.__name__}: {reason.split(':')[0]}"] += 1
+            if report.verdict == "fail":
                 failed += 1
                 rows = ", ".join(f"{r.section} {r.quantity} ({r.candidate_error:.2g} vs allowed {r.allowed:.2g})"
-                                 if r.allowed is not None else f"{r.section} {r.quantity}" for r in report.failures)  # fmt: skip
+                                 if r.candidate_error is not None else f"{r.section} {r.quantity}: {r.note}" for r in report.failures)  # fmt: skip
                 notes.append(f"{check.__name__}: {rows}; config {c.model_dump(exclude_defaults=True)}")
                 return
 
-    shares = ((configs(), n - 2 * (n // 5)), (large_logit_configs(), n // 5), (long_configs(), n // 5))
-    for strategy, count in shares:
+    shares = [(configs(), n - 2 * (n // 5), run_one), (large_logit_configs(), n // 5, run_one), (long_configs(), n // 5, run_one),
+              (long_sgd_configs(), sgd_runs, lambda c: run_one(c, (check_sgd,)))]  # fmt: skip
+    for strategy, count, run in shares:
         if count:
             draws = settings(max_examples=count, database=None, derandomize=True, deadline=None,
-                             suppress_health_check=list(HealthCheck))(given(strategy)(lambda c: run_one(c)))  # fmt: skip
+                             suppress_health_check=list(HealthCheck))(given(strategy)(_each(run)))  # fmt: skip
             draws()
-    return ran, failed, notes
+    return ran, failed, notes, inconclusive
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", type=int, default=300, help="random valid configs for the false-alarm count")
+    parser.add_argument("--sgd-runs", type=int, default=0, help="plus this many float32 sgd-step runs of 10-50 steps with momentum")
+    parser.add_argument("--no-table", action="store_true", help="only the false-alarm count")
     args = parser.parse_args()
 
     start = time.perf_counter()
-    print("\n".join(detection_table()))
-    print(f"(detection table: {time.perf_counter() - start:.1f} s)\n")
+    if not args.no_table:
+        print("\n".join(detection_table()))
+        print(f"(detection table: {time.perf_counter() - start:.1f} s)\n")
 
     start = time.perf_counter()
-    ran, failed, notes = false_alarms(args.configs)
-    print(f"false alarms: {failed} of {ran} random valid configs (forward, grad and sgd-step each, budget rule), "
-          f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    ran, failed, notes, inconclusive = false_alarms(args.configs, args.sgd_runs)
+    print(f"false alarms: {failed} of {ran} random valid configs ({args.configs} through forward, grad and sgd-step, "
+          f"{args.sgd_runs} long float32 sgd-step runs; budget rule), {time.perf_counter() - start:.1f} s")  # fmt: skip
     for note in notes:
         print("  " + note)
+    print(f"inconclusive checks (torch's own values not finite; neither pass nor alarm): {sum(inconclusive.values())}")
+    for reason, count in inconclusive.most_common():
+        print(f"  {count:5d}  {reason}")
 
 
 if __name__ == "__main__":

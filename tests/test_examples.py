@@ -59,8 +59,8 @@ def test_example_passes_or_declares_every_case_of_the_default_suite(example):
             continue
         for command in COMMANDS:
             report = attncheck.check(case.config, command, impl=f"{ROOT}/examples/{example}.py:MultiheadAttention")
-            problems = [(r.section, r.quantity, r.note) for r in report.rows if r.status in ("fail", "inconclusive")]
-            assert report.verdict in (PASS, UNSUPPORTED), (case.name, command, problems)
+            if report.verdict != UNSUPPORTED:
+                assert_agrees(report)  # pass; or inconclusive only where the masks leave torch's own values NaN
             if report.verdict == PASS and command == "forward":
                 passed.add(case.name)
     assert len(passed) >= MIN_PASSED_CASES[example], sorted(passed)
