@@ -41,9 +41,10 @@ GRID = [
     for nf, act, b, bf, ub, m in itertools.product([False, True], ["relu", "gelu"], [True, False], [True, False], [False, True], MASKS)
     if not (ub and not bf)  # an unbatched src has no batch axis to put first or second
 ]  # fmt: skip
-# float64 rounding: results of a few hundred operations on O(1) values differ by a few hundred
-# units of 2^-52 (measured max over the grid: see test_grid_max_difference).
-ROUNDING = 256 * np.finfo(np.float64).eps
+# float64 rounding: measured over the grid, the largest difference is 1.7e-15 of max(1, max|torch|),
+# 7.6 units of 2^-52 (norm_first, gelu, unbatched, a 3-D float mask); 32 units leaves room for
+# other summation orders and still fails any real difference (a wrong piece is off by 1e-3 or more).
+ROUNDING = 32 * np.finfo(np.float64).eps
 
 
 @pytest.fixture(autouse=True)
@@ -72,9 +73,6 @@ def _both(c):
     return out, t.output, ref.backward(d_out), t.grads
 
 
-DIFFERENCES: dict[str, float] = {}
-
-
 @pytest.mark.parametrize("overrides", GRID, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_reference_matches_torch_to_float64_rounding(overrides):
     out, t_out, grads, t_grads = _both(cfg(**_layer(overrides)))
@@ -84,7 +82,6 @@ def test_reference_matches_torch_to_float64_rounding(overrides):
     worst = max(t_grads, key=lambda k: _difference(grads[k], t_grads[k]))
     backward = _difference(grads[worst], t_grads[worst])
     assert backward <= ROUNDING, f"{worst} differs by {backward:.3g}"
-    DIFFERENCES[",".join(f"{k}={v}" for k, v in overrides.items())] = max(forward, backward)
 
 
 def test_grid_covers_every_option():
