@@ -124,3 +124,44 @@ def test_every_command_passes_on_the_reference(overrides, dtype):
     c = cfg(module="transformer_encoder_layer", dtype=dtype, **overrides)
     for check in (check_forward, check_grad, check_sgd):
         assert_agrees(check(c))
+
+
+# ------------------------------------------------------------------------------ config keys
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (dict(module="transformer_encoder_layer", self_attention=False, src_len=7), "self_attention"),
+        (dict(module="transformer_encoder_layer", kdim=8), "kdim"),
+        (dict(module="transformer_encoder_layer", add_bias_kv=True), "add_bias_kv"),
+        (dict(module="transformer_encoder_layer", need_weights=True), "need_weights"),
+        (dict(norm_first=True), "norm_first"),
+        (dict(activation="gelu"), "activation"),
+        (dict(dim_feedforward=32), "dim_feedforward"),
+    ],
+)
+def test_keys_that_make_no_sense_for_the_module_are_config_errors(overrides, key, tmp_path):
+    from typer.testing import CliRunner
+
+    from attncheck.cli import app
+
+    path = tmp_path / "c.yaml"
+    path.write_text("".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in overrides.items()))
+    result = CliRunner().invoke(app, ["forward", "-c", str(path)])
+    assert result.exit_code == 2, result.output
+    module = overrides.get("module", "multihead_attention")
+    assert key in result.output and f"module: {module}" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_layer_defaults_to_need_weights_false_and_four_times_e():
+    c = cfg(module="transformer_encoder_layer", embed_dim=8, num_heads=2)
+    assert not c.need_weights and c.dim_feedforward_eff == 32
+
+
+def test_shipped_layer_suite_is_the_embedded_one():
+    from pathlib import Path
+
+    from attncheck.config.yaml_reading import default_layer_suite_text
+
+    shipped = Path(__file__).resolve().parent.parent / "configs" / "default_layer_suite.yaml"
+    assert shipped.read_text(encoding="utf-8") == default_layer_suite_text()
