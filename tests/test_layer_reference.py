@@ -8,6 +8,7 @@ two named assertions per combination, each to float64 rounding.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,3 +166,18 @@ def test_shipped_layer_suite_is_the_embedded_one():
 
     shipped = Path(__file__).resolve().parent.parent / "configs" / "default_layer_suite.yaml"
     assert shipped.read_text(encoding="utf-8") == default_layer_suite_text()
+
+
+# ------------------------------------------------------------------------------ the example
+TUTORIAL = str(Path(__file__).resolve().parent.parent / "examples" / "tutorial_encoder_layer.py") + ":TransformerEncoderLayer"
+LAYER_CONFIGS = ["encoder_layer", "encoder_layer_pre_norm_gelu", "encoder_layer_causal", "encoder_layer_no_bias"]
+
+
+@pytest.mark.parametrize("name", LAYER_CONFIGS)
+def test_tutorial_example_passes_what_it_supports_and_declares_the_rest(name):
+    import attncheck
+
+    config = Path(__file__).resolve().parent.parent / "configs" / f"{name}.yaml"
+    forward = attncheck.check(config, "forward", impl=TUTORIAL)
+    assert forward.verdict == ("pass" if name == "encoder_layer_no_bias" else "unsupported"), forward.rows
+    assert attncheck.check(config, "grad", impl=TUTORIAL).verdict == "unsupported"  # it has no backward
