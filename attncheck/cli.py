@@ -114,7 +114,11 @@ The candidate (--impl SPEC, 'package.module:attr' or 'path/file.py:attr'), all N
                                 need_weights, average_attn_weights)
   grads = obj.backward(grad_output)    # grad and sgd-step: {"in_proj_weight": ..., "query": ...}
 params and grads are keyed as nn.MultiheadAttention.state_dict(); raising
-NotImplementedError declares a feature unsupported.
+NotImplementedError declares a feature unsupported. With --module transformer_encoder_layer
+(or `module:` in the config): attr(params, num_heads=H, batch_first=..., d_model=E,
+dim_feedforward=F, dropout=0.0, activation=..., layer_norm_eps=..., norm_first=..., bias=...),
+out = obj.forward(src, *, src_mask, src_key_padding_mask, is_causal), keys as
+nn.TransformerEncoderLayer.state_dict() plus "src".
 
 \b
 Suites: a config with `cases` or a `matrix` runs every case (--shard I/N splits it across
