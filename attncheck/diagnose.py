@@ -49,13 +49,33 @@ class Layout:
 
 def diagnose_report(report: Report, cfg: Config) -> None:
     """Fill in `diagnosis` for every failing row of a report that has its arrays."""
-    masks = None
+    masks = None  # built once, for the first failing attention weights: (B, H, L, S) booleans
     for row in report.rows:
         if row.status != FAIL or row.evidence is None:
             continue
-        if masks is None:
+        if masks is None and row.quantity == "attn_weights":
             masks = Masks.of(cfg)
         row.diagnosis = diagnose(row, cfg, masks)
+        if not row.diagnosis.startswith(("candidate =", "heads permuted")):
+            swapped = _swapped_with(row, report.rows)
+            if swapped:
+                row.diagnosis = "; ".join(filter(None, [swapped, row.diagnosis]))
+
+
+def _swapped_with(row: Row, rows: list[Row]) -> str:
+    """'candidate = expected `value`' when a failing row holds another quantity's expected value."""
+    c = np.asarray(row.evidence.candidate, dtype=np.float64)
+    for other in rows:
+        if other is row or other.evidence is None or other.section != row.section:
+            continue
+        x = np.asarray(other.evidence.reference, dtype=np.float64)
+        if x.shape != c.shape or not np.isfinite(x).any():
+            continue
+        allowed = np.broadcast_to(np.asarray(other.evidence.allowed, dtype=np.float64), x.shape)
+        scale = float(np.abs(x[np.isfinite(x)]).max())
+        if scale > 0 and _fits(c, x, allowed, scale):
+            return f"candidate = expected {other.quantity}: swapped with {other.quantity}?"
+    return ""
 
 
 def diagnose(row: Row, cfg: Config, masks: Masks | None = None) -> str:
@@ -69,7 +89,9 @@ def diagnose(row: Row, cfg: Config, masks: Masks | None = None) -> str:
         return _finite_difference(float(c), float(x), cfg)
     layout = layout_of(row, cfg, x.ndim)
     findings = _patterns(c, x, allowed, layout, cfg)
-    where = _where(c, x, allowed, layout, cfg, masks or Masks.of(cfg))
+    if layout.weights and masks is None:
+        masks = Masks.of(cfg)
+    where = _where(c, x, allowed, layout, cfg, masks)
     if not where and not findings and layout.axes:
         where = ["everywhere: no head, row or column is spared"]
     return "; ".join(findings + where)
@@ -290,7 +312,7 @@ def _indices(idx: list[int]) -> str:
     return ", ".join(runs) if len(runs) <= MAX_LISTED else f"{len(idx)} of them"
 
 
-def _where(c, x, allowed, layout: Layout, cfg: Config, masks: Masks) -> list[str]:
+def _where(c, x, allowed, layout: Layout, cfg: Config, masks: Masks | None) -> list[str]:
     """Where the error lies: the axes it is confined to, the masks, the diagonal, padded columns."""
     with np.errstate(invalid="ignore", divide="ignore"):
         err = np.abs(c - x) / np.where(allowed > 0, allowed, np.inf)
@@ -320,7 +342,7 @@ def _where(c, x, allowed, layout: Layout, cfg: Config, masks: Masks) -> list[str
             elif name == "key" and hit == [bad.shape[axis] - 1]:
                 edge = " (the last key)"
             findings.append(f"only in {label} {_indices(hit)}{edge} (of {bad.shape[axis]})")
-    if layout.weights:
+    if layout.weights and masks is not None:
         findings += _where_in_weights(c, x, err, bad, layout, masks)
     return findings
 

@@ -90,6 +90,16 @@ class KeyPaddingIgnored(MultiheadAttention):
         return super().forward(query, key, value, key_padding_mask=None, **kwargs)
 
 
+class ZeroKeyWeightDropped(MultiheadAttention):
+    """The weights it returns leave out the zero-attention key's share (set to 0); the output is right."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        weights = weights.copy()
+        weights[..., -1] = 0
+        return out, weights
+
+
 PER_HEAD = dict(average_attn_weights=False, batch_size=3)
 DIAGNOSES = [
     (CausalOffByOne, "forward", dict(attn_mask="causal"), "attn_weights", ["diagonal key = query + 1", "causal mask off by one"]),
@@ -101,6 +111,9 @@ DIAGNOSES = [
     (OutBiasGradNegated, "grad", {}, "out_proj.bias", ["sign flip"]),
     (HeadTwoQGradZero, "grad", {}, "in_proj_weight[q]", ["only in head 2 (of 4)", "only in rows 8-11 (of 16)"]),
     (KeyPaddingIgnored, "forward", dict(key_padding_mask="random"), "attn_weights", ["positions torch masks (key_padding_mask)", "the candidate gives weight to"]),
+    (ZeroKeyWeightDropped, "forward", dict(add_zero_attn=True), "attn_weights",
+     ["only in key column 5 (the last key) (of 6)", "only in the appended zero-attention column (key 5)"]),
+    (wrong_impls.KeyValueGradSwapped, "grad", dict(self_attention=False, src_len=7), "key", ["candidate = expected value: swapped with value?"]),
     (wrong_impls.ZeroAttnPrepended, "forward", dict(add_zero_attn=True), "attn_weights", ["shifted by one key position"]),
     (wrong_impls.HeadWeightsSummed, "forward", dict(batch_size=3, num_heads=2, embed_dim=18), "attn_weights", ["candidate = 2 x expected (2 = H;"]),
     (wrong_impls.KeyPaddingPerQuery, "forward", dict(key_padding_mask="random"), "attn_weights", ["NaN in 5 places where torch has a number"]),
