@@ -23,7 +23,7 @@ from attncheck.diagnose import diagnose_report
 from attncheck.errors import CandidateError, Unsupported
 from attncheck.inputs import Workload, directions, fully_masked, make_workload, weights_rows
 from attncheck.report import FAIL, INCONCLUSIVE, INFO, SKIPPED, UNSUPPORTED, LossStep, Report, Row
-from attncheck.sgd import SGD
+from attncheck.sgd import SGD, sgd_options
 from attncheck.sgd import SGD as TRUSTED_SGD  # the oracle's: tests swap `SGD` for a wrong update
 
 # Finite differences run in float64: step eps * max(1, max|x|) along a unit-max direction u.
@@ -462,7 +462,7 @@ class Trajectory:
 
 def _run_sgd(session: Session, cfg: Config, w: Workload, optimizer: type | None = None) -> Trajectory:
     """`steps` training steps: the candidate's forward and backward, attncheck's SGD."""
-    opt = (optimizer or SGD)(cfg.lr, cfg.momentum, cfg.dampening, cfg.weight_decay, cfg.nesterov, cfg.maximize)
+    opt = (optimizer or SGD)(**sgd_options(cfg))
     params = dict(w.params)
     traj = Trajectory([], [])
     for _ in range(cfg.steps):

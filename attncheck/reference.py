@@ -15,9 +15,16 @@ of torch/nn/functional.py `multi_head_attention_forward`, rule for rule:
   zero weight instead;
 - weights are averaged over heads when `average_attn_weights`, per head otherwise.
 
-Dimensions: B batch, L target length, S source length (grown by bias_k and the zero key),
-E embed dim, H heads, D head dim (E // H), Ek key dim, Ev value dim, G = B * H (batch and
-heads flattened, the way torch's bmm sees them).
+Dimensions: B batch, L target length, S0 source length (the key input's), S1 after bias_k
+(S0 + 1 with add_bias_kv), S after the zero key (S1 + 1 with add_zero_attn), E embed dim,
+H heads, D head dim (E // H), Ek key dim, Ev value dim, G = B * H (batch and heads flattened,
+the way torch's bmm sees them).
+
+The module is three pieces, each with its backward directly below its forward: the
+in-projection (inputs to heads, with bias_k/bias_v and the zero key appended), the attention
+core (logits, mask, softmax, P v) and the out-projection (heads to output). `forward` and
+`backward` only convert layouts and chain the pieces; each piece's backward returns the
+gradients of its forward's inputs in their order, then its parameters' gradients by name.
 
 Attention runs in blocks of (batch x head) groups and query rows, so that no (G, L, S) matrix
 is ever held whole unless it is small: the forward keeps each row's max and sum of
@@ -26,6 +33,8 @@ exponentials, and the backward recomputes the probabilities block by block from 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 # Elements of one (groups, rows, S) block of logits; about 32 MB in float64.
@@ -33,6 +42,33 @@ DEFAULT_BLOCK_ELEMENTS = 1 << 22
 # Probabilities are kept from the forward for the backward while they fit in this many bytes;
 # beyond it they are recomputed from the saved row statistics.
 DEFAULT_CACHE_BYTES = 256 << 20
+
+
+@dataclass
+class AttentionSaved:
+    """What the attention core's backward reads: its inputs, the masks and each row's softmax statistics."""
+
+    q_scaled: np.ndarray  # (G, L, D), q / sqrt(D)
+    kh: np.ndarray  # (G, S, D)
+    vh: np.ndarray  # (G, S, D)
+    attn_mask: np.ndarray | None  # (1 or G, L, S), additive
+    kpm: np.ndarray | None  # (B, S), additive
+    safe: bool  # fully masked rows get zero weight (need_weights=False) instead of NaN
+    row_shift: np.ndarray  # (G, L, 1) max logit per row
+    row_sum: np.ndarray  # (G, L, 1) sum of exp per row
+    cache: dict[tuple[int, int], np.ndarray]  # (g0, l0) -> that block's (g, l, S) probabilities, if they fit
+
+
+@dataclass
+class Saved:
+    """What backward() reads from the last forward(): each piece's inputs, and the core's statistics."""
+
+    unbatched: bool  # the caller's tensors had no batch dimension
+    x_q: np.ndarray  # (B, L, E), the in-projection's inputs
+    x_k: np.ndarray  # (B, S0, Ek)
+    x_v: np.ndarray  # (B, S0, Ev)
+    attention: AttentionSaved
+    ctx_merged: np.ndarray  # (B, L, E), the out-projection's input
 
 
 class MultiheadAttention:
@@ -91,7 +127,72 @@ class MultiheadAttention:
         self.bias_k = self.params.get("bias_k")  # (1, 1, E) or None
         self.bias_v = self.params.get("bias_v")
         self.dtype = np.result_type(*self.params.values())
-        self._saved: dict | None = None
+        self.scale = self.dtype.type(np.sqrt(1.0 / self.D))  # logits are (q * scale) k^T, as torch scales q first
+        self._saved: Saved | None = None
+
+    # --------------------------------------------------------- the whole module: pieces chained
+    def forward(
+        self,
+        query: np.ndarray,
+        key: np.ndarray,
+        value: np.ndarray,
+        *,
+        attn_mask: np.ndarray | None = None,
+        key_padding_mask: np.ndarray | None = None,
+        need_weights: bool = True,
+        average_attn_weights: bool = True,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Attention output and (optionally) weights, with torch's shapes and semantics."""
+        with np.errstate(invalid="ignore", divide="ignore"):  # fully masked rows: NaN, as torch
+            return self._forward(query, key, value, attn_mask, key_padding_mask, need_weights, average_attn_weights)
+
+    def _forward(self, query, key, value, attn_mask, key_padding_mask, need_weights, average_attn_weights):
+        unbatched = query.ndim == 2
+        x_q = self._to_internal(query, unbatched)  # (B, L, E)
+        x_k = self._to_internal(key, unbatched)  # (B, S0, Ek)
+        x_v = self._to_internal(value, unbatched)  # (B, S0, Ev)
+        B, L, _ = x_q.shape
+        S0 = x_k.shape[1]
+
+        qh, kh, vh = self._in_projection_forward(x_q, x_k, x_v)  # (G, L, D), (G, S, D), (G, S, D)
+        S = kh.shape[1]
+        attn = self._additive(attn_mask, S - S0)
+        if attn is not None:
+            attn = attn.reshape(-1, L, S)  # (1, L, S) or (G, L, S)
+        kpm = self._additive(key_padding_mask, S - S0)
+        if kpm is not None:
+            kpm = kpm.reshape(B, S)
+        ctx, weights, attention = self._attention_forward(qh, kh, vh, attn, kpm, need_weights, average_attn_weights)
+        out, ctx_merged = self._out_projection_forward(ctx)  # (B, L, E), (B, L, E)
+
+        self._saved = Saved(unbatched, x_q, x_k, x_v, attention, ctx_merged)
+        if weights is not None and unbatched:
+            weights = weights[0]
+        return self._from_internal(out, unbatched), weights
+
+    def backward(self, grad_output: np.ndarray) -> dict[str, np.ndarray]:
+        """Gradients of every parameter and input, given d(loss)/d(output) of the last forward.
+
+        Keys: the state_dict() names of the parameters, plus `query`, `key` and `value`.
+        """
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self._backward(grad_output)
+
+    def _backward(self, grad_output: np.ndarray) -> dict[str, np.ndarray]:
+        if self._saved is None:
+            raise RuntimeError("backward() needs a forward() first")
+        s = self._saved
+        dy = self._to_internal(np.asarray(grad_output, dtype=self.dtype), s.unbatched)  # (B, L, E)
+
+        d_ctx, grads = self._out_projection_backward(s.ctx_merged, dy)  # (G, L, D)
+        d_qh, d_kh, d_vh = self._attention_backward(s.attention, d_ctx)  # (G, L, D), (G, S, D), (G, S, D)
+        d_x_q, d_x_k, d_x_v, in_grads = self._in_projection_backward(s.x_q, s.x_k, s.x_v, d_qh, d_kh, d_vh)
+
+        grads.update(in_grads)
+        grads["query"] = self._from_internal(d_x_q, s.unbatched)  # (B, L, E)
+        grads["key"] = self._from_internal(d_x_k, s.unbatched)  # (B, S0, Ek)
+        grads["value"] = self._from_internal(d_x_v, s.unbatched)  # (B, S0, Ev)
+        return grads
 
     # ----------------------------------------------------------------------------------- layout
     def _to_internal(self, x: np.ndarray, unbatched: bool) -> np.ndarray:
@@ -116,7 +217,54 @@ class MultiheadAttention:
         _, N, _ = x.shape
         return x.reshape(B, self.H, N, self.D).transpose(0, 2, 1, 3).reshape(B, N, self.E)
 
-    # ------------------------------------------------------------------------------------ masks
+    # ---------------------------------------------------------------------------- in-projection
+    def _in_projection_forward(self, x_q: np.ndarray, x_k: np.ndarray, x_v: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Inputs to heads: q = x_q Wq^T + bq (likewise k, v), then bias_k/bias_v and the zero key appended."""
+        B, _, E = x_q.shape
+        q = x_q @ self.Wq.T  # (B, L, E)
+        k = x_k @ self.Wk.T  # (B, S0, E)
+        v = x_v @ self.Wv.T  # (B, S0, E)
+        if self.bq is not None:
+            q, k, v = q + self.bq, k + self.bk, v + self.bv
+        if self.bias_k is not None:  # one more source position, shared by the batch
+            k = np.concatenate([k, np.broadcast_to(self.bias_k, (B, 1, E))], axis=1)  # (B, S1, E)
+            v = np.concatenate([v, np.broadcast_to(self.bias_v, (B, 1, E))], axis=1)
+        qh = self._split_heads(q)  # (G, L, D)
+        kh = self._split_heads(k)  # (G, S1, D)
+        vh = self._split_heads(v)  # (G, S1, D)
+        if self.add_zero_attn:
+            zeros = np.zeros((B * self.H, 1, self.D), dtype=kh.dtype)
+            kh = np.concatenate([kh, zeros], axis=1)  # (G, S, D)
+            vh = np.concatenate([vh, zeros], axis=1)
+        return qh, kh, vh
+
+    def _in_projection_backward(self, x_q, x_k, x_v, d_qh, d_kh, d_vh) -> tuple[np.ndarray, ...]:
+        """d(x_q), d(x_k), d(x_v) and the in-projection's parameter gradients, from d(qh), d(kh), d(vh)."""
+        B, _, E = x_q.shape
+        S0 = x_k.shape[1]
+        grads: dict[str, np.ndarray] = {}
+        # Undo the padding: the zero key/value is a constant; bias_k/bias_v get their column.
+        S1 = d_kh.shape[1] - int(self.add_zero_attn)
+        dq = self._merge_heads(d_qh, B)  # (B, L, E)
+        dk = self._merge_heads(d_kh[:, :S1], B)  # (B, S1, E)
+        dv = self._merge_heads(d_vh[:, :S1], B)  # (B, S1, E)
+        if self.bias_k is not None:
+            grads["bias_k"] = dk[:, S0].sum(axis=0).reshape(1, 1, E)
+            grads["bias_v"] = dv[:, S0].sum(axis=0).reshape(1, 1, E)
+            dk, dv = dk[:, :S0], dv[:, :S0]  # (B, S0, E)
+
+        d_wq = dq.reshape(-1, E).T @ x_q.reshape(-1, E)  # (E, E)
+        d_wk = dk.reshape(-1, E).T @ x_k.reshape(-1, self.Ek)  # (E, Ek)
+        d_wv = dv.reshape(-1, E).T @ x_v.reshape(-1, self.Ev)  # (E, Ev)
+        if self.separate:
+            grads["q_proj_weight"], grads["k_proj_weight"], grads["v_proj_weight"] = d_wq, d_wk, d_wv
+        else:
+            grads["in_proj_weight"] = np.concatenate([d_wq, d_wk, d_wv])  # (3E, E)
+        if self.bq is not None:
+            grads["in_proj_bias"] = np.concatenate([dq.sum(axis=(0, 1)), dk.sum(axis=(0, 1)), dv.sum(axis=(0, 1))])
+        return dq @ self.Wq, dk @ self.Wk, dv @ self.Wv, grads  # (B, L, E), (B, S0, Ek), (B, S0, Ev)
+
+    # --------------------------------------------------------------------------- attention core
     def _additive(self, mask: np.ndarray | None, pad: int) -> np.ndarray | None:
         """A bool or float mask as an additive float mask, padded with `pad` allowed columns."""
         if mask is None:
@@ -130,17 +278,6 @@ class MultiheadAttention:
             mask = np.concatenate([mask, np.zeros(mask.shape[:-1] + (pad,), mask.dtype)], axis=-1)
         return mask
 
-    def _mask_block(self, g0: int, g1: int, l0: int, l1: int) -> np.ndarray | None:
-        """The merged additive mask for groups g0:g1 and query rows l0:l1, broadcastable to (g, l, S)."""
-        attn, kpm = self._saved["attn_mask"], self._saved["kpm"]
-        merged = None
-        if attn is not None:  # (1 or G, L, S)
-            merged = (attn if attn.shape[0] == 1 else attn[g0:g1])[:, l0:l1]
-        if kpm is not None:  # (B, S) -> (g, 1, S)
-            rows = kpm[np.arange(g0, g1) // self.H][:, None, :]
-            merged = rows if merged is None else merged + rows  # torch: attn_mask + key_padding_mask
-        return merged
-
     def _blocks(self, G: int, L: int, S: int):
         """(g0, g1, l0, l1) blocks covering G x L with at most block_elements logits each."""
         per_group = L * S
@@ -152,109 +289,23 @@ class MultiheadAttention:
             for l0 in range(0, L, lb):
                 yield g0, min(G, g0 + gb), l0, min(L, l0 + lb)
 
-    # ---------------------------------------------------------------------------------- forward
-    def forward(
-        self,
-        query: np.ndarray,
-        key: np.ndarray,
-        value: np.ndarray,
-        *,
-        attn_mask: np.ndarray | None = None,
-        key_padding_mask: np.ndarray | None = None,
-        need_weights: bool = True,
-        average_attn_weights: bool = True,
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Attention output and (optionally) weights, with torch's shapes and semantics."""
-        with np.errstate(invalid="ignore", divide="ignore"):  # fully masked rows: NaN, as torch
-            return self._forward(query, key, value, attn_mask, key_padding_mask, need_weights, average_attn_weights)
+    def _mask_block(self, a: AttentionSaved, g0: int, g1: int, l0: int, l1: int) -> np.ndarray | None:
+        """The merged additive mask for groups g0:g1 and query rows l0:l1, broadcastable to (g, l, S)."""
+        merged = None
+        if a.attn_mask is not None:  # (1 or G, L, S)
+            merged = (a.attn_mask if a.attn_mask.shape[0] == 1 else a.attn_mask[g0:g1])[:, l0:l1]
+        if a.kpm is not None:  # (B, S) -> (g, 1, S)
+            rows = a.kpm[np.arange(g0, g1) // self.H][:, None, :]
+            merged = rows if merged is None else merged + rows  # torch: attn_mask + key_padding_mask
+        return merged
 
-    def _forward(self, query, key, value, attn_mask, key_padding_mask, need_weights, average_attn_weights):
-        unbatched = query.ndim == 2
-        x_q = self._to_internal(query, unbatched)  # (B, L, E)
-        x_k = self._to_internal(key, unbatched)  # (B, S0, Ek)
-        x_v = self._to_internal(value, unbatched)  # (B, S0, Ev)
-        B, L, E = x_q.shape
-        S0 = x_k.shape[1]
-        H = self.H
-        G = B * H
-
-        # In-projection: q = x_q Wq^T + bq.
-        q = x_q @ self.Wq.T  # (B, L, E)
-        k = x_k @ self.Wk.T  # (B, S0, E)
-        v = x_v @ self.Wv.T  # (B, S0, E)
-        if self.bq is not None:
-            q, k, v = q + self.bq, k + self.bk, v + self.bv
-        if self.bias_k is not None:  # one more source position, shared by the batch
-            k = np.concatenate([k, np.broadcast_to(self.bias_k, (B, 1, E))], axis=1)  # (B, S0+1, E)
-            v = np.concatenate([v, np.broadcast_to(self.bias_v, (B, 1, E))], axis=1)
-        qh = self._split_heads(q)  # (G, L, D)
-        kh = self._split_heads(k)  # (G, S1, D)
-        vh = self._split_heads(v)  # (G, S1, D)
-        if self.add_zero_attn:
-            zeros = np.zeros((G, 1, self.D), dtype=kh.dtype)
-            kh = np.concatenate([kh, zeros], axis=1)  # (G, S, D)
-            vh = np.concatenate([vh, zeros], axis=1)
-        S = kh.shape[1]
-        pad = S - S0
-
-        attn = self._additive(attn_mask, pad)
-        if attn is not None:
-            attn = attn.reshape(-1, L, S)  # (1, L, S) or (G, L, S)
-        kpm = self._additive(key_padding_mask, pad)
-        if kpm is not None:
-            kpm = kpm.reshape(B, S)
-
-        scale = np.sqrt(1.0 / self.D)
-        q_scaled = qh * self.dtype.type(scale)  # (G, L, D), as torch scales q before q k^T
-        safe = not need_weights  # scaled_dot_product_attention's softmax zeroes fully masked rows
-        self._saved = dict(attn_mask=attn, kpm=kpm, q_scaled=q_scaled, kh=kh)  # what _logits reads
-
-        ctx = np.empty((G, L, self.D), dtype=self.dtype)  # (G, L, D)
-        row_shift = np.empty((G, L, 1), dtype=self.dtype)  # (G, L, 1) max logit per row
-        row_sum = np.empty((G, L, 1), dtype=self.dtype)  # (G, L, 1) sum of exp per row
-        weights = None
-        if need_weights:
-            shape = (B, L, S) if average_attn_weights else (G, L, S)
-            weights = np.zeros(shape, dtype=self.dtype)
-        keep = G * L * S * self.dtype.itemsize <= self.cache_bytes
-        cache: dict[tuple[int, int], np.ndarray] = {}
-        for g0, g1, l0, l1 in self._blocks(G, L, S):
-            p = self._logits(g0, g1, l0, l1)  # (g, l, S), a fresh array: worked on in place below
-            shift = p.max(axis=-1, keepdims=True)  # (g, l, 1)
-            if safe:
-                shift = np.where(np.isneginf(shift), 0.0, shift).astype(self.dtype)
-            np.subtract(p, shift, out=p)
-            np.exp(p, out=p)  # NaN rows where every key is -inf (unsafe)
-            total = p.sum(axis=-1, keepdims=True)  # (g, l, 1)
-            self._normalize(p, total, safe)
-            row_shift[g0:g1, l0:l1], row_sum[g0:g1, l0:l1] = shift, total
-            np.matmul(p, vh[g0:g1], out=ctx[g0:g1, l0:l1])  # (g, l, D)
-            if keep:
-                cache[g0, l0] = p
-            if weights is not None:
-                if not average_attn_weights:
-                    weights[g0:g1, l0:l1] = p
-                else:  # sum each head into its batch entry, in head order (np.add.at is ~50x slower)
-                    for g in range(g0, g1):
-                        weights[g // H, l0:l1] += p[g - g0]  # (l, S)
-        ctx_merged = self._merge_heads(ctx, B)  # (B, L, E)
-        out = ctx_merged @ self.Wo.T  # (B, L, E)
-        if self.bo is not None:
-            out = out + self.bo
-
-        self._saved.update(
-            unbatched=unbatched, x_q=x_q, x_k=x_k, x_v=x_v, q_scaled=q_scaled, kh=kh, vh=vh,
-            ctx=ctx, ctx_merged=ctx_merged, row_shift=row_shift, row_sum=row_sum, safe=safe,
-            cache=cache, scale=scale, B=B, L=L, S0=S0, S=S,
-        )  # fmt: skip
-        if weights is not None:
-            if average_attn_weights:
-                weights = weights / self.dtype.type(H)  # torch: .mean(dim=1)
-            else:
-                weights = weights.reshape(B, H, L, S)
-            if unbatched:
-                weights = weights[0]
-        return self._from_internal(out, unbatched), weights
+    def _logits(self, a: AttentionSaved, g0: int, g1: int, l0: int, l1: int) -> np.ndarray:
+        """q_scaled k^T + mask for one block, as a new (g, l, S) array."""
+        logits = a.q_scaled[g0:g1, l0:l1] @ a.kh[g0:g1].transpose(0, 2, 1)  # (g, l, S)
+        mask = self._mask_block(a, g0, g1, l0, l1)
+        if mask is not None:
+            logits += mask  # torch.baddbmm(mask, q_scaled, k^T); IEEE addition commutes
+        return logits
 
     @staticmethod
     def _normalize(p: np.ndarray, total: np.ndarray, safe: bool) -> np.ndarray:
@@ -262,25 +313,6 @@ class MultiheadAttention:
         if safe:
             total = np.where(total == 0, 1, total)
         return np.divide(p, total, out=p)
-
-    def _logits(self, g0: int, g1: int, l0: int, l1: int) -> np.ndarray:
-        """q_scaled k^T + mask for one block, as a new (g, l, S) array."""
-        s = self._saved
-        logits = s["q_scaled"][g0:g1, l0:l1] @ s["kh"][g0:g1].transpose(0, 2, 1)  # (g, l, S)
-        mask = self._mask_block(g0, g1, l0, l1)
-        if mask is not None:
-            logits += mask  # torch.baddbmm(mask, q_scaled, k^T); IEEE addition commutes
-        return logits
-
-    def _probabilities(self, g0: int, g1: int, l0: int, l1: int) -> np.ndarray:
-        """The forward's softmax for one block: from the cache, or recomputed from row statistics."""
-        s = self._saved
-        if (g0, l0) in s["cache"]:
-            return s["cache"][g0, l0]
-        p = self._logits(g0, g1, l0, l1)  # (g, l, S)
-        np.subtract(p, s["row_shift"][g0:g1, l0:l1], out=p)
-        np.exp(p, out=p)
-        return self._normalize(p, s["row_sum"][g0:g1, l0:l1], s["safe"])
 
     @staticmethod
     def _softmax_backward(p: np.ndarray, dp: np.ndarray) -> np.ndarray:
@@ -294,68 +326,95 @@ class MultiheadAttention:
         dp -= np.sum(dp * p, axis=-1, keepdims=True)  # dp is the caller's scratch: reuse it
         return np.multiply(dp, p, out=dp)
 
-    # --------------------------------------------------------------------------------- backward
-    def backward(self, grad_output: np.ndarray) -> dict[str, np.ndarray]:
-        """Gradients of every parameter and input, given d(loss)/d(output) of the last forward.
+    def _probabilities(self, a: AttentionSaved, g0: int, g1: int, l0: int, l1: int) -> np.ndarray:
+        """The forward's softmax for one block: from the cache, or recomputed from row statistics."""
+        if (g0, l0) in a.cache:
+            return a.cache[g0, l0]
+        p = self._logits(a, g0, g1, l0, l1)  # (g, l, S)
+        np.subtract(p, a.row_shift[g0:g1, l0:l1], out=p)
+        np.exp(p, out=p)
+        return self._normalize(p, a.row_sum[g0:g1, l0:l1], a.safe)
 
-        Keys: the state_dict() names of the parameters, plus `query`, `key` and `value`.
+    def _attention_forward(self, qh, kh, vh, attn_mask, kpm, need_weights, average_attn_weights):
+        """ctx = softmax(q k^T / sqrt(D) + mask) v, block by block.
+
+        Returns ctx (G, L, D), the weights ((B, L, S) averaged over heads or (B, H, L, S); None
+        unless need_weights) and what the backward reads.
         """
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return self._backward(grad_output)
-
-    def _backward(self, grad_output: np.ndarray) -> dict[str, np.ndarray]:
-        if self._saved is None:
-            raise RuntimeError("backward() needs a forward() first")
-        s = self._saved
-        B, L, S, S0, H, E = s["B"], s["L"], s["S"], s["S0"], self.H, self.E
-        G = B * H
-        dy = self._to_internal(np.asarray(grad_output, dtype=self.dtype), s["unbatched"])  # (B, L, E)
-        grads: dict[str, np.ndarray] = {}
-
-        # Out-projection: y = c Wo^T + bo.
-        grads["out_proj.weight"] = dy.reshape(-1, E).T @ s["ctx_merged"].reshape(-1, E)  # (E, E)
-        if self.bo is not None:
-            grads["out_proj.bias"] = dy.sum(axis=(0, 1))  # (E,)
-        d_ctx = self._split_heads(dy @ self.Wo)  # (G, L, D)
-
-        # Attention: ctx = P v, P = softmax(q_scaled k^T + mask).
-        q_scaled, kh, vh = s["q_scaled"], s["kh"], s["vh"]
-        d_q_scaled = np.empty_like(q_scaled)  # (G, L, D)
-        d_kh = np.zeros_like(kh)  # (G, S, D)
-        d_vh = np.zeros_like(vh)  # (G, S, D)
+        G, L, D = qh.shape
+        S = kh.shape[1]
+        H = self.H
+        B = G // H
+        a = AttentionSaved(
+            q_scaled=qh * self.scale,  # (G, L, D)
+            kh=kh, vh=vh, attn_mask=attn_mask, kpm=kpm,
+            safe=not need_weights,  # scaled_dot_product_attention's softmax zeroes fully masked rows
+            row_shift=np.empty((G, L, 1), dtype=self.dtype),  # (G, L, 1)
+            row_sum=np.empty((G, L, 1), dtype=self.dtype),  # (G, L, 1)
+            cache={},
+        )  # fmt: skip
+        ctx = np.empty((G, L, D), dtype=self.dtype)  # (G, L, D)
+        weights = None
+        if need_weights:
+            shape = (B, L, S) if average_attn_weights else (G, L, S)
+            weights = np.zeros(shape, dtype=self.dtype)
+        keep = G * L * S * self.dtype.itemsize <= self.cache_bytes
         for g0, g1, l0, l1 in self._blocks(G, L, S):
-            p = self._probabilities(g0, g1, l0, l1)  # (g, l, S)
+            p = self._logits(a, g0, g1, l0, l1)  # (g, l, S), a fresh array: worked on in place below
+            shift = p.max(axis=-1, keepdims=True)  # (g, l, 1)
+            if a.safe:
+                shift = np.where(np.isneginf(shift), 0.0, shift).astype(self.dtype)
+            np.subtract(p, shift, out=p)
+            np.exp(p, out=p)  # NaN rows where every key is -inf (unsafe)
+            total = p.sum(axis=-1, keepdims=True)  # (g, l, 1)
+            self._normalize(p, total, a.safe)
+            a.row_shift[g0:g1, l0:l1], a.row_sum[g0:g1, l0:l1] = shift, total
+            np.matmul(p, vh[g0:g1], out=ctx[g0:g1, l0:l1])  # (g, l, D)
+            if keep:
+                a.cache[g0, l0] = p
+            if weights is not None:
+                if not average_attn_weights:
+                    weights[g0:g1, l0:l1] = p
+                else:  # sum each head into its batch entry, in head order (np.add.at is ~50x slower)
+                    for g in range(g0, g1):
+                        weights[g // H, l0:l1] += p[g - g0]  # (l, S)
+        if weights is not None:
+            if average_attn_weights:
+                weights = weights / self.dtype.type(H)  # torch: .mean(dim=1)
+            else:
+                weights = weights.reshape(B, H, L, S)
+        return ctx, weights, a
+
+    def _attention_backward(self, a: AttentionSaved, d_ctx: np.ndarray) -> tuple[np.ndarray, ...]:
+        """d(qh), d(kh), d(vh) from d(ctx), block by block, with P cached or recomputed."""
+        G, L, _ = a.q_scaled.shape
+        S = a.kh.shape[1]
+        d_q_scaled = np.empty_like(a.q_scaled)  # (G, L, D)
+        d_kh = np.zeros_like(a.kh)  # (G, S, D)
+        d_vh = np.zeros_like(a.vh)  # (G, S, D)
+        for g0, g1, l0, l1 in self._blocks(G, L, S):
+            p = self._probabilities(a, g0, g1, l0, l1)  # (g, l, S)
             d_out_blk = d_ctx[g0:g1, l0:l1]  # (g, l, D)
             d_vh[g0:g1] += p.transpose(0, 2, 1) @ d_out_blk  # (g, S, D)
-            dp = d_out_blk @ vh[g0:g1].transpose(0, 2, 1)  # (g, l, S)
+            dp = d_out_blk @ a.vh[g0:g1].transpose(0, 2, 1)  # (g, l, S)
             d_logits = self._softmax_backward(p, dp)  # (g, l, S)
-            d_q_scaled[g0:g1, l0:l1] = d_logits @ kh[g0:g1]  # (g, l, D)
-            d_kh[g0:g1] += d_logits.transpose(0, 2, 1) @ q_scaled[g0:g1, l0:l1]  # (g, S, D)
-        d_qh = d_q_scaled * self.dtype.type(s["scale"])  # (G, L, D)
+            d_q_scaled[g0:g1, l0:l1] = d_logits @ a.kh[g0:g1]  # (g, l, D)
+            d_kh[g0:g1] += d_logits.transpose(0, 2, 1) @ a.q_scaled[g0:g1, l0:l1]  # (g, S, D)
+        return d_q_scaled * self.scale, d_kh, d_vh  # (G, L, D), (G, S, D), (G, S, D)
 
-        # Undo the padding: the zero key/value is a constant; bias_k/bias_v get their column.
-        S1 = S - int(self.add_zero_attn)
-        dq = self._merge_heads(d_qh, B)  # (B, L, E)
-        dk = self._merge_heads(d_kh[:, :S1], B)  # (B, S1, E)
-        dv = self._merge_heads(d_vh[:, :S1], B)  # (B, S1, E)
-        if self.bias_k is not None:
-            grads["bias_k"] = dk[:, S0].sum(axis=0).reshape(1, 1, E)
-            grads["bias_v"] = dv[:, S0].sum(axis=0).reshape(1, 1, E)
-            dk, dv = dk[:, :S0], dv[:, :S0]  # (B, S0, E)
+    # --------------------------------------------------------------------------- out-projection
+    def _out_projection_forward(self, ctx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Heads to output: y = c Wo^T + bo with c the heads merged. Returns y and c, the backward's input."""
+        ctx_merged = self._merge_heads(ctx, ctx.shape[0] // self.H)  # (B, L, E)
+        out = ctx_merged @ self.Wo.T  # (B, L, E)
+        if self.bo is not None:
+            out = out + self.bo
+        return out, ctx_merged
 
-        # In-projection: q = x_q Wq^T + bq, and likewise for k and v.
-        x_q, x_k, x_v = s["x_q"], s["x_k"], s["x_v"]
-        d_wq = dq.reshape(-1, E).T @ x_q.reshape(-1, E)  # (E, E)
-        d_wk = dk.reshape(-1, E).T @ x_k.reshape(-1, self.Ek)  # (E, Ek)
-        d_wv = dv.reshape(-1, E).T @ x_v.reshape(-1, self.Ev)  # (E, Ev)
-        if self.separate:
-            grads["q_proj_weight"], grads["k_proj_weight"], grads["v_proj_weight"] = d_wq, d_wk, d_wv
-        else:
-            grads["in_proj_weight"] = np.concatenate([d_wq, d_wk, d_wv])  # (3E, E)
-        if self.bq is not None:
-            grads["in_proj_bias"] = np.concatenate([dq.sum(axis=(0, 1)), dk.sum(axis=(0, 1)), dv.sum(axis=(0, 1))])
-        unbatched = s["unbatched"]
-        grads["query"] = self._from_internal(dq @ self.Wq, unbatched)  # (B, L, E)
-        grads["key"] = self._from_internal(dk @ self.Wk, unbatched)  # (B, S0, Ek)
-        grads["value"] = self._from_internal(dv @ self.Wv, unbatched)  # (B, S0, Ev)
-        return grads
+    def _out_projection_backward(self, ctx_merged: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, dict]:
+        """d(ctx) and the out-projection's parameter gradients, from d(y)."""
+        E = self.E
+        grads = {"out_proj.weight": dy.reshape(-1, E).T @ ctx_merged.reshape(-1, E)}  # (E, E)
+        if self.bo is not None:
+            grads["out_proj.bias"] = dy.sum(axis=(0, 1))  # (E,)
+        return self._split_heads(dy @ self.Wo), grads  # (G, L, D)

@@ -18,6 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def sgd_options(cfg) -> dict:
+    """torch.optim.SGD's settings from a config: given alike to torch's optimizer and to `SGD`."""
+    return dict(lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening, weight_decay=cfg.weight_decay,
+                nesterov=cfg.nesterov, maximize=cfg.maximize)  # fmt: skip
+
+
 @dataclass
 class SGD:
     """torch.optim.SGD over a dict of NumPy parameters; `step` returns the updated dict."""

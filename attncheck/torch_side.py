@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from attncheck.candidate import module_options
 from attncheck.config import Config
 from attncheck.inputs import Workload
+from attncheck.sgd import sgd_options
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -201,15 +202,7 @@ class SGDResult:
 def sgd(cfg: Config, w: Workload) -> SGDResult:
     """`steps` full training steps with torch.optim.SGD on the same batch."""
     module = build_module(cfg, w.params).train()
-    optimizer = torch.optim.SGD(
-        module.parameters(),
-        lr=cfg.lr,
-        momentum=cfg.momentum,
-        dampening=cfg.dampening,
-        weight_decay=cfg.weight_decay,
-        nesterov=cfg.nesterov,
-        maximize=cfg.maximize,
-    )
+    optimizer = torch.optim.SGD(module.parameters(), **sgd_options(cfg))
     x = _inputs(cfg, w, requires_grad=False)
     target = _tensor(w.target)
     result = SGDResult([], [])

@@ -62,8 +62,8 @@ class MaskAfterSoftmax(MultiheadAttention):
     mask's finite values are ignored. The backward reuses the reference's Jacobian on that P.
     """
 
-    def _mask_block(self, g0, g1, l0, l1):
-        mask = super()._mask_block(g0, g1, l0, l1)
+    def _mask_block(self, a, g0, g1, l0, l1):
+        mask = super()._mask_block(a, g0, g1, l0, l1)
         self._allowed = None if mask is None else ~np.isneginf(mask)  # (g or 1, l or 1, S)
         return None  # nothing added to the logits
 
@@ -104,8 +104,8 @@ class KeyPaddingPerQuery(MultiheadAttention):
     Needs S == L (self-attention without bias_k or the zero key) or its shapes do not broadcast.
     """
 
-    def _mask_block(self, g0, g1, l0, l1):
-        attn, kpm = self._saved["attn_mask"], self._saved["kpm"]
+    def _mask_block(self, a, g0, g1, l0, l1):
+        attn, kpm = a.attn_mask, a.kpm
         merged = None
         if attn is not None:
             merged = (attn if attn.shape[0] == 1 else attn[g0:g1])[:, l0:l1]
@@ -178,43 +178,36 @@ class SoftmaxWithoutMaxSubtraction(MultiheadAttention):
     """The softmax is exp(logits) / sum(exp(logits)), without subtracting each row's max.
 
     Exact for small logits; once a logit passes log(finfo.max) (88.7 in float32) exp overflows
-    and the row becomes NaN (inf / inf), or 0 when only the sum overflows. The forward runs the
-    reference (for its saved state), then recomputes the attention from the naive probabilities;
-    the backward uses them too.
+    and the row becomes NaN (inf / inf), or 0 when only the sum overflows. The attention forward
+    runs the reference's (for its saved state), then recomputes the attention from the naive
+    probabilities; the backward uses them too.
     """
 
-    def _probabilities(self, g0, g1, l0, l1):
-        s = self._saved
-        logits = s["q_scaled"][g0:g1, l0:l1] @ s["kh"][g0:g1].transpose(0, 2, 1)  # (g, l, S)
-        mask = self._mask_block(g0, g1, l0, l1)
+    def _probabilities(self, a, g0, g1, l0, l1):
+        logits = a.q_scaled[g0:g1, l0:l1] @ a.kh[g0:g1].transpose(0, 2, 1)  # (g, l, S)
+        mask = self._mask_block(a, g0, g1, l0, l1)
         if mask is not None:
             logits = mask + logits
         with np.errstate(over="ignore"):  # the bug: overflow is what it does wrong
             p = np.exp(logits)  # (g, l, S): no shift
         return p / p.sum(axis=-1, keepdims=True)
 
-    def _forward(self, query, key, value, attn_mask, key_padding_mask, need_weights, average_attn_weights):
-        _, ref_weights = super()._forward(query, key, value, attn_mask, key_padding_mask, need_weights, average_attn_weights)
-        s = self._saved
-        s["cache"] = {}  # the backward recomputes through _probabilities
-        B, L, S, H = s["B"], s["L"], s["S"], self.H
-        G = B * H
-        ctx = np.empty((G, L, self.D), dtype=self.dtype)  # (G, L, D)
+    def _attention_forward(self, qh, kh, vh, attn_mask, kpm, need_weights, average_attn_weights):
+        _, _, a = super()._attention_forward(qh, kh, vh, attn_mask, kpm, need_weights, average_attn_weights)
+        a.cache = {}  # the backward recomputes through _probabilities
+        G, L, D = qh.shape
+        S = kh.shape[1]
+        ctx = np.empty((G, L, D), dtype=self.dtype)  # (G, L, D)
         weights = np.zeros((G, L, S), dtype=self.dtype) if need_weights else None  # (G, L, S)
         for g0, g1, l0, l1 in self._blocks(G, L, S):
-            p = self._probabilities(g0, g1, l0, l1)  # (g, l, S)
-            ctx[g0:g1, l0:l1] = p @ s["vh"][g0:g1]
+            p = self._probabilities(a, g0, g1, l0, l1)  # (g, l, S)
+            ctx[g0:g1, l0:l1] = p @ vh[g0:g1]  # (g, l, D)
             if weights is not None:
                 weights[g0:g1, l0:l1] = p
-        s["ctx_merged"] = self._merge_heads(ctx, B)  # (B, L, E)
-        out = s["ctx_merged"] @ self.Wo.T
-        if self.bo is not None:
-            out = out + self.bo
         if weights is not None:
-            weights = weights.reshape(B, H, L, S)
+            weights = weights.reshape(G // self.H, self.H, L, S)  # (B, H, L, S)
             weights = weights.mean(axis=1) if average_attn_weights else weights
-            weights = weights.reshape(ref_weights.shape)
-        return self._from_internal(out, s["unbatched"]), weights
+        return ctx, weights, a
 
 
 class OutProjBiasGradMissing(MultiheadAttention):
