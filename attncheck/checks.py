@@ -17,7 +17,7 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.candidate import INPUT_GRADIENTS, REFERENCE, REFERENCE_SPEC, Candidate, Session, module_options
 from attncheck.commands import COMMANDS, options_for
-from attncheck.compare import Evidence, compare, decide, measure, rule_for, sgd_rule
+from attncheck.compare import Evidence, compare, decide, measure, rule_for, sgd_rule, with_logit_floor
 from attncheck.config import Config
 from attncheck.diagnose import diagnose_report
 from attncheck.errors import CandidateError, Unsupported
@@ -203,7 +203,9 @@ def check_forward(cfg: Config, candidate: Candidate = REFERENCE, *, strict: bool
     if rule.needs_oracle:
         oracle = Session(oracle_config(cfg), REFERENCE)
         w64 = w.astype(np.float64)
-        o_out, o_weights = oracle.forward(oracle.build(w64.params), w64)
+        oracle_obj = oracle.build(w64.params)
+        o_out, o_weights = oracle.forward(oracle_obj, w64)
+        rule = with_logit_floor(rule, cfg, getattr(oracle_obj, "logit_magnitude", None))
     session = Session(cfg, candidate)
     try:
         obj = session.build(w.params)
@@ -314,7 +316,10 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
     oracle = None
     w64 = w.astype(np.float64)
     if grad_rule.needs_oracle or cfg.dtype != "float64":  # the finite differences reuse it below
-        oracle = _run_grad(Session(oracle_config(cfg), REFERENCE), oracle_config(cfg), w64)
+        oracle_session = Session(oracle_config(cfg), REFERENCE)
+        oracle_obj = oracle_session.build(w64.params)
+        oracle = _run_grad(oracle_session, oracle_config(cfg), w64, oracle_obj)
+        forward_rule = with_logit_floor(forward_rule, cfg, getattr(oracle_obj, "logit_magnitude", None))
 
     session = Session(cfg, candidate)
     try:

@@ -118,6 +118,25 @@ def rule_for(cfg, kind: str) -> Rule:
     return Budget(factor, floor)
 
 
+# A logit summed from terms of magnitude T carries rounding of about eps * T, however small the
+# logit itself (its terms cancel), and exp turns that absolute error into the same relative error
+# of its probability and of an output that probability dominates. So forward values may be off by
+# eps * T relative in any correct implementation, while torch can be exact by luck. Measured: a
+# float32 output of 4e-10 (nearly all weight on the zero key, a logit of -22 from terms of 583)
+# where a correct implementation was 0.15 * eps * T off and torch 6e-17: one unit (6.5x margin)
+# joins the floor. At ordinary scales (T ~ 10 in the default config) it stays below BUDGET_FLOOR.
+LOGIT_ULPS = 1.0
+
+
+def with_logit_floor(rule: Rule, cfg, logit_magnitude: float | None) -> Rule:
+    """A forward budget rule whose floor covers the rounding of logits of this magnitude (the
+    oracle's `logit_magnitude`); a floor the config sets is kept as it is."""
+    if not isinstance(rule, Budget) or cfg.budget_floor is not None or not logit_magnitude:
+        return rule
+    floor = LOGIT_ULPS * float(np.finfo(np.dtype(cfg.dtype)).eps) * logit_magnitude
+    return Budget(rule.factor, floor) if floor > rule.floor else rule
+
+
 def sgd_rule(cfg, step: int) -> Rule:
     """The rule for weights after `step` steps: the fixed numbers grow linearly with the step.
 

@@ -353,6 +353,11 @@ class MultiheadAttention:
             row_sum=np.empty((G, L, 1), dtype=self.dtype),  # (G, L, 1)
             cache={},
         )  # fmt: skip
+        # The largest sum |q_i k_i| / sqrt(D) a logit is summed from, bounded by Cauchy-Schwarz:
+        # a logit's rounding is relative to it, not to the logit (see compare.with_logit_floor).
+        q_norm = np.linalg.norm(a.q_scaled, axis=-1).max(axis=-1, initial=0.0)  # (G,)
+        k_norm = np.linalg.norm(kh, axis=-1).max(axis=-1, initial=0.0)  # (G,)
+        self.logit_magnitude = float((q_norm * k_norm).max(initial=0.0))
         ctx = np.empty((G, L, D), dtype=self.dtype)  # (G, L, D)
         weights = None
         if need_weights:
