@@ -210,18 +210,20 @@ def make_workload(cfg: Config) -> Workload:
 def fully_masked(cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None) -> np.ndarray:
     """(B, H, L) bool: the query rows of each batch element and head whose every key is masked."""
     B, H, L, S = cfg.effective_batch, cfg.num_heads, cfg.tgt_len, cfg.S
-    if cfg.add_bias_kv or cfg.add_zero_attn:
-        return np.zeros((B, H, L), dtype=bool)  # the appended key is always allowed
-    blocked = np.zeros((B, H, L, S), dtype=bool)
+    if cfg.add_bias_kv or cfg.add_zero_attn or (attn_mask is None and key_padding_mask is None):
+        return np.zeros((B, H, L), dtype=bool)  # the appended key is always allowed; or nothing is masked
 
     def as_blocked(mask: np.ndarray) -> np.ndarray:
         return mask if mask.dtype == np.bool_ else np.isneginf(mask)
 
+    # Never (B, H, L, S) unless the mask itself is: a 2-D mask and the padding mask meet at (B, L, S).
+    blocked = None
     if attn_mask is not None:
-        blocked |= as_blocked(attn_mask).reshape(B, H, L, S) if attn_mask.ndim == 3 else as_blocked(attn_mask)
+        blocked = as_blocked(attn_mask).reshape(B, H, L, S) if attn_mask.ndim == 3 else as_blocked(attn_mask)[None, None]
     if key_padding_mask is not None:
-        blocked |= as_blocked(key_padding_mask).reshape(B, 1, 1, S)
-    return blocked.all(axis=-1)
+        padded = as_blocked(key_padding_mask).reshape(B, 1, 1, S)
+        blocked = padded if blocked is None else blocked | padded
+    return np.broadcast_to(blocked.all(axis=-1), (B, H, L)).copy()
 
 
 def output_rows(cfg: Config, rows: np.ndarray) -> np.ndarray:

@@ -1,6 +1,13 @@
-"""Performance figures for issue 9: the reference against torch on CPU, CLI start-up, long-sequence grad.
+"""Performance figures of issues 9 and 20: the issue's table side by side, the reference against torch, CLI start-up.
 
-Run: PYTHONPATH=$PWD python benchmarks/perf.py [--repeats N] [--skip-long]
+Run: PYTHONPATH=$PWD python benchmarks/perf.py [--quick] [--repeats N] [--skip-long]
+
+The first block is issue 20's table, every figure measured in this run: `attncheck grad` at
+B=1 L=8192 E=512 H=8 (need_weights false) against torch's own forward+backward of that shape
+(default threads) run just before it; the reference against torch at B=4 L=1024 E=512 H=8;
+peak RSS of `attncheck grad` for L = 2048 ... 16384 and the ratio of successive figures.
+`--quick` runs the same table at an eighth of the lengths (and B=1 L=512 for the reference),
+in about a minute on a quiet 2-core machine.
 
 Every timing is the minimum over repeats, reference and torch interleaved in one process, so a
 machine shared with other work biases both sides alike. FLOPs count the matmuls only, forward and
@@ -188,13 +195,106 @@ def long_sequence():
     os.unlink(f.name)
 
 
+# ------------------------------------------------------------------------- issue 20's table
+TORCH_STEP = """
+import sys, time, torch
+B, L, E, H = (int(a) for a in sys.argv[1:5])
+m = torch.nn.MultiheadAttention(E, H, batch_first=True)
+x = torch.randn(B, L, E, requires_grad=True)
+dy = torch.randn(B, L, E)
+t = time.perf_counter()
+out, _ = m(x, x, x, need_weights=False)
+out.backward(dy)
+print(time.perf_counter() - t)
+"""
+
+
+def torch_step(B, L, E, H, repeats):
+    """torch's own forward+backward (float32, default threads, need_weights false), min over fresh processes."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    runs = [float(subprocess.run([PY, "-c", TORCH_STEP, str(B), str(L), str(E), str(H)], capture_output=True, text=True,
+                                 check=True, env=env).stdout) for _ in range(repeats)]  # fmt: skip
+    return min(runs)
+
+
+def grad_run(L, E=512, H=8):
+    """(exit code, wall s, peak RSS MB) of `attncheck grad` at B=1, length L, need_weights false."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_WAIT_POLICY": "PASSIVE"}
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(f"batch_size: 1\ntgt_len: {L}\nembed_dim: {E}\nnum_heads: {H}\ndtype: float32\nneed_weights: false\n")
+    try:
+        return measured([PY, "-m", "attncheck", "grad", "-c", f.name], env=env)
+    finally:
+        os.unlink(f.name)
+
+
+def reference_ratio(B, L, E, H, dtype, repeats):
+    """(reference ms, torch ms) of forward+backward, min over repeats, each side as a group."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((B, L, E)).astype(dtype)
+    dy = rng.standard_normal((B, L, E)).astype(dtype)
+    ref = MultiheadAttention(params_for(E, dtype, rng), num_heads=H, batch_first=True)
+    mod = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=getattr(torch, dtype))
+    tx, tdy = torch.tensor(x, requires_grad=True), torch.tensor(dy)
+
+    def run_ref():
+        ref.forward(x, x, x, need_weights=False)
+        ref.backward(dy)
+
+    def run_torch():
+        out, _ = mod(tx, tx, tx, need_weights=False)
+        out.backward(tdy)
+
+    t_ref, t_torch = [], []
+    for _ in range(2):
+        time.sleep(PAUSE_S)
+        t_ref += [_timed(run_ref) for _ in range(repeats)]
+        time.sleep(PAUSE_S)
+        t_torch += [_timed(run_torch) for _ in range(repeats)]
+    return min(t_ref) * 1e3, min(t_torch) * 1e3
+
+
+def issue_table(quick: bool, repeats: int) -> None:
+    scale = 8 if quick else 1
+    lengths = [n // scale for n in (2048, 4096, 8192, 16384)]
+    L_long = 8192 // scale
+    B_ref, L_ref = (1, 512) if quick else (4, 1024)
+    print(f"issue 20's table{' (--quick: lengths / 8, reference at B=1 L=512)' if quick else ''}; every figure from this run")
+    # The part of the peak that does not grow with L: `attncheck grad` at L=16.
+    _, _, base = grad_run(16)
+    step = torch_step(1, L_long, 512, 8, repeats=2 if quick else 3)
+    runs = {L: grad_run(L) for L in lengths}
+    rc, wall, mb = runs[L_long]
+    print(f"  attncheck grad B=1 L={L_long} E=512 H=8 need_weights false: exit {rc}, {wall:.1f} s wall, peak RSS {mb:.0f} MB")
+    print(f"    torch's own forward+backward of that shape ({os.cpu_count()} threads, min of runs, in-process time): {step:.2f} s; "
+          f"ratio {wall / step:.1f}x (target <= 6x); RSS target <= 1500 MB")  # fmt: skip
+    for dtype, target in (("float32", 1.0), ("float64", 0.9)):
+        r, t = reference_ratio(B_ref, L_ref, 512, 8, dtype, repeats)
+        print(f"  reference {dtype} forward+backward B={B_ref} L={L_ref} E=512 H=8: {r:.0f} ms vs torch {t:.0f} ms, "
+              f"ratio {r / t:.2f}x (target <= {target}x)")  # fmt: skip
+    print(f"  peak RSS of attncheck grad (B=1 E=512 H=8, need_weights false) as L grows; above: minus the {base:.0f} MB "
+          "of the same command at L=16 (interpreter, torch, NumPy)")  # fmt: skip
+    previous = None
+    for L, (rc, wall, mb) in runs.items():
+        growth = f", x{(mb - base) / previous:.2f} the previous" if previous else ""
+        print(f"    L={L:<6} exit {rc}, {wall:7.1f} s, peak RSS {mb:6.0f} MB, above {mb - base:6.0f} MB{growth}")
+        previous = mb - base
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="issue 20's table at an eighth of its lengths, nothing else")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--skip-long", action="store_true", help="skip the L=8192 runs (minutes)")
+    parser.add_argument("--skip-long", action="store_true", help="skip the L=8192 runs of the old long-sequence block")
     args = parser.parse_args()
     print(f"numpy {np.__version__}, {os.cpu_count()} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}")
-    print(f"matmul peak (2048^3, min of 10): float32 {matmul_peak(np.float32):.1f} GFLOP/s, "
+    if args.quick:
+        issue_table(quick=True, repeats=2)
+        return
+    issue_table(quick=False, repeats=args.repeats)
+    print(f"\nmatmul peak (2048^3, min of 10): float32 {matmul_peak(np.float32):.1f} GFLOP/s, "
           f"float64 {matmul_peak(np.float64):.1f} GFLOP/s")  # fmt: skip
     shape_table(args.repeats)
     startup(args.repeats)

@@ -124,3 +124,120 @@ def test_in_place_softmax_equals_textbook_formula():
     np.testing.assert_array_equal(p, p_textbook)
     d_textbook = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
     np.testing.assert_array_equal(MultiheadAttention._softmax_backward(p, dp.copy()), d_textbook)
+
+
+# --------------------------------------------------------- the grad check's faster paths (issue 20)
+# Each runs on a small config with LARGE_LOGITS set to 0, so the path meant for long sequences is
+# taken, and is checked against the path a small config takes (the unoptimized computation).
+from attncheck import checks  # noqa: E402
+from attncheck.candidate import Candidate  # noqa: E402
+from attncheck.config import Config  # noqa: E402
+from attncheck.inputs import fully_masked, make_workload  # noqa: E402
+from attncheck.testing import untrusted, wrong_impls  # noqa: E402
+
+
+def _as_large(monkeypatch):
+    monkeypatch.setattr(checks, "LARGE_LOGITS", 0)
+
+
+def _fd_rows(report):
+    return {r.quantity: r for r in report.rows if r.section == "finite-diff"}
+
+
+def test_joint_finite_difference_passes_what_per_quantity_passes(monkeypatch):
+    cfg = Config(seed=3, dtype="float32")
+    small = _fd_rows(checks.check_grad(cfg))
+    _as_large(monkeypatch)
+    report = checks.check_grad(cfg)
+    large = _fd_rows(report)
+    assert all(r.status == "pass" for r in small.values()) and len(small) == 9
+    assert list(large) == [checks.JOINT_FD] and large[checks.JOINT_FD].status == "pass"
+    assert large[checks.JOINT_FD].ratio < 0.1  # far inside: the joint sum is no looser than its parts
+    assert any("one random direction over every gradient" in n for n in report.notes)
+
+
+def test_joint_finite_difference_along_the_sum_of_the_per_quantity_directions(monkeypatch):
+    """The joint row's <grad, u> is the sum of the per-quantity rows' (each scaled to its step)."""
+    cfg = Config(seed=4, dtype="float64")
+    small = _fd_rows(checks.check_grad(cfg))
+    _as_large(monkeypatch)
+    joint = _fd_rows(checks.check_grad(cfg))[checks.JOINT_FD]
+    # Every quantity's step here is FD_EPS (all |x| <= 1 but the input's), so the slopes just add
+    # up once the input's own step is accounted for.
+    w = make_workload(cfg)
+    steps = {label: checks.FD_EPS * max(1.0, float(np.abs(w.query if label == "input" else w.params[label.split("[")[0]]).max()))
+             for label in small}  # fmt: skip
+    unit = steps["in_proj_weight[q]"]
+    expected = sum(float(r.evidence.candidate) * steps[q] / unit for q, r in small.items())
+    assert float(joint.evidence.candidate) == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_failing_joint_direction_is_localized_per_quantity(monkeypatch):
+    cfg = Config(seed=0, dtype="float32")
+    bad = Candidate("diag", wrong_impls.SoftmaxDiagonalBackward)
+    small = _fd_rows(checks.check_grad(cfg, bad))
+    _as_large(monkeypatch)
+    large = _fd_rows(checks.check_grad(cfg, bad))
+    assert large.pop(checks.JOINT_FD).status == "fail"
+    assert {q: r.status for q, r in large.items()} == {q: r.status for q, r in small.items()}
+    assert {q for q, r in large.items() if r.failed} == {"in_proj_weight[q]", "in_proj_weight[k]", "in_proj_bias[q]", "in_proj_bias[k]", "input"}
+    for q in small:
+        assert float(large[q].evidence.candidate) == pytest.approx(float(small[q].evidence.candidate), rel=1e-12)
+
+
+@pytest.mark.parametrize("impl", [untrusted.AccumulatesGradients, untrusted.CachesKeys])
+def test_shortened_repeat_call_still_catches_state(monkeypatch, impl):
+    untrusted.AccumulatesGradients.accumulated = {}
+    _as_large(monkeypatch)
+    cfg = Config(seed=0, tgt_len=80, dtype="float32")
+    report = checks.check_grad(cfg, Candidate("stateful", impl))
+    assert [r.status for r in report.rows if r.quantity == "repeat call"] == ["fail"]
+    assert any(f"inputs of length {checks.REPEAT_LENGTH}" in n for n in report.notes)
+
+
+def test_shortened_repeat_call_passes_the_reference(monkeypatch):
+    _as_large(monkeypatch)
+    report = checks.check_grad(Config(seed=0, tgt_len=80, src_len=70, self_attention=False, attn_mask="random", key_padding_mask="random"))
+    assert not [r for r in report.rows if r.quantity == "repeat call"]
+    assert report.passed
+
+
+MASK_CASES = [
+    dict(attn_mask=am, attn_mask_dims=dims, mask_dtype=dt, key_padding_mask=kpm, add_zero_attn=za)
+    for am, dims, dt, kpm, za in itertools.product(["none", "causal", "random"], [2, 3], ["bool", "float"],
+                                                   ["none", "random", "full_row"], [False, True])
+    if not (am == "none" and dims == 3)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_fully_masked_equals_the_full_blocked_tensor(case):
+    """fully_masked without the (B, H, L, S) tensor equals the one that builds it."""
+    cfg = Config(seed=1, batch_size=3, tgt_len=6, src_len=5, self_attention=False, num_heads=2, embed_dim=8, **case)
+    w = make_workload(cfg)
+    B, H, L, S = cfg.batch_size, cfg.num_heads, cfg.tgt_len, cfg.S
+    blocked = np.zeros((B, H, L, S), dtype=bool)
+    if not cfg.add_zero_attn:
+        for mask in (w.attn_mask, w.key_padding_mask):
+            if mask is not None:
+                b = mask if mask.dtype == np.bool_ else np.isneginf(mask)
+                blocked |= b.reshape(B, H, L, S) if b.ndim == 3 else b.reshape(B, 1, 1, S) if b.shape == (B, S) else b
+    np.testing.assert_array_equal(fully_masked(cfg, w.attn_mask, w.key_padding_mask), blocked.all(axis=-1))
+
+
+class PerturbedOutProjGradient(MultiheadAttention):
+    """out_proj.weight's gradient 0.1% too large: a backward that does not match its forward."""
+
+    def backward(self, grad_output):
+        grads = super().backward(grad_output)
+        grads["out_proj.weight"] = grads["out_proj.weight"] * (1 + 1e-3)
+        return grads
+
+
+def test_joint_finite_difference_catches_a_small_gradient_error(monkeypatch):
+    """0.1% off in one of nine quantities: measured 44x the allowed error along the joint
+    direction (136x along its own), so the joint row is not blind to small errors."""
+    _as_large(monkeypatch)
+    rows = _fd_rows(checks.check_grad(Config(seed=0, dtype="float64"), Candidate("perturbed", PerturbedOutProjGradient)))
+    assert rows[checks.JOINT_FD].failed and rows[checks.JOINT_FD].ratio > 10
+    assert [q for q, r in rows.items() if r.failed] == [checks.JOINT_FD, "out_proj.weight"]
