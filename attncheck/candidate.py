@@ -16,6 +16,7 @@ attncheck. This module imports neither torch nor anything that does.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -174,7 +175,16 @@ def _traceback(exc: BaseException) -> str:
 def _defined_at(fn: Any) -> str | None:
     """file:line where a candidate's method is defined: the place to look when it returns junk."""
     try:
-        fn = inspect.unwrap(getattr(fn, "__func__", fn))
+        return _source_line(inspect.unwrap(getattr(fn, "__func__", fn)))
+    except TypeError:  # not hashable: look it up every time
+        return _source_line.__wrapped__(fn)
+
+
+@functools.lru_cache(maxsize=256)
+def _source_line(fn: Any) -> str | None:
+    """_defined_at's lookup, once per function: inspect reads the source file (milliseconds),
+    and every call into a candidate names its method."""
+    try:
         filename, line = inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
     except (TypeError, OSError):
         return None

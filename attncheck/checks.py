@@ -306,13 +306,24 @@ def grad_labels(cfg: Config, name: str, per_head: bool) -> list[tuple[str, tuple
     return labels
 
 
+def _summed(*parts: np.ndarray | None) -> np.ndarray | None:
+    """The gradient of one array passed several times: the sum of its parts (None if any is missing)."""
+    if any(p is None for p in parts):
+        return None
+    return sum(parts[1:], parts[0])
+
+
 def _input_grads(cfg: Config, grads: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray | None], str]:
     """Input gradients keyed as torch reports them, and what was made of them.
 
-    Under self-attention torch reports one `input` gradient: the candidate's `input` if it
+    When key is value, torch reports one `key_value` gradient, the sum of the candidate's key and
+    value gradients. Under self-attention torch reports one `input` gradient: the candidate's `input` if it
     returns one; else the sum of its query, key and value gradients; else, when it returns only
     `query` (a candidate taking one input), that one as the whole.
     """
+    if cfg.key_is_value:  # one array as key and value: torch reports one gradient for both
+        key_value = _summed(grads.get("key"), grads.get("value"))
+        return {"query": grads.get("query"), "key_value": key_value}, "key is value: `key_value` is the sum of the key and value gradients."
     if not cfg.self_attention:
         return {k: grads.get(k) for k in INPUT_GRADIENTS}, ""
     if grads.get("input") is not None:
@@ -323,6 +334,15 @@ def _input_grads(cfg: Config, grads: dict[str, np.ndarray]) -> tuple[dict[str, n
     if parts[0] is not None and parts[1] is None and parts[2] is None:
         return {"input": parts[0]}, "self-attention: the candidate returns only `query`, taken as the one input's whole gradient."
     return {"input": None}, "self-attention: `input` needs `input`, or all of query, key and value, or `query` alone."
+
+
+def _input_shapes(cfg: Config, w: Workload) -> dict[str, tuple[int, ...]]:
+    """The inputs as torch sees them: one `input` (self-attention), or query and `key_value`, or all three."""
+    if cfg.self_attention:
+        return {"input": w.query.shape}
+    if cfg.key_is_value:
+        return {"query": w.query.shape, "key_value": w.key.shape}
+    return {"query": w.query.shape, "key": w.key.shape, "value": w.value.shape}
 
 
 def _full_grads(cfg: Config, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
@@ -408,14 +428,24 @@ def _run_grad(session: Session, cfg: Config, w: Workload, obj=None):
     return out, loss, session.backward(obj, d_out, w)
 
 
-def _perturbed(w: Workload, name: str, delta: np.ndarray, self_attention: bool) -> Workload:
+def _perturbed(w: Workload, name: str, delta: np.ndarray) -> Workload:
     """The workload with one parameter or input moved by delta."""
     if name in w.params:
         return replace(w, params={**w.params, name: w.params[name] + delta})
     if name == "input":  # one tensor under self-attention
         x = w.query + delta
         return replace(w, query=x, key=x, value=x)
+    if name == "key_value":  # one tensor as key and value
+        x = w.key + delta
+        return replace(w, key=x, value=x)
     return replace(w, **{name: getattr(w, name) + delta})
+
+
+def _input_value(w: Workload, name: str) -> np.ndarray:
+    """The array a parameter or input gradient is taken against."""
+    if name in w.params:
+        return w.params[name]
+    return {"input": w.query, "key_value": w.key}.get(name, getattr(w, name, None))
 
 
 JOINT_FD = "all (one joint direction)"
@@ -448,8 +478,7 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
         return [Row("finite-diff", "all", INCONCLUSIVE, note=f"the candidate's float64 loss is {loss0}: finite differences are undefined")]
 
     grads = _full_grads(cfg64, grads64)
-    shapes = {**{k: v.shape for k, v in w64.params.items()}}
-    shapes.update({"input": w64.query.shape} if cfg.self_attention else {"query": w64.query.shape, "key": w64.key.shape, "value": w64.value.shape})
+    shapes = {**{k: v.shape for k, v in w64.params.items()}, **_input_shapes(cfg, w64)}
     dirs = directions(cfg, shapes)
     # The loss's rounding is relative to its terms' magnitudes: from the output already computed.
     magnitude = loss_magnitude(cfg64, out0, w64.target, w64.undefined)
@@ -472,8 +501,7 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
                 probes.append((label, name, index))
 
     def step(name: str) -> float:
-        x = w64.params[name] if name in w64.params else (w64.query if name == "input" else getattr(w64, name))
-        return FD_EPS * max(1.0, float(np.abs(x).max()))
+        return FD_EPS * max(1.0, float(np.abs(_input_value(w64, name)).max()))
 
     def probe_row(label: str, parts: list[tuple[str, tuple]], shape, numel: int) -> Row:
         """One central difference along the direction that moves each (name, index) part by its
@@ -483,7 +511,7 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
             moves[name][index] = step(name) * dirs[name][index]
         plus, minus = w64, w64
         for name, move in moves.items():
-            plus, minus = _perturbed(plus, name, move, cfg.self_attention), _perturbed(minus, name, -move, cfg.self_attention)
+            plus, minus = _perturbed(plus, name, move), _perturbed(minus, name, -move)
         f_plus, f_minus = loss_at(plus), loss_at(minus)
         # In units of the first part's step, so a one-part row reads as a slope as before.
         unit = step(parts[0][0])

@@ -43,7 +43,7 @@ class Tolerance(str, enum.Enum):
 
 ConfigOption = Annotated[
     Optional[Path],
-    typer.Option("--config", "-c", help="YAML config file; the embedded default config when omitted.", show_default=False),
+    typer.Option("--config", "-c", help="YAML config or suite file; the embedded default suite (a case per feature) when omitted.", show_default=False),
 ]
 JsonOption = Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON to this path.", show_default=False)]
 ImplOption = Annotated[
@@ -214,6 +214,7 @@ def _run_suite(suite, label, commands, impl, tolerance, workers, view: View, opt
     from rich.text import Text
 
     from attncheck.render import make_console, progress_bar, progress_line, render, suite_summary, suite_verdict
+    from attncheck.report import PASS, UNSUPPORTED
     from attncheck.suite import SuiteResult, check_candidates, plan, run_jobs
 
     console = make_console()
@@ -242,7 +243,9 @@ def _run_suite(suite, label, commands, impl, tolerance, workers, view: View, opt
             render(report, console, tracebacks=view.tracebacks)
         return result
     for report in reports:
-        if view.verbose or not report.passed:  # failing, inconclusive and unsupported checks show their tables
+        # failing and inconclusive checks show their tables; an unsupported one is a line of the
+        # capability table, with the candidate's reason
+        if view.verbose or report.verdict not in (PASS, UNSUPPORTED):
             render(report, console, tracebacks=view.tracebacks)
     summary = suite_summary(reports, [(c.name, c.skip_reason or "") for c in skipped], f"summary  {label}", every_check=view.verbose)
     console.print(Group(*summary, suite_verdict(reports, len(skipped), result.seconds, result.verdict)))

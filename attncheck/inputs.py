@@ -116,7 +116,8 @@ def _input_shape(cfg: Config, length: int, dim: int) -> tuple[int, ...]:
 
 
 def make_inputs(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """query, key, value in the config's layout; one shared array under self-attention."""
+    """query, key, value in the config's layout; one shared array under self-attention, and one
+    array for key and value under key_is_value (encoder-decoder attention)."""
     gen = rng(cfg.seed, _INPUTS)
     dtype = np.dtype(cfg.dtype)
 
@@ -128,6 +129,8 @@ def make_inputs(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if cfg.self_attention:
         return query, query, query
     key = draw(cfg.S, cfg.kdim_eff)
+    if cfg.key_is_value:
+        return query, key, key
     value = draw(cfg.S, cfg.vdim_eff)
     return query, key, value
 
@@ -139,12 +142,15 @@ def _keep_one_per_row(masked: np.ndarray, gen: np.random.Generator) -> np.ndarra
     return masked
 
 
-def _as_mask_dtype(masked: np.ndarray, kind: str, dtype: np.dtype, finite: np.ndarray | None) -> np.ndarray:
-    """A bool pattern (True = not allowed) as a bool mask or as an additive float mask."""
+def _as_mask_dtype(
+    masked: np.ndarray, kind: str, dtype: np.dtype, finite: np.ndarray | None, fill: float | None = None
+) -> np.ndarray:
+    """A bool pattern (True = not allowed) as a bool mask or as an additive float mask, holding
+    `fill` (None: -inf) where attention is not allowed."""
     if kind == "bool":
         return masked
     values = np.zeros(masked.shape) if finite is None else finite
-    return np.where(masked, -np.inf, values).astype(dtype)
+    return np.where(masked, -np.inf if fill is None else fill, values).astype(dtype)
 
 
 def make_attn_mask(cfg: Config) -> np.ndarray | None:
@@ -162,7 +168,7 @@ def make_attn_mask(cfg: Config) -> np.ndarray | None:
         masked = _keep_one_per_row(gen.random(lead + (L, S)) < 0.3, gen)
         # A float mask is an additive bias, not only -inf: give the allowed places finite values.
         finite = gen.normal(0.0, 1.0, size=lead + (L, S))
-    return _as_mask_dtype(masked, cfg.mask_dtype, np.dtype(cfg.dtype), finite)
+    return _as_mask_dtype(masked, cfg.mask_dtype, np.dtype(cfg.dtype), finite, cfg.mask_fill)
 
 
 def make_key_padding_mask(cfg: Config) -> np.ndarray | None:

@@ -5,6 +5,7 @@ Everything returned is NumPy, so nothing above this module needs torch.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,13 +84,14 @@ class _Inputs:
 
 
 def _inputs(cfg: Config, w: Workload, requires_grad: bool) -> _Inputs:
-    """torch tensors for the workload; under self-attention one tensor is passed three times."""
+    """torch tensors for the workload; under self-attention one tensor is passed three times,
+    under key_is_value one tensor as key and value."""
     query = _tensor(w.query).requires_grad_(requires_grad)
     if cfg.self_attention:
         key = value = query
     else:
         key = _tensor(w.key).requires_grad_(requires_grad)
-        value = _tensor(w.value).requires_grad_(requires_grad)
+        value = key if cfg.key_is_value else _tensor(w.value).requires_grad_(requires_grad)
     return _Inputs(query, key, value, _tensor(w.attn_mask), _tensor(w.key_padding_mask))
 
 
@@ -185,6 +187,8 @@ def grad(cfg: Config, w: Workload) -> GradResult:
     grads = {name: _numpy(p.grad) for name, p in module.named_parameters()}
     if cfg.self_attention:
         grads["input"] = _numpy(x.query.grad)  # the sum of the query, key and value gradients
+    elif cfg.key_is_value:
+        grads.update(query=_numpy(x.query.grad), key_value=_numpy(x.key.grad))  # the key and value gradients summed
     else:
         grads.update(query=_numpy(x.query.grad), key=_numpy(x.key.grad), value=_numpy(x.value.grad))
     return GradResult(_numpy(out), _numpy(weights), float(loss.detach()), grads)
@@ -200,21 +204,55 @@ class SGDResult:
 
 
 def sgd(cfg: Config, w: Workload) -> SGDResult:
-    """`steps` full training steps with torch.optim.SGD on the same batch."""
+    """`steps` full training steps with torch.optim.SGD's update on the same batch."""
     module = build_module(cfg, w.params).train()
-    optimizer = torch.optim.SGD(module.parameters(), **sgd_options(cfg))
+    step = _sgd_step(list(module.parameters()), cfg)
     x = _inputs(cfg, w, requires_grad=False)
     target = _tensor(w.target)
     result = SGDResult([], [])
     for _ in range(cfg.steps):
-        optimizer.zero_grad()
+        module.zero_grad(set_to_none=True)
         out, _ = _call(module, cfg, x)
         loss = loss_torch(cfg, out, target, w.undefined)
         loss.backward()
-        optimizer.step()
+        step()
         result.losses.append(float(loss.detach()))
         result.params.append(state_numpy(module))
     with torch.no_grad():  # the loss the last step leads to, for telling divergence
         out, _ = _call(module, cfg, x)
         result.final_loss = float(loss_torch(cfg, out, target, w.undefined))
     return result
+
+
+# Whether torch.optim.SGD's update function is called directly rather than through the optimizer
+# object (see _sgd_step); the test that both agree turns it off.
+DIRECT_SGD_UPDATE = True
+
+
+def _sgd_step(params: list[torch.Tensor], cfg: Config):
+    """One torch.optim.SGD step over `params`, as a function of no arguments.
+
+    On CPU, torch.optim.SGD.step runs torch.optim.sgd._single_tensor_sgd over the parameters that
+    have a gradient (foreach and fused are for accelerators). The optimizer object itself imports
+    torch._dynamo on first use, which doubles torch's import time (measured: 1.7-2x `import
+    torch`) for a wrapper that only matters under torch.compile; so that function is called
+    directly, keeping the momentum buffers as the optimizer does. tests/test_default_suite.py checks that
+    both give bitwise the same weights; without the function (another torch), the optimizer runs.
+    """
+    settings = sgd_options(cfg)
+    # torch.optim deletes its submodule names; the module itself is where SGD is defined.
+    single_tensor_sgd = getattr(sys.modules[torch.optim.SGD.__module__], "_single_tensor_sgd", None)
+    if single_tensor_sgd is None or not DIRECT_SGD_UPDATE:
+        return torch.optim.SGD(params, **settings).step
+    buffers: dict[int, torch.Tensor | None] = {}
+
+    @torch.no_grad()
+    def step() -> None:
+        with_grad = [p for p in params if p.grad is not None]
+        momentum_buffers = [buffers.get(id(p)) for p in with_grad]
+        single_tensor_sgd(with_grad, [p.grad for p in with_grad], momentum_buffers, None, None,
+                          has_sparse_grad=False, **settings)  # fmt: skip
+        if cfg.momentum != 0:
+            buffers.update((id(p), buf) for p, buf in zip(with_grad, momentum_buffers))
+
+    return step

@@ -35,7 +35,7 @@ _INT_RANGES = {
     "steps": (1, MAX_STEPS),
 }
 _FLOAT_FIELDS = (
-    "dropout", "input_scale", "budget_factor", "budget_floor", "atol", "rtol",
+    "dropout", "mask_fill", "input_scale", "budget_factor", "budget_floor", "atol", "rtol",
     "lr", "momentum", "dampening", "weight_decay",
 )
 # field: (bound, whether the bound itself is allowed, the rule as the user reads it)
@@ -74,6 +74,7 @@ class Config(BaseModel):
     add_zero_attn: bool = False
     batch_first: bool = True
     self_attention: bool = True
+    key_is_value: bool = False
     unbatched: bool = False
     dropout: float = 0.0
 
@@ -82,6 +83,7 @@ class Config(BaseModel):
     mask_dtype: Literal["bool", "float"] = "bool"
     key_padding_mask_dtype: Literal["bool", "float"] | None = None
     key_padding_mask: Literal["none", "random", "full_row"] = "none"
+    mask_fill: float | None = None
     is_causal: bool = False
     input_scale: float = 1.0
     need_weights: bool = True
@@ -231,6 +233,30 @@ def _consistency_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
                 "self_attention: true feeds one tensor as query, key and value, which conflicts with "
                 f"{', '.join(text for _, text in conflicts)} (embed_dim: {E}); "
                 "set self_attention: false for cross-attention",
+            ))
+
+    if cfg.key_is_value:
+        if cfg.self_attention:
+            problems.append((
+                ("key_is_value", "self_attention"),
+                "true passes one array as key and value, beside a separate query: it needs "
+                "self_attention: false (self-attention already passes one array for all three)",
+            ))
+        if cfg.kdim_eff != cfg.vdim_eff:
+            problems.append((
+                ("key_is_value", "vdim", "kdim"),
+                f"true passes one array as key and value, so kdim and vdim must be equal, got "
+                f"kdim: {cfg.kdim_eff}, vdim: {cfg.vdim_eff}",
+            ))
+
+    if cfg.mask_fill is not None:
+        if not cfg.mask_fill < 0:
+            problems.append((("mask_fill",), f"must be a negative number (or null for -inf), got {show(cfg.mask_fill)}"))
+        elif cfg.mask_dtype != "float" or cfg.attn_mask == "none":
+            problems.append((
+                ("mask_fill", "mask_dtype", "attn_mask"),
+                "fills the masked places of a float attn_mask, so it needs mask_dtype: float and an "
+                f"attn_mask, got mask_dtype: {cfg.mask_dtype}, attn_mask: {cfg.attn_mask}",
             ))
 
     if cfg.is_causal:
