@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from attncheck import torch_side
-from attncheck.candidate import INPUT_GRADIENTS, REFERENCE, REFERENCE_SPEC, Candidate, Session, framework_of, module_options
+from attncheck.candidate import INPUT_GRADIENTS, REFERENCE, REFERENCE_SPEC, Candidate, Session, for_module, framework_of, module_options, reference_for
 from attncheck.commands import COMMANDS, options_for
 from attncheck.compare import Evidence, compare, decide, measure, rule_for, sgd_rule, with_logit_floor
 from attncheck.config import Config
@@ -24,6 +24,7 @@ from attncheck.dtypes import eps as machine_eps
 from attncheck.dtypes import is_float, np_dtype
 from attncheck.errors import CandidateError, Unsupported
 from attncheck.inputs import Workload, directions, fully_masked, make_workload, weights_rows
+from attncheck.modules import kind_of
 from attncheck.report import FAIL, INCONCLUSIVE, INFO, SKIPPED, UNSUPPORTED, LossStep, Report, Row
 from attncheck.sgd import SGD, sgd_options
 from attncheck.sgd import SGD as TRUSTED_SGD  # the oracle's: tests swap `SGD` for a wrong update
@@ -94,7 +95,13 @@ def _new_report(command: str, cfg: Config, candidate: Candidate) -> Report:
 def _masking_note(cfg: Config, w: Workload, report: Report) -> np.ndarray:
     """Say how many query rows have no allowed key; return them, (B, H, L)."""
     masked = fully_masked(cfg, w.attn_mask, w.key_padding_mask)
-    if masked.any():
+    if masked.any() and cfg.is_layer:
+        report.notes.append(
+            f"{int(masked.sum())} of {masked.size} query rows have every key masked: the layer's attention gives them "
+            "zero (need_weights=False), so its output there is the input carried on by the residual and the norms; "
+            "torch's fast path gives NaN there instead, and its rows leave them out."
+        )
+    elif masked.any():
         fate = ("NaN in torch's output and, through the backward, its gradients" if cfg.need_weights
                 else "zeros on torch's SDPA path (need_weights: false); NaN from a candidate is accepted there")  # fmt: skip
         report.notes.append(
@@ -239,6 +246,7 @@ def _dtype_row(section: str, cfg: Config, returned: dict[str, np.dtype]) -> Row 
 def check_forward(cfg: Config, candidate: Candidate = REFERENCE, *, strict: bool = False) -> Report:
     """Outputs and attention weights of the candidate against torch's standard (and fast) path."""
     start = time.perf_counter()
+    candidate = for_module(candidate, cfg)
     report = _new_report("forward", cfg, candidate)
     w = make_workload(cfg)
     masked = _masking_note(cfg, w, report)
@@ -246,7 +254,7 @@ def check_forward(cfg: Config, candidate: Candidate = REFERENCE, *, strict: bool
     rule = rule_for(cfg, "forward")
     o_out = o_weights = None
     if rule.needs_oracle:
-        oracle = Session(oracle_config(cfg), REFERENCE)
+        oracle = Session(oracle_config(cfg), reference_for(cfg))
         w64 = w.astype(np.float64)
         oracle_obj = oracle.build(w64.params)
         o_out, o_weights = oracle.forward(oracle_obj, w64)
@@ -306,7 +314,13 @@ def _fast_path_rows(cfg, w, out, weights, rule, o_out, o_weights, masked) -> lis
 
 # --------------------------------------------------------------------------------------- grad
 def grad_labels(cfg: Config, name: str, per_head: bool) -> list[tuple[str, tuple]]:
-    """Report rows for one gradient: (label, index into the array), split by path and head."""
+    """Report rows for one gradient: (label, index into the array), split by path and head.
+
+    The attention's parameters inside a larger module (the layer's `self_attn.`) split the same way.
+    """
+    prefix = kind_of(cfg).attention_prefix
+    if prefix and name.startswith(prefix):
+        return [(prefix + label, index) for label, index in grad_labels(cfg, name[len(prefix) :], per_head)]
     E, D, H = cfg.embed_dim, cfg.head_dim, cfg.num_heads
     if name in ("in_proj_weight", "in_proj_bias"):
         blocks = [(f"{name}[{p}]", i * E) for i, p in enumerate("qkv")]
@@ -341,6 +355,9 @@ def _input_grads(cfg: Config, grads: dict[str, np.ndarray]) -> tuple[dict[str, n
     returns one; else the sum of its query, key and value gradients; else, when it returns only
     `query` (a candidate taking one input), that one as the whole.
     """
+    kind = kind_of(cfg)
+    if cfg.is_layer:
+        return {k: grads.get(k) for k in kind.input_gradients}, ""
     if cfg.key_is_value:  # one array as key and value: torch reports one gradient for both
         key_value = _summed(grads.get("key"), grads.get("value"))
         return {"query": grads.get("query"), "key_value": key_value}, "key is value: `key_value` is the sum of the key and value gradients."
@@ -357,7 +374,10 @@ def _input_grads(cfg: Config, grads: dict[str, np.ndarray]) -> tuple[dict[str, n
 
 
 def _input_shapes(cfg: Config, w: Workload) -> dict[str, tuple[int, ...]]:
-    """The inputs as torch sees them: one `input` (self-attention), or query and `key_value`, or all three."""
+    """The inputs as torch sees them: the layer's `src`, one `input` (self-attention), or query and
+    `key_value`, or all three."""
+    if cfg.is_layer:
+        return {name: w.query.shape for name in kind_of(cfg).input_gradients}
     if cfg.self_attention:
         return {"input": w.query.shape}
     if cfg.key_is_value:
@@ -366,13 +386,14 @@ def _input_shapes(cfg: Config, w: Workload) -> dict[str, tuple[int, ...]]:
 
 
 def _full_grads(cfg: Config, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
-    params = {k: v for k, v in grads.items() if k not in (*INPUT_GRADIENTS, "input")}
+    params = {k: v for k, v in grads.items() if k not in (*INPUT_GRADIENTS, *kind_of(cfg).input_gradients, "input")}
     return {**params, **_input_grads(cfg, grads)[0]}
 
 
 def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool = False, strict: bool = False) -> Report:
     """Every gradient of the candidate against torch autograd, and against finite differences."""
     start = time.perf_counter()
+    candidate = for_module(candidate, cfg)
     report = _new_report("grad", cfg, candidate)
     w = make_workload(cfg)
     masked = _masking_note(cfg, w, report)
@@ -381,7 +402,7 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
     oracle = None
     w64 = w.astype(np.float64)
     if grad_rule.needs_oracle or cfg.dtype != "float64":  # the finite differences reuse it below
-        oracle_session = Session(oracle_config(cfg), REFERENCE)
+        oracle_session = Session(oracle_config(cfg), reference_for(cfg))
         oracle_obj = oracle_session.build(w64.params)
         oracle = _run_grad(oracle_session, oracle_config(cfg), w64, oracle_obj)
         forward_rule = with_logit_floor(forward_rule, cfg, getattr(oracle_obj, "logit_magnitude", None))
@@ -452,7 +473,7 @@ def _perturbed(w: Workload, name: str, delta: np.ndarray) -> Workload:
     """The workload with one parameter or input moved by delta."""
     if name in w.params:
         return replace(w, params={**w.params, name: w.params[name] + delta})
-    if name == "input":  # one tensor under self-attention
+    if name in ("input", "src"):  # one tensor under self-attention
         x = w.query + delta
         return replace(w, query=x, key=x, value=x)
     if name == "key_value":  # one tensor as key and value
@@ -465,7 +486,7 @@ def _input_value(w: Workload, name: str) -> np.ndarray:
     """The array a parameter or input gradient is taken against."""
     if name in w.params:
         return w.params[name]
-    return {"input": w.query, "key_value": w.key}.get(name, getattr(w, name, None))
+    return {"input": w.query, "src": w.query, "key_value": w.key}.get(name, getattr(w, name, None))
 
 
 JOINT_FD = "all (one joint direction)"
@@ -485,7 +506,7 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
     session = session_for(cfg64, candidate)
     try:
         if grads64 is None:
-            if candidate is REFERENCE and oracle is not None:
+            if candidate is reference_for(cfg) and oracle is not None:
                 out0, loss0, grads64 = oracle
             else:
                 out0, loss0, grads64 = _run_grad(session, cfg64, w64)
@@ -652,13 +673,14 @@ def judged_steps(cfg: Config, w: Workload, t, oracle: Trajectory | None) -> tupl
 def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
     """Weights after `steps` SGD steps of the candidate against torch.optim.SGD."""
     start = time.perf_counter()
+    candidate = for_module(candidate, cfg)
     report = _new_report("sgd-step", cfg, candidate)
     w = make_workload(cfg)
     masked = _masking_note(cfg, w, report)
     t = torch_side.sgd(cfg, w)
     oracle = None
     if rule_for(cfg, "sgd").needs_oracle:
-        oracle = _run_sgd(Session(oracle_config(cfg), REFERENCE), oracle_config(cfg), w.astype(np.float64), TRUSTED_SGD)
+        oracle = _run_sgd(Session(oracle_config(cfg), reference_for(cfg)), oracle_config(cfg), w.astype(np.float64), TRUSTED_SGD)
     session = session_for(cfg, candidate)
     try:
         mine = _run_sgd(session, cfg, w)

@@ -16,6 +16,7 @@ import numpy as np
 
 from attncheck.config import Config
 from attncheck.dtypes import np_dtype
+from attncheck.modules import kind_of
 
 # Stream ids: fixed forever, so a seed keeps meaning the same arrays.
 _PARAMS, _INPUTS, _ATTN_MASK, _KEY_PADDING, _TARGET, _DIRECTIONS = range(6)
@@ -67,24 +68,8 @@ class Workload:
 
 
 def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """The shapes of nn.MultiheadAttention's state_dict() for this config, in its order."""
-    E = cfg.embed_dim
-    shapes: dict[str, tuple[int, ...]] = {}
-    if cfg.kdim_eff == E and cfg.vdim_eff == E:
-        shapes["in_proj_weight"] = (3 * E, E)
-    else:
-        shapes["q_proj_weight"] = (E, E)
-        shapes["k_proj_weight"] = (E, cfg.kdim_eff)
-        shapes["v_proj_weight"] = (E, cfg.vdim_eff)
-    if cfg.bias:
-        shapes["in_proj_bias"] = (3 * E,)
-    if cfg.add_bias_kv:
-        shapes["bias_k"] = (1, 1, E)
-        shapes["bias_v"] = (1, 1, E)
-    shapes["out_proj.weight"] = (E, E)
-    if cfg.bias:
-        shapes["out_proj.bias"] = (E,)
-    return shapes
+    """The shapes of the checked torch module's state_dict() for this config, in its order."""
+    return kind_of(cfg).param_shapes(cfg)
 
 
 def make_params(cfg: Config) -> dict[str, np.ndarray]:
@@ -92,14 +77,18 @@ def make_params(cfg: Config) -> dict[str, np.ndarray]:
 
     torch initializes biases to zero, which would hide any bias bug, so they are drawn here
     like the weights. Weights use Xavier-uniform bounds so logits stay in a realistic range.
+    Layer norm weights, which torch starts at 1 (hiding a norm that ignores them), are drawn
+    from [0.5, 1.5]: scales of either sign's size would make the norm's output meaningless.
     """
     gen = rng(cfg.seed, _PARAMS)
     dtype = np_dtype(cfg.dtype)
     params = {}
     for name, shape in param_shapes(cfg).items():
-        if name.endswith("weight"):
+        if name.endswith("weight") and len(shape) == 1:  # a layer norm's scale
+            values = gen.uniform(0.5, 1.5, size=shape)
+        elif name.endswith("weight"):
             fan_out, fan_in = shape
-            if name == "in_proj_weight":
+            if name.endswith("in_proj_weight"):
                 fan_out //= 3
             bound = np.sqrt(6.0 / (fan_in + fan_out))
             values = gen.uniform(-bound, bound, size=shape)
@@ -210,7 +199,9 @@ def make_workload(cfg: Config) -> Workload:
         attn_mask=attn_mask,
         key_padding_mask=key_padding_mask,
         target=make_target(cfg),
-        undefined=output_rows(cfg, masked.any(axis=1)) if masked.any() else None,
+        # The layer's output is defined there: its attention gives such rows zero (need_weights=False),
+        # and the residual and norms carry the input on.
+        undefined=output_rows(cfg, masked.any(axis=1)) if masked.any() and not cfg.is_layer else None,
     )
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from attncheck.candidate import Session, _defined_at, _guard, module_options
 from attncheck.errors import UsageError
+from attncheck.modules import kind_of
 
 try:
     import jax
@@ -41,7 +42,7 @@ class JaxSession(Session):
         super().__init__(cfg, candidate)
         self._leaves: dict[str, Any] = {}  # gradient key -> array handed in since the last build or forward
         self._params_of: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(obj) -> (obj, its parameters)
-        self._call: tuple[Any, dict[str, Any], dict[str, Any]] | None = None  # (obj, inputs by key, options)
+        self._call: tuple[Any, dict[str, Any], tuple[Any, Any]] | None = None  # (obj, inputs by key, masks)
 
     def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None) -> Any:
         array = jnp.asarray(original)
@@ -74,15 +75,16 @@ class JaxSession(Session):
         self._leaves, self._call = {}, None
         return super().forward(obj, w)
 
-    def _returned(self, output: Any, obj: Any, inputs: tuple, options: dict) -> None:
-        self._call = (obj, self._leaves, options)
+    def _returned(self, output: Any, obj: Any, inputs: tuple, masks: tuple) -> None:
+        self._call = (obj, self._leaves, masks)
 
     def _gradients(self, obj: Any, grad_output: np.ndarray) -> tuple[Any, str | None]:
         """The candidate's own backward if it has one; else jax.vjp of build-and-forward."""
         if callable(getattr(obj, "backward", None)):
             return super()._gradients(obj, grad_output)
         where = _defined_at(obj.forward)
-        called, inputs, options = self._call
+        called, inputs, masks = self._call
+        kind = kind_of(self.cfg)
         params = self._params_of[id(called)][1]
         cfg, factory = self.cfg, self.candidate.factory
 
@@ -94,7 +96,8 @@ class JaxSession(Session):
                 q = k = v = diff["input"]
             else:  # key_is_value: one array as key and value
                 q, k, v = diff["query"], diff["key"], diff.get("value", diff["key"])
-            return built.forward(q, k, v, **options)[0]
+            result = kind.call_forward(cfg, built, q, k, v, *masks)
+            return result[0] if kind.returns_weights else result
 
         def vjp() -> dict[str, Any]:
             out, pullback = jax.vjp(output_of, {**params, **inputs})

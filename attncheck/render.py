@@ -38,10 +38,15 @@ def header(report: Report) -> Text:
     c = report.config
     S = c.get("src_len") or c.get("tgt_len")
     shape = f"E={c['embed_dim']} H={c['num_heads']} B={1 if c.get('unbatched') else c['batch_size']} L={c['tgt_len']} S={S}"
+    layer = c.get("module") == "transformer_encoder_layer"
+    if layer:
+        F = c.get("dim_feedforward") or 4 * c["embed_dim"]
+        shape = f"E={c['embed_dim']} H={c['num_heads']} F={F} B={1 if c.get('unbatched') else c['batch_size']} L={c['tgt_len']}"
     facts = [
         c["dtype"],
         shape,
-        "self-attention" if c.get("self_attention") else ("cross-attention, key is value" if c.get("key_is_value") else "cross-attention"),
+        ("encoder layer · " + ("pre-norm" if c.get("norm_first") else "post-norm") + f" · {c.get('activation', 'relu')}") if layer
+        else "self-attention" if c.get("self_attention") else ("cross-attention, key is value" if c.get("key_is_value") else "cross-attention"),
         "batch_first" if c.get("batch_first") else "seq-first",
     ]
     if c.get("unbatched"):
@@ -55,7 +60,7 @@ def header(report: Report) -> Text:
             facts.append(flag)
     if not c.get("bias", True):
         facts.append("bias=false")
-    if not c.get("need_weights", True):
+    if not c.get("need_weights", True) and not layer:
         facts.append("need_weights=false")
     if report.command == "sgd-step":
         facts.append(f"steps={c['steps']} lr={c['lr']:g}")

@@ -72,7 +72,7 @@ class TorchSession(Session):
         self._inputs = self._leaves
         return result
 
-    def _returned(self, output: Any, obj: Any, inputs: tuple, options: dict) -> None:
+    def _returned(self, output: Any, obj: Any, inputs: tuple, masks: tuple) -> None:
         self._output = output
 
     def _as_numpy(self, value: Any, what: str, where: str | None) -> np.ndarray:

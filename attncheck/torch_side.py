@@ -1,4 +1,5 @@
-"""torch.nn.MultiheadAttention with the same weights and inputs: the one module that imports torch.
+"""torch.nn.MultiheadAttention (or nn.TransformerEncoderLayer) with the same weights and inputs:
+the one module that imports torch.
 
 Everything returned is NumPy, so nothing above this module needs torch.
 """
@@ -93,11 +94,17 @@ def use_one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def build_module(cfg: Config, params: dict[str, np.ndarray]) -> torch.nn.MultiheadAttention:
-    """nn.MultiheadAttention for the config, every parameter overwritten from `params`."""
-    module = torch.nn.MultiheadAttention(
-        num_heads=cfg.num_heads, batch_first=cfg.batch_first, dtype=DTYPES[cfg.dtype], device=cfg.device, **module_options(cfg)
-    )
+def build_module(cfg: Config, params: dict[str, np.ndarray]) -> torch.nn.Module:
+    """nn.MultiheadAttention or nn.TransformerEncoderLayer for the config, every parameter (the
+    layer norms' weights and biases included) overwritten from `params`."""
+    if cfg.is_layer:
+        module = torch.nn.TransformerEncoderLayer(
+            nhead=cfg.num_heads, batch_first=cfg.batch_first, dtype=DTYPES[cfg.dtype], device=cfg.device, **module_options(cfg)
+        )
+    else:
+        module = torch.nn.MultiheadAttention(
+            num_heads=cfg.num_heads, batch_first=cfg.batch_first, dtype=DTYPES[cfg.dtype], device=cfg.device, **module_options(cfg)
+        )
     load_params(module, params)
     return module
 
@@ -149,10 +156,15 @@ def _inputs(cfg: Config, w: Workload, requires_grad: bool) -> _Inputs:
     return _Inputs(query, key, value, _tensor(w.attn_mask, cfg), _tensor(w.key_padding_mask, cfg))
 
 
-def _call(module: torch.nn.MultiheadAttention, cfg: Config, x: _Inputs):
+def _call(module: torch.nn.Module, cfg: Config, x: _Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(output, weights) of the module; the layer returns no weights."""
     with warnings.catch_warnings():
         # Mixed bool/float masks are deprecated but still supported; the config asked for them.
         warnings.filterwarnings("ignore", message="Support for mismatched")
+        warnings.filterwarnings("ignore", message="enable_nested_tensor")
+        if cfg.is_layer:
+            out = module(x.query, src_mask=x.attn_mask, src_key_padding_mask=x.key_padding_mask, is_causal=cfg.is_causal)
+            return out, None
         return module(
             x.query,
             x.key,
@@ -192,8 +204,11 @@ def forward(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
 def fast_path_blocker(cfg: Config) -> str | None:
     """Why torch would not take its inference fast path for this config (None: it would).
 
-    Mirrors the checks at the top of nn.MultiheadAttention.forward, for eval() under no_grad().
+    Mirrors the checks at the top of nn.MultiheadAttention.forward (or
+    nn.TransformerEncoderLayer.forward), for eval() under no_grad().
     """
+    if cfg.is_layer:
+        return _layer_fast_path_blocker(cfg)
     if cfg.mask_dtype == "float" and cfg.attn_mask != "none":
         return "floating-point masks are not supported for fast path"
     if cfg.key_padding_mask != "none" and cfg.key_padding_mask_dtype_eff == "float":
@@ -209,6 +224,21 @@ def fast_path_blocker(cfg: Config) -> str | None:
         (cfg.add_zero_attn, "add_zero_attn is set"),
         (cfg.kdim_eff != cfg.embed_dim or cfg.vdim_eff != cfg.embed_dim, "kdim/vdim differ from embed_dim"),
         (not cfg.bias, "bias is false (torch's native kernel needs the projection biases)"),
+    ]
+    return next((why for blocked, why in reasons if blocked), None)
+
+
+def _layer_fast_path_blocker(cfg: Config) -> str | None:
+    """nn.TransformerEncoderLayer.forward's `why_not_sparsity_fast_path`, in its order. It does not
+    refuse float masks (merge_masks takes them), and activation and both eps are always its own
+    relu/gelu and one eps here."""
+    if not torch.backends.mha.get_fastpath_enabled():
+        return "torch.backends.mha.get_fastpath_enabled() is False"
+    reasons = [
+        (cfg.unbatched, "input not batched"),
+        (not cfg.batch_first, "batch_first is false"),
+        (not cfg.bias, "bias is false (self_attn was passed bias=False)"),
+        (cfg.num_heads % 2 != 0, "num_heads is odd"),
     ]
     return next((why for blocked, why in reasons if blocked), None)
 
@@ -239,7 +269,9 @@ def grad(cfg: Config, w: Workload) -> GradResult:
     loss = loss_torch(cfg, out, _tensor(w.target, cfg), w.undefined)
     loss.backward()
     grads = {name: _numpy(p.grad) for name, p in module.named_parameters()}
-    if cfg.self_attention:
+    if cfg.is_layer:
+        grads["src"] = _numpy(x.query.grad)
+    elif cfg.self_attention:
         grads["input"] = _numpy(x.query.grad)  # the sum of the query, key and value gradients
     elif cfg.key_is_value:
         grads.update(query=_numpy(x.query.grad), key_value=_numpy(x.key.grad))  # the key and value gradients summed

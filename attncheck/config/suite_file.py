@@ -20,9 +20,17 @@ from attncheck.commands import NAMES
 from attncheck.config.config_file import plain_config, resolve_impl
 from attncheck.config.display import plain, show, type_name
 from attncheck.config.messages import locate, raise_if_any, unknown_key_message, validate
-from attncheck.config.schema import CONFIG_KEYS, SUITE_KEYS, Config
-from attncheck.config.yaml_reading import Document, KeyPath, dotted, parse_document, read_suite_file
-from attncheck.errors import Problem
+from attncheck.config.schema import CONFIG_KEYS, SUITE_KEYS, TRANSFORMER_ENCODER_LAYER, Config
+from attncheck.config.yaml_reading import (
+    DEFAULT_LAYER_SUITE_SOURCE,
+    Document,
+    KeyPath,
+    default_layer_suite_text,
+    dotted,
+    parse_document,
+    read_suite_file,
+)
+from attncheck.errors import Problem, UsageError
 
 MAX_MATRIX_CASES = 10_000
 
@@ -51,11 +59,23 @@ class Suite:
     cases: list[Case]
 
 
-def load_suite(path: str | Path | None) -> Suite:
+def load_suite(path: str | Path | None, module: str | None = None) -> Suite:
     """Load a suite from a YAML file; a plain config file is a suite of one case; None is the
-    embedded default suite (a case per feature)."""
+    embedded default suite (a case per feature).
+
+    `module` (the command line's --module): with no file, the embedded default suite of that
+    module; with one, every case must check that module (a UsageError names the first that does not).
+    """
+    if path is None and module == TRANSFORMER_ENCODER_LAYER:
+        return parse_suite(default_layer_suite_text(), DEFAULT_LAYER_SUITE_SOURCE, name="default-layer-suite")
     text, source, name = read_suite_file(path)
-    return parse_suite(text, source, name=name)
+    suite = parse_suite(text, source, name=name)
+    if module is not None and path is not None:
+        for case in suite.cases:
+            if case.config is not None and case.config.module != module:
+                raise UsageError(f"--module {module}, but case {case.name!r} of {source} checks module: {case.config.module}; "
+                                 f"set module: {module} in the config, or leave --module out")  # fmt: skip
+    return suite
 
 
 def parse_suite(text: str, source: str, *, name: str | None = None) -> Suite:

@@ -43,6 +43,14 @@ def read_suite_file(path: str | Path | None) -> tuple[str, str, str]:
     return read_config_file(path)
 
 
+DEFAULT_LAYER_SUITE_SOURCE = "<default layer suite>"
+
+
+def default_layer_suite_text() -> str:
+    """The embedded default suite of nn.TransformerEncoderLayer, attncheck/config/default_layer_suite.yaml."""
+    return resources.files("attncheck.config").joinpath("default_layer_suite.yaml").read_text(encoding="utf-8")
+
+
 def read_config_file(path: str | Path | None) -> tuple[str, str, str]:
     """The text of a config file, its name in messages and its default name (the file stem).
 
