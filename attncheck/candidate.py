@@ -8,7 +8,9 @@ A candidate is any factory (a class or a function) named by a SPEC, `package.mod
 with parameters keyed by `nn.MultiheadAttention.state_dict()` names. `obj.forward(query, key,
 value, *, attn_mask, key_padding_mask, need_weights, average_attn_weights)` returns
 `(output, weights)`; `obj.backward(grad_output)` returns gradients keyed by the same names plus
-`query`, `key`, `value`. Everything it raises or returns is checked here and turned into a
+`query`, `key`, `value`. For `module: transformer_encoder_layer` the options, names and calls
+are nn.TransformerEncoderLayer's (attncheck.modules): `obj.forward(src, *, src_mask,
+src_key_padding_mask, is_causal)` returns the output, and backward adds `src`. Everything it raises or returns is checked here and turned into a
 `CandidateError` naming the file and line in the candidate's own code; nothing it does can crash
 attncheck. This module imports neither torch nor anything that does.
 """
@@ -16,6 +18,7 @@ attncheck. This module imports neither torch nor anything that does.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -32,9 +35,9 @@ import numpy as np
 from attncheck.config.config_file import impl_file
 from attncheck.errors import CandidateError, Unsupported, UsageError, shorten
 from attncheck.inputs import Workload
-from attncheck.reference import MultiheadAttention
+from attncheck.modules import KINDS, MHA, kind_of
 
-REFERENCE_SPEC = "attncheck.reference:MultiheadAttention"
+REFERENCE_SPEC = MHA.reference_spec
 # A candidate's exception message is echoed in at most this many characters.
 MESSAGE_LIMIT = 200
 
@@ -47,21 +50,25 @@ class Candidate:
     factory: Callable[..., Any]
 
 
-REFERENCE = Candidate(REFERENCE_SPEC, MultiheadAttention)
+REFERENCE = Candidate(REFERENCE_SPEC, MHA.reference)
+# Each module's own reference; REFERENCE (no --impl) stands for the config's module's.
+REFERENCES = {name: REFERENCE if kind is MHA else Candidate(kind.reference_spec, kind.reference) for name, kind in KINDS.items()}
+
+
+def reference_for(cfg) -> Candidate:
+    """The NumPy reference of the config's module: the oracle, and the candidate when none is given."""
+    return REFERENCES[kind_of(cfg).name]
+
+
+def for_module(candidate: Candidate, cfg) -> Candidate:
+    """The candidate to run: the default reference becomes the reference of the config's module."""
+    return reference_for(cfg) if candidate is REFERENCE else candidate
 
 
 def module_options(cfg) -> dict[str, Any]:
-    """nn.MultiheadAttention's constructor options besides embed_dim's companions num_heads and
-    batch_first: passed alike to torch's module and to every candidate."""
-    return dict(
-        embed_dim=cfg.embed_dim,
-        kdim=cfg.kdim,
-        vdim=cfg.vdim,
-        bias=cfg.bias,
-        add_bias_kv=cfg.add_bias_kv,
-        add_zero_attn=cfg.add_zero_attn,
-        dropout=cfg.dropout,
-    )
+    """The torch module's constructor options besides num_heads and batch_first: passed alike to
+    torch's module and to every candidate (attncheck.modules)."""
+    return kind_of(cfg).options(cfg)
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -174,7 +181,16 @@ def _traceback(exc: BaseException) -> str:
 def _defined_at(fn: Any) -> str | None:
     """file:line where a candidate's method is defined: the place to look when it returns junk."""
     try:
-        fn = inspect.unwrap(getattr(fn, "__func__", fn))
+        return _source_line(inspect.unwrap(getattr(fn, "__func__", fn)))
+    except TypeError:  # not hashable: look it up every time
+        return _source_line.__wrapped__(fn)
+
+
+@functools.lru_cache(maxsize=256)
+def _source_line(fn: Any) -> str | None:
+    """_defined_at's lookup, once per function: inspect reads the source file (milliseconds),
+    and every call into a candidate names its method."""
+    try:
         filename, line = inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
     except (TypeError, OSError):
         return None
@@ -247,6 +263,10 @@ class Session:
         self._handed = [h for h in self._handed if h[0].startswith("parameter")]
 
     def build(self, params: dict[str, np.ndarray]) -> Any:
+        # Parameters of earlier builds were checked after every call since; keeping them would make
+        # each later call compare every earlier build's copies (quadratic in the finite differences'
+        # builds). An object is not called after a newer one is built.
+        self._handed = [h for h in self._handed if not h[0].startswith("parameter")]
         handed = {k: self._hand(f"parameter `{k}`", v) for k, v in params.items()}
         obj = _guard(
             f"{self.candidate.spec}(...)",
@@ -263,24 +283,32 @@ class Session:
         """The candidate's (output, weights), after checking it returned an output torch's shape."""
         if not callable(getattr(obj, "forward", None)):
             raise CandidateError(f"{self.candidate.spec} built a {type(obj).__name__} with no forward() method")
-        query = self._hand("its `query` argument", w.query)
+        kind = kind_of(self.cfg)
+        first = "its `src` argument" if kind is not MHA else "its `query` argument"
+        query = self._hand(first, w.query)
         # One array passed as query, key and value stays one array (self-attention), so a candidate
         # may test `key is query`; likewise key and value (encoder-decoder attention).
         key = query if w.key is w.query else self._hand("its `key` argument", w.key)
         value = key if w.value is w.key else self._hand("its `value` argument", w.value)
+        masks = ("attn_mask", "key_padding_mask") if kind is MHA else ("src_mask", "src_key_padding_mask")
         result = _guard(
             "forward()",
-            obj.forward,
+            kind.call_forward,
+            self.cfg,
+            obj,
             query,
             key,
             value,
-            attn_mask=self._hand("its `attn_mask` argument", w.attn_mask),
-            key_padding_mask=self._hand("its `key_padding_mask` argument", w.key_padding_mask),
-            need_weights=self.cfg.need_weights,
-            average_attn_weights=self.cfg.average_attn_weights,
+            self._hand(f"its `{masks[0]}` argument", w.attn_mask),
+            self._hand(f"its `{masks[1]}` argument", w.key_padding_mask),
         )
         self._check_handed("forward()")
         where = _defined_at(obj.forward)
+        if not kind.returns_weights:
+            out = self._as_numpy(result, "forward() returned an output", where)
+            if out.shape != w.query.shape:
+                raise CandidateError(f"forward() returned an output of shape {out.shape}, expected src's {w.query.shape}", where)
+            return out, None
         if not (isinstance(result, tuple) and len(result) == 2):
             raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, weights)", where)
         out = self._as_numpy(result[0], "forward() returned an output", where)
@@ -304,8 +332,13 @@ class Session:
         where = _defined_at(obj.backward)
         if not isinstance(grads, dict):
             raise CandidateError(f"backward() returned {type(grads).__name__}, expected a dict of arrays", where)
-        shapes = {**{k: v.shape for k, v in w.params.items()}, "query": w.query.shape, "key": w.key.shape, "value": w.value.shape}
-        if w.key is w.query and w.value is w.query:
+        kind = kind_of(self.cfg)
+        shapes = {k: v.shape for k, v in w.params.items()}
+        if kind is not MHA:
+            shapes.update({name: w.query.shape for name in kind.input_gradients})
+        else:
+            shapes.update(query=w.query.shape, key=w.key.shape, value=w.value.shape)
+        if kind is MHA and w.key is w.query and w.value is w.query:
             shapes["input"] = w.query.shape  # self-attention: the one input's whole gradient
         arrays = {}
         for name, g in grads.items():

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from attncheck import torch_side
-from attncheck.candidate import INPUT_GRADIENTS, REFERENCE, REFERENCE_SPEC, Candidate, Session, module_options
+from attncheck.candidate import INPUT_GRADIENTS, REFERENCE, REFERENCE_SPEC, Candidate, Session, for_module, module_options, reference_for
 from attncheck.commands import COMMANDS, options_for
 from attncheck.compare import Evidence, compare, decide, measure, rule_for, sgd_rule, with_logit_floor
 from attncheck.config import Config
 from attncheck.diagnose import diagnose_report
 from attncheck.errors import CandidateError, Unsupported
 from attncheck.inputs import Workload, directions, fully_masked, make_workload, weights_rows
+from attncheck.modules import kind_of
 from attncheck.report import FAIL, INCONCLUSIVE, INFO, SKIPPED, UNSUPPORTED, LossStep, Report, Row
 from attncheck.sgd import SGD, sgd_options
 from attncheck.sgd import SGD as TRUSTED_SGD  # the oracle's: tests swap `SGD` for a wrong update
@@ -74,7 +75,13 @@ def _new_report(command: str, cfg: Config, candidate: Candidate) -> Report:
 def _masking_note(cfg: Config, w: Workload, report: Report) -> np.ndarray:
     """Say how many query rows have no allowed key; return them, (B, H, L)."""
     masked = fully_masked(cfg, w.attn_mask, w.key_padding_mask)
-    if masked.any():
+    if masked.any() and cfg.is_layer:
+        report.notes.append(
+            f"{int(masked.sum())} of {masked.size} query rows have every key masked: the layer's attention gives them "
+            "zero (need_weights=False), so its output there is the input carried on by the residual and the norms; "
+            "torch's fast path gives NaN there instead, and its rows leave them out."
+        )
+    elif masked.any():
         fate = ("NaN in torch's output and, through the backward, its gradients" if cfg.need_weights
                 else "zeros on torch's SDPA path (need_weights: false); NaN from a candidate is accepted there")  # fmt: skip
         report.notes.append(
@@ -219,6 +226,7 @@ def _dtype_row(section: str, cfg: Config, returned: dict[str, np.dtype]) -> Row 
 def check_forward(cfg: Config, candidate: Candidate = REFERENCE, *, strict: bool = False) -> Report:
     """Outputs and attention weights of the candidate against torch's standard (and fast) path."""
     start = time.perf_counter()
+    candidate = for_module(candidate, cfg)
     report = _new_report("forward", cfg, candidate)
     w = make_workload(cfg)
     masked = _masking_note(cfg, w, report)
@@ -226,7 +234,7 @@ def check_forward(cfg: Config, candidate: Candidate = REFERENCE, *, strict: bool
     rule = rule_for(cfg, "forward")
     o_out = o_weights = None
     if rule.needs_oracle:
-        oracle = Session(oracle_config(cfg), REFERENCE)
+        oracle = Session(oracle_config(cfg), reference_for(cfg))
         w64 = w.astype(np.float64)
         oracle_obj = oracle.build(w64.params)
         o_out, o_weights = oracle.forward(oracle_obj, w64)
@@ -286,7 +294,13 @@ def _fast_path_rows(cfg, w, out, weights, rule, o_out, o_weights, masked) -> lis
 
 # --------------------------------------------------------------------------------------- grad
 def grad_labels(cfg: Config, name: str, per_head: bool) -> list[tuple[str, tuple]]:
-    """Report rows for one gradient: (label, index into the array), split by path and head."""
+    """Report rows for one gradient: (label, index into the array), split by path and head.
+
+    The attention's parameters inside a larger module (the layer's `self_attn.`) split the same way.
+    """
+    prefix = kind_of(cfg).attention_prefix
+    if prefix and name.startswith(prefix):
+        return [(prefix + label, index) for label, index in grad_labels(cfg, name[len(prefix) :], per_head)]
     E, D, H = cfg.embed_dim, cfg.head_dim, cfg.num_heads
     if name in ("in_proj_weight", "in_proj_bias"):
         blocks = [(f"{name}[{p}]", i * E) for i, p in enumerate("qkv")]
@@ -306,13 +320,27 @@ def grad_labels(cfg: Config, name: str, per_head: bool) -> list[tuple[str, tuple
     return labels
 
 
+def _summed(*parts: np.ndarray | None) -> np.ndarray | None:
+    """The gradient of one array passed several times: the sum of its parts (None if any is missing)."""
+    if any(p is None for p in parts):
+        return None
+    return sum(parts[1:], parts[0])
+
+
 def _input_grads(cfg: Config, grads: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray | None], str]:
     """Input gradients keyed as torch reports them, and what was made of them.
 
-    Under self-attention torch reports one `input` gradient: the candidate's `input` if it
+    When key is value, torch reports one `key_value` gradient, the sum of the candidate's key and
+    value gradients. Under self-attention torch reports one `input` gradient: the candidate's `input` if it
     returns one; else the sum of its query, key and value gradients; else, when it returns only
     `query` (a candidate taking one input), that one as the whole.
     """
+    kind = kind_of(cfg)
+    if cfg.is_layer:
+        return {k: grads.get(k) for k in kind.input_gradients}, ""
+    if cfg.key_is_value:  # one array as key and value: torch reports one gradient for both
+        key_value = _summed(grads.get("key"), grads.get("value"))
+        return {"query": grads.get("query"), "key_value": key_value}, "key is value: `key_value` is the sum of the key and value gradients."
     if not cfg.self_attention:
         return {k: grads.get(k) for k in INPUT_GRADIENTS}, ""
     if grads.get("input") is not None:
@@ -325,14 +353,27 @@ def _input_grads(cfg: Config, grads: dict[str, np.ndarray]) -> tuple[dict[str, n
     return {"input": None}, "self-attention: `input` needs `input`, or all of query, key and value, or `query` alone."
 
 
+def _input_shapes(cfg: Config, w: Workload) -> dict[str, tuple[int, ...]]:
+    """The inputs as torch sees them: the layer's `src`, one `input` (self-attention), or query and
+    `key_value`, or all three."""
+    if cfg.is_layer:
+        return {name: w.query.shape for name in kind_of(cfg).input_gradients}
+    if cfg.self_attention:
+        return {"input": w.query.shape}
+    if cfg.key_is_value:
+        return {"query": w.query.shape, "key_value": w.key.shape}
+    return {"query": w.query.shape, "key": w.key.shape, "value": w.value.shape}
+
+
 def _full_grads(cfg: Config, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
-    params = {k: v for k, v in grads.items() if k not in (*INPUT_GRADIENTS, "input")}
+    params = {k: v for k, v in grads.items() if k not in (*INPUT_GRADIENTS, *kind_of(cfg).input_gradients, "input")}
     return {**params, **_input_grads(cfg, grads)[0]}
 
 
 def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool = False, strict: bool = False) -> Report:
     """Every gradient of the candidate against torch autograd, and against finite differences."""
     start = time.perf_counter()
+    candidate = for_module(candidate, cfg)
     report = _new_report("grad", cfg, candidate)
     w = make_workload(cfg)
     masked = _masking_note(cfg, w, report)
@@ -341,7 +382,7 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
     oracle = None
     w64 = w.astype(np.float64)
     if grad_rule.needs_oracle or cfg.dtype != "float64":  # the finite differences reuse it below
-        oracle_session = Session(oracle_config(cfg), REFERENCE)
+        oracle_session = Session(oracle_config(cfg), reference_for(cfg))
         oracle_obj = oracle_session.build(w64.params)
         oracle = _run_grad(oracle_session, oracle_config(cfg), w64, oracle_obj)
         forward_rule = with_logit_floor(forward_rule, cfg, getattr(oracle_obj, "logit_magnitude", None))
@@ -408,14 +449,24 @@ def _run_grad(session: Session, cfg: Config, w: Workload, obj=None):
     return out, loss, session.backward(obj, d_out, w)
 
 
-def _perturbed(w: Workload, name: str, delta: np.ndarray, self_attention: bool) -> Workload:
+def _perturbed(w: Workload, name: str, delta: np.ndarray) -> Workload:
     """The workload with one parameter or input moved by delta."""
     if name in w.params:
         return replace(w, params={**w.params, name: w.params[name] + delta})
-    if name == "input":  # one tensor under self-attention
+    if name in ("input", "src"):  # one tensor under self-attention
         x = w.query + delta
         return replace(w, query=x, key=x, value=x)
+    if name == "key_value":  # one tensor as key and value
+        x = w.key + delta
+        return replace(w, key=x, value=x)
     return replace(w, **{name: getattr(w, name) + delta})
+
+
+def _input_value(w: Workload, name: str) -> np.ndarray:
+    """The array a parameter or input gradient is taken against."""
+    if name in w.params:
+        return w.params[name]
+    return {"input": w.query, "src": w.query, "key_value": w.key}.get(name, getattr(w, name, None))
 
 
 JOINT_FD = "all (one joint direction)"
@@ -435,7 +486,7 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
     session = Session(cfg64, candidate)
     try:
         if grads64 is None:
-            if candidate is REFERENCE and oracle is not None:
+            if candidate is reference_for(cfg) and oracle is not None:
                 out0, loss0, grads64 = oracle
             else:
                 out0, loss0, grads64 = _run_grad(session, cfg64, w64)
@@ -448,8 +499,7 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
         return [Row("finite-diff", "all", INCONCLUSIVE, note=f"the candidate's float64 loss is {loss0}: finite differences are undefined")]
 
     grads = _full_grads(cfg64, grads64)
-    shapes = {**{k: v.shape for k, v in w64.params.items()}}
-    shapes.update({"input": w64.query.shape} if cfg.self_attention else {"query": w64.query.shape, "key": w64.key.shape, "value": w64.value.shape})
+    shapes = {**{k: v.shape for k, v in w64.params.items()}, **_input_shapes(cfg, w64)}
     dirs = directions(cfg, shapes)
     # The loss's rounding is relative to its terms' magnitudes: from the output already computed.
     magnitude = loss_magnitude(cfg64, out0, w64.target, w64.undefined)
@@ -472,8 +522,7 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
                 probes.append((label, name, index))
 
     def step(name: str) -> float:
-        x = w64.params[name] if name in w64.params else (w64.query if name == "input" else getattr(w64, name))
-        return FD_EPS * max(1.0, float(np.abs(x).max()))
+        return FD_EPS * max(1.0, float(np.abs(_input_value(w64, name)).max()))
 
     def probe_row(label: str, parts: list[tuple[str, tuple]], shape, numel: int) -> Row:
         """One central difference along the direction that moves each (name, index) part by its
@@ -483,7 +532,7 @@ def _finite_difference_rows(cfg, candidate, w64, grads64, oracle, strict: bool =
             moves[name][index] = step(name) * dirs[name][index]
         plus, minus = w64, w64
         for name, move in moves.items():
-            plus, minus = _perturbed(plus, name, move, cfg.self_attention), _perturbed(minus, name, -move, cfg.self_attention)
+            plus, minus = _perturbed(plus, name, move), _perturbed(minus, name, -move)
         f_plus, f_minus = loss_at(plus), loss_at(minus)
         # In units of the first part's step, so a one-part row reads as a slope as before.
         unit = step(parts[0][0])
@@ -604,13 +653,14 @@ def judged_steps(cfg: Config, w: Workload, t, oracle: Trajectory | None) -> tupl
 def check_sgd(cfg: Config, candidate: Candidate = REFERENCE) -> Report:
     """Weights after `steps` SGD steps of the candidate against torch.optim.SGD."""
     start = time.perf_counter()
+    candidate = for_module(candidate, cfg)
     report = _new_report("sgd-step", cfg, candidate)
     w = make_workload(cfg)
     masked = _masking_note(cfg, w, report)
     t = torch_side.sgd(cfg, w)
     oracle = None
     if rule_for(cfg, "sgd").needs_oracle:
-        oracle = _run_sgd(Session(oracle_config(cfg), REFERENCE), oracle_config(cfg), w.astype(np.float64), TRUSTED_SGD)
+        oracle = _run_sgd(Session(oracle_config(cfg), reference_for(cfg)), oracle_config(cfg), w.astype(np.float64), TRUSTED_SGD)
     session = Session(cfg, candidate)
     try:
         mine = _run_sgd(session, cfg, w)

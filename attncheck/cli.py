@@ -36,6 +36,11 @@ app = typer.Typer(
 )
 
 
+class Module(str, enum.Enum):
+    multihead_attention = "multihead_attention"
+    transformer_encoder_layer = "transformer_encoder_layer"
+
+
 class Tolerance(str, enum.Enum):
     budget = "budget"
     fixed = "fixed"
@@ -43,7 +48,7 @@ class Tolerance(str, enum.Enum):
 
 ConfigOption = Annotated[
     Optional[Path],
-    typer.Option("--config", "-c", help="YAML config file; the embedded default config when omitted.", show_default=False),
+    typer.Option("--config", "-c", help="YAML config or suite file; the embedded default suite (a case per feature) when omitted.", show_default=False),
 ]
 JsonOption = Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON to this path.", show_default=False)]
 ImplOption = Annotated[
@@ -93,6 +98,12 @@ PlotOption = Annotated[
                  "or a directory (PNG files). Needs matplotlib: pip install 'attncheck[plot]'.", show_default=False),
 ]  # fmt: skip
 PlotAllOption = Annotated[bool, typer.Option("--plot-all", help="With --plot: draw every compared quantity, not only failing ones.")]
+ModuleOption = Annotated[
+    Optional[Module],
+    typer.Option("--module", help="The torch module to check against: multihead_attention or transformer_encoder_layer. "
+                 "Without --config, the embedded default suite of that module runs; with one, every case must check it.",
+                 show_default=False),
+]  # fmt: skip
 TracebackOption = Annotated[bool, typer.Option("--traceback", help="Show the candidate's full traceback when a call into it raised.")]
 
 EPILOG = """\b
@@ -103,7 +114,11 @@ The candidate (--impl SPEC, 'package.module:attr' or 'path/file.py:attr'), all N
                                 need_weights, average_attn_weights)
   grads = obj.backward(grad_output)    # grad and sgd-step: {"in_proj_weight": ..., "query": ...}
 params and grads are keyed as nn.MultiheadAttention.state_dict(); raising
-NotImplementedError declares a feature unsupported.
+NotImplementedError declares a feature unsupported. With --module transformer_encoder_layer
+(or `module:` in the config): attr(params, num_heads=H, batch_first=..., d_model=E,
+dim_feedforward=F, dropout=0.0, activation=..., layer_norm_eps=..., norm_first=..., bias=...),
+out = obj.forward(src, *, src_mask, src_key_padding_mask, is_causal), keys as
+nn.TransformerEncoderLayer.state_dict() plus "src".
 
 \b
 Suites: a config with `cases` or a `matrix` runs every case (--shard I/N splits it across
@@ -135,6 +150,7 @@ def _run(
     plot_path: Path | None = None,
     plot_all: bool = False,
     tracebacks: bool = False,
+    module: Module | None = None,
     **options,
 ) -> int:
     """Run commands over every case of a config or suite, render, write outputs, pick the exit code."""
@@ -154,7 +170,7 @@ def _run(
             plot_target(plot_path)
         elif plot_all:
             raise UsageError("--plot-all needs --plot PATH")
-        suite = load_suite(config)
+        suite = load_suite(config, module=None if module is None else module.value)
         # One runnable case renders as full reports; with one command it also keeps the
         # single-report JSON. Decided before sharding, so a shard never changes the shape.
         one_case = len(suite.cases) == 1 and suite.cases[0].config is not None
@@ -214,6 +230,7 @@ def _run_suite(suite, label, commands, impl, tolerance, workers, view: View, opt
     from rich.text import Text
 
     from attncheck.render import make_console, progress_bar, progress_line, render, suite_summary, suite_verdict
+    from attncheck.report import PASS, UNSUPPORTED
     from attncheck.suite import SuiteResult, check_candidates, plan, run_jobs
 
     console = make_console()
@@ -242,7 +259,9 @@ def _run_suite(suite, label, commands, impl, tolerance, workers, view: View, opt
             render(report, console, tracebacks=view.tracebacks)
         return result
     for report in reports:
-        if view.verbose or not report.passed:  # failing, inconclusive and unsupported checks show their tables
+        # failing and inconclusive checks show their tables; an unsupported one is a line of the
+        # capability table, with the candidate's reason
+        if view.verbose or report.verdict not in (PASS, UNSUPPORTED):
             render(report, console, tracebacks=view.tracebacks)
     summary = suite_summary(reports, [(c.name, c.skip_reason or "") for c in skipped], f"summary  {label}", every_check=view.verbose)
     console.print(Group(*summary, suite_verdict(reports, len(skipped), result.seconds, result.verdict)))
@@ -264,9 +283,10 @@ def forward(
     strict: StrictOption = False,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
+    module: ModuleOption = None,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run(("forward",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, strict=strict))  # fmt: skip
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, strict=strict))  # fmt: skip
 
 
 @_command("grad", COMMANDS["grad"].summary)
@@ -275,9 +295,10 @@ def grad(
     per_head: PerHeadOption = False, strict: StrictOption = False,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
+    module: ModuleOption = None,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run(("grad",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback,
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module,
                           per_head=per_head, strict=strict))  # fmt: skip
 
 
@@ -286,9 +307,10 @@ def sgd_step(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
+    module: ModuleOption = None,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run(("sgd-step",), config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback))  # fmt: skip
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module))  # fmt: skip
 
 
 @_command("run", "Run forward, grad and sgd-step for every case of a config or suite: the one command for CI.")
@@ -298,6 +320,7 @@ def run(
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     per_head: PerHeadOption = False, strict: StrictOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
+    module: ModuleOption = None,
 ) -> None:  # fmt: skip
     try:
         commands = NAMES if only is None else parse_commands(only)
@@ -305,7 +328,7 @@ def run(
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
     raise typer.Exit(_run(commands, config, json, impl, tolerance, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback,
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module,
                           per_head=per_head, strict=strict))  # fmt: skip
 
 

@@ -100,28 +100,28 @@ def diagnose(row: Row, cfg: Config, masks: Masks | None = None) -> str:
 # ----------------------------------------------------------------------------------- layouts
 def layout_of(row: Row, cfg: Config, ndim: int) -> Layout:
     """The meaning of each axis of a row's array, from its quantity's name and the config."""
-    name = row.quantity.split(" head ")[0]  # per-head gradient rows: one head's slice already
-    per_head_slice = " head " in row.quantity
-    sequence = ("position", "feature")
-    batched = () if cfg.unbatched else (("batch",) + sequence if cfg.batch_first else ("position", "batch", "feature"))
-    positions = batched or sequence
+    name, _, head = row.quantity.partition(" head ")  # a per-head gradient row: one head's slice already
     if name == "attn_weights":
         axes = {4: ("batch", "head", "query", "key"), 2: ("query", "key")}.get(ndim)
-        if ndim == 3:
+        if ndim == 3:  # unbatched per-head weights, or batched head-averaged ones
             axes = ("head", "query", "key") if cfg.unbatched else ("batch", "query", "key")
         return Layout(axes or (), weights=True)
     if name in ("output", "input", "query", "key", "value"):
+        if cfg.unbatched:
+            positions = ("position", "feature")
+        else:
+            positions = ("batch", "position", "feature") if cfg.batch_first else ("position", "batch", "feature")
         return Layout(positions if ndim == len(positions) else ())
-    head = None if per_head_slice else 0
+    by_head = not head  # blocks of D rows (in-projection) or columns (out_proj) belong to one head each
     if name.startswith(("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")) and ndim == 2:
-        return Layout(("row", "column"), head_axis=head)
+        return Layout(("row", "column"), head_axis=0 if by_head else None)
     if name == "out_proj.weight" and ndim == 2:
-        return Layout(("row", "column"), head_axis=None if per_head_slice else 1)
+        return Layout(("row", "column"), head_axis=1 if by_head else None)
     if name.startswith("in_proj_bias") and ndim == 1:
-        return Layout(("feature",), head_axis=head)
-    if name in ("bias_k", "bias_v") and ndim == 3:
+        return Layout(("feature",), head_axis=0 if by_head else None)
+    if name in ("bias_k", "bias_v") and ndim == 3:  # (1, 1, E)
         return Layout(("", "", "feature"), head_axis=2)
-    return Layout(("element",) * ndim if ndim == 1 else ())
+    return Layout(("element",) if ndim == 1 else ())
 
 
 @dataclass(frozen=True)

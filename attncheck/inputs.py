@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attncheck.config import Config
+from attncheck.modules import kind_of
 
 # Stream ids: fixed forever, so a seed keeps meaning the same arrays.
 _PARAMS, _INPUTS, _ATTN_MASK, _KEY_PADDING, _TARGET, _DIRECTIONS = range(6)
@@ -66,24 +67,8 @@ class Workload:
 
 
 def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """The shapes of nn.MultiheadAttention's state_dict() for this config, in its order."""
-    E = cfg.embed_dim
-    shapes: dict[str, tuple[int, ...]] = {}
-    if cfg.kdim_eff == E and cfg.vdim_eff == E:
-        shapes["in_proj_weight"] = (3 * E, E)
-    else:
-        shapes["q_proj_weight"] = (E, E)
-        shapes["k_proj_weight"] = (E, cfg.kdim_eff)
-        shapes["v_proj_weight"] = (E, cfg.vdim_eff)
-    if cfg.bias:
-        shapes["in_proj_bias"] = (3 * E,)
-    if cfg.add_bias_kv:
-        shapes["bias_k"] = (1, 1, E)
-        shapes["bias_v"] = (1, 1, E)
-    shapes["out_proj.weight"] = (E, E)
-    if cfg.bias:
-        shapes["out_proj.bias"] = (E,)
-    return shapes
+    """The shapes of the checked torch module's state_dict() for this config, in its order."""
+    return kind_of(cfg).param_shapes(cfg)
 
 
 def make_params(cfg: Config) -> dict[str, np.ndarray]:
@@ -91,14 +76,18 @@ def make_params(cfg: Config) -> dict[str, np.ndarray]:
 
     torch initializes biases to zero, which would hide any bias bug, so they are drawn here
     like the weights. Weights use Xavier-uniform bounds so logits stay in a realistic range.
+    Layer norm weights, which torch starts at 1 (hiding a norm that ignores them), are drawn
+    from [0.5, 1.5]: scales of either sign's size would make the norm's output meaningless.
     """
     gen = rng(cfg.seed, _PARAMS)
     dtype = np.dtype(cfg.dtype)
     params = {}
     for name, shape in param_shapes(cfg).items():
-        if name.endswith("weight"):
+        if name.endswith("weight") and len(shape) == 1:  # a layer norm's scale
+            values = gen.uniform(0.5, 1.5, size=shape)
+        elif name.endswith("weight"):
             fan_out, fan_in = shape
-            if name == "in_proj_weight":
+            if name.endswith("in_proj_weight"):
                 fan_out //= 3
             bound = np.sqrt(6.0 / (fan_in + fan_out))
             values = gen.uniform(-bound, bound, size=shape)
@@ -116,7 +105,8 @@ def _input_shape(cfg: Config, length: int, dim: int) -> tuple[int, ...]:
 
 
 def make_inputs(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """query, key, value in the config's layout; one shared array under self-attention."""
+    """query, key, value in the config's layout; one shared array under self-attention, and one
+    array for key and value under key_is_value (encoder-decoder attention)."""
     gen = rng(cfg.seed, _INPUTS)
     dtype = np.dtype(cfg.dtype)
 
@@ -128,6 +118,8 @@ def make_inputs(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if cfg.self_attention:
         return query, query, query
     key = draw(cfg.S, cfg.kdim_eff)
+    if cfg.key_is_value:
+        return query, key, key
     value = draw(cfg.S, cfg.vdim_eff)
     return query, key, value
 
@@ -139,12 +131,15 @@ def _keep_one_per_row(masked: np.ndarray, gen: np.random.Generator) -> np.ndarra
     return masked
 
 
-def _as_mask_dtype(masked: np.ndarray, kind: str, dtype: np.dtype, finite: np.ndarray | None) -> np.ndarray:
-    """A bool pattern (True = not allowed) as a bool mask or as an additive float mask."""
+def _as_mask_dtype(
+    masked: np.ndarray, kind: str, dtype: np.dtype, finite: np.ndarray | None, fill: float | None = None
+) -> np.ndarray:
+    """A bool pattern (True = not allowed) as a bool mask or as an additive float mask, holding
+    `fill` (None: -inf) where attention is not allowed."""
     if kind == "bool":
         return masked
     values = np.zeros(masked.shape) if finite is None else finite
-    return np.where(masked, -np.inf, values).astype(dtype)
+    return np.where(masked, -np.inf if fill is None else fill, values).astype(dtype)
 
 
 def make_attn_mask(cfg: Config) -> np.ndarray | None:
@@ -162,7 +157,7 @@ def make_attn_mask(cfg: Config) -> np.ndarray | None:
         masked = _keep_one_per_row(gen.random(lead + (L, S)) < 0.3, gen)
         # A float mask is an additive bias, not only -inf: give the allowed places finite values.
         finite = gen.normal(0.0, 1.0, size=lead + (L, S))
-    return _as_mask_dtype(masked, cfg.mask_dtype, np.dtype(cfg.dtype), finite)
+    return _as_mask_dtype(masked, cfg.mask_dtype, np.dtype(cfg.dtype), finite, cfg.mask_fill)
 
 
 def make_key_padding_mask(cfg: Config) -> np.ndarray | None:
@@ -203,7 +198,9 @@ def make_workload(cfg: Config) -> Workload:
         attn_mask=attn_mask,
         key_padding_mask=key_padding_mask,
         target=make_target(cfg),
-        undefined=output_rows(cfg, masked.any(axis=1)) if masked.any() else None,
+        # The layer's output is defined there: its attention gives such rows zero (need_weights=False),
+        # and the residual and norms carry the input on.
+        undefined=output_rows(cfg, masked.any(axis=1)) if masked.any() and not cfg.is_layer else None,
     )
 
 

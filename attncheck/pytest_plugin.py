@@ -125,7 +125,7 @@ def failure_message(report: Report) -> str:
 def cases(suite: str | PathLike | None = None, impl: Any = None, commands: str | tuple[str, ...] | None = None) -> list:
     """The checks of a suite file as pytest params, with ids `case[command]`, to parametrize a test.
 
-    suite: a suite or config file (None: the embedded default); impl: a SPEC, a class or factory,
+    suite: a suite or config file (None: the embedded default suite); impl: a SPEC, a class or factory,
     or None for each case's `impl`; commands: "forward,grad" or a tuple (default: all three).
     Cases the suite skips come with a skip mark. Use `check.assert_passed()` in the test.
     """

@@ -15,7 +15,8 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from attncheck.config import Config
-from attncheck.report import FAIL, INCONCLUSIVE, INFO, NOT_PROVIDED, PASS, SKIPPED, UNSUPPORTED, Report, Row, failure_lines
+from attncheck.report import FAIL, INCONCLUSIVE, INFO, NOT_PROVIDED, PASS, SKIPPED, UNSUPPORTED, Report, Row, failure_lines, verdict_of
+from attncheck.suite import Capability, capabilities
 
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", NOT_PROVIDED: "yellow", SKIPPED: "dim", INFO: "cyan",
                  INCONCLUSIVE: "bold magenta", UNSUPPORTED: "yellow"}  # fmt: skip
@@ -37,10 +38,15 @@ def header(report: Report) -> Text:
     c = report.config
     S = c.get("src_len") or c.get("tgt_len")
     shape = f"E={c['embed_dim']} H={c['num_heads']} B={1 if c.get('unbatched') else c['batch_size']} L={c['tgt_len']} S={S}"
+    layer = c.get("module") == "transformer_encoder_layer"
+    if layer:
+        F = c.get("dim_feedforward") or 4 * c["embed_dim"]
+        shape = f"E={c['embed_dim']} H={c['num_heads']} F={F} B={1 if c.get('unbatched') else c['batch_size']} L={c['tgt_len']}"
     facts = [
         c["dtype"],
         shape,
-        "self-attention" if c.get("self_attention") else "cross-attention",
+        ("encoder layer · " + ("pre-norm" if c.get("norm_first") else "post-norm") + f" · {c.get('activation', 'relu')}") if layer
+        else "self-attention" if c.get("self_attention") else ("cross-attention, key is value" if c.get("key_is_value") else "cross-attention"),
         "batch_first" if c.get("batch_first") else "seq-first",
     ]
     if c.get("unbatched"):
@@ -54,7 +60,7 @@ def header(report: Report) -> Text:
             facts.append(flag)
     if not c.get("bias", True):
         facts.append("bias=false")
-    if not c.get("need_weights", True):
+    if not c.get("need_weights", True) and not layer:
         facts.append("need_weights=false")
     if report.command == "sgd-step":
         facts.append(f"steps={c['steps']} lr={c['lr']:g}")
@@ -297,6 +303,70 @@ def progress_line(done: int, total: int, report: Report) -> str:
     return f"[{done}/{total}] {report.name} {report.command} {report.verdict.upper()} {report.seconds:.2f}s"
 
 
+# Up to this many cases a suite's summary has a line per case; beyond, counts per command.
+CASE_LINES_MAX = 60
+
+
+def case_lines(reports: list[Report]) -> Table:
+    """One line per case: for each command, the worst ratio to what was allowed (or the check's
+    verdict where it did not pass), then the case's verdict."""
+    commands = list(dict.fromkeys(r.command for r in reports))
+    by_case: dict[str, dict[str, Report]] = {}
+    for report in reports:
+        by_case.setdefault(report.name, {})[report.command] = report
+    table = Table(header_style="bold", pad_edge=False, box=None)
+    table.add_column("case", overflow="fold")
+    for command in commands:
+        table.add_column(command, justify="right")
+    table.add_column("verdict")
+    for case, checks in by_case.items():
+        cells: list[Text | str] = [Text(case)]
+        for command in commands:
+            report = checks.get(command)
+            cells.append("" if report is None else _worst_cell(report))
+        verdict = verdict_of([r.verdict for r in checks.values()])
+        cells.append(Text(verdict.upper() if verdict in (PASS, FAIL) else verdict, style=_STATUS_STYLE[verdict]))
+        table.add_row(*cells)
+    return table
+
+
+def _worst_cell(report: Report) -> Text:
+    """A check in a few characters: its worst ratio to what was allowed, or its verdict."""
+    verdict = report.verdict
+    worst = report.worst()
+    if verdict == PASS and worst is not None and worst.ratio is not None:
+        return Text(f"{worst.ratio:.2g}x")
+    if verdict == FAIL and worst is not None and worst.ratio is not None and math.isfinite(worst.ratio):
+        return Text(f"{worst.ratio:.2g}x FAIL", style=_STATUS_STYLE[FAIL])
+    return Text(verdict.upper() if verdict in (PASS, FAIL) else verdict, style=_STATUS_STYLE[verdict])
+
+
+def capability_table(features: list[Capability]) -> Table:
+    """Each feature of the suite: its cases, whether the candidate supports them (and its reason
+    where not), and the verdict of what it supports."""
+    table = Table(title="capabilities", title_justify="left", header_style="bold", pad_edge=False, box=None)
+    table.add_column("feature")
+    table.add_column("cases", justify="right")
+    table.add_column("supported", overflow="fold")
+    table.add_column("verdict")
+    for cap in features:
+        n = len(cap.cases)
+        if not cap.unsupported:
+            supported = Text("all")
+        else:
+            supported = Text(f"{n - len(cap.unsupported)} of {n}; not ", style="")
+            supported.append("; ".join(f"{case}: {_reason(note)}" for case, note in cap.unsupported), style=_STATUS_STYLE[UNSUPPORTED])
+        label = cap.verdict.upper() if cap.verdict in (PASS, FAIL) else cap.verdict
+        table.add_row(cap.feature, str(n), supported, Text(label, style=_STATUS_STYLE[cap.verdict]))
+    return table
+
+
+def _reason(note: str) -> str:
+    """The candidate's own words from an unsupported row's note: what follows NotImplementedError."""
+    _, sep, reason = note.partition("NotImplementedError: ")
+    return (reason if sep else note).split(" (at ")[0] or "NotImplementedError"
+
+
 class _Times(ProgressColumn):
     """Elapsed and remaining time: `0:05 elapsed, 0:12 left`."""
 
@@ -319,11 +389,17 @@ def progress_bar(console: Console) -> Progress:
 
 
 def suite_summary(reports: list[Report], skipped: list[tuple[str, str]], title: str, *, every_check: bool = False) -> list[Any]:
-    """The suite's summary: counts per command, then a row for each check that did not pass (every
+    """The suite's summary: a line per case (counts per command for a suite of more than
+    CASE_LINES_MAX cases), the capability table, a row for each check that did not pass (every
     check with `every_check`), then the skipped cases grouped by reason."""
-    parts: list[Any] = [Text(title, style="bold"), command_counts(reports)]
-    # (issue 15) a capability table of what the candidate supports goes here, as its own function.
-    shown = reports if every_check else [r for r in reports if not r.passed]
+    per_case = len({r.name for r in reports}) <= CASE_LINES_MAX
+    if per_case:
+        parts: list[Any] = [Text(f"{title}  (per case and command: the worst ratio to what was allowed)", style="bold"), case_lines(reports)]
+    else:
+        parts = [Text(title, style="bold"), command_counts(reports)]
+    parts.append(capability_table(capabilities(reports)))
+    # An unsupported check is in the capability table, with the candidate's reason.
+    shown = reports if every_check else [r for r in reports if r.verdict not in (PASS, UNSUPPORTED)]
     if shown:
         parts.append(check_rows(shown))
     if skipped:

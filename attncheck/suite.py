@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from attncheck.config import Case, Config, Suite, check_suite_memory
 from attncheck.errors import UsageError
-from attncheck.report import INCONCLUSIVE, JSON_SCHEMA_VERSION, UNSUPPORTED, Report, verdict_of
+from attncheck.report import INCONCLUSIVE, JSON_SCHEMA_VERSION, PASS, UNSUPPORTED, Report, verdict_of
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,55 @@ class SuiteResult:
         }
 
 
+# The features a suite's cases exercise, in the order a capability table lists them. A case
+# belongs to the first feature whose test it meets (a case per feature: see configs/default_suite.yaml).
+FEATURES: tuple[tuple[str, Callable[[Config], bool]], ...] = (
+    ("sgd-step", lambda c: c.steps > 1 or c.momentum != 0 or c.weight_decay != 0 or c.maximize),
+    ("numerics", lambda c: c.dtype == "float64" or c.input_scale != 1.0),
+    ("module options", lambda c: not c.bias or c.add_bias_kv or c.add_zero_attn),
+    ("masks", lambda c: c.attn_mask != "none" or (c.key_padding_mask != "none" and not c.unbatched)),
+    ("forward options", lambda c: not c.need_weights or not c.average_attn_weights),
+    ("shapes", lambda c: True),
+)
+
+
+def feature_of(cfg: Config) -> str:
+    """The feature a case exercises (see FEATURES)."""
+    return next(name for name, test in FEATURES if test(cfg))
+
+
+@dataclass(frozen=True)
+class Capability:
+    """One feature of a suite: its cases, those the candidate declared unsupported (with its
+    reason), and the verdict of the supported ones."""
+
+    feature: str
+    cases: tuple[str, ...]
+    unsupported: tuple[tuple[str, str], ...]  # (case, the candidate's reason)
+    verdict: str
+
+
+def capabilities(reports: list[Report]) -> list[Capability]:
+    """Each feature the reports exercise, in FEATURES order: supported or not, and its verdict."""
+    by_feature: dict[str, list[Report]] = {}
+    for report in reports:
+        by_feature.setdefault(feature_of(Config.model_validate(report.config)), []).append(report)
+    table = []
+    for name, _ in FEATURES:
+        group = by_feature.get(name)
+        if not group:
+            continue
+        cases = tuple(dict.fromkeys(r.name for r in group))
+        unsupported: dict[str, str] = {}
+        for r in group:
+            if r.verdict == UNSUPPORTED and r.name not in unsupported:
+                unsupported[r.name] = next((row.note for row in r.rows if row.status == UNSUPPORTED), "")
+        supported = [r.verdict for r in group if r.verdict != UNSUPPORTED]
+        verdict = verdict_of(supported) if supported else UNSUPPORTED
+        table.append(Capability(name, cases, tuple(unsupported.items()), verdict))
+    return table
+
+
 def parse_shard(spec: str) -> tuple[int, int]:
     """'I/N' (1-based I) as (I, N); anything else is a UsageError."""
     index, sep, count = spec.partition("/")
@@ -96,7 +145,8 @@ def plan(suite: Suite, commands: tuple[str, ...], *, impl: str | None = None, to
         spec = impl if impl is not None else cfg.impl
         origin = f"{suite.source}:{case.impl_line}" if impl is None and cfg.impl is not None and case.impl_line else None
         for command in commands:
-            jobs.append(Job(len(jobs), case.name, command, cfg, spec, origin))
+            if case.commands is None or command in case.commands:
+                jobs.append(Job(len(jobs), case.name, command, cfg, spec, origin))
     return jobs, skipped
 
 

@@ -1,10 +1,12 @@
-"""torch.nn.MultiheadAttention with the same weights and inputs: the one module that imports torch.
+"""torch.nn.MultiheadAttention (or nn.TransformerEncoderLayer) with the same weights and inputs:
+the one module that imports torch.
 
 Everything returned is NumPy, so nothing above this module needs torch.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,11 +40,17 @@ def use_one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def build_module(cfg: Config, params: dict[str, np.ndarray]) -> torch.nn.MultiheadAttention:
-    """nn.MultiheadAttention for the config, every parameter overwritten from `params`."""
-    module = torch.nn.MultiheadAttention(
-        num_heads=cfg.num_heads, batch_first=cfg.batch_first, dtype=_DTYPES[cfg.dtype], **module_options(cfg)
-    )
+def build_module(cfg: Config, params: dict[str, np.ndarray]) -> torch.nn.Module:
+    """nn.MultiheadAttention or nn.TransformerEncoderLayer for the config, every parameter (the
+    layer norms' weights and biases included) overwritten from `params`."""
+    if cfg.is_layer:
+        module = torch.nn.TransformerEncoderLayer(
+            nhead=cfg.num_heads, batch_first=cfg.batch_first, dtype=_DTYPES[cfg.dtype], **module_options(cfg)
+        )
+    else:
+        module = torch.nn.MultiheadAttention(
+            num_heads=cfg.num_heads, batch_first=cfg.batch_first, dtype=_DTYPES[cfg.dtype], **module_options(cfg)
+        )
     load_params(module, params)
     return module
 
@@ -83,20 +91,26 @@ class _Inputs:
 
 
 def _inputs(cfg: Config, w: Workload, requires_grad: bool) -> _Inputs:
-    """torch tensors for the workload; under self-attention one tensor is passed three times."""
+    """torch tensors for the workload; under self-attention one tensor is passed three times,
+    under key_is_value one tensor as key and value."""
     query = _tensor(w.query).requires_grad_(requires_grad)
     if cfg.self_attention:
         key = value = query
     else:
         key = _tensor(w.key).requires_grad_(requires_grad)
-        value = _tensor(w.value).requires_grad_(requires_grad)
+        value = key if cfg.key_is_value else _tensor(w.value).requires_grad_(requires_grad)
     return _Inputs(query, key, value, _tensor(w.attn_mask), _tensor(w.key_padding_mask))
 
 
-def _call(module: torch.nn.MultiheadAttention, cfg: Config, x: _Inputs):
+def _call(module: torch.nn.Module, cfg: Config, x: _Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(output, weights) of the module; the layer returns no weights."""
     with warnings.catch_warnings():
         # Mixed bool/float masks are deprecated but still supported; the config asked for them.
         warnings.filterwarnings("ignore", message="Support for mismatched")
+        warnings.filterwarnings("ignore", message="enable_nested_tensor")
+        if cfg.is_layer:
+            out = module(x.query, src_mask=x.attn_mask, src_key_padding_mask=x.key_padding_mask, is_causal=cfg.is_causal)
+            return out, None
         return module(
             x.query,
             x.key,
@@ -136,8 +150,11 @@ def forward(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
 def fast_path_blocker(cfg: Config) -> str | None:
     """Why torch would not take its inference fast path for this config (None: it would).
 
-    Mirrors the checks at the top of nn.MultiheadAttention.forward, for eval() under no_grad().
+    Mirrors the checks at the top of nn.MultiheadAttention.forward (or
+    nn.TransformerEncoderLayer.forward), for eval() under no_grad().
     """
+    if cfg.is_layer:
+        return _layer_fast_path_blocker(cfg)
     if cfg.mask_dtype == "float" and cfg.attn_mask != "none":
         return "floating-point masks are not supported for fast path"
     if cfg.key_padding_mask != "none" and cfg.key_padding_mask_dtype_eff == "float":
@@ -153,6 +170,21 @@ def fast_path_blocker(cfg: Config) -> str | None:
         (cfg.add_zero_attn, "add_zero_attn is set"),
         (cfg.kdim_eff != cfg.embed_dim or cfg.vdim_eff != cfg.embed_dim, "kdim/vdim differ from embed_dim"),
         (not cfg.bias, "bias is false (torch's native kernel needs the projection biases)"),
+    ]
+    return next((why for blocked, why in reasons if blocked), None)
+
+
+def _layer_fast_path_blocker(cfg: Config) -> str | None:
+    """nn.TransformerEncoderLayer.forward's `why_not_sparsity_fast_path`, in its order. It does not
+    refuse float masks (merge_masks takes them), and activation and both eps are always its own
+    relu/gelu and one eps here."""
+    if not torch.backends.mha.get_fastpath_enabled():
+        return "torch.backends.mha.get_fastpath_enabled() is False"
+    reasons = [
+        (cfg.unbatched, "input not batched"),
+        (not cfg.batch_first, "batch_first is false"),
+        (not cfg.bias, "bias is false (self_attn was passed bias=False)"),
+        (cfg.num_heads % 2 != 0, "num_heads is odd"),
     ]
     return next((why for blocked, why in reasons if blocked), None)
 
@@ -183,8 +215,12 @@ def grad(cfg: Config, w: Workload) -> GradResult:
     loss = loss_torch(cfg, out, _tensor(w.target), w.undefined)
     loss.backward()
     grads = {name: _numpy(p.grad) for name, p in module.named_parameters()}
-    if cfg.self_attention:
+    if cfg.is_layer:
+        grads["src"] = _numpy(x.query.grad)
+    elif cfg.self_attention:
         grads["input"] = _numpy(x.query.grad)  # the sum of the query, key and value gradients
+    elif cfg.key_is_value:
+        grads.update(query=_numpy(x.query.grad), key_value=_numpy(x.key.grad))  # the key and value gradients summed
     else:
         grads.update(query=_numpy(x.query.grad), key=_numpy(x.key.grad), value=_numpy(x.value.grad))
     return GradResult(_numpy(out), _numpy(weights), float(loss.detach()), grads)
@@ -200,21 +236,55 @@ class SGDResult:
 
 
 def sgd(cfg: Config, w: Workload) -> SGDResult:
-    """`steps` full training steps with torch.optim.SGD on the same batch."""
+    """`steps` full training steps with torch.optim.SGD's update on the same batch."""
     module = build_module(cfg, w.params).train()
-    optimizer = torch.optim.SGD(module.parameters(), **sgd_options(cfg))
+    step = _sgd_step(list(module.parameters()), cfg)
     x = _inputs(cfg, w, requires_grad=False)
     target = _tensor(w.target)
     result = SGDResult([], [])
     for _ in range(cfg.steps):
-        optimizer.zero_grad()
+        module.zero_grad(set_to_none=True)
         out, _ = _call(module, cfg, x)
         loss = loss_torch(cfg, out, target, w.undefined)
         loss.backward()
-        optimizer.step()
+        step()
         result.losses.append(float(loss.detach()))
         result.params.append(state_numpy(module))
     with torch.no_grad():  # the loss the last step leads to, for telling divergence
         out, _ = _call(module, cfg, x)
         result.final_loss = float(loss_torch(cfg, out, target, w.undefined))
     return result
+
+
+# Whether torch.optim.SGD's update function is called directly rather than through the optimizer
+# object (see _sgd_step); the test that both agree turns it off.
+DIRECT_SGD_UPDATE = True
+
+
+def _sgd_step(params: list[torch.Tensor], cfg: Config):
+    """One torch.optim.SGD step over `params`, as a function of no arguments.
+
+    On CPU, torch.optim.SGD.step runs torch.optim.sgd._single_tensor_sgd over the parameters that
+    have a gradient (foreach and fused are for accelerators). The optimizer object itself imports
+    torch._dynamo on first use, which doubles torch's import time (measured: 1.7-2x `import
+    torch`) for a wrapper that only matters under torch.compile; so that function is called
+    directly, keeping the momentum buffers as the optimizer does. tests/test_default_suite.py checks that
+    both give bitwise the same weights; without the function (another torch), the optimizer runs.
+    """
+    settings = sgd_options(cfg)
+    # torch.optim deletes its submodule names; the module itself is where SGD is defined.
+    single_tensor_sgd = getattr(sys.modules[torch.optim.SGD.__module__], "_single_tensor_sgd", None)
+    if single_tensor_sgd is None or not DIRECT_SGD_UPDATE:
+        return torch.optim.SGD(params, **settings).step
+    buffers: dict[int, torch.Tensor | None] = {}
+
+    @torch.no_grad()
+    def step() -> None:
+        with_grad = [p for p in params if p.grad is not None]
+        momentum_buffers = [buffers.get(id(p)) for p in with_grad]
+        single_tensor_sgd(with_grad, [p.grad for p in with_grad], momentum_buffers, None, None,
+                          has_sparse_grad=False, **settings)  # fmt: skip
+        if cfg.momentum != 0:
+            buffers.update((id(p), buf) for p, buf in zip(with_grad, momentum_buffers))
+
+    return step

@@ -1,12 +1,16 @@
-"""Detection table and false-alarm count: which command catches which known-bad implementation,
-and how often the correct reference is flagged on random valid configs.
+"""Catch rate of the no-config invocation, detection table and false-alarm count: which known-bad
+implementation `attncheck run` with no config (the default suite) catches, which command catches
+which under which config, and how often the correct reference is flagged on random valid configs.
 
 Run from the repository root:
 
-    PYTHONPATH=$PWD python benchmarks/detection.py [--configs 300]
+    PYTHONPATH=$PWD python benchmarks/detection.py [--configs 300] [--sgd-runs N] [--no-table] [--no-catch-rate]
 
-The table is attncheck/testing/detection.py's (CAUGHT and MISSED, with the rows each case must
-fail on); the random configs come from attncheck/testing/strategies.py: 60% anywhere in the option
+The catch rate runs every implementation of attncheck/testing/wrong_impls.py through the whole
+default suite (forward, grad and sgd-step on every case, as `attncheck run --impl ...` does); it
+counts as caught when the run fails and, on the case it is annotated with (DEFAULT_SUITE_CATCHES),
+exactly the expected rows fail, each a real mismatch. The table is detection.py's CAUGHT and
+MISSED; the random configs come from attncheck/testing/strategies.py: 60% anywhere in the option
 space, 20% with large logits (input_scale 8..16), 20% long sequences (64..256 positions). Every
 config runs forward, grad and sgd-step under the default budget rule.
 """
@@ -20,7 +24,7 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 
 from attncheck.checks import check_forward, check_grad, check_sgd
-from attncheck.testing import detection
+from attncheck.testing import detection, wrong_impls
 from attncheck.testing.strategies import configs, large_logit_configs, long_configs, long_sgd_configs
 
 
@@ -42,6 +46,40 @@ def detection_table() -> list[str]:
                      f"| {detection.describe_rows(detection.failing_rows(report))} | {'NO' if problems else 'yes'} |")  # fmt: skip
     lines.append(f"\n{len(detection.CAUGHT) + len(detection.MISSED)} cases, {wrong} not as expected")
     return lines + notes
+
+
+def no_config_catch_rate() -> list[str]:
+    """One line per known-bad implementation: whether the no-config run catches it, on its
+    annotated case's rows, and which cases fail; then the catch rate."""
+    from attncheck.commands import NAMES
+    from attncheck.config import load_suite
+    from attncheck.suite import SuiteResult, plan, run_jobs
+
+    suite = load_suite(None)
+    catches = {catch.impl: catch for catch in detection.DEFAULT_SUITE_CATCHES}
+    names = list(catches)
+    lines = ["| implementation | annotated case | no-config run | failing cases (of %d) | as expected |" % len(suite.cases),
+             "|---|---|---|---|---|"]  # fmt: skip
+    caught = 0
+    for name in names:
+        if name in wrong_impls.OPTIMIZERS:
+            jobs, skipped = plan(suite, NAMES)
+            with detection.sgd_swapped(wrong_impls.OPTIMIZERS[name]):
+                reports = run_jobs(jobs, {})
+        else:
+            jobs, skipped = plan(suite, NAMES, impl=f"attncheck.testing.wrong_impls:{name}")
+            reports = run_jobs(jobs, {})
+        result = SuiteResult(suite.name, NAMES, reports, skipped)
+        failing = list(dict.fromkeys(r.name for r in reports if not r.passed))
+        catch = catches[name]
+        [report] = [r for r in reports if r.name == catch.case and r.command == catch.command]
+        problems = detection.problems(detection.as_case(catch), report)
+        ok = result.verdict == "fail" and not problems
+        caught += ok
+        lines.append(f"| {name} | {catch.case} {catch.command} | {result.verdict.upper()} "
+                     f"| {len(failing)} | {'yes' if ok else 'NO: ' + '; '.join(problems)} |")  # fmt: skip
+    lines.append(f"\nno-config catch rate: {caught} of {len(names)} known-bad implementations ({100 * caught / len(names):.0f}%)")
+    return lines
 
 
 def _each(run):
@@ -92,8 +130,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", type=int, default=300, help="random valid configs for the false-alarm count")
     parser.add_argument("--sgd-runs", type=int, default=0, help="plus this many float32 sgd-step runs of 10-50 steps with momentum")
-    parser.add_argument("--no-table", action="store_true", help="only the false-alarm count")
+    parser.add_argument("--no-table", action="store_true", help="skip the per-command detection table")
+    parser.add_argument("--no-catch-rate", action="store_true", help="skip the no-config runs of every known-bad implementation")
     args = parser.parse_args()
+
+    if not args.no_catch_rate:
+        start = time.perf_counter()
+        print("\n".join(no_config_catch_rate()))
+        print(f"(no-config runs: {time.perf_counter() - start:.1f} s)\n")
 
     start = time.perf_counter()
     if not args.no_table:

@@ -11,7 +11,8 @@ Supported: `bias` on or off, `batch_first` either way, unbatched inputs, `attn_m
 float, (L, S) or (B*H, L, S), `key_padding_mask` bool or float, `need_weights` and
 `average_attn_weights`. Not supported, and refused with NotImplementedError at construction:
 `kdim`/`vdim` other than embed_dim (separate q/k/v weights), `add_bias_kv`, `add_zero_attn`,
-`dropout`. Rows whose every key is masked give NaN, as torch does with need_weights=True.
+`dropout`. Rows whose every key is masked give NaN, as torch does with need_weights=True, and
+zero weights with need_weights=False (torch's scaled_dot_product_attention path).
 
 Dimensions: B batch, L target length, S source length, E embed dim, H heads, D head dim.
 Parameters are keyed by torch.nn.MultiheadAttention's state_dict() names, weights (out, in).
@@ -98,6 +99,8 @@ class MultiheadAttention:
                 scores = (qh * scale) @ kh.T + self._mask_for(b, h, dtype)  # (L, S)
                 with np.errstate(invalid="ignore"):  # a row with every key masked: NaN, as torch
                     P = softmax(scores)  # (L, S)
+                if not need_weights:  # torch then takes scaled_dot_product_attention: such rows weigh 0
+                    P = np.nan_to_num(P, nan=0.0)
                 P_all[b, h] = P
                 concat[b, :, cols] = P @ vh  # (L, D)
         out = concat @ self.Wo.T + self.bo  # (B, L, E)

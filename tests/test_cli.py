@@ -61,7 +61,7 @@ def test_missing_config_and_bad_impl_exit_2(tmp_path):
 
 def test_json_report(tmp_path):
     out = tmp_path / "report.json"
-    result = run("grad", "--json", str(out))
+    result = run("grad", "-c", "configs/default.yaml", "--json", str(out))
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["verdict"] == "pass" and data["command"] == "grad"

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -448,3 +449,26 @@ def test_a_cross_key_problem_involving_an_invalid_key_is_not_guessed(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert "divisible" not in str(info.value) and "num_heads" in str(info.value)
+
+
+def test_key_is_value_needs_cross_attention_and_equal_widths():
+    with pytest.raises(ConfigError, match="self_attention: false"):
+        config_from_mapping({"key_is_value": True})
+    with pytest.raises(ConfigError, match="kdim and vdim must be equal"):
+        config_from_mapping({"key_is_value": True, "self_attention": False, "kdim": 6, "vdim": 4})
+    c = config_from_mapping({"key_is_value": True, "self_attention": False, "src_len": 4, "kdim": 6, "vdim": 6})
+    from attncheck.inputs import make_inputs
+
+    query, key, value = make_inputs(c)
+    assert key is value and key is not query and key.shape == (2, 4, 6)
+
+
+def test_mask_fill_is_a_negative_value_of_a_float_mask():
+    from attncheck.inputs import make_attn_mask
+
+    with pytest.raises(ConfigError, match="negative"):
+        config_from_mapping({"mask_fill": 0.0, "attn_mask": "random", "mask_dtype": "float"})
+    with pytest.raises(ConfigError, match="mask_dtype: float"):
+        config_from_mapping({"mask_fill": -1e4, "attn_mask": "random"})
+    mask = make_attn_mask(config_from_mapping({"mask_fill": -1e4, "attn_mask": "random", "mask_dtype": "float"}))
+    assert np.isfinite(mask).all() and (mask == -1e4).any()

@@ -121,8 +121,10 @@ def write_candidate(folder: Path, body: str, name: str = "cand.py") -> tuple[Pat
 
 
 def json_report(tmp_path: Path, *args) -> tuple[int, dict]:
+    """The single-report JSON of one command on one config (configs/default.yaml unless `-c` is given)."""
     out = tmp_path / "report.json"
-    result = run(*args, "--json", out)
+    config = () if "-c" in args else ("-c", ROOT / "configs/default.yaml")
+    result = run(*args, *config, "--json", out)
     assert result.exit_code in (0, 1), result.output
     return result.exit_code, json.loads(out.read_text())
 

@@ -87,9 +87,10 @@ def test_one_svg_for_one_quantity_and_one_pdf_page_per_quantity(tmp_path):
 
 
 def test_cli_plot_and_plot_all(tmp_path):
-    result = runner.invoke(app, ["grad", "--impl", "tests/test_diagnose.py:HeadTwoQGradZero", "--plot", str(tmp_path / "g.png")])
+    one = ["-c", "configs/default.yaml"]  # one config: the default suite would draw every case's quantities
+    result = runner.invoke(app, ["grad", *one, "--impl", "tests/test_diagnose.py:HeadTwoQGradZero", "--plot", str(tmp_path / "g.png")])
     assert result.exit_code == 1 and (tmp_path / "g.png").is_file()
-    result = runner.invoke(app, ["forward", "--plot", str(tmp_path / "pass"), "--plot-all"])
+    result = runner.invoke(app, ["forward", *one, "--plot", str(tmp_path / "pass"), "--plot-all"])
     assert result.exit_code == 0 and len(list((tmp_path / "pass").glob("*.png"))) == 4
 
 

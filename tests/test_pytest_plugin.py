@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import attncheck
+from attncheck.config import load_suite
 from attncheck.pytest_plugin import Check, failure_message
 from attncheck.report import INCONCLUSIVE, PASS, UNSUPPORTED, Report, Row
 
@@ -178,8 +179,9 @@ def test_cases_parametrizes_a_users_own_test(pytester):
 
 
 def test_cases_ids_and_skip_marks():
-    params = attncheck.cases(None, commands=("forward",))
-    assert [p.id for p in params] == ["default[forward]"]
+    params = attncheck.cases(None, commands=("forward",))  # the default suite
+    assert [p.id for p in params] == [f"{case.name}[forward]" for case in load_suite(None).cases]
+    assert params[0].id == "basic[forward]"
     assert isinstance(params[0].values[0], Check) and not params[0].marks
 
 

@@ -14,9 +14,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attncheck.config import MEMORY_LIMIT_ENV, Case, Config, Suite, load_suite, parse_suite
+from attncheck.config import MEMORY_LIMIT_ENV, Case, Config, Suite, default_suite_text, load_suite, parse_suite
 from attncheck.errors import ConfigError
 from attncheck.suite import plan
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def suite(text: str, source: str = "suite.yaml") -> Suite:
@@ -230,10 +232,16 @@ def test_plain_config_is_a_suite_of_one(tmp_path):
     assert loaded.cases[0].config == Config(name="single", embed_dim=8, num_heads=2)
 
 
-def test_embedded_default_is_a_suite_of_one():
+def test_embedded_default_suite_is_the_shipped_file():
     loaded = load_suite(None)
-    assert loaded.name == "default"
-    assert loaded.cases == [Case("default", Config(name="default"))]
+    assert loaded.name == "default-suite" and loaded.source == "<default suite>"
+    assert (ROOT / "configs/default_suite.yaml").read_text(encoding="utf-8") == default_suite_text()
+    assert loaded.cases == load_suite(ROOT / "configs/default_suite.yaml").cases
+    assert len(loaded.cases) >= 25 and all(case.config is not None for case in loaded.cases)  # nothing skipped
+
+
+def test_the_default_config_stays_one_case():
+    assert load_suite(ROOT / "configs/default.yaml").cases == [Case("default", Config(name="default"))]
 
 
 def test_defaults_and_cases():
@@ -443,3 +451,21 @@ def test_fuzz_suites_expand_or_refuse(document):
         for case in loaded.cases:
             assert (case.config is None) == (case.skip_reason is not None)
             assert case.config is None or case.config.name == case.name
+
+
+def test_a_case_may_name_the_commands_it_is_for():
+    loaded = suite(
+        """\
+        cases:
+          - name: nan-rows
+            key_padding_mask: full_row
+            commands: [sgd-step, forward]
+          - name: all
+        """
+    )
+    assert [case.commands for case in loaded.cases] == [("forward", "sgd-step"), None]
+    jobs, _ = plan(loaded, ("forward", "grad", "sgd-step"))
+    assert [(job.case, job.command) for job in jobs] == [
+        ("nan-rows", "forward"), ("nan-rows", "sgd-step"), ("all", "forward"), ("all", "grad"), ("all", "sgd-step")]  # fmt: skip
+    assert "unknown command 'backward'" in str(refusal("cases:\n  - commands: [backward]\n"))
+    assert "non-empty list of commands" in str(refusal("cases:\n  - commands: forward\n"))

@@ -143,12 +143,24 @@ def test_an_all_pass_suite_is_summarized(tmp_path):
     quiet = runner.invoke(app, ["forward", "-c", str(suite)])
     assert quiet.exit_code == 0, quiet.output
     summary = quiet.output[quiet.output.index("summary"):]
-    assert re.search(r"forward\s+4\s+4\s+0", summary)
-    assert "bias=true" not in summary.split("closest")[1].split("\n", 1)[1]  # no per-check rows
-    assert "quantity" not in quiet.output  # no tables
+    # a line per case with its worst ratio, the capability table, no per-check rows
+    assert len(re.findall(r"^(bias|attn_mask)=\S+\s+\d\S*x\s+PASS\s*$", summary, re.M)) == 4
+    assert "capabilities" in summary and re.search(r"^module options\s+2\s+all\s+PASS", summary, re.M)
+    assert "quantity" not in quiet.output  # no tables, no per-check rows
     verbose = runner.invoke(app, ["forward", "-c", str(suite), "--verbose"])
     summary = verbose.output[verbose.output.index("summary"):]
     assert summary.count("PASS") >= 4 and "attn_mask=causal" in summary
+
+
+def test_a_suite_of_many_cases_is_summarized_by_counts_per_command():
+    from attncheck.render import CASE_LINES_MAX, suite_summary
+
+    reports = [Report(command, f"case-{i}", "x", {"name": f"case-{i}"}, rows=[Row("forward", "output", "pass", ratio=0.5)])
+               for i in range(CASE_LINES_MAX + 1) for command in ("forward", "grad")]  # fmt: skip
+    console = Console(width=100, file=io.StringIO(), record=True)
+    console.print(*suite_summary(reports, [], "summary"))
+    text = console.export_text()
+    assert re.search(rf"forward\s+{CASE_LINES_MAX + 1}\s+{CASE_LINES_MAX + 1}\s+0", text) and "case-7 " not in text
 
 
 def test_the_progress_bar_shows_counts_times_and_as_much_of_the_name_as_fits():

@@ -146,7 +146,7 @@ def test_error_location_is_in_the_candidates_file_not_numpy(tmp_path):
                 np.einsum("bld,bsd->bls", query, key[..., :3])
                 return super().forward(query, key, value, **kwargs)
         """))
-    code, report, _ = run_json(tmp_path, "forward", "--impl", f"{path}:Candidate")
+    code, report, _ = run_json(tmp_path, "forward", "-c", ROOT / "configs/default.yaml", "--impl", f"{path}:Candidate")
     assert code == 1
     assert f"{path}:6" in rows(report, "fail")[0]["note"], rows(report, "fail")[0]["note"]
 

@@ -9,14 +9,15 @@
 
 Every problem found in a file is reported at once, each located at the line of its key, and
 `ConfigError` is the only exception that leaves the loaders. The embedded default config is the
-package file default.yaml. This package imports neither torch, typer nor rich.
+package file default.yaml; the embedded default suite, which the commands run when no config is
+given, is default_suite.yaml. This package imports neither torch, typer nor rich.
 """
 
 from attncheck.config.config_file import config_from_mapping, load_config, parse_config
 from attncheck.config.memory import MEMORY_LIMIT_ENV, check_memory, check_suite_memory, estimate_bytes
 from attncheck.config.schema import Config
 from attncheck.config.suite_file import Case, Suite, load_suite, parse_suite
-from attncheck.config.yaml_reading import default_config_text
+from attncheck.config.yaml_reading import default_config_text, default_suite_text
 
 __all__ = [
     "Config",
@@ -28,6 +29,7 @@ __all__ = [
     "load_suite",
     "parse_suite",
     "default_config_text",
+    "default_suite_text",
     "estimate_bytes",
     "check_memory",
     "check_suite_memory",

@@ -1,7 +1,8 @@
 """The config schema: what one check is, and the rules its keys must keep.
 
-A `Config` describes one check: the nn.MultiheadAttention module (E embed_dim, H num_heads,
-D = E / H head_dim, kdim, vdim), its inputs (B batch_size, L tgt_len, S src_len), the masks,
+A `Config` describes one check: the module (`module`: nn.MultiheadAttention, E embed_dim,
+H num_heads, D = E / H head_dim, kdim, vdim; or nn.TransformerEncoderLayer, E d_model, H nhead,
+F dim_feedforward), its inputs (B batch_size, L tgt_len, S src_len), the masks,
 the tolerance rule and the SGD steps. Ranges and the rules that span several keys are checked
 here; how a broken rule is worded for a YAML author is attncheck.config.messages' job.
 """
@@ -33,10 +34,11 @@ _INT_RANGES = {
     "kdim": (1, MAX_DIM),
     "vdim": (1, MAX_DIM),
     "steps": (1, MAX_STEPS),
+    "dim_feedforward": (1, MAX_DIM),
 }
 _FLOAT_FIELDS = (
-    "dropout", "input_scale", "budget_factor", "budget_floor", "atol", "rtol",
-    "lr", "momentum", "dampening", "weight_decay",
+    "dropout", "mask_fill", "input_scale", "budget_factor", "budget_floor", "atol", "rtol",
+    "lr", "momentum", "dampening", "weight_decay", "layer_norm_eps",
 )
 # field: (bound, whether the bound itself is allowed, the rule as the user reads it)
 _FLOAT_BOUNDS = {
@@ -45,6 +47,7 @@ _FLOAT_BOUNDS = {
     "budget_floor": (0.0, True, "must be >= 0"),
     "atol": (0.0, True, "must be >= 0"),
     "rtol": (0.0, True, "must be >= 0"),
+    "layer_norm_eps": (0.0, False, "must be > 0"),
     # torch.optim.SGD's own checks, in its words.
     "lr": (0.0, True, "Invalid learning rate: torch.optim.SGD needs lr >= 0"),
     "momentum": (0.0, True, "Invalid momentum value: torch.optim.SGD needs momentum >= 0"),
@@ -59,6 +62,7 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     name: str | None = None
+    module: Literal["multihead_attention", "transformer_encoder_layer"] = "multihead_attention"
     seed: int = 0
     dtype: Literal["float32", "float64"] = "float32"
 
@@ -74,14 +78,21 @@ class Config(BaseModel):
     add_zero_attn: bool = False
     batch_first: bool = True
     self_attention: bool = True
+    key_is_value: bool = False
     unbatched: bool = False
     dropout: float = 0.0
+    # nn.TransformerEncoderLayer's own keys (module: transformer_encoder_layer only)
+    dim_feedforward: int | None = None
+    activation: Literal["relu", "gelu"] = "relu"
+    layer_norm_eps: float = 1e-5
+    norm_first: bool = False
 
     attn_mask: Literal["none", "causal", "random"] = "none"
     attn_mask_dims: Literal[2, 3] = 2
     mask_dtype: Literal["bool", "float"] = "bool"
     key_padding_mask_dtype: Literal["bool", "float"] | None = None
     key_padding_mask: Literal["none", "random", "full_row"] = "none"
+    mask_fill: float | None = None
     is_causal: bool = False
     input_scale: float = 1.0
     need_weights: bool = True
@@ -109,6 +120,16 @@ class Config(BaseModel):
     def S(self) -> int:
         """The key and value length: src_len, or tgt_len when unset."""
         return self.tgt_len if self.src_len is None else self.src_len
+
+    @property
+    def is_layer(self) -> bool:
+        """Whether the module under check is nn.TransformerEncoderLayer."""
+        return self.module == TRANSFORMER_ENCODER_LAYER
+
+    @property
+    def dim_feedforward_eff(self) -> int:
+        """F, the feed-forward width: dim_feedforward, or 4 * embed_dim when unset."""
+        return 4 * self.embed_dim if self.dim_feedforward is None else self.dim_feedforward
 
     @property
     def kdim_eff(self) -> int:
@@ -173,6 +194,14 @@ class Config(BaseModel):
             )
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _layer_needs_no_weights(cls, data):
+        """The layer calls its attention with need_weights=False: that is its default."""
+        if isinstance(data, dict) and data.get("module") == TRANSFORMER_ENCODER_LAYER and "need_weights" not in data:
+            return {**data, "need_weights": False}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> Config:
         problems = _consistency_problems(self)
@@ -193,6 +222,18 @@ class Config(BaseModel):
 OUT_OF_RANGE = "attncheck_value"
 INCONSISTENT = "attncheck_consistency"
 
+MULTIHEAD_ATTENTION = "multihead_attention"
+TRANSFORMER_ENCODER_LAYER = "transformer_encoder_layer"
+# Keys of one module that mean nothing for the other: set there, they are a config error.
+LAYER_ONLY_KEYS = ("dim_feedforward", "activation", "layer_norm_eps", "norm_first")
+# nn.TransformerEncoderLayer's attention is self-attention over `src`, with E-wide keys and
+# values, no bias_k/zero key, and need_weights=False (transformer.py, _sa_block): the keys that
+# would change any of that, and the values that keep it.
+MHA_ONLY_KEYS = {
+    "self_attention": True, "src_len": None, "kdim": None, "vdim": None, "add_bias_kv": False,
+    "add_zero_attn": False, "need_weights": False, "key_is_value": False, "mask_fill": None,
+}  # fmt: skip
+
 
 def _value_error(message: str) -> PydanticCustomError:
     return PydanticCustomError(OUT_OF_RANGE, "{detail}", {"detail": message})
@@ -202,6 +243,7 @@ def _consistency_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
     """Find the rules that span several keys: each problem names its keys, most specific first."""
     problems: list[tuple[tuple[str, ...], str]] = []
     E, H = cfg.embed_dim, cfg.num_heads
+    problems += _module_problems(cfg)
 
     if H > E:
         problems.append((("num_heads",), f"must be between 1 and embed_dim ({E}), got {H}"))
@@ -217,7 +259,7 @@ def _consistency_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
         given, missing = ("atol", "rtol") if cfg.rtol is None else ("rtol", "atol")
         problems.append(((given,), f"{given} is set but {missing} is not; give both or neither"))
 
-    if cfg.self_attention:
+    if cfg.self_attention and not cfg.is_layer:  # the layer's own rule says it (_module_problems)
         conflicts = [
             (key, f"{key}: {value}")
             for key, value in (("kdim", cfg.kdim), ("vdim", cfg.vdim))
@@ -231,6 +273,30 @@ def _consistency_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
                 "self_attention: true feeds one tensor as query, key and value, which conflicts with "
                 f"{', '.join(text for _, text in conflicts)} (embed_dim: {E}); "
                 "set self_attention: false for cross-attention",
+            ))
+
+    if cfg.key_is_value:
+        if cfg.self_attention:
+            problems.append((
+                ("key_is_value", "self_attention"),
+                "true passes one array as key and value, beside a separate query: it needs "
+                "self_attention: false (self-attention already passes one array for all three)",
+            ))
+        if cfg.kdim_eff != cfg.vdim_eff:
+            problems.append((
+                ("key_is_value", "vdim", "kdim"),
+                f"true passes one array as key and value, so kdim and vdim must be equal, got "
+                f"kdim: {cfg.kdim_eff}, vdim: {cfg.vdim_eff}",
+            ))
+
+    if cfg.mask_fill is not None:
+        if not cfg.mask_fill < 0:
+            problems.append((("mask_fill",), f"must be a negative number (or null for -inf), got {show(cfg.mask_fill)}"))
+        elif cfg.mask_dtype != "float" or cfg.attn_mask == "none":
+            problems.append((
+                ("mask_fill", "mask_dtype", "attn_mask"),
+                "fills the masked places of a float attn_mask, so it needs mask_dtype: float and an "
+                f"attn_mask, got mask_dtype: {cfg.mask_dtype}, attn_mask: {cfg.attn_mask}",
             ))
 
     if cfg.is_causal:
@@ -264,6 +330,24 @@ def _consistency_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
             "Nesterov momentum requires a momentum and zero dampening (torch.optim.SGD refuses "
             f"nesterov: true with momentum: {show(cfg.momentum)}, dampening: {show(cfg.dampening)})",
         ))
+    return problems
+
+
+def _module_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
+    """Keys set that make no sense for the module under check, each named with the module."""
+    problems: list[tuple[tuple[str, ...], str]] = []
+    if not cfg.is_layer:
+        for key in LAYER_ONLY_KEYS:  # at their defaults they say nothing (the default file spells them)
+            if getattr(cfg, key) != Config.model_fields[key].default:
+                problems.append(((key, "module"), f"{show(getattr(cfg, key))} is a key of nn.TransformerEncoderLayer, not of module: {cfg.module}; "
+                                 f"set module: {TRANSFORMER_ENCODER_LAYER} to check the encoder layer"))  # fmt: skip
+        return problems
+    for key, keeps in MHA_ONLY_KEYS.items():
+        value = getattr(cfg, key)
+        if key in cfg.model_fields_set and value != keeps:
+            problems.append(((key, "module"), f"{show(value)} makes no sense for module: {cfg.module}: "
+                             "nn.TransformerEncoderLayer runs self-attention over src with E-wide keys and values "
+                             f"and returns no attention weights (need_weights=False); remove {key}"))  # fmt: skip
     return problems
 
 

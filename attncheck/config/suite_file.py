@@ -16,12 +16,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attncheck.commands import NAMES
 from attncheck.config.config_file import plain_config, resolve_impl
 from attncheck.config.display import plain, show, type_name
 from attncheck.config.messages import locate, raise_if_any, unknown_key_message, validate
-from attncheck.config.schema import CONFIG_KEYS, SUITE_KEYS, Config
-from attncheck.config.yaml_reading import Document, KeyPath, dotted, parse_document, read_config_file
-from attncheck.errors import Problem
+from attncheck.config.schema import CONFIG_KEYS, SUITE_KEYS, TRANSFORMER_ENCODER_LAYER, Config
+from attncheck.config.yaml_reading import (
+    DEFAULT_LAYER_SUITE_SOURCE,
+    Document,
+    KeyPath,
+    default_layer_suite_text,
+    dotted,
+    parse_document,
+    read_suite_file,
+)
+from attncheck.errors import Problem, UsageError
 
 MAX_MATRIX_CASES = 10_000
 
@@ -37,6 +46,8 @@ class Case:
     line: int | None = field(default=None, compare=False)
     # Where the file writes the `impl` this case runs (its own, the matrix's or the defaults'), if any.
     impl_line: int | None = field(default=None, compare=False)
+    # The commands this case is for (its `commands:`); None: every command run asks for.
+    commands: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -48,10 +59,23 @@ class Suite:
     cases: list[Case]
 
 
-def load_suite(path: str | Path | None) -> Suite:
-    """Load a suite from a YAML file; a plain config file is a suite of one case."""
-    text, source, name = read_config_file(path)
-    return parse_suite(text, source, name=name)
+def load_suite(path: str | Path | None, module: str | None = None) -> Suite:
+    """Load a suite from a YAML file; a plain config file is a suite of one case; None is the
+    embedded default suite (a case per feature).
+
+    `module` (the command line's --module): with no file, the embedded default suite of that
+    module; with one, every case must check that module (a UsageError names the first that does not).
+    """
+    if path is None and module == TRANSFORMER_ENCODER_LAYER:
+        return parse_suite(default_layer_suite_text(), DEFAULT_LAYER_SUITE_SOURCE, name="default-layer-suite")
+    text, source, name = read_suite_file(path)
+    suite = parse_suite(text, source, name=name)
+    if module is not None and path is not None:
+        for case in suite.cases:
+            if case.config is not None and case.config.module != module:
+                raise UsageError(f"--module {module}, but case {case.name!r} of {source} checks module: {case.config.module}; "
+                                 f"set module: {module} in the config, or leave --module out")  # fmt: skip
+    return suite
 
 
 def parse_suite(text: str, source: str, *, name: str | None = None) -> Suite:
@@ -157,6 +181,7 @@ class _SuiteBuilder:
             if overrides is None:
                 continue
             overrides = dict(overrides)
+            commands = self.case_commands(overrides.pop("commands", None), (*path, "commands"))
             name = overrides.pop("name", None)
             if name is None:
                 name = _case_name(overrides)
@@ -170,8 +195,22 @@ class _SuiteBuilder:
                 self.problems += locate(self.doc, findings, origins, fallback=path)
                 continue
             impl_line = self.impl_line((*path, "impl"))
-            cases.append((Case(name, resolve_impl(cfg, self.doc.source), line=self.doc.line_of(path), impl_line=impl_line), path))
+            cases.append((Case(name, resolve_impl(cfg, self.doc.source), line=self.doc.line_of(path), impl_line=impl_line,
+                               commands=commands), path))  # fmt: skip
         return cases
+
+    def case_commands(self, value: Any, path: KeyPath) -> tuple[str, ...] | None:
+        """A case's `commands:` (a list of command names) in the canonical order; None if absent."""
+        if value is None:
+            return None
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+            self.fail(f"expected a non-empty list of commands ({', '.join(NAMES)}), got {show(value)}", path)
+            return None
+        unknown = [v for v in value if v not in NAMES]
+        if unknown:
+            self.fail(f"unknown command {', '.join(map(repr, unknown))}; choose from {', '.join(NAMES)}", path)
+            return None
+        return tuple(c for c in NAMES if c in value)
 
     def matrix(self, top: dict) -> dict[str, list] | None:
         """The matrix's keys and values, checked for typos one value at a time; None if unsound."""

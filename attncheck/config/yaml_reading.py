@@ -23,11 +23,32 @@ from attncheck.errors import ConfigError, Problem
 MAX_FILE_BYTES = 1 << 20  # a config is a few lines; anything bigger is the wrong file
 
 DEFAULT_CONFIG_SOURCE = "<default config>"
+DEFAULT_SUITE_SOURCE = "<default suite>"
 
 
 def default_config_text() -> str:
     """The embedded default config, attncheck/config/default.yaml: every key at its default."""
     return resources.files("attncheck.config").joinpath("default.yaml").read_text(encoding="utf-8")
+
+
+def default_suite_text() -> str:
+    """The embedded default suite, attncheck/config/default_suite.yaml: a case per feature."""
+    return resources.files("attncheck.config").joinpath("default_suite.yaml").read_text(encoding="utf-8")
+
+
+def read_suite_file(path: str | Path | None) -> tuple[str, str, str]:
+    """As read_config_file, but None is the embedded default suite, named "default-suite"."""
+    if path is None:
+        return default_suite_text(), DEFAULT_SUITE_SOURCE, "default-suite"
+    return read_config_file(path)
+
+
+DEFAULT_LAYER_SUITE_SOURCE = "<default layer suite>"
+
+
+def default_layer_suite_text() -> str:
+    """The embedded default suite of nn.TransformerEncoderLayer, attncheck/config/default_layer_suite.yaml."""
+    return resources.files("attncheck.config").joinpath("default_layer_suite.yaml").read_text(encoding="utf-8")
 
 
 def read_config_file(path: str | Path | None) -> tuple[str, str, str]:

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import attncheck
 from attncheck import checks
+from attncheck.config import Config, load_suite
 from attncheck.report import Report
 from attncheck.testing import wrong_impls
 
@@ -38,7 +39,7 @@ class Case(NamedTuple):
 
     impl: str  # a name in wrong_impls.MODULES or wrong_impls.OPTIMIZERS
     command: str  # forward, grad or sgd-step
-    config: Mapping[str, Any] | str  # overrides of the defaults, or a config file's path
+    config: Mapping[str, Any] | str | Config  # overrides of the defaults, a config file's path, or a Config
     fails: Mapping[str, tuple[str, ...]] = {}  # section -> quantities whose rows must fail; none: must pass
 
 
@@ -82,6 +83,89 @@ MISSED = [
 ]  # fmt: skip
 
 
+# ------------------------------------------------------------------------------ default suite
+# Every known-bad implementation, annotated with the case of the default suite
+# (configs/default_suite.yaml) expected to catch it, the command, and the rows that must fail
+# there. Running the implementation with no config at all (the whole default suite) must fail,
+# and on this case exactly these rows.
+FORWARD_ONLY = {"forward": OUTPUTS}  # no fast-path rows: torch takes no fast path there
+SGD_THREE_STEPS = {"sgd": (*PARAMETERS, "loss (steps 1-3)")}
+
+
+class SuiteCatch(NamedTuple):
+    """A known-bad implementation, the default-suite case expected to catch it, and the failing rows."""
+
+    impl: str  # a name in wrong_impls.MODULES or wrong_impls.OPTIMIZERS
+    case: str  # a case name of the default suite
+    command: str
+    fails: Mapping[str, tuple[str, ...]]
+
+
+DEFAULT_SUITE_CATCHES = [
+    # shapes and layouts
+    SuiteCatch("HeadsSplitTransposed", "basic", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("InProjBiasTwice", "basic", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("ScaleByHeadDim", "basic", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("HeadWeightsSummed", "basic", "forward", {"forward": ("attn_weights",), "fast-path": ("attn_weights",)}),
+    SuiteCatch("KeysChunkedTailDropped", "long-sequence", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("SeqFirstAsBatchFirst", "seq-first", "forward", FORWARD_ONLY),
+    SuiteCatch("KeyUsedAsValue", "cross-attention", "forward", {"forward": ("output",)}),  # the weights use q and k only
+    SuiteCatch("EncoderDecoderSharedProjection", "encoder-decoder", "forward", {"forward": ("output",)}),
+    SuiteCatch("KdimHeadScale", "kdim-vdim", "forward", FORWARD_ONLY),
+    SuiteCatch("UnbatchedKeyPaddingDropped", "unbatched-key-padding", "forward", FORWARD_ONLY),
+    # masks
+    SuiteCatch("MaskAfterSoftmax", "causal", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("CausalDiagonalMasked", "causal", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("BoolMaskInverted", "bool-mask", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("Mask3dHeadOrder", "bool-mask-3d", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("FloatMaskScaled", "float-mask-3d", "forward", FORWARD_ONLY),
+    SuiteCatch("KeyPaddingInverted", "key-padding", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("KeyPaddingPerQuery", "key-padding", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("KeyPaddingHeadOrder", "key-padding", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("KeyPaddingFloatAsBool", "float-key-padding", "forward", FORWARD_ONLY),
+    SuiteCatch("MixedMaskPaddingCast", "float-mask-fill-mixed", "forward", FORWARD_ONLY),
+    SuiteCatch("FullyMaskedRowsZeroed", "fully-masked", "forward", BOTH_FORWARD_PATHS),
+    # options
+    SuiteCatch("BiasKvProjected", "bias-kv-masked", "forward", FORWARD_ONLY),
+    SuiteCatch("BiasKvMaskedOut", "bias-kv-masked", "forward", FORWARD_ONLY),
+    SuiteCatch("ZeroAttnPrepended", "zero-attn-masked", "forward", FORWARD_ONLY),
+    SuiteCatch("PerHeadWeightsHeadMajor", "per-head-weights", "forward", {"forward": ("attn_weights",), "fast-path": ("attn_weights",)}),
+    # numerics
+    SuiteCatch("SoftmaxWithoutMaxSubtraction", "large-logits", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("Float16Probabilities", "basic", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("SoftmaxEpsilon", "float64", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("Float32Internally", "float64", "forward", BOTH_FORWARD_PATHS),
+    # gradients
+    SuiteCatch("SoftmaxDiagonalBackward", "basic", "grad", {"grad": (*QK_PROJ, "input"), "finite-diff": (*QK_PROJ, "input")}),
+    SuiteCatch("QueryGradScaleMissing", "basic", "grad", {section: ("in_proj_weight[q]", "in_proj_bias[q]", "input") for section in ("grad", "finite-diff")}),
+    # in_proj_bias[k]'s gradient is zero (softmax ignores a constant added to a whole row): halving it changes nothing
+    SuiteCatch("BiasGradAveragedOverBatch", "basic", "grad", {section: ("in_proj_bias[q]", "in_proj_bias[v]", "out_proj.bias") for section in ("grad", "finite-diff")}),
+    SuiteCatch("OutProjWeightGradTransposed", "basic", "grad", {"grad": ("out_proj.weight",), "finite-diff": ("out_proj.weight",)}),
+    SuiteCatch("KeyValueGradSwapped", "cross-attention", "grad", {"grad": ("key", "value"), "finite-diff": ("key", "value")}),
+    SuiteCatch("BiasKvGradSwapped", "bias-kv-masked", "grad", {"grad": ("bias_k", "bias_v"), "finite-diff": ("bias_k", "bias_v")}),
+    SuiteCatch("OutProjBiasGradMissing", "basic", "sgd-step", {"sgd": ("out_proj.bias",)}),  # grad: not provided
+    # sgd-step
+    SuiteCatch("MomentumBufferFromZero", "sgd-dampened", "sgd-step", SGD_THREE_STEPS),
+    SuiteCatch("WeightDecayDecoupled", "sgd-dampened", "sgd-step", SGD_THREE_STEPS),
+    SuiteCatch("MaximizeAfterWeightDecay", "sgd-dampened", "sgd-step", SGD_THREE_STEPS),
+    SuiteCatch("NesterovWithoutGradient", "sgd-nesterov", "sgd-step", SGD_THREE_STEPS),
+    # calls: no single call's numbers show these; every check calls the candidate again on other
+    # inputs and compares each array it handed over with its original
+    SuiteCatch("KeyValueProjectionCached", "basic", "forward", {"forward": ("repeat call",)}),
+    SuiteCatch("MaskSanitizedInPlace", "float-mask-3d", "forward", {"forward": ("contract",)}),
+]  # fmt: skip
+
+
+def default_suite_case(name: str) -> Config:
+    """The config of one case of the default suite."""
+    return next(case.config for case in load_suite(None).cases if case.name == name)
+
+
+def as_case(catch: SuiteCatch) -> Case:
+    """A SuiteCatch as a detection Case: its command on its default-suite case."""
+    return Case(catch.impl, catch.command, default_suite_case(catch.case), catch.fails)
+
+
 @contextmanager
 def sgd_swapped(optimizer: type) -> Iterator[None]:
     """attncheck.checks.SGD replaced by `optimizer` (the candidate's update rule) while the block runs."""
@@ -108,12 +192,19 @@ def failing_rows(report: Report) -> dict[str, tuple[str, ...]]:
     return rows
 
 
+# Rows that report what a candidate's calls did rather than a value: results that depend on an
+# earlier call, an input changed in place, a gradient under an unknown name.
+CALL_FINDINGS = ("repeat call", "contract")
+
+
 def problems(case: Case, report: Report) -> list[str]:
     """Why `report` is not the outcome `case` expects, one line per problem; empty when it is."""
     found, mismatched = [], set()
     for row in report.failures:
         if row.quantity == "candidate":
             found.append(f"the candidate crashed ({row.section}): {row.note}")
+        elif row.quantity in CALL_FINDINGS:  # a finding about the calls themselves: no values to mismatch
+            mismatched.add((row.section, row.quantity))
         elif row.mismatched == 0:
             found.append(f"{row.section} {row.quantity} failed without a mismatch: {row.note}")
         else:
@@ -126,10 +217,12 @@ def problems(case: Case, report: Report) -> list[str]:
     return found
 
 
-def describe_config(config: Mapping[str, Any] | str) -> str:
-    """A case's config in a few words: its file, its overrides, or `defaults`."""
+def describe_config(config: Mapping[str, Any] | str | Config) -> str:
+    """A case's config in a few words: its file, its overrides, its name, or `defaults`."""
     if isinstance(config, str):
         return config
+    if isinstance(config, Config):
+        return f"default suite: {config.name}"
     return ", ".join(f"{k}={v}" for k, v in config.items()) or "defaults"
 
 

@@ -61,8 +61,12 @@ def configs(draw) -> Config:
         overrides["src_len"] = draw(st.integers(1, 6))
         overrides["kdim"] = draw(st.sampled_from([None, 3, 5]))
         overrides["vdim"] = draw(st.sampled_from([None, 4]))
+        if draw(st.booleans()):  # key and value one array: their widths must agree
+            overrides.update(key_is_value=True, vdim=overrides["kdim"])
     if overrides["attn_mask"] == "causal" and not (overrides["add_bias_kv"] or overrides["add_zero_attn"]):
         overrides["is_causal"] = draw(st.booleans())
+    if overrides["mask_dtype"] == "float" and overrides["attn_mask"] != "none":
+        overrides["mask_fill"] = draw(st.sampled_from([None, -1e4]))
     return _valid(overrides)
 
 

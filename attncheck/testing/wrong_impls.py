@@ -28,17 +28,17 @@ class SoftmaxDiagonalBackward(MultiheadAttention):
         return p * (1 - p) * dp
 
 
-class ScaleByHeadDim(MultiheadAttention):
-    """Logits scaled by 1/D instead of 1/sqrt(D), consistently in the forward and the backward.
+class _ScoresRescaled(MultiheadAttention):
+    """The reference with its logits multiplied by `extra_scale()`, consistently in the forward and
+    the backward: Wq and bq are multiplied by it, and the query-projection gradients taken back
+    through that product (the input gradients follow from the scaled Wq by themselves)."""
 
-    Built as the reference with Wq and bq divided by sqrt(D) (q k^T / sqrt(D) then becomes
-    q k^T / D), and the query-projection gradients taken back through that division. Invisible
-    when D == 1.
-    """
+    def extra_scale(self) -> float:
+        raise NotImplementedError  # each subclass names its wrong scale
 
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
-        self.extra = self.dtype.type(1 / np.sqrt(self.D))
+        self.extra = self.dtype.type(self.extra_scale())
         self.Wq = self.Wq * self.extra
         if self.bq is not None:
             self.bq = self.bq * self.extra
@@ -53,6 +53,24 @@ class ScaleByHeadDim(MultiheadAttention):
         if self.bq is not None:
             grads["in_proj_bias"][:E] *= self.extra
         return grads
+
+
+class ScaleByHeadDim(_ScoresRescaled):
+    """Logits scaled by 1/D instead of 1/sqrt(D), consistently in the forward and the backward.
+
+    (q k^T / sqrt(D) becomes q k^T / D.) Invisible when D == 1.
+    """
+
+    def extra_scale(self) -> float:
+        return 1 / np.sqrt(self.D)
+
+
+class KdimHeadScale(_ScoresRescaled):
+    """With kdim set, the logits are scaled by 1/sqrt(kdim / H) instead of 1/sqrt(embed_dim / H):
+    the head size taken from the key's width. Invisible when kdim == embed_dim."""
+
+    def extra_scale(self) -> float:
+        return np.sqrt(self.E / self.Ek)  # (1 / sqrt(Ek / H)) / (1 / sqrt(E / H))
 
 
 class MaskAfterSoftmax(MultiheadAttention):
@@ -223,6 +241,356 @@ class OutProjBiasGradMissing(MultiheadAttention):
         return grads
 
 
+# ------------------------------------------------------------------------------------- masks
+def _additive(mask: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """A bool (True = masked) or float mask as an additive float mask."""
+    return np.where(mask, -np.inf, 0.0).astype(dtype) if mask.dtype == np.bool_ else mask
+
+
+class BoolMaskInverted(MultiheadAttention):
+    """A bool attn_mask read as True = allowed (the convention of some other libraries)."""
+
+    def forward(self, query, key, value, *, attn_mask=None, **kwargs):
+        if attn_mask is not None and attn_mask.dtype == np.bool_:
+            attn_mask = ~attn_mask
+        return super().forward(query, key, value, attn_mask=attn_mask, **kwargs)
+
+
+class KeyPaddingInverted(MultiheadAttention):
+    """A bool key_padding_mask read as True = a real token (the attention_mask convention of
+    tokenizers), so the padding is attended and the real keys are masked."""
+
+    def forward(self, query, key, value, *, key_padding_mask=None, **kwargs):
+        if key_padding_mask is not None and key_padding_mask.dtype == np.bool_:
+            key_padding_mask = ~key_padding_mask
+        return super().forward(query, key, value, key_padding_mask=key_padding_mask, **kwargs)
+
+
+class KeyPaddingHeadOrder(MultiheadAttention):
+    """The key padding mask is spread over batch x head groups by tiling (group g gets batch entry
+    g % B) instead of repeating each entry H times (g // H, torch's order).
+
+    Built as the reference given that per-group mask as a 3-D attn_mask. Invisible when B == 1 or H == 1.
+    """
+
+    def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, **kwargs):
+        if key_padding_mask is None or key_padding_mask.ndim != 2:
+            return super().forward(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask, **kwargs)
+        B, S = key_padding_mask.shape
+        L = query.shape[1 if self.batch_first else 0]
+        G = B * self.H
+        per_group = _additive(key_padding_mask, self.dtype)[np.arange(G) % B]  # (G, S): the bug
+        merged = np.broadcast_to(per_group[:, None, :], (G, L, S))  # (G, L, S)
+        if attn_mask is not None:
+            merged = merged + _additive(attn_mask, self.dtype)  # (L, S) or (G, L, S)
+        return super().forward(query, key, value, attn_mask=np.ascontiguousarray(merged), **kwargs)
+
+
+class Mask3dHeadOrder(MultiheadAttention):
+    """A per-head (B*H, L, S) attn_mask indexed head-major (group b*H + h reads entry h*B + b).
+    Invisible when B == 1 or H == 1."""
+
+    def forward(self, query, key, value, *, attn_mask=None, **kwargs):
+        if attn_mask is not None and attn_mask.ndim == 3:
+            G, L, S = attn_mask.shape
+            attn_mask = attn_mask.reshape(self.H, G // self.H, L, S).transpose(1, 0, 2, 3).reshape(G, L, S)
+        return super().forward(query, key, value, attn_mask=attn_mask, **kwargs)
+
+
+class CausalDiagonalMasked(MultiheadAttention):
+    """A causal attn_mask is recognized and replaced by the candidate's own triangle, built with
+    np.triu(k=0): the diagonal is masked too, so query 0 sees no key (NaN) and query i only i - 1."""
+
+    def forward(self, query, key, value, *, attn_mask=None, **kwargs):
+        if attn_mask is not None and attn_mask.dtype == np.bool_ and attn_mask.ndim == 2:
+            L, S = attn_mask.shape
+            if np.array_equal(attn_mask, np.triu(np.ones((L, S), dtype=bool), k=1)):
+                attn_mask = np.triu(np.ones((L, S), dtype=bool), k=0)
+        return super().forward(query, key, value, attn_mask=attn_mask, **kwargs)
+
+
+class FloatMaskScaled(MultiheadAttention):
+    """A float attn_mask is added before the 1/sqrt(D) scaling, (q k^T + mask) / sqrt(D), so its
+    finite values are scaled too. Invisible for bool masks (-inf stays -inf)."""
+
+    def forward(self, query, key, value, *, attn_mask=None, **kwargs):
+        if attn_mask is not None and attn_mask.dtype != np.bool_:
+            attn_mask = attn_mask * attn_mask.dtype.type(1 / np.sqrt(self.D))
+        return super().forward(query, key, value, attn_mask=attn_mask, **kwargs)
+
+
+class KeyPaddingFloatAsBool(MultiheadAttention):
+    """A float key_padding_mask is read as bool: any nonzero value masks its key (mask.astype(bool)),
+    where torch adds the values to the logits."""
+
+    def forward(self, query, key, value, *, key_padding_mask=None, **kwargs):
+        if key_padding_mask is not None and key_padding_mask.dtype != np.bool_:
+            key_padding_mask = key_padding_mask != 0
+        return super().forward(query, key, value, key_padding_mask=key_padding_mask, **kwargs)
+
+
+class MixedMaskPaddingCast(MultiheadAttention):
+    """Beside a float attn_mask, a bool key_padding_mask is cast with astype (True becomes +1.0)
+    instead of becoming -inf, so padded keys get more attention rather than none."""
+
+    def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, **kwargs):
+        mixed = attn_mask is not None and attn_mask.dtype != np.bool_ and key_padding_mask is not None
+        if mixed and key_padding_mask.dtype == np.bool_:
+            key_padding_mask = key_padding_mask.astype(attn_mask.dtype)
+        return super().forward(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask, **kwargs)
+
+
+class FullyMaskedRowsZeroed(MultiheadAttention):
+    """A "safe" softmax everywhere: rows whose every key is masked get zero weights (the output is
+    the out-projection bias) even with need_weights=True, where torch gives NaN."""
+
+    def forward(self, query, key, value, *, need_weights=True, **kwargs):
+        if not need_weights:
+            return super().forward(query, key, value, need_weights=False, **kwargs)
+        _, weights = super().forward(query, key, value, need_weights=True, **kwargs)
+        out, _ = super().forward(query, key, value, need_weights=False, **kwargs)  # the state backward uses
+        return out, np.nan_to_num(weights, nan=0.0)
+
+
+class UnbatchedKeyPaddingDropped(MultiheadAttention):
+    """Unbatched (2-D) inputs: the (S,) key padding mask is dropped on that code path."""
+
+    def forward(self, query, key, value, *, key_padding_mask=None, **kwargs):
+        if query.ndim == 2:
+            key_padding_mask = None
+        return super().forward(query, key, value, key_padding_mask=key_padding_mask, **kwargs)
+
+
+# ------------------------------------------------------------------------------------ shapes
+class SeqFirstAsBatchFirst(MultiheadAttention):
+    """batch_first=False inputs (L, B, E) are read as (B, L, E): attention runs across the batch
+    axis instead of the sequence. Invisible when batch_first is true."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.batch_first = True
+
+
+class KeyUsedAsValue(MultiheadAttention):
+    """The value is projected from the key input, v = key Wv^T + bv. Invisible under self-attention
+    and when key is value; needs kdim == vdim."""
+
+    def forward(self, query, key, value, **kwargs):
+        return super().forward(query, key, key, **kwargs)
+
+
+class EncoderDecoderSharedProjection(MultiheadAttention):
+    """When key and value are one array (encoder-decoder attention), the key projection is computed
+    once and reused as the value projection: v = key Wk^T + bk. Invisible for distinct arrays."""
+
+    def forward(self, query, key, value, **kwargs):
+        if key is not value or key is query:
+            return super().forward(query, key, value, **kwargs)
+        own = self.Wv, self.bv
+        self.Wv, self.bv = self.Wk, self.bk
+        try:
+            return super().forward(query, key, value, **kwargs)
+        finally:
+            self.Wv, self.bv = own
+
+
+# Keys are processed in chunks of this many positions.
+CHUNK = 128
+
+
+class KeysChunkedTailDropped(MultiheadAttention):
+    """Attention over keys in chunks of 128 positions whose last, partial chunk is dropped: keys
+    after position 128 are never attended (zero weight, zero gradient). Invisible for S <= 128."""
+
+    def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, need_weights=True, **kwargs):
+        self._axis = 1 if key.ndim == 3 and self.batch_first else 0  # the sequence axis
+        self._source_len = S = key.shape[self._axis]
+        if S > CHUNK:
+            key, value = np.take(key, range(CHUNK), self._axis), np.take(value, range(CHUNK), self._axis)
+            attn_mask = None if attn_mask is None else attn_mask[..., :CHUNK]
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask[..., :CHUNK]
+        out, weights = super().forward(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                                       need_weights=need_weights, **kwargs)  # fmt: skip
+        if weights is not None and S > CHUNK:
+            weights = np.concatenate([weights, np.zeros(weights.shape[:-1] + (S - CHUNK,), weights.dtype)], axis=-1)
+        return out, weights
+
+    def backward(self, grad_output):
+        grads = super().backward(grad_output)
+        missing = self._source_len - CHUNK
+        if missing > 0:
+            for name in ("key", "value"):
+                g = grads[name]
+                tail = list(g.shape)
+                tail[self._axis] = missing
+                grads[name] = np.concatenate([g, np.zeros(tail, g.dtype)], axis=self._axis)
+        return grads
+
+
+# ----------------------------------------------------------------------------------- options
+class BiasKvMaskedOut(MultiheadAttention):
+    """With add_bias_kv and a mask, the masks are padded with a *masked* column for bias_k (True,
+    as F.pad(mask, (0, 1), value=True)), so the bias key and value are never attended; its
+    gradients are zero. Invisible without a mask."""
+
+    def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, **kwargs):
+        # With a mask, the bias key is never attended: the reference runs without bias_k and bias_v.
+        self._hidden = self.bias_k is not None and (attn_mask is not None or key_padding_mask is not None)
+        if not self._hidden:
+            return super().forward(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask, **kwargs)
+        own, self.bias_k, self.bias_v = (self.bias_k, self.bias_v), None, None
+        try:
+            out, weights = super().forward(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask, **kwargs)
+        finally:
+            self.bias_k, self.bias_v = own
+        if weights is not None:  # the bias key's column, zero, before the zero key's if any
+            at = weights.shape[-1] - int(self.add_zero_attn)
+            weights = np.insert(weights, at, 0.0, axis=-1)
+        return out, weights
+
+    def backward(self, grad_output):
+        if not self._hidden:
+            return super().backward(grad_output)
+        own, self.bias_k, self.bias_v = (self.bias_k, self.bias_v), None, None
+        try:
+            grads = super().backward(grad_output)
+        finally:
+            self.bias_k, self.bias_v = own
+        grads["bias_k"], grads["bias_v"] = np.zeros_like(self.bias_k), np.zeros_like(self.bias_v)
+        return grads
+
+
+class PerHeadWeightsHeadMajor(MultiheadAttention):
+    """Per-head weights (average_attn_weights=False) laid out head-major: (H, B, L, S) data in the
+    (B, H, L, S) array torch returns. Invisible when B == 1 or H == 1."""
+
+    def forward(self, *args, average_attn_weights=True, **kwargs):
+        out, weights = super().forward(*args, average_attn_weights=average_attn_weights, **kwargs)
+        if weights is not None and weights.ndim == 4:
+            B, H, L, S = weights.shape
+            weights = np.ascontiguousarray(weights.transpose(1, 0, 2, 3)).reshape(B, H, L, S)
+        return out, weights
+
+
+# ---------------------------------------------------------------------------------- numerics
+class Float16Probabilities(MultiheadAttention):
+    """The attention probabilities are rounded to float16 before they weigh the values (a
+    half-precision kernel): ~1e-3 relative error, where float32 keeps ~1e-7."""
+
+    @staticmethod
+    def _normalize(p, total, safe):
+        p = MultiheadAttention._normalize(p, total, safe)
+        p[...] = p.astype(np.float16)
+        return p
+
+
+class SoftmaxEpsilon(MultiheadAttention):
+    """The softmax divides by sum + 1e-5 (a guard against division by zero): every weight is about
+    1e-5 relative too small. Below float32's budget floor; plain in float64."""
+
+    @staticmethod
+    def _normalize(p, total, safe):
+        return MultiheadAttention._normalize(p, total + p.dtype.type(1e-5), safe)
+
+
+class Float32Internally(MultiheadAttention):
+    """Computes in float32 whatever the dtype it is given, casting the results back: float64
+    inputs get float32 accuracy. Invisible in float32."""
+
+    def __init__(self, params, **kwargs):
+        self.given = np.result_type(*params.values())
+        super().__init__({k: v.astype(np.float32) for k, v in params.items()}, **kwargs)
+
+    def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, **kwargs):
+        def low(a):
+            return a if a is None or a.dtype == np.bool_ else a.astype(np.float32)
+
+        out, weights = super().forward(low(query), low(key), low(value), attn_mask=low(attn_mask),
+                                       key_padding_mask=low(key_padding_mask), **kwargs)  # fmt: skip
+        return out.astype(self.given), None if weights is None else weights.astype(self.given)
+
+    def backward(self, grad_output):
+        grads = super().backward(grad_output.astype(np.float32))
+        return {k: v.astype(self.given) for k, v in grads.items()}
+
+
+# --------------------------------------------------------------------------------- gradients
+class QueryGradScaleMissing(MultiheadAttention):
+    """backward() forgets the 1/sqrt(D) softmax scale on the query path: the query-projection and
+    query gradients are sqrt(D) times too large. Invisible when D == 1."""
+
+    def backward(self, grad_output):
+        grads = super().backward(grad_output)
+        root = self.dtype.type(np.sqrt(self.D))
+        if self.separate:
+            grads["q_proj_weight"] = grads["q_proj_weight"] * root
+        else:
+            grads["in_proj_weight"][: self.E] *= root
+        if self.bq is not None:
+            grads["in_proj_bias"][: self.E] *= root
+        grads["query"] = grads["query"] * root
+        return grads
+
+
+class BiasGradAveragedOverBatch(MultiheadAttention):
+    """Bias gradients averaged over the batch instead of summed (in_proj_bias, out_proj.bias).
+    Invisible when B == 1."""
+
+    def forward(self, query, *args, **kwargs):
+        self._batch = 1 if query.ndim == 2 else query.shape[0 if self.batch_first else 1]
+        return super().forward(query, *args, **kwargs)
+
+    def backward(self, grad_output):
+        grads = super().backward(grad_output)
+        for name in ("in_proj_bias", "out_proj.bias"):
+            if name in grads:
+                grads[name] = grads[name] / self.dtype.type(self._batch)
+        return grads
+
+
+class OutProjWeightGradTransposed(MultiheadAttention):
+    """backward() returns the out-projection weight's gradient transposed: (in, out) where torch's
+    layout is (out, in). Square, so no shape check can see it."""
+
+    def backward(self, grad_output):
+        grads = super().backward(grad_output)
+        grads["out_proj.weight"] = np.ascontiguousarray(grads["out_proj.weight"].T)
+        return grads
+
+
+class BiasKvGradSwapped(MultiheadAttention):
+    """backward() returns bias_k's gradient as bias_v's and bias_v's as bias_k's."""
+
+    def backward(self, grad_output):
+        grads = super().backward(grad_output)
+        if "bias_k" in grads:
+            grads["bias_k"], grads["bias_v"] = grads["bias_v"], grads["bias_k"]
+        return grads
+
+
+# ------------------------------------------------------------------------------------- calls
+class KeyValueProjectionCached(MultiheadAttention):
+    """Caches the key and value inputs of its first call and reuses them on every later call of the
+    same shapes: a second call with other keys attends to the first call's (stale state)."""
+
+    def forward(self, query, key, value, **kwargs):
+        if getattr(self, "_first", None) is None:
+            self._first = (key.copy(), value.copy())
+        if self._first[0].shape == key.shape and self._first[1].shape == value.shape:
+            key, value = self._first
+        return super().forward(query, key, value, **kwargs)
+
+
+class MaskSanitizedInPlace(MultiheadAttention):
+    """Replaces -inf in a float attn_mask by -1e9 in place (np.nan_to_num(copy=False)) before
+    using it: its results are right, but the caller's mask is changed."""
+
+    def forward(self, query, key, value, *, attn_mask=None, **kwargs):
+        if attn_mask is not None and attn_mask.dtype != np.bool_:
+            np.nan_to_num(attn_mask, copy=False, neginf=-1e9)
+        return super().forward(query, key, value, attn_mask=attn_mask, **kwargs)
+
+
 class MomentumBufferFromZero(SGD):
     """The momentum buffer starts at zero, not at the first gradient: buf = momentum * 0 + (1 - dampening) * g.
 
@@ -237,15 +605,56 @@ class MomentumBufferFromZero(SGD):
         return super().step(params, grads)
 
 
+class NesterovWithoutGradient(SGD):
+    """Nesterov's update uses the buffer alone (g = buf, plain momentum) instead of g + momentum * buf."""
+
+    def step(self, params, grads):
+        plain = SGD(self.lr, self.momentum, self.dampening, self.weight_decay, False, self.maximize, self.momentum_buffers)
+        return plain.step(params, grads)
+
+
+class WeightDecayDecoupled(SGD):
+    """Weight decay applied to the weights directly after the update, p -= lr * weight_decay * p
+    (AdamW style), instead of added to the gradient before the momentum."""
+
+    def step(self, params, grads):
+        plain = SGD(self.lr, self.momentum, self.dampening, 0.0, self.nesterov, self.maximize, self.momentum_buffers)
+        updated = plain.step(params, grads)
+        for name in grads:
+            updated[name] = (updated[name] - self.lr * self.weight_decay * params[name]).astype(params[name].dtype)
+        return updated
+
+
+class MaximizeAfterWeightDecay(SGD):
+    """maximize negates the gradient after the weight decay is added, so the decay is negated too
+    (torch negates the gradient first)."""
+
+    def step(self, params, grads):
+        if not self.maximize:
+            return super().step(params, grads)
+        decayed = {k: g + self.weight_decay * params[k] for k, g in grads.items()}
+        rest = SGD(self.lr, self.momentum, self.dampening, 0.0, self.nesterov, True, self.momentum_buffers)
+        return rest.step(params, decayed)
+
+
 # Every wrong module above, by name.
 MODULES = {
     cls.__name__: cls
     for cls in (
-        SoftmaxDiagonalBackward, ScaleByHeadDim, MaskAfterSoftmax, HeadsSplitTransposed, InProjBiasTwice,
+        SoftmaxDiagonalBackward, ScaleByHeadDim, KdimHeadScale, MaskAfterSoftmax, HeadsSplitTransposed, InProjBiasTwice,
         KeyPaddingPerQuery, BiasKvProjected, ZeroAttnPrepended, HeadWeightsSummed, KeyValueGradSwapped,
         SoftmaxWithoutMaxSubtraction, OutProjBiasGradMissing,
+        BoolMaskInverted, KeyPaddingInverted, KeyPaddingHeadOrder, Mask3dHeadOrder, CausalDiagonalMasked, FloatMaskScaled,
+        KeyPaddingFloatAsBool, MixedMaskPaddingCast, FullyMaskedRowsZeroed,
+        UnbatchedKeyPaddingDropped, SeqFirstAsBatchFirst, KeyUsedAsValue, EncoderDecoderSharedProjection,
+        KeysChunkedTailDropped, BiasKvMaskedOut, PerHeadWeightsHeadMajor, Float16Probabilities, SoftmaxEpsilon,
+        Float32Internally, QueryGradScaleMissing, BiasGradAveragedOverBatch, OutProjWeightGradTransposed,
+        BiasKvGradSwapped, KeyValueProjectionCached, MaskSanitizedInPlace,
     )
 }  # fmt: skip
 
 # The wrong optimizers, by name: each is swapped in for attncheck.checks.SGD.
-OPTIMIZERS = {MomentumBufferFromZero.__name__: MomentumBufferFromZero}
+OPTIMIZERS = {
+    cls.__name__: cls
+    for cls in (MomentumBufferFromZero, NesterovWithoutGradient, WeightDecayDecoupled, MaximizeAfterWeightDecay)
+}

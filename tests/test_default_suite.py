@@ -1,0 +1,147 @@
+"""The default suite: what every command checks when no --config is given.
+
+Every known-bad implementation is caught by the default-suite case it is annotated with, on
+exactly the expected rows (attncheck/testing/detection.py, DEFAULT_SUITE_CATCHES); a few of them
+also through the whole no-config CLI run (exit 1, those rows failing, nothing crashed); the
+correct reference and the correct example pass it (exit 0), the example's refusals counted as
+unsupported, not failed; and an all-pass summary fits on one screen.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from attncheck.cli import app
+from attncheck.config import load_suite
+from attncheck.render import suite_summary, suite_verdict
+from attncheck.report import UNSUPPORTED
+from attncheck.commands import NAMES
+from attncheck.suite import SuiteResult, capabilities, plan, run_jobs
+from attncheck.testing import detection, wrong_impls
+from attncheck.testing.detection import DEFAULT_SUITE_CATCHES
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = "attncheck.testing.wrong_impls:{}"
+PER_HEAD = str(ROOT / "examples/per_head_loop.py") + ":MultiheadAttention"
+# The whole no-config run for one implementation of each kind (a mask, a shape, a gradient, an
+# option, a numerics, an SGD and a calls bug): each run is every case x command, a few seconds.
+FULL_RUNS = ["KeyPaddingHeadOrder", "EncoderDecoderSharedProjection", "QueryGradScaleMissing", "BiasKvMaskedOut",
+             "SoftmaxEpsilon", "NesterovWithoutGradient", "MaskSanitizedInPlace"]  # fmt: skip
+
+
+def _catch(name: str) -> detection.SuiteCatch:
+    return next(c for c in DEFAULT_SUITE_CATCHES if c.impl == name)
+
+
+@pytest.mark.parametrize("catch", DEFAULT_SUITE_CATCHES, ids=[c.impl for c in DEFAULT_SUITE_CATCHES])
+def test_caught_by_its_case(catch):
+    report = detection.run(detection.as_case(catch))
+    assert not report.passed
+    assert detection.problems(detection.as_case(catch), report) == []
+
+
+def test_the_corpus_covers_every_class_once():
+    names = [c.impl for c in DEFAULT_SUITE_CATCHES]
+    assert len(names) == len(set(names)) >= 30
+    assert set(names) == set(wrong_impls.MODULES) | set(wrong_impls.OPTIMIZERS)
+    cases = {case.name for case in load_suite(None).cases}
+    assert {c.case for c in DEFAULT_SUITE_CATCHES} <= cases
+
+
+@pytest.mark.parametrize("name", FULL_RUNS)
+def test_no_config_run_exits_1_on_the_expected_rows(tmp_path, name):
+    catch = _catch(name)
+    out = tmp_path / "r.json"
+    args = ["run", "--json", str(out)]
+    if name in wrong_impls.OPTIMIZERS:
+        with detection.sgd_swapped(wrong_impls.OPTIMIZERS[name]):
+            result = CliRunner().invoke(app, [*args, "--only", "sgd-step"])
+    else:
+        result = CliRunner().invoke(app, [*args, "--impl", SPEC.format(name)])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    data = json.loads(out.read_text())
+    [report] = [r for r in data["results"] if r["name"] == catch.case and r["command"] == catch.command]
+    failing: dict[str, tuple[str, ...]] = {}
+    for row in report["rows"]:
+        if row["status"] == "fail":
+            assert row["quantity"] != "candidate", row  # a crash is no catch
+            assert row["mismatched"] > 0 or row["quantity"] in detection.CALL_FINDINGS, row
+            failing[row["section"]] = (*failing.get(row["section"], ()), row["quantity"])
+    assert failing == dict(catch.fails)
+
+
+@pytest.fixture(scope="module")
+def reference_run() -> SuiteResult:
+    jobs, skipped = plan(load_suite(None), NAMES)
+    return SuiteResult("default-suite", NAMES, run_jobs(jobs, {}), skipped)
+
+
+def test_the_reference_passes_every_case(reference_run):
+    assert reference_run.verdict == "pass", [(r.name, r.command, r.verdict) for r in reference_run.reports if not r.passed]
+    assert not reference_run.skipped
+
+
+def test_an_all_pass_summary_fits_one_screen(reference_run):
+    console = Console(width=100, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    reports = reference_run.reports
+    console.print(*suite_summary(reports, [], "summary  default-suite"), suite_verdict(reports, 0, 1.0, reference_run.verdict))
+    lines = console.export_text().splitlines()
+    assert len(lines) <= 40 and max(map(len, lines)) <= 100
+    assert sum(line.split()[-1:] == ["PASS"] for line in lines) >= len(load_suite(None).cases)  # a line per case
+    assert "capabilities" in lines[len(load_suite(None).cases) + 2]
+
+
+def test_no_config_cli_passes_the_reference_and_the_example():
+    assert CliRunner().invoke(app, ["forward"]).exit_code == 0
+    result = CliRunner().invoke(app, ["run", "--impl", PER_HEAD])
+    assert result.exit_code == 0, result.output
+    # its refusals are unsupported, named with its reason in the capability table
+    assert "unsupported" in result.output and "add_bias_kv and add_zero_attn are not supported" in result.output
+
+
+def test_capabilities_name_the_unsupported_features_and_judge_the_rest():
+    from attncheck.report import Report, Row
+
+    def report(case, config, status):
+        return Report("forward", case, "x", config, rows=[Row("forward", "output", status, note="forward() raised NotImplementedError: no bias_kv")])
+
+    base = {"name": "c", "embed_dim": 8, "num_heads": 2}
+    caps = capabilities([
+        report("plain", base, "pass"),
+        report("kv", {**base, "add_bias_kv": True}, UNSUPPORTED),
+        report("nobias", {**base, "bias": False}, "fail"),
+    ])  # fmt: skip
+    assert [(c.feature, c.cases, c.verdict) for c in caps] == [
+        ("module options", ("kv", "nobias"), "fail"), ("shapes", ("plain",), "pass")]  # fmt: skip
+    assert caps[0].unsupported == (("kv", "forward() raised NotImplementedError: no bias_kv"),)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(steps=3, momentum=0.9, dampening=0.5, weight_decay=0.01, maximize=True),
+    dict(steps=3, momentum=0.9, nesterov=True, weight_decay=0.01, add_bias_kv=True),
+    dict(steps=2),
+])  # fmt: skip
+def test_torch_sgd_update_is_torch_optim_sgd_bitwise(monkeypatch, overrides):
+    """torch_side calls torch.optim.SGD's CPU update function directly (the optimizer object would
+    import torch._dynamo, doubling start-up); the weights must be the optimizer's, bit for bit."""
+    import numpy as np
+
+    from attncheck import torch_side
+    from attncheck.inputs import make_workload
+    from tests.conftest import cfg
+
+    c = cfg(embed_dim=8, num_heads=2, tgt_len=3, **overrides)
+    w = make_workload(c)
+    direct = torch_side.sgd(c, w)
+    monkeypatch.setattr(torch_side, "DIRECT_SGD_UPDATE", False)
+    optimizer = torch_side.sgd(c, w)
+    assert direct.losses == optimizer.losses
+    for mine, theirs in zip(direct.params, optimizer.params):
+        assert mine.keys() == theirs.keys()
+        assert all(np.array_equal(mine[k], theirs[k]) for k in mine)
