@@ -259,6 +259,7 @@ def check_forward(cfg: Config, candidate: Candidate = REFERENCE, *, strict: bool
         oracle_obj = oracle.build(w64.params)
         o_out, o_weights = oracle.forward(oracle_obj, w64)
         rule = with_logit_floor(rule, cfg, getattr(oracle_obj, "logit_magnitude", None))
+        del oracle_obj
     session = session_for(cfg, candidate)
     try:
         obj = session.build(w.params)
@@ -406,6 +407,7 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
         oracle_obj = oracle_session.build(w64.params)
         oracle = _run_grad(oracle_session, oracle_config(cfg), w64, oracle_obj)
         forward_rule = with_logit_floor(forward_rule, cfg, getattr(oracle_obj, "logit_magnitude", None))
+        del oracle_obj  # its saved state (probabilities, at long sequences) need not outlive its run
 
     session = session_for(cfg, candidate)
     try:
@@ -446,6 +448,7 @@ def check_grad(cfg: Config, candidate: Candidate = REFERENCE, *, per_head: bool 
         report.notes.append(note)
     report.rows.extend(filter(None, [_dtype_row("grad", cfg, {"output": out.dtype, **{k: v.dtype for k, v in grads.items()}})]))
     report.rows.extend(_repeat_rows(report, "grad", session, obj, cfg, w, backward=True))
+    del obj  # nor the candidate's, through the float64 finite differences
     report.rows.extend(_finding_rows("grad", session))
     fd_rows = _finite_difference_rows(cfg, candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict, grads_nan or spread)
     if any(row.quantity == JOINT_FD for row in fd_rows):
