@@ -11,8 +11,11 @@ backward. The adapter converts torch's layout to Flax's, explicitly:
   `(H, D)`; the output kernel is `(H, D, E)`: `out_proj.weight.T` reshaped.
 - Flax's mask is True = attend, `(B, H, L, S)`: `adapt.keep_mask` merges torch's masks into it.
 
-Flax returns no attention weights (need_weights is unsupported), and takes no add_bias_kv,
-add_zero_attn or kdim/vdim (refused). README "Kernels and other frameworks" says what it showed.
+Flax returns no attention weights (reported "not provided"), and takes no add_bias_kv,
+add_zero_attn or kdim/vdim (refused). A query row with no allowed key is declared unsupported:
+Flax gives it the mean of the values, torch NaN or zeros, a real difference that
+`ShowFullyMaskedRows` (tests/test_jax.py) exposes. README "Kernels and other frameworks" says
+what it showed.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from attncheck import adapt
 
 class MultiheadAttention:
     """Flax's MultiHeadDotProductAttention with torch's weights, called as attncheck's contract."""
+
+    refuse_fully_masked_rows = True  # see the module docstring; ShowFullyMaskedRows lets them through
 
     def __init__(self, params, *, num_heads, batch_first, **options):
         adapt.refuse(options, "kdim", "vdim", "add_bias_kv", "add_zero_attn", reason="Flax's attention has none")
@@ -54,12 +59,20 @@ class MultiheadAttention:
         )  # fmt: skip
 
     def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, need_weights=True, average_attn_weights=True):
-        adapt.unsupported(need_weights=need_weights, unbatched=query.ndim == 2, reason="Flax's attention returns no weights and takes batches")
+        adapt.unsupported(unbatched=query.ndim == 2, reason="Flax's attention takes batches")
         if not self.batch_first:  # (L, B, E) -> (B, L, E)
             query, key, value = (jnp.swapaxes(x, 0, 1) for x in (query, key, value))
         B, L, _ = query.shape
         S = key.shape[1]
         keep = adapt.keep_mask(None if attn_mask is None else np.asarray(attn_mask),
                                None if key_padding_mask is None else np.asarray(key_padding_mask), (B, self.H, L, S))  # fmt: skip
+        if self.refuse_fully_masked_rows and keep is not None and not keep.any(axis=-1).all():
+            raise NotImplementedError("a query row with no allowed key: Flax gives it the mean of the values, torch NaN or zeros")
         out = self.module.apply(self.variables, query, key, value, mask=None if keep is None else jnp.asarray(keep))  # (B, L, E)
         return (out if self.batch_first else jnp.swapaxes(out, 0, 1)), None
+
+
+class ShowFullyMaskedRows(MultiheadAttention):
+    """The same adapter, letting rows with no allowed key through to show where Flax and torch differ."""
+
+    refuse_fully_masked_rows = False

@@ -8,8 +8,10 @@ each one the device offers); None lets torch choose.
 
     attncheck grad --impl examples/torch_sdpa.py:MultiheadAttention --framework torch -c ...
 
-Supports batch_first and seq-first, bool masks (2-D and 3-D) and key padding; declares
-need_weights (SDPA returns no weights), add_bias_kv, add_zero_attn and kdim/vdim unsupported.
+Supports batch_first and seq-first, bool masks (2-D and 3-D) and key padding. It returns no
+attention weights (SDPA has none: reported "not provided"), and declares add_bias_kv,
+add_zero_attn, kdim/vdim, float masks, unbatched inputs, and a row with no allowed key under
+need_weights=True (SDPA gives it zeros where torch's standard path gives NaN) unsupported.
 """
 
 from __future__ import annotations
@@ -45,8 +47,6 @@ class MultiheadAttention(torch.nn.Module):
                 self.out_proj.bias.copy_(params["out_proj.bias"])  # (E,)
 
     def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, need_weights=True, average_attn_weights=True):
-        if need_weights:
-            raise NotImplementedError("need_weights: SDPA returns no attention weights")
         if query.dim() == 2:
             raise NotImplementedError("unbatched inputs")
         if not self.batch_first:  # (L, B, E) -> (B, L, E)
@@ -69,6 +69,9 @@ class MultiheadAttention(torch.nn.Module):
                 raise NotImplementedError("float key padding masks")
             keep = ~key_padding_mask.view(B, 1, 1, S)  # (B, 1, 1, S)
             allowed = keep if allowed is None else allowed & keep
+        if need_weights and allowed is not None and not allowed.any(dim=-1).all():
+            # torch's need_weights path gives such a row NaN, SDPA zeros: only the SDPA path is ours.
+            raise NotImplementedError("a query row with no allowed key under need_weights=True")
         o = self._attention(q, k, v, allowed)  # (B, H, L, D)
         out = self.out_proj(o.transpose(1, 2).reshape(B, L, E))  # (B, L, E)
         return (out if self.batch_first else out.transpose(0, 1)), None

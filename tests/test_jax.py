@@ -13,6 +13,7 @@ import attncheck  # noqa: E402
 from attncheck.candidate import load_candidate  # noqa: E402
 
 FLAX = f"{Path(__file__).resolve().parent.parent}/examples/flax_attention.py:MultiheadAttention"
+FLAX_ALL_ROWS = FLAX.replace(":MultiheadAttention", ":ShowFullyMaskedRows")
 # What Flax's attention supports: no attention weights.
 CONFIG = {"need_weights": False, "attn_mask": "causal", "key_padding_mask": "random"}
 
@@ -40,6 +41,6 @@ def test_cross_attention_seq_first_through_vjp():
 def test_flax_gives_the_mean_of_the_values_where_torch_gives_zeros():
     # A row whose every key is masked: Flax masks with the dtype's most negative number, so its
     # softmax is uniform there; torch's SDPA path gives zero weights (its output: the bias).
-    report = attncheck.check({"need_weights": False, "key_padding_mask": "full_row"}, "forward", impl=FLAX)
+    report = attncheck.check({"need_weights": False, "key_padding_mask": "full_row"}, "forward", impl=FLAX_ALL_ROWS)
     (row,) = report.failures
     assert row.quantity == "output" and row.mismatched == 80  # exactly the fully masked rows' 5 x 16 elements
