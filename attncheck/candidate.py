@@ -433,6 +433,29 @@ class Session:
         return array
 
 
+# Objects whose handed parameters a framework session remembers: a check calls the latest two
+# (reused, fresh); sgd-step builds one per step.
+KEEP_OBJECTS = 4
+
+
+class FrameworkSession(Session):
+    """A Session that remembers, per built object, the parameters it was handed as the framework's
+    own arrays (the leaves torch autograd or jax.vjp differentiates with respect to)."""
+
+    def __init__(self, cfg, candidate: Candidate):
+        super().__init__(cfg, candidate)
+        self._leaves: dict[str, Any] = {}  # gradient key -> array handed in since the last build or forward
+        self._params_of: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(obj) -> (obj, its parameters)
+
+    def build(self, params):
+        self._leaves = {}
+        obj = super().build(params)
+        self._params_of[id(obj)] = (obj, self._leaves)
+        while len(self._params_of) > KEEP_OBJECTS:  # keep the latest objects only
+            del self._params_of[next(iter(self._params_of))]
+        return obj
+
+
 def _type_name(value: Any) -> str:
     """The type's module and name, e.g. `torch.Tensor`; builtins by name alone."""
     kind = type(value)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from attncheck.candidate import Session, _defined_at, _guard, module_options
+from attncheck.candidate import FrameworkSession, _defined_at, _guard, module_options
 from attncheck.errors import UsageError
 from attncheck.modules import kind_of
 
@@ -31,17 +31,11 @@ except ImportError as exc:  # the extra is not installed
 jax.config.update("jax_enable_x64", True)
 
 
-# Objects whose handed parameters are remembered: a check calls the latest two (reused, fresh).
-KEEP_OBJECTS = 4
-
-
-class JaxSession(Session):
+class JaxSession(FrameworkSession):
     """A JAX candidate's run on one workload: JAX arrays in, gradients from jax.vjp."""
 
     def __init__(self, cfg, candidate):
         super().__init__(cfg, candidate)
-        self._leaves: dict[str, Any] = {}  # gradient key -> array handed in since the last build or forward
-        self._params_of: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(obj) -> (obj, its parameters)
         self._call: tuple[Any, dict[str, Any], tuple[Any, Any]] | None = None  # (obj, inputs by key, masks)
 
     def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None) -> Any:
@@ -62,14 +56,6 @@ class JaxSession(Session):
 
     def _restore(self, copy: Any, original: np.ndarray) -> None:
         pass  # JAX arrays cannot change in place
-
-    def build(self, params):
-        self._leaves = {}
-        obj = super().build(params)
-        self._params_of[id(obj)] = (obj, self._leaves)
-        while len(self._params_of) > KEEP_OBJECTS:  # sgd-step builds one per step: keep the latest
-            del self._params_of[next(iter(self._params_of))]
-        return obj
 
     def forward(self, obj, w):
         self._leaves, self._call = {}, None

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from attncheck import torch_side
-from attncheck.candidate import Session, _defined_at, _guard
+from attncheck.candidate import FrameworkSession, _defined_at, _guard
 from attncheck.dtypes import is_float
 from attncheck.errors import CandidateError
 
@@ -28,18 +28,12 @@ def _exact(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float64) if is_float(a.dtype) else a
 
 
-# Objects whose handed parameters are remembered: a check calls the latest two (reused, fresh).
-KEEP_OBJECTS = 4
-
-
-class TorchSession(Session):
+class TorchSession(FrameworkSession):
     """A torch candidate's run on one workload: tensors in, tensors out, autograd gradients."""
 
     def __init__(self, cfg, candidate):
         super().__init__(cfg, candidate)
         self.device = torch.device(cfg.device)
-        self._leaves: dict[str, torch.Tensor] = {}  # gradient key -> leaf handed in since the last build or forward
-        self._params_of: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}  # id(obj) -> (obj, its parameter leaves)
         self._inputs: dict[str, torch.Tensor] = {}
         self._output: Any = None
 
@@ -57,14 +51,6 @@ class TorchSession(Session):
     def _restore(self, copy: torch.Tensor, original: np.ndarray) -> None:
         with torch.no_grad():
             copy.copy_(torch_side.tensor(original, copy.device))
-
-    def build(self, params):
-        self._leaves = {}
-        obj = super().build(params)
-        self._params_of[id(obj)] = (obj, self._leaves)
-        while len(self._params_of) > KEEP_OBJECTS:  # sgd-step builds one per step: keep the latest
-            del self._params_of[next(iter(self._params_of))]
-        return obj
 
     def forward(self, obj, w):
         self._leaves, self._output = {}, None
