@@ -32,7 +32,9 @@ gradients of its forward's inputs in their order, then its parameters' gradients
 
 Attention runs in blocks of (batch x head) groups and query rows, so that no (G, L, S) matrix
 is ever held whole unless it is small: the forward keeps each row's max and sum of
-exponentials, and the backward recomputes the probabilities block by block from them.
+exponentials, and the backward recomputes the probabilities block by block from them. Large
+calls run their blocks on worker threads (attncheck.threads), with results bit-identical to one
+thread's: tasks write disjoint slices and accumulate in a fixed order.
 """
 
 from __future__ import annotations
@@ -41,11 +43,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from attncheck import threads
+
 # Elements of one (groups, rows, S) block of logits; about 32 MB in float64.
 DEFAULT_BLOCK_ELEMENTS = 1 << 22
 # Probabilities are kept from the forward for the backward while they fit in this many bytes;
 # beyond it they are recomputed from the saved row statistics.
 DEFAULT_CACHE_BYTES = 256 << 20
+# Calls with at least this many logits run their blocks on worker threads (attncheck.threads);
+# below it a thread pool's start-up (about 0.1 ms) would cost more than it saves.
+DEFAULT_PARALLEL_LOGITS = 1 << 20
 
 
 @dataclass
@@ -93,6 +100,7 @@ class MultiheadAttention:
         dropout: float = 0.0,
         block_elements: int = DEFAULT_BLOCK_ELEMENTS,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        parallel_logits: int = DEFAULT_PARALLEL_LOGITS,
     ):
         if dropout != 0.0:
             raise ValueError("the reference has no dropout: both sides must run with dropout=0")
@@ -113,6 +121,7 @@ class MultiheadAttention:
         self.add_zero_attn = add_zero_attn
         self.block_elements = max(1, int(block_elements))
         self.cache_bytes = cache_bytes
+        self.parallel_logits = parallel_logits
 
         if separate:
             self.Wq = self.params["q_proj_weight"]  # (E, E)
@@ -154,11 +163,13 @@ class MultiheadAttention:
         """Attention output and (optionally) weights, with torch's shapes and semantics."""
         if self.storage.itemsize == 2:
             query, key, value, attn_mask, key_padding_mask = (_compute(a) for a in (query, key, value, attn_mask, key_padding_mask))
-        with np.errstate(invalid="ignore", divide="ignore"):  # fully masked rows: NaN, as torch
+        logits = self.H * int(np.prod(query.shape[:-1])) * key.shape[-2 if query.ndim == 2 or self.batch_first else 0]  # B H L S0
+        with np.errstate(invalid="ignore", divide="ignore"), threads.large_call(logits >= self.parallel_logits):  # NaN as torch
             out, weights = self._forward(query, key, value, attn_mask, key_padding_mask, need_weights, average_attn_weights)
         return self._stored(out), self._stored(weights)
 
     def _forward(self, query, key, value, attn_mask, key_padding_mask, need_weights, average_attn_weights):
+        self._saved = None  # the last call's state (its probabilities) is freed before this call allocates its own
         unbatched = query.ndim == 2
         x_q = self._to_internal(query, unbatched)  # (B, L, E)
         x_k = self._to_internal(key, unbatched)  # (B, S0, Ek)
@@ -189,7 +200,9 @@ class MultiheadAttention:
         """
         if self.storage.itemsize == 2:
             grad_output = _compute(grad_output)
-        with np.errstate(invalid="ignore", divide="ignore"):
+        a = self._saved.attention if self._saved is not None else None
+        large = a is not None and a.q_scaled.shape[0] * a.q_scaled.shape[1] * a.kh.shape[1] >= self.parallel_logits
+        with np.errstate(invalid="ignore", divide="ignore"), threads.large_call(large):
             return {name: self._stored(g) for name, g in self._backward(grad_output).items()}
 
     def _stored(self, a: np.ndarray | None) -> np.ndarray | None:
@@ -239,11 +252,13 @@ class MultiheadAttention:
     def _in_projection_forward(self, x_q: np.ndarray, x_k: np.ndarray, x_v: np.ndarray) -> tuple[np.ndarray, ...]:
         """Inputs to heads: q = x_q Wq^T + bq (likewise k, v), then bias_k/bias_v and the zero key appended."""
         B, _, E = x_q.shape
-        q = x_q @ self.Wq.T  # (B, L, E)
-        k = x_k @ self.Wk.T  # (B, S0, E)
-        v = x_v @ self.Wv.T  # (B, S0, E)
-        if self.bq is not None:
-            q, k, v = q + self.bq, k + self.bk, v + self.bv
+        q = threads.matmul(x_q, self.Wq.T)  # (B, L, E)
+        k = threads.matmul(x_k, self.Wk.T)  # (B, S0, E)
+        v = threads.matmul(x_v, self.Wv.T)  # (B, S0, E)
+        if self.bq is not None:  # in place: q, k and v are new arrays
+            q += self.bq
+            k += self.bk
+            v += self.bv
         if self.bias_k is not None:  # one more source position, shared by the batch
             k = np.concatenate([k, np.broadcast_to(self.bias_k, (B, 1, E))], axis=1)  # (B, S1, E)
             v = np.concatenate([v, np.broadcast_to(self.bias_v, (B, 1, E))], axis=1)
@@ -271,16 +286,16 @@ class MultiheadAttention:
             grads["bias_v"] = dv[:, S0].sum(axis=0).reshape(1, 1, E)
             dk, dv = dk[:, :S0], dv[:, :S0]  # (B, S0, E)
 
-        d_wq = dq.reshape(-1, E).T @ x_q.reshape(-1, E)  # (E, E)
-        d_wk = dk.reshape(-1, E).T @ x_k.reshape(-1, self.Ek)  # (E, Ek)
-        d_wv = dv.reshape(-1, E).T @ x_v.reshape(-1, self.Ev)  # (E, Ev)
+        d_wq = threads.matmul(dq.reshape(-1, E).T, x_q.reshape(-1, E))  # (E, E)
+        d_wk = threads.matmul(dk.reshape(-1, E).T, x_k.reshape(-1, self.Ek))  # (E, Ek)
+        d_wv = threads.matmul(dv.reshape(-1, E).T, x_v.reshape(-1, self.Ev))  # (E, Ev)
         if self.separate:
             grads["q_proj_weight"], grads["k_proj_weight"], grads["v_proj_weight"] = d_wq, d_wk, d_wv
         else:
             grads["in_proj_weight"] = np.concatenate([d_wq, d_wk, d_wv])  # (3E, E)
         if self.bq is not None:
             grads["in_proj_bias"] = np.concatenate([dq.sum(axis=(0, 1)), dk.sum(axis=(0, 1)), dv.sum(axis=(0, 1))])
-        return dq @ self.Wq, dk @ self.Wk, dv @ self.Wv, grads  # (B, L, E), (B, S0, Ek), (B, S0, Ev)
+        return threads.matmul(dq, self.Wq), threads.matmul(dk, self.Wk), threads.matmul(dv, self.Wv), grads  # (B, L, E), (B, S0, Ek), (B, S0, Ev)
 
     # --------------------------------------------------------------------------- attention core
     def _additive(self, mask: np.ndarray | None, pad: int) -> np.ndarray | None:
@@ -307,6 +322,19 @@ class MultiheadAttention:
             for l0 in range(0, L, lb):
                 yield g0, min(G, g0 + gb), l0, min(L, l0 + lb)
 
+    def _tasks(self, G: int, L: int, S: int, by_batch: bool) -> list[list[tuple[int, int, int, int]]]:
+        """The blocks as tasks for worker threads: one task per range of groups, its query blocks
+        in order (a key's gradient sums over them in that order). With `by_batch` (the head
+        average), ranges that share a batch entry are one task, which adds that entry's heads in order."""
+        tasks: list[list[tuple[int, int, int, int]]] = []
+        for block in self._blocks(G, L, S):
+            g0 = block[0]
+            if tasks and (tasks[-1][-1][0] == g0 or by_batch and g0 // self.H == (tasks[-1][-1][1] - 1) // self.H):
+                tasks[-1].append(block)
+            else:
+                tasks.append([block])
+        return tasks
+
     def _mask_block(self, a: AttentionSaved, g0: int, g1: int, l0: int, l1: int) -> np.ndarray | None:
         """The merged additive mask for groups g0:g1 and query rows l0:l1, broadcastable to (g, l, S)."""
         merged = None
@@ -317,9 +345,9 @@ class MultiheadAttention:
             merged = rows if merged is None else merged + rows  # torch: attn_mask + key_padding_mask
         return merged
 
-    def _logits(self, a: AttentionSaved, g0: int, g1: int, l0: int, l1: int) -> np.ndarray:
-        """q_scaled k^T + mask for one block, as a new (g, l, S) array."""
-        logits = a.q_scaled[g0:g1, l0:l1] @ a.kh[g0:g1].transpose(0, 2, 1)  # (g, l, S)
+    def _logits(self, a: AttentionSaved, g0: int, g1: int, l0: int, l1: int, out: np.ndarray | None = None) -> np.ndarray:
+        """q_scaled k^T + mask for one block, into `out` (g, l, S) or a new array."""
+        logits = np.matmul(a.q_scaled[g0:g1, l0:l1], a.kh[g0:g1].transpose(0, 2, 1), out=out)  # (g, l, S)
         mask = self._mask_block(a, g0, g1, l0, l1)
         if mask is not None:
             logits += mask  # torch.baddbmm(mask, q_scaled, k^T); IEEE addition commutes
@@ -333,28 +361,30 @@ class MultiheadAttention:
         return np.divide(p, total, out=p)
 
     @staticmethod
-    def _softmax_backward(p: np.ndarray, dp: np.ndarray) -> np.ndarray:
+    def _softmax_backward(p: np.ndarray, dp: np.ndarray, work: np.ndarray | None = None) -> np.ndarray:
         """d(loss)/d(logits) from d(loss)/d(P): the full softmax Jacobian, P * (dP - rowsum(dP * P)).
 
         The row sum is taken over dP * P directly. The shortcut rowsum(d_ctx * ctx), equal in
         exact arithmetic, cancels catastrophically in float32 once the softmax saturates (measured:
         3e-3 error where torch has 1e-6 at input_scale 16). `dp` is a scratch block the caller
-        no longer needs, so it may be overwritten and returned; `p` must not be touched.
+        no longer needs, so it may be overwritten and returned; `p` must not be touched; `work`,
+        if given, is a scratch block of the same shape for dP * P.
         """
-        dp -= np.sum(dp * p, axis=-1, keepdims=True)  # dp is the caller's scratch: reuse it
+        products = np.multiply(dp, p, out=work)  # (g, l, S)
+        dp -= np.sum(products, axis=-1, keepdims=True)  # dp is the caller's scratch: reuse it
         return np.multiply(dp, p, out=dp)
 
-    def _probabilities(self, a: AttentionSaved, g0: int, g1: int, l0: int, l1: int) -> np.ndarray:
-        """The forward's softmax for one block: from the cache, or recomputed from row statistics."""
+    def _probabilities(self, a: AttentionSaved, g0: int, g1: int, l0: int, l1: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The forward's softmax for one block: from the cache, or recomputed (into `out`) from row statistics."""
         if (g0, l0) in a.cache:
             return a.cache[g0, l0]
-        p = self._logits(a, g0, g1, l0, l1)  # (g, l, S)
+        p = self._logits(a, g0, g1, l0, l1, out=out)  # (g, l, S)
         np.subtract(p, a.row_shift[g0:g1, l0:l1], out=p)
         np.exp(p, out=p)
         return self._normalize(p, a.row_sum[g0:g1, l0:l1], a.safe)
 
     def _attention_forward(self, qh, kh, vh, attn_mask, kpm, need_weights, average_attn_weights):
-        """ctx = softmax(q k^T / sqrt(D) + mask) v, block by block.
+        """ctx = softmax(q k^T / sqrt(D) + mask) v, block by block, the blocks on worker threads.
 
         Returns ctx (G, L, D), the weights ((B, L, S) averaged over heads or (B, H, L, S); None
         unless need_weights) and what the backward reads.
@@ -382,25 +412,30 @@ class MultiheadAttention:
             shape = (B, L, S) if average_attn_weights else (G, L, S)
             weights = np.zeros(shape, dtype=self.dtype)
         keep = G * L * S * self.dtype.itemsize <= self.cache_bytes
-        for g0, g1, l0, l1 in self._blocks(G, L, S):
-            p = self._logits(a, g0, g1, l0, l1)  # (g, l, S), a fresh array: worked on in place below
-            shift = p.max(axis=-1, keepdims=True)  # (g, l, 1)
-            if a.safe:
-                shift = np.where(np.isneginf(shift), 0.0, shift).astype(self.dtype)
-            np.subtract(p, shift, out=p)
-            np.exp(p, out=p)  # NaN rows where every key is -inf (unsafe)
-            total = p.sum(axis=-1, keepdims=True)  # (g, l, 1)
-            self._normalize(p, total, a.safe)
-            a.row_shift[g0:g1, l0:l1], a.row_sum[g0:g1, l0:l1] = shift, total
-            np.matmul(p, vh[g0:g1], out=ctx[g0:g1, l0:l1])  # (g, l, D)
-            if keep:
-                a.cache[g0, l0] = p
-            if weights is not None:
-                if not average_attn_weights:
-                    weights[g0:g1, l0:l1] = p
-                else:  # sum each head into its batch entry, in head order (np.add.at is ~50x slower)
-                    for g in range(g0, g1):
-                        weights[g // H, l0:l1] += p[g - g0]  # (l, S)
+
+        def task(blocks, scratch: threads.Scratch) -> None:
+            for g0, g1, l0, l1 in blocks:
+                # Kept blocks are new arrays; the others reuse one scratch block.
+                p = self._logits(a, g0, g1, l0, l1, out=None if keep else scratch.get("p", (g1 - g0, l1 - l0, S), self.dtype))  # (g, l, S)
+                shift = p.max(axis=-1, keepdims=True)  # (g, l, 1)
+                if a.safe:
+                    shift = np.where(np.isneginf(shift), 0.0, shift).astype(self.dtype)
+                np.subtract(p, shift, out=p)
+                np.exp(p, out=p)  # NaN rows where every key is -inf (unsafe)
+                total = p.sum(axis=-1, keepdims=True)  # (g, l, 1)
+                p = self._normalize(p, total, a.safe)
+                a.row_shift[g0:g1, l0:l1], a.row_sum[g0:g1, l0:l1] = shift, total
+                np.matmul(p, vh[g0:g1], out=ctx[g0:g1, l0:l1])  # (g, l, D)
+                if keep:
+                    a.cache[g0, l0] = p
+                if weights is not None:
+                    if not average_attn_weights:
+                        weights[g0:g1, l0:l1] = p
+                    else:  # sum each head into its batch entry, in head order (np.add.at is ~50x slower)
+                        for g in range(g0, g1):
+                            weights[g // H, l0:l1] += p[g - g0]  # (l, S)
+
+        threads.run(self._tasks(G, L, S, by_batch=need_weights and average_attn_weights), task)
         if weights is not None:
             if average_attn_weights:
                 weights = weights / self.dtype.type(H)  # torch: .mean(dim=1)
@@ -409,38 +444,43 @@ class MultiheadAttention:
         return ctx, weights, a
 
     def _attention_backward(self, a: AttentionSaved, d_ctx: np.ndarray) -> tuple[np.ndarray, ...]:
-        """d(qh), d(kh), d(vh) from d(ctx), block by block, with P cached or recomputed."""
-        G, L, _ = a.q_scaled.shape
+        """d(qh), d(kh), d(vh) from d(ctx), block by block with P cached or recomputed, the blocks on worker threads."""
+        G, L, D = a.q_scaled.shape
         S = a.kh.shape[1]
         d_q_scaled = np.empty_like(a.q_scaled)  # (G, L, D)
         d_kh = np.zeros_like(a.kh)  # (G, S, D)
         d_vh = np.zeros_like(a.vh)  # (G, S, D)
-        for g0, g1, l0, l1 in self._blocks(G, L, S):
-            p = self._probabilities(a, g0, g1, l0, l1)  # (g, l, S)
-            d_out_blk = d_ctx[g0:g1, l0:l1]  # (g, l, D)
-            d_vh[g0:g1] += p.transpose(0, 2, 1) @ d_out_blk  # (g, S, D)
-            dp = d_out_blk @ a.vh[g0:g1].transpose(0, 2, 1)  # (g, l, S)
-            d_logits = self._softmax_backward(p, dp)  # (g, l, S)
-            d_q_scaled[g0:g1, l0:l1] = d_logits @ a.kh[g0:g1]  # (g, l, D)
-            d_kh[g0:g1] += d_logits.transpose(0, 2, 1) @ a.q_scaled[g0:g1, l0:l1]  # (g, S, D)
-        return d_q_scaled * self.scale, d_kh, d_vh  # (G, L, D), (G, S, D), (G, S, D)
+
+        def task(blocks, scratch: threads.Scratch) -> None:
+            for g0, g1, l0, l1 in blocks:
+                block = (g1 - g0, l1 - l0, S)
+                p = self._probabilities(a, g0, g1, l0, l1, out=scratch.get("p", block, self.dtype))  # (g, l, S)
+                d_out_blk = d_ctx[g0:g1, l0:l1]  # (g, l, D)
+                d_vh[g0:g1] += np.matmul(p.transpose(0, 2, 1), d_out_blk, out=scratch.get("dkv", (g1 - g0, S, D), self.dtype))  # (g, S, D)
+                dp = np.matmul(d_out_blk, a.vh[g0:g1].transpose(0, 2, 1), out=scratch.get("dp", block, self.dtype))  # (g, l, S)
+                d_logits = self._softmax_backward(p, dp, scratch.get("work", block, self.dtype))  # (g, l, S)
+                np.matmul(d_logits, a.kh[g0:g1], out=d_q_scaled[g0:g1, l0:l1])  # (g, l, D)
+                d_kh[g0:g1] += np.matmul(d_logits.transpose(0, 2, 1), a.q_scaled[g0:g1, l0:l1], out=scratch.get("dkv", (g1 - g0, S, D), self.dtype))  # (g, S, D)
+
+        threads.run(self._tasks(G, L, S, by_batch=False), task)
+        return np.multiply(d_q_scaled, self.scale, out=d_q_scaled), d_kh, d_vh  # (G, L, D), (G, S, D), (G, S, D)
 
     # --------------------------------------------------------------------------- out-projection
     def _out_projection_forward(self, ctx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Heads to output: y = c Wo^T + bo with c the heads merged. Returns y and c, the backward's input."""
         ctx_merged = self._merge_heads(ctx, ctx.shape[0] // self.H)  # (B, L, E)
-        out = ctx_merged @ self.Wo.T  # (B, L, E)
+        out = threads.matmul(ctx_merged, self.Wo.T)  # (B, L, E)
         if self.bo is not None:
-            out = out + self.bo
+            out += self.bo  # in place: out is a new array
         return out, ctx_merged
 
     def _out_projection_backward(self, ctx_merged: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, dict]:
         """d(ctx) and the out-projection's parameter gradients, from d(y)."""
         E = self.E
-        grads = {"out_proj.weight": dy.reshape(-1, E).T @ ctx_merged.reshape(-1, E)}  # (E, E)
+        grads = {"out_proj.weight": threads.matmul(dy.reshape(-1, E).T, ctx_merged.reshape(-1, E))}  # (E, E)
         if self.bo is not None:
             grads["out_proj.bias"] = dy.sum(axis=(0, 1))  # (E,)
-        return self._split_heads(dy @ self.Wo), grads  # (G, L, D)
+        return self._split_heads(threads.matmul(dy, self.Wo)), grads  # (G, L, D)
 
 
 def _compute(a):

@@ -199,9 +199,10 @@ def _run_chunk(jobs: list[Job], options: dict[str, Any], keep_evidence: bool) ->
 def _worker_init() -> None:
     # The parent handles Ctrl-C and ends the pool; workers must not each print a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from attncheck import torch_side
+    from attncheck import threads, torch_side
 
     torch_side.use_one_thread()
+    threads.set_threads(1)  # K workers on K cores: the reference's large calls stay on their worker's core
 
 
 Progress = Callable[[int, int, Job, Report], None]

@@ -6,6 +6,7 @@ Everything returned is NumPy, so nothing above this module needs torch.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -79,14 +80,44 @@ def deterministic(cfg: Config):
 
 @contextmanager
 def one_thread():
-    """torch on one thread: its float32 sums round differently with more threads, so every check
-    runs single-threaded and the results do not depend on --workers, the API or the machine's cores."""
+    """torch on one thread outside the checks' own calls (which set `threads_for(cfg)`): its float32
+    sums round differently with more threads, so the count never follows --workers, the API or
+    the machine's cores."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+# torch's float32 sums round differently with its thread count, so the count is a function of the
+# config alone and results are identical for every --workers, --shard and API call: one thread up
+# to LARGE_LOGITS attention logits (B * H * L * S), where a check takes milliseconds, LARGE_THREADS
+# above, where torch's step takes seconds (at B=1 L=8192 E=512 H=8 float32: 3.7 s on two threads,
+# 7.0 s on one; benchmarks/perf.py). Two, not the machine's cores: a count that followed the
+# machine would make the results follow it too.
+LARGE_LOGITS = 1 << 22
+LARGE_THREADS = 2
+
+
+def threads_for(cfg: Config) -> int:
+    return LARGE_THREADS if cfg.effective_batch * cfg.num_heads * cfg.tgt_len * cfg.S > LARGE_LOGITS else 1
+
+
+def _on_config_threads(run):
+    """`run(cfg, w)` with torch on `threads_for(cfg)` threads, restored after."""
+
+    @functools.wraps(run)
+    def on_threads(cfg: Config, w: Workload):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads_for(cfg))
+        try:
+            return run(cfg, w)
+        finally:
+            torch.set_num_threads(before)
+
+    return on_threads
 
 
 def use_one_thread() -> None:
@@ -193,6 +224,7 @@ def loss_torch(cfg: Config, output: torch.Tensor, target: torch.Tensor, undefine
     return (output * target).sum()
 
 
+@_on_config_threads
 def forward(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
     """torch's output and weights on its standard path (training mode, dropout 0)."""
     module = build_module(cfg, w.params).train()
@@ -243,6 +275,7 @@ def _layer_fast_path_blocker(cfg: Config) -> str | None:
     return next((why for blocked, why in reasons if blocked), None)
 
 
+@_on_config_threads
 def forward_fast_path(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
     """torch's output and weights in eval() under no_grad(), where it takes the fast path."""
     module = build_module(cfg, w.params).eval()
@@ -261,6 +294,7 @@ class GradResult:
     grads: dict[str, np.ndarray]
 
 
+@_on_config_threads
 def grad(cfg: Config, w: Workload) -> GradResult:
     """Forward, the config's loss and autograd gradients of every parameter and input."""
     module = build_module(cfg, w.params).train()
@@ -289,6 +323,7 @@ class SGDResult:
     final_loss: float = float("nan")
 
 
+@_on_config_threads
 def sgd(cfg: Config, w: Workload) -> SGDResult:
     """`steps` full training steps with torch.optim.SGD's update on the same batch."""
     module = build_module(cfg, w.params).train()

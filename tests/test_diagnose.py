@@ -117,7 +117,7 @@ DIAGNOSES = [
     (wrong_impls.ZeroAttnPrepended, "forward", dict(add_zero_attn=True), "attn_weights", ["shifted by one key position"]),
     (wrong_impls.HeadWeightsSummed, "forward", dict(batch_size=3, num_heads=2, embed_dim=18), "attn_weights", ["candidate = 2 x expected (2 = H;"]),
     (wrong_impls.KeyPaddingPerQuery, "forward", dict(key_padding_mask="random"), "attn_weights", ["NaN in 5 places where torch has a number"]),
-    (wrong_impls.MaskAfterSoftmax, "forward", dict(attn_mask="causal"), "attn_weights", ["positions torch masks (attn_mask)", "the candidate gives weight to"]),
+    (wrong_impls.MaskAfterSoftmax, "forward", dict(attn_mask="causal"), "attn_weights", ["only at unmasked positions; the masked ones agree"]),
 ]
 
 

@@ -8,10 +8,14 @@ checks forward (output, weights) and backward (every gradient) as separate asser
 from __future__ import annotations
 
 import itertools
+import threading
+import time
+import warnings
 
 import numpy as np
 import pytest
 
+from attncheck import threads
 from attncheck.reference import MultiheadAttention
 
 # B batch, L target length, S0 source length, E embed dim, H heads.
@@ -33,6 +37,8 @@ BLOCKINGS = {
     "tiny_recomputed": dict(block_elements=3, cache_bytes=0),
     "groups_recomputed": dict(block_elements=3 * L * (S0 + 2), cache_bytes=0),  # 3 groups per block: not aligned to H
 }
+# The same on worker threads (every call large); equality to the above is checked separately.
+BLOCKINGS_THREADED = {"tiny_cached_threaded": dict(block_elements=3, cache_bytes=1 << 30, parallel_logits=0)}
 
 
 def _params(rng, add_bias_kv):
@@ -68,7 +74,7 @@ def _run(case, blocking):
     attn, kpm = _masks(rng, case)
     dy = rng.standard_normal((B, L, E))
     m = MultiheadAttention(params, num_heads=H, batch_first=True, add_bias_kv=case["add_bias_kv"],
-                           add_zero_attn=case["add_zero_attn"], **BLOCKINGS[blocking])  # fmt: skip
+                           add_zero_attn=case["add_zero_attn"], **{**BLOCKINGS, **BLOCKINGS_THREADED}[blocking])  # fmt: skip
     out, weights = m.forward(q, k, v, attn_mask=attn, key_padding_mask=kpm, need_weights=case["need_weights"],
                              average_attn_weights=case["average"])  # fmt: skip
     return out, weights, m.backward(dy)
@@ -90,6 +96,130 @@ def test_blocked_equals_unblocked(case, blocking):
     assert g1.keys() == g0.keys()
     for name in g0:
         _same(g1[name], g0[name])
+
+
+# ------------------------------------------------------------------ worker threads (issue 20)
+# Every call large (parallel_logits=0), so blocks run as tasks on the worker threads and the
+# projections as row chunks; the same module on one thread is the computation they must equal,
+# bit for bit: the split of the work depends on the shapes alone.
+THREADED = {
+    "tiny_blocks": dict(block_elements=3, parallel_logits=0),
+    "groups_recomputed": dict(BLOCKINGS["groups_recomputed"], parallel_logits=0),
+    "unblocked_cached": dict(BLOCKINGS["unblocked_cached"], parallel_logits=0),
+}
+
+
+def _run_on(n_threads, case, blocking):
+    before = threads.threads()
+    threads.set_threads(n_threads)
+    try:
+        return _run(case, blocking)
+    finally:
+        threads.set_threads(before)
+
+
+@pytest.mark.parametrize("blocking", list(THREADED))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_threads_equal_one_thread_bit_for_bit(case, blocking, monkeypatch):
+    monkeypatch.setitem(BLOCKINGS, "threaded", THREADED[blocking])
+    out1, w1, g1 = _run_on(1, case, "threaded")
+    out3, w3, g3 = _run_on(3, case, "threaded")
+    np.testing.assert_array_equal(out3, out1)
+    assert (w1 is None) == (w3 is None)
+    if w1 is not None:
+        np.testing.assert_array_equal(w3, w1)
+    assert g3.keys() == g1.keys()
+    for name in g1:
+        np.testing.assert_array_equal(g3[name], g1[name])
+    # and the large-call path is the computation the small one is
+    out0, w0, g0 = _run(case, "unblocked_cached")
+    _same(out3, out0)
+    for name in g0:
+        _same(g3[name], g0[name])
+
+
+def test_tasks_keep_a_batch_entry_in_one_task_for_the_head_average():
+    """With 3 groups per block and 2 heads, blocks (0, 3) and (3, 4) share batch entry 1: one task."""
+    m = MultiheadAttention(_params(np.random.default_rng(0), False), num_heads=H, **BLOCKINGS["groups_recomputed"])
+    S = S0 + 2
+    assert [[b[:2] for b in t] for t in m._tasks(B * H, L, S, by_batch=True)] == [[(0, 3), (3, 4)]]
+    assert [[b[:2] for b in t] for t in m._tasks(B * H, L, S, by_batch=False)] == [[(0, 3)], [(3, 4)]]
+    m = MultiheadAttention(_params(np.random.default_rng(0), False), num_heads=H, block_elements=3)
+    tasks = m._tasks(B * H, L, S0, by_batch=False)
+    assert len(tasks) == B * H and all(len(t) == L for t in tasks)  # one task per group, its rows in order
+
+
+@pytest.mark.parametrize("shape", [(513, 77, 300), (3, 200, 64, 33), (64, 5, 7), (1000, 512, 96)])
+def test_threaded_matmul_equals_one_thread_and_the_plain_product(shape):
+    rng = np.random.default_rng(0)
+    *lead, M, K, N = shape if len(shape) == 4 else (None, *shape)
+    a = rng.standard_normal(([lead[0]] if lead[0] else []) + [M, K])
+    b = rng.standard_normal((K, N))
+    results = []
+    for n in (1, 2, 3):
+        threads.set_threads(n)
+        try:
+            with threads.large_call(True):
+                results.append(threads.matmul(a, b))
+        finally:
+            threads.set_threads(2)
+    np.testing.assert_array_equal(results[1], results[0])
+    np.testing.assert_array_equal(results[2], results[0])
+    np.testing.assert_allclose(results[0], a @ b, rtol=1e-12, atol=1e-12)
+
+
+def test_threaded_matmul_really_splits(monkeypatch):
+    calls = []
+    real = np.matmul
+    monkeypatch.setattr(threads.np, "matmul", lambda a, b, out=None: calls.append(a.shape) or real(a, b, out=out))
+    with threads.large_call(True):
+        threads.matmul(np.ones((1000, 4)), np.ones((4, 3)))
+    assert calls == [(128, 4)] * 7 + [(104, 4)]
+
+
+def test_a_failing_task_raises_after_every_task_ended():
+    finished, names = [], set()
+
+    def work(task, _scratch):
+        names.add(threading.current_thread().name)
+        if task == 2:
+            raise ValueError("task 2")
+        time.sleep(0.01)
+        finished.append(task)
+
+    threads.set_threads(2)
+    with threads.large_call(True), pytest.raises(ValueError, match="task 2"):
+        threads.run(range(6), work)
+    assert sorted(finished) == [0, 1, 3, 4, 5]
+    assert names and all(n.startswith("attncheck-reference") for n in names)  # the tasks ran on the workers
+
+
+def test_torch_thread_count_follows_the_config_alone(monkeypatch):
+    """Above torch_side.LARGE_LOGITS torch runs on LARGE_THREADS threads during its own call, and
+    the count is restored after: it never depends on --workers or the machine."""
+    import torch
+
+    from attncheck import torch_side
+
+    cfg = Config(seed=0)
+    seen = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.append(n) or real(n))
+    with torch_side.one_thread():
+        torch_side.grad(cfg, make_workload(cfg))
+        monkeypatch.setattr(torch_side, "LARGE_LOGITS", 0)
+        torch_side.grad(cfg, make_workload(cfg))
+        assert torch.get_num_threads() == 1
+    assert seen[1:5] == [1, 1, torch_side.LARGE_THREADS, 1]  # after one_thread's own 1: small, restored, large, restored
+
+
+def test_worker_threads_keep_the_callers_errstate():
+    """A fully masked row under need_weights is NaN without a warning: errstate reaches the workers."""
+    case = dict(attn_mask="bool2d", key_padding_mask=None, add_bias_kv=False, add_zero_attn=False, need_weights=True, average=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, weights, grads = _run_on(2, case, "tiny_cached_threaded")
+    assert np.isnan(out).any() and np.isnan(weights).any()
 
 
 def test_blocking_really_splits():

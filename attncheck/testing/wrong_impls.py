@@ -10,6 +10,8 @@ H heads, D head dim, G = B * H.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from attncheck.reference import MultiheadAttention
@@ -24,7 +26,7 @@ class SoftmaxDiagonalBackward(MultiheadAttention):
     """
 
     @staticmethod
-    def _softmax_backward(p, dp):
+    def _softmax_backward(p, dp, work=None):
         return p * (1 - p) * dp
 
 
@@ -80,14 +82,18 @@ class MaskAfterSoftmax(MultiheadAttention):
     mask's finite values are ignored. The backward reuses the reference's Jacobian on that P.
     """
 
+    # The block being worked on, per thread: the reference runs large calls' blocks on worker threads.
+    _block = threading.local()
+
     def _mask_block(self, a, g0, g1, l0, l1):
         mask = super()._mask_block(a, g0, g1, l0, l1)
-        self._allowed = None if mask is None else ~np.isneginf(mask)  # (g or 1, l or 1, S)
+        self._block.allowed = None if mask is None else ~np.isneginf(mask)  # (g or 1, l or 1, S)
         return None  # nothing added to the logits
 
     def _normalize(self, p, total, safe):
         p = super()._normalize(p, total, safe)
-        return p if self._allowed is None else p * self._allowed
+        allowed = self._block.allowed
+        return p if allowed is None else p * allowed
 
 
 class HeadsSplitTransposed(MultiheadAttention):
@@ -201,7 +207,7 @@ class SoftmaxWithoutMaxSubtraction(MultiheadAttention):
     probabilities; the backward uses them too.
     """
 
-    def _probabilities(self, a, g0, g1, l0, l1):
+    def _probabilities(self, a, g0, g1, l0, l1, out=None):
         logits = a.q_scaled[g0:g1, l0:l1] @ a.kh[g0:g1].transpose(0, 2, 1)  # (g, l, S)
         mask = self._mask_block(a, g0, g1, l0, l1)
         if mask is not None:
