@@ -233,7 +233,7 @@ def torch_step(B, L, E, H, repeats):
 
 def grad_run(L, E=512, H=8):
     """(exit code, wall s, peak RSS MB) of `attncheck grad` at B=1, length L, need_weights false."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}  # the environment a user's command has
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(f"batch_size: 1\ntgt_len: {L}\nembed_dim: {E}\nnum_heads: {H}\ndtype: float32\nneed_weights: false\n")
     try:

