@@ -96,8 +96,8 @@ def _refuse_oversized(checks: list[tuple[Config, int | None, str | None]], sourc
         S = cfg.S + cfg.add_bias_kv + cfg.add_zero_attn
         subject = "this check" if case is None else f"case '{case}'"
         problems.append(Problem(
-            f"{subject} needs about {_human_bytes(needed)} ({B} x {H} x {L} x {S} attention logits (B, H, L, S), "
-            f"{'held whole for need_weights' if cfg.need_weights else 'in blocks'}), more than the memory limit of {_human_bytes(limit)} "
+            f"{subject} needs about {_human_bytes(needed)} (its (B, H, L, S) attention logits are {B} x {H} x {L} x {S}, "
+            f"{'held whole for need_weights' if cfg.need_weights else 'worked on in blocks'}), more than the memory limit of {_human_bytes(limit)} "
             f"({limit_origin}); make it smaller or set {MEMORY_LIMIT_ENV}",
             source=source,
             line=line,
