@@ -185,6 +185,36 @@ def test_workers_give_identical_results(suites, tmp_path):
     assert rows(2) == rows(1)
 
 
+# Above 2^22 attention logits (B * H * L * S): torch runs on two threads and the reference's calls
+# run on worker threads (one per worker process under --workers), each with a count that is fixed
+# by the config, so the numbers must not move.
+LARGE = """\
+name: large
+defaults:
+  embed_dim: 8
+  num_heads: 2
+  tgt_len: 1500
+  need_weights: false
+matrix:
+  dtype: [float32, float64]
+"""
+
+
+def test_workers_give_identical_results_above_the_thread_threshold(tmp_path):
+    suite = tmp_path / "large.yaml"
+    suite.write_text(LARGE)
+
+    def rows(workers):
+        out = tmp_path / f"w{workers}.json"
+        result = run("run", "-c", suite, "--only", "forward,grad", "--workers", workers, "--json", out)
+        assert result.exit_code == 0, result.output
+        return without_timing(json.loads(out.read_text()))
+
+    one = rows(1)
+    assert len(one) == 4 and all(row["status"] == "pass" for report in one for row in report["rows"])
+    assert rows(2) == one
+
+
 def test_ctrl_c_exits_130_and_writes_nothing(suites, tmp_path, monkeypatch):
     import attncheck.suite
 
