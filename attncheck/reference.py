@@ -51,10 +51,11 @@ DEFAULT_BLOCK_ELEMENTS = 1 << 22
 # beyond it they are recomputed from the saved row statistics.
 DEFAULT_CACHE_BYTES = 256 << 20
 # Calls with at least this many logits (B * H * L * S0) run on worker threads (attncheck.threads).
-# Measured forward+backward on 2 cores, threads against none: 1.16-1.36x slower at 2-4M logits
-# (B=4 L=256 E=256, B=2 L=512 E=256; task overhead and smaller BLAS calls), even at 8M (B=4 L=512
-# E=512: 1.00x; B=1 L=1024: 0.92x), faster above (B=4 L=1024: 0.94x, B=1 L=2048: 0.90x, and at
-# B=1 L=8192 E=512 H=8: 0.85x in float32, 5.16 s -> 4.40 s, 0.84x in float64, 10.03 s -> 8.39 s).
+# Measured forward+backward on 2 cores, the time with worker threads over the time without:
+# 1.16-1.36 at 2-4M logits (B=4 L=256 E=256, B=2 L=512 E=256: task overhead and smaller BLAS
+# calls), 1.00 and 0.92 at 8M (B=4 L=512 E=512, B=1 L=1024 E=512), 0.90-0.94 at 32M (B=4
+# L=1024, B=1 L=2048) and at B=1 L=8192 E=512 H=8 0.85 in float32 (5.16 s -> 4.40 s) and 0.84 in
+# float64 (10.03 s -> 8.39 s).
 DEFAULT_PARALLEL_LOGITS = 1 << 23
 
 
@@ -83,6 +84,7 @@ class Saved:
     x_v: np.ndarray  # (B, S0, Ev)
     attention: AttentionSaved
     ctx_merged: np.ndarray  # (B, L, E), the out-projection's input
+    large: bool  # the forward ran as a large call (attncheck.threads): the backward does too
 
 
 class MultiheadAttention:
@@ -191,7 +193,7 @@ class MultiheadAttention:
         ctx, weights, attention = self._attention_forward(qh, kh, vh, attn, kpm, need_weights, average_attn_weights)
         out, ctx_merged = self._out_projection_forward(ctx)  # (B, L, E), (B, L, E)
 
-        self._saved = Saved(unbatched, x_q, x_k, x_v, attention, ctx_merged)
+        self._saved = Saved(unbatched, x_q, x_k, x_v, attention, ctx_merged, threads.in_large_call())
         if weights is not None and unbatched:
             weights = weights[0]
         return self._from_internal(out, unbatched), weights
@@ -203,8 +205,7 @@ class MultiheadAttention:
         """
         if self.storage.itemsize == 2:
             grad_output = _compute(grad_output)
-        a = self._saved.attention if self._saved is not None else None
-        large = a is not None and a.q_scaled.shape[0] * a.q_scaled.shape[1] * a.kh.shape[1] >= self.parallel_logits
+        large = self._saved is not None and self._saved.large
         with np.errstate(invalid="ignore", divide="ignore"), threads.large_call(large):
             return {name: self._stored(g) for name, g in self._backward(grad_output).items()}
 
@@ -396,12 +397,13 @@ class MultiheadAttention:
         S = kh.shape[1]
         H = self.H
         B = G // H
+        q_scaled = qh * self.scale  # (G, L, D)
+        logits_dtype = np.result_type(q_scaled, kh)  # the parameters' dtype, unless the inputs are wider
         a = AttentionSaved(
-            q_scaled=qh * self.scale,  # (G, L, D)
-            kh=kh, vh=vh, attn_mask=attn_mask, kpm=kpm,
+            q_scaled=q_scaled, kh=kh, vh=vh, attn_mask=attn_mask, kpm=kpm,
             safe=not need_weights,  # scaled_dot_product_attention's softmax zeroes fully masked rows
-            row_shift=np.empty((G, L, 1), dtype=self.dtype),  # (G, L, 1)
-            row_sum=np.empty((G, L, 1), dtype=self.dtype),  # (G, L, 1)
+            row_shift=np.empty((G, L, 1), dtype=logits_dtype),  # (G, L, 1)
+            row_sum=np.empty((G, L, 1), dtype=logits_dtype),  # (G, L, 1)
             cache={},
         )  # fmt: skip
         # The largest sum |q_i k_i| / sqrt(D) a logit is summed from, bounded by Cauchy-Schwarz:
@@ -419,7 +421,7 @@ class MultiheadAttention:
         def task(blocks, scratch: threads.Scratch) -> None:
             for g0, g1, l0, l1 in blocks:
                 # Kept blocks are new arrays; the others reuse one scratch block.
-                p = self._logits(a, g0, g1, l0, l1, out=None if keep else scratch.get("p", (g1 - g0, l1 - l0, S), self.dtype))  # (g, l, S)
+                p = self._logits(a, g0, g1, l0, l1, out=None if keep else scratch.get("p", (g1 - g0, l1 - l0, S), logits_dtype))  # (g, l, S)
                 shift = p.max(axis=-1, keepdims=True)  # (g, l, 1)
                 if a.safe:
                     shift = np.where(np.isneginf(shift), 0.0, shift).astype(self.dtype)
@@ -454,28 +456,32 @@ class MultiheadAttention:
         # d(kh) and d(vh) are summed over query blocks as (G, S, D), or in float64 as (G, D, S):
         # OpenBLAS makes the (D, S) product from the (l, S) block at 43 GFLOP/s per thread in
         # float64, the (S, D) one at 28 (in float32 the other way round: 66 against 77).
-        by_source = self.dtype != np.float64
-        d_kh = np.zeros((G, S, D) if by_source else (G, D, S), dtype=self.dtype)
-        d_vh = np.zeros_like(d_kh)
+        by_source = a.kh.dtype != np.float64
+        d_kh = np.zeros((G, S, D) if by_source else (G, D, S), dtype=a.kh.dtype)
+        d_vh = np.zeros(d_kh.shape, dtype=a.vh.dtype)
+        # Each work block in the dtype its product has, as without `out=` (wider inputs than parameters).
+        p_dtype = np.result_type(a.q_scaled, a.kh)
+        dp_dtype = np.result_type(d_ctx, a.vh)
+        dv_dtype, dk_dtype = np.result_type(p_dtype, d_ctx), np.result_type(dp_dtype, p_dtype, a.q_scaled)
 
         def task(blocks, scratch: threads.Scratch) -> None:
             for g0, g1, l0, l1 in blocks:
                 block = (g1 - g0, l1 - l0, S)
-                kv_block = scratch.get("dkv", d_kh[g0:g1].shape, self.dtype)  # (g, S, D) or (g, D, S)
-                p = self._probabilities(a, g0, g1, l0, l1, out=scratch.get("p", block, self.dtype))  # (g, l, S)
+                kv_shape = d_kh[g0:g1].shape  # (g, S, D) or (g, D, S)
+                p = self._probabilities(a, g0, g1, l0, l1, out=scratch.get("p", block, p_dtype))  # (g, l, S)
                 d_out_blk = d_ctx[g0:g1, l0:l1]  # (g, l, D)
                 if by_source:
-                    d_vh[g0:g1] += np.matmul(p.transpose(0, 2, 1), d_out_blk, out=kv_block)  # (g, S, D)
+                    d_vh[g0:g1] += np.matmul(p.transpose(0, 2, 1), d_out_blk, out=scratch.get("dv", kv_shape, dv_dtype))  # (g, S, D)
                 else:
-                    d_vh[g0:g1] += np.matmul(d_out_blk.transpose(0, 2, 1), p, out=kv_block)  # (g, D, S)
-                dp = np.matmul(d_out_blk, a.vh[g0:g1].transpose(0, 2, 1), out=scratch.get("dp", block, self.dtype))  # (g, l, S)
-                d_logits = self._softmax_backward(p, dp, scratch.get("work", block, self.dtype))  # (g, l, S)
+                    d_vh[g0:g1] += np.matmul(d_out_blk.transpose(0, 2, 1), p, out=scratch.get("dv", kv_shape, dv_dtype))  # (g, D, S)
+                dp = np.matmul(d_out_blk, a.vh[g0:g1].transpose(0, 2, 1), out=scratch.get("dp", block, dp_dtype))  # (g, l, S)
+                d_logits = self._softmax_backward(p, dp, scratch.get("work", block, np.result_type(dp, p)))  # (g, l, S)
                 np.matmul(d_logits, a.kh[g0:g1], out=d_q_scaled[g0:g1, l0:l1])  # (g, l, D)
                 q_blk = a.q_scaled[g0:g1, l0:l1]  # (g, l, D)
                 if by_source:
-                    d_kh[g0:g1] += np.matmul(d_logits.transpose(0, 2, 1), q_blk, out=kv_block)  # (g, S, D)
+                    d_kh[g0:g1] += np.matmul(d_logits.transpose(0, 2, 1), q_blk, out=scratch.get("dk", kv_shape, dk_dtype))  # (g, S, D)
                 else:
-                    d_kh[g0:g1] += np.matmul(q_blk.transpose(0, 2, 1), d_logits, out=kv_block)  # (g, D, S)
+                    d_kh[g0:g1] += np.matmul(q_blk.transpose(0, 2, 1), d_logits, out=scratch.get("dk", kv_shape, dk_dtype))  # (g, D, S)
 
         threads.run(self._tasks(G, L, S, by_batch=False), task)
         if not by_source:

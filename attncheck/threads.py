@@ -9,11 +9,16 @@ from the workers (measured at B=4 L=1024 E=512 H=8 float32: the attention forwar
 on two workers after BLAS had run on two threads, 81 ms when BLAS's threads stopped spinning at
 once, OPENBLAS_THREAD_TIMEOUT=4).
 
-Results are bit-identical for any number of threads, by construction: a task's arithmetic is the
-same on any thread, tasks write disjoint slices, what one task accumulates (a key's gradient over
-query blocks) it accumulates in a fixed order, how work is split depends on the shapes alone, and
-BLAS runs on one thread inside a large call whatever the thread count. tests/test_perf_equivalence.py
-checks threads against one thread on every code path.
+Results are bit-identical for any number of worker threads, by construction: a task's arithmetic
+is the same on any thread, tasks write disjoint slices, what one task accumulates (a key's
+gradient over query blocks) it accumulates in a fixed order, and how work is split depends on the
+shapes alone. BLAS runs on one thread in every large call (through threadpoolctl; where that is
+missing BLAS keeps its threads, and OpenBLAS's results did not change with OPENBLAS_NUM_THREADS =
+1, 2, 3, 4, 8 on the reference's shapes). tests/test_perf_equivalence.py checks worker threads
+against one thread on every code path.
+
+A subclass of the reference that keeps per-block state must keep it per thread (threading.local),
+as attncheck.testing.wrong_impls.MaskAfterSoftmax does: blocks of one call run concurrently.
 """
 
 from __future__ import annotations
@@ -21,18 +26,38 @@ from __future__ import annotations
 import contextvars
 import os
 import queue
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import TypeVar
 
 import numpy as np
 
+# At most this many worker threads by default (also the figure the memory estimate assumes).
+MAX_THREADS = 4
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 # Worker threads for large calls. A worker process of a suite run sets 1 (one process per core).
-_threads = min(os.cpu_count() or 1, 4)
+_threads = min(_cores(), MAX_THREADS)
 _pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool): a forked child makes its own
-_blas = None  # threadpoolctl's controller, found once; False where it is unavailable
 _large = contextvars.ContextVar("attncheck_large_call", default=False)
+_in_worker = contextvars.ContextVar("attncheck_in_worker", default=False)
+
+# BLAS's limit is process-wide: the first large call to start sets it, the last to end restores it,
+# so calls that overlap on different threads (a candidate's own threads) cannot leave it stuck.
+_blas_lock = threading.Lock()
+_blas_users = 0
+_blas_limiter = None
+_blas_controller = None  # threadpoolctl's controller, found once; False where it is unavailable
 
 T = TypeVar("T")
 
@@ -40,10 +65,11 @@ T = TypeVar("T")
 def set_threads(n: int) -> None:
     """How many worker threads large calls use from now on (1: all on the caller's thread)."""
     global _threads
-    _threads = max(1, int(n))
+    _threads = min(max(1, int(n)), MAX_THREADS)
 
 
 def threads() -> int:
+    """How many worker threads large calls use."""
     return _threads
 
 
@@ -54,17 +80,30 @@ def _executor() -> ThreadPoolExecutor:
     return _pool[2]
 
 
-def _blas_on_one_thread():
-    """BLAS single-threaded while it lasts; unchanged where threadpoolctl finds no BLAS it knows."""
-    global _blas
-    if _blas is None:
-        try:
-            from threadpoolctl import ThreadpoolController
+def _blas_enter() -> None:
+    global _blas_users, _blas_limiter, _blas_controller
+    with _blas_lock:
+        _blas_users += 1
+        if _blas_users > 1:
+            return
+        if _blas_controller is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+            except ImportError:  # BLAS keeps its threads: slower, and OpenBLAS's results are the same
+                _blas_controller = False
+            else:
+                _blas_controller = ThreadpoolController()
+        if _blas_controller:
+            _blas_limiter = _blas_controller.limit(limits=1, user_api="blas")
 
-            _blas = ThreadpoolController()
-        except Exception:  # noqa: BLE001 - without it results are the same (OpenBLAS), only slower
-            _blas = False
-    return _blas.limit(limits=1, user_api="blas") if _blas else nullcontext()
+
+def _blas_exit() -> None:
+    global _blas_users, _blas_limiter
+    with _blas_lock:
+        _blas_users -= 1
+        if _blas_users == 0 and _blas_limiter is not None:
+            _blas_limiter.restore_original_limits()
+            _blas_limiter = None
 
 
 @contextmanager
@@ -75,11 +114,17 @@ def large_call(large: bool):
         yield
         return
     token = _large.set(True)
+    _blas_enter()
     try:
-        with _blas_on_one_thread():
-            yield
+        yield
     finally:
+        _blas_exit()
         _large.reset(token)
+
+
+def in_large_call() -> bool:
+    """Whether this code runs inside a large call (its own or a caller's)."""
+    return _large.get()
 
 
 class Scratch:
@@ -99,11 +144,14 @@ class Scratch:
         return buf[:size].reshape(shape)
 
 
-def run(tasks: Sequence[T], work: Callable[[T, Scratch], None]) -> None:
-    """work(task, scratch) for every task: inside a large call on the worker threads, else in
-    order on this thread. Each running task has a Scratch of its own. The first exception a task
-    raises is raised here, after every task has ended."""
-    n = min(_threads, len(tasks)) if _large.get() else 1
+def run(tasks: Iterable[T], work: Callable[[T, Scratch], None]) -> None:
+    """work(task, scratch) for every task: inside a large call on the worker threads, else (and
+    inside a worker) in order on this thread. Each running task has a Scratch of its own.
+
+    The first exception a task raises is raised here; tasks not yet started then never start, and
+    none is left running when this returns or raises (Ctrl-C included)."""
+    tasks = list(tasks)
+    n = min(_threads, len(tasks)) if _large.get() and not _in_worker.get() else 1
     if n <= 1:
         scratch = Scratch()
         for task in tasks:
@@ -112,20 +160,31 @@ def run(tasks: Sequence[T], work: Callable[[T, Scratch], None]) -> None:
     free: queue.SimpleQueue[Scratch] = queue.SimpleQueue()
     for _ in range(n):
         free.put(Scratch())
+    errstate = np.geterr()  # context-local in NumPy 2 (copied below), thread-local before
 
     def one(task: T) -> None:
+        _in_worker.set(True)  # a task's own large work runs inline: the pool is busy with its siblings
         scratch = free.get()
         try:
-            work(task, scratch)
+            with np.errstate(**errstate):
+                work(task, scratch)
         finally:
             free.put(scratch)
 
-    # Each task in a copy of the caller's context: NumPy's errstate and the large-call mark live there.
+    # Each task in a copy of the caller's context: the large-call mark (and errstate) live there.
     futures = [_executor().submit(contextvars.copy_context().run, one, task) for task in tasks]
-    errors = [f.exception() for f in futures]  # waits for all: none is left writing after we return
-    for err in errors:
-        if err is not None:
-            raise err
+    error = None
+    try:
+        for future in futures:
+            error = future.exception()  # waits for it
+            if error is not None:
+                break
+    finally:
+        for future in futures:
+            future.cancel()  # those not started
+        wait(futures)  # those running: none is left writing after we return
+    if error is not None:
+        raise error
 
 
 # Rows per matmul task: a multiple of this, about an eighth of the rows.

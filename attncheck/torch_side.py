@@ -102,6 +102,7 @@ LARGE_THREADS = 2
 
 
 def threads_for(cfg: Config) -> int:
+    """torch's thread count for the config's own torch calls: a function of the config alone."""
     return LARGE_THREADS if cfg.effective_batch * cfg.num_heads * cfg.tgt_len * cfg.S > LARGE_LOGITS else 1
 
 
@@ -121,7 +122,8 @@ def _on_config_threads(run):
 
 
 def use_one_thread() -> None:
-    """For a worker process: one thread for good (K workers on K cores), as `one_thread` does."""
+    """For a worker process: one thread for good (K workers on K cores), as `one_thread` does; the
+    checks' own torch calls still set `threads_for(cfg)`, so results match a single process."""
     torch.set_num_threads(1)
 
 

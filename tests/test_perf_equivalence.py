@@ -109,13 +109,58 @@ THREADED = {
 }
 
 
-def _run_on(n_threads, case, blocking):
+@pytest.fixture(autouse=True)
+def _thread_count_restored():
     before = threads.threads()
+    yield
+    threads.set_threads(before)
+
+
+def _run_on(n_threads, case, blocking):
     threads.set_threads(n_threads)
-    try:
-        return _run(case, blocking)
-    finally:
-        threads.set_threads(before)
+    return _run(case, blocking)
+
+
+def test_inputs_wider_than_the_parameters_keep_their_dtype_in_work_blocks():
+    """float32 parameters with float64 inputs: the products are float64, and the reused work
+    blocks must be too, so cached and recomputed probabilities give the same bits."""
+    rng = np.random.default_rng(6)
+    params = {k: v.astype(np.float32) for k, v in _params(rng, False).items()}
+    x, dy = rng.standard_normal((B, L, E)), rng.standard_normal((B, L, E))
+    runs = []
+    for cache_bytes in (1 << 30, 0):
+        m = MultiheadAttention(params, num_heads=H, batch_first=True, block_elements=3, cache_bytes=cache_bytes, parallel_logits=0)
+        out, _ = m.forward(x, x, x, need_weights=False)
+        runs.append((out, m.backward(dy)))
+    np.testing.assert_array_equal(runs[1][0], runs[0][0])
+    for name in runs[0][1]:
+        np.testing.assert_array_equal(runs[1][1][name], runs[0][1][name])
+
+
+def test_any_legal_task_order_gives_the_same_bits(monkeypatch):
+    """Tasks are independent, so running them in reverse must change nothing; with H=3 a head
+    average summed across tasks (in another order) would. Guards the by_batch chaining."""
+    rng = np.random.default_rng(5)
+    params = {
+        "in_proj_weight": rng.standard_normal((3 * 6, 6)), "in_proj_bias": rng.standard_normal(18),
+        "out_proj.weight": rng.standard_normal((6, 6)), "out_proj.bias": rng.standard_normal(6),
+    }  # fmt: skip
+    x, dy = rng.standard_normal((2, 5, 6)), rng.standard_normal((2, 5, 6))
+
+    def results():
+        m = MultiheadAttention(params, num_heads=3, batch_first=True, block_elements=5 * 5, parallel_logits=0)  # one group per block
+        out, weights = m.forward(x, x, x, need_weights=True, average_attn_weights=True)
+        return out, weights, m.backward(dy)
+
+    threads.set_threads(2)
+    forward_order = results()
+    real_run = threads.run
+    monkeypatch.setattr(threads, "run", lambda tasks, work: real_run(list(tasks)[::-1], work))
+    reverse_order = results()
+    for a, b in zip(forward_order[:2], reverse_order[:2]):
+        np.testing.assert_array_equal(b, a)
+    for name in forward_order[2]:
+        np.testing.assert_array_equal(reverse_order[2][name], forward_order[2][name])
 
 
 @pytest.mark.parametrize("blocking", list(THREADED))
@@ -177,21 +222,75 @@ def test_threaded_matmul_really_splits(monkeypatch):
     assert calls == [(128, 4)] * 7 + [(104, 4)]
 
 
-def test_a_failing_task_raises_after_every_task_ended():
-    finished, names = [], set()
+def test_a_failing_task_raises_and_leaves_no_task_running():
+    started, running, names = [], [0], set()
+    lock = threading.Lock()
 
     def work(task, _scratch):
-        names.add(threading.current_thread().name)
-        if task == 2:
-            raise ValueError("task 2")
-        time.sleep(0.01)
-        finished.append(task)
+        with lock:
+            started.append(task)
+            running[0] += 1
+            names.add(threading.current_thread().name)
+        try:
+            if task == 2:
+                raise ValueError("task 2")
+            time.sleep(0.02)
+        finally:
+            with lock:
+                running[0] -= 1
 
     threads.set_threads(2)
     with threads.large_call(True), pytest.raises(ValueError, match="task 2"):
-        threads.run(range(6), work)
-    assert sorted(finished) == [0, 1, 3, 4, 5]
+        threads.run(range(20), work)
+    assert running[0] == 0  # nothing still writing when run() raises
+    assert 2 in started and len(started) < 20  # the tasks not yet started never start
     assert names and all(n.startswith("attncheck-reference") for n in names)  # the tasks ran on the workers
+
+
+def test_a_task_may_itself_run_large_work():
+    """Nested: a task's own `run`/`matmul` runs inline instead of waiting on the busy pool."""
+    threads.set_threads(2)
+    a, b = np.arange(600.0).reshape(200, 3), np.ones((3, 2))
+    out = {}
+
+    def work(task, _scratch):
+        out[task] = threads.matmul(a * task, b)
+
+    with threads.large_call(True):
+        threads.run(range(4), work)
+    for task in range(4):
+        np.testing.assert_array_equal(out[task], (a * task) @ b)
+
+
+def test_overlapping_large_calls_on_two_threads_restore_blas():
+    """BLAS's limit is process-wide: calls overlapping on two threads (a candidate's own) must
+    leave it as it was, not stuck at one thread."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    blas = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+    if not blas:
+        pytest.skip("threadpoolctl finds no BLAS to limit")
+    before = [i["num_threads"] for i in blas]
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with threads.large_call(True):
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second():
+        first_in.wait(5)
+        with threads.large_call(True):
+            second_in.set()
+            first_out.wait(5)
+
+    workers = [threading.Thread(target=first), threading.Thread(target=second)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(10)
+    after = [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+    assert after == before
 
 
 def test_torch_thread_count_follows_the_config_alone(monkeypatch):

@@ -185,9 +185,9 @@ def test_workers_give_identical_results(suites, tmp_path):
     assert rows(2) == rows(1)
 
 
-# Above 2^22 attention logits (B * H * L * S): torch runs on two threads and the reference's calls
-# run on worker threads (one per worker process under --workers), each with a count that is fixed
-# by the config, so the numbers must not move.
+# Above torch_side.LARGE_LOGITS (2^22) attention logits B * H * L * S torch runs on two threads, and
+# from the reference's parallel_logits (2^23) its calls run on worker threads (one per worker
+# process under --workers); each count is fixed by the config, so the numbers must not move.
 LARGE = """\
 name: large
 defaults:
@@ -201,6 +201,13 @@ matrix:
 
 
 def test_workers_give_identical_results_above_the_thread_threshold(tmp_path):
+    from attncheck import torch_side
+    from attncheck.config import Config
+    from attncheck.reference import DEFAULT_PARALLEL_LOGITS
+
+    cfg = Config(embed_dim=8, num_heads=2, tgt_len=1500)
+    logits = cfg.effective_batch * cfg.num_heads * cfg.tgt_len * cfg.S
+    assert logits > torch_side.LARGE_LOGITS and logits >= DEFAULT_PARALLEL_LOGITS  # the suite below is large for both
     suite = tmp_path / "large.yaml"
     suite.write_text(LARGE)
 

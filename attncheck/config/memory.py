@@ -28,10 +28,10 @@ _FLOAT64_BYTES = 8
 # Without need_weights neither side holds that matrix: the reference works in blocks of at most
 # DEFAULT_BLOCK_ELEMENTS logits (three work blocks per worker thread) and keeps probabilities only
 # up to DEFAULT_CACHE_BYTES; torch's scaled_dot_product_attention on CPU does not build it
-# either (measured at B=1 L=4096 E=512 H=8, float32 and float64, with and without masks: its
-# forward+backward grew the peak by 139-307 MB, against 512 MB for one float32 copy).
+# either (measured at B=1 L=4096 E=512 H=8, float32 and float64, with no mask, an attn_mask or
+# a key padding mask: its forward+backward grew the peak by 139-307 MB, against 512 MB for one
+# float32 copy); given both masks it adds them into one (B * H, L, S) float mask.
 _WORK_BLOCKS_PER_THREAD = 3
-_MAX_THREADS = 4
 # Masks as the check holds them: the workload's, the reference's additive copies (candidate and
 # oracle) and torch's.
 _MASK_COPIES = 4
@@ -42,19 +42,23 @@ def estimate_bytes(cfg: Config) -> int:
 
     The (B, H, L, S) attention matrix dominates under need_weights; S counts the key columns that
     add_bias_kv and add_zero_attn append. Without it, the reference's bounded work blocks and
-    an (L, S) or (B * H, L, S) attention mask take its place. Inputs, their projections, the output and all their gradients add
+    the masks take its place. Inputs, their projections, the output and all their gradients add
     (B, L, E) and (B, S, kdim + vdim + E) terms, and the weights with their gradients and
-    momentum buffers add E * (2E + kdim + vdim) terms. Everything is counted in float64.
+    momentum buffers add E * (2E + kdim + vdim) terms. Everything is counted in float64. What a
+    candidate allocates is its own: one that builds the whole score matrix is not counted.
     """
     from attncheck.reference import DEFAULT_BLOCK_ELEMENTS, DEFAULT_CACHE_BYTES
+    from attncheck.threads import MAX_THREADS
 
     B, H, L, E = cfg.effective_batch, cfg.num_heads, cfg.tgt_len, cfg.embed_dim
     S = cfg.S
     S_padded = S + cfg.add_bias_kv + cfg.add_zero_attn
     attention = _ATTENTION_COPIES * B * H * L * S_padded
     if not cfg.need_weights:  # (the layer calls its attention so by default)
-        blocks = _MAX_THREADS * _WORK_BLOCKS_PER_THREAD * DEFAULT_BLOCK_ELEMENTS + DEFAULT_CACHE_BYTES // _FLOAT64_BYTES
+        blocks = MAX_THREADS * _WORK_BLOCKS_PER_THREAD * DEFAULT_BLOCK_ELEMENTS + DEFAULT_CACHE_BYTES // _FLOAT64_BYTES
         attention = min(attention, blocks)
+        if cfg.attn_mask != "none" and cfg.key_padding_mask != "none":
+            attention += B * H * L * S_padded  # torch adds the two masks into one (B * H, L, S) float mask
     if cfg.attn_mask != "none":
         attention += _MASK_COPIES * (B * H if cfg.attn_mask_dims == 3 else 1) * L * S_padded
     # query, q, attention output, output: (B, L, E); key, value and k, v: (B, S, .); each with a gradient.
