@@ -174,7 +174,6 @@ class MultiheadAttention:
         return self._stored(out), self._stored(weights)
 
     def _forward(self, query, key, value, attn_mask, key_padding_mask, need_weights, average_attn_weights):
-        self._saved = None  # the last call's state (its probabilities) is freed before this call allocates its own
         unbatched = query.ndim == 2
         x_q = self._to_internal(query, unbatched)  # (B, L, E)
         x_k = self._to_internal(key, unbatched)  # (B, S0, Ek)
