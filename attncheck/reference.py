@@ -458,29 +458,25 @@ class MultiheadAttention:
         by_source = a.kh.dtype != np.float64
         d_kh = np.zeros((G, S, D) if by_source else (G, D, S), dtype=a.kh.dtype)
         d_vh = np.zeros(d_kh.shape, dtype=a.vh.dtype)
-        # Each work block in the dtype its product has, as without `out=` (wider inputs than parameters).
-        p_dtype = np.result_type(a.q_scaled, a.kh)
-        dp_dtype = np.result_type(d_ctx, a.vh)
-        dv_dtype, dk_dtype = np.result_type(p_dtype, d_ctx), np.result_type(dp_dtype, p_dtype, a.q_scaled)
+        # The (l, S) work blocks in the dtype their products have, as without `out=` (inputs wider than parameters).
+        p_dtype, dp_dtype = np.result_type(a.q_scaled, a.kh), np.result_type(d_ctx, a.vh)
+
+        def over_rows(by_row: np.ndarray, per_row: np.ndarray, name: str, scratch: threads.Scratch) -> np.ndarray:
+            """by_row^T per_row, (g, S, D), summed over the block's query rows; (g, D, S) when not by_source."""
+            x, y = (by_row, per_row) if by_source else (per_row, by_row)
+            out = scratch.get(name, (x.shape[0], x.shape[2], y.shape[2]), np.result_type(x, y))
+            return np.matmul(x.transpose(0, 2, 1), y, out=out)
 
         def task(blocks, scratch: threads.Scratch) -> None:
             for g0, g1, l0, l1 in blocks:
                 block = (g1 - g0, l1 - l0, S)
-                kv_shape = d_kh[g0:g1].shape  # (g, S, D) or (g, D, S)
                 p = self._probabilities(a, g0, g1, l0, l1, out=scratch.get("p", block, p_dtype))  # (g, l, S)
                 d_out_blk = d_ctx[g0:g1, l0:l1]  # (g, l, D)
-                if by_source:
-                    d_vh[g0:g1] += np.matmul(p.transpose(0, 2, 1), d_out_blk, out=scratch.get("dv", kv_shape, dv_dtype))  # (g, S, D)
-                else:
-                    d_vh[g0:g1] += np.matmul(d_out_blk.transpose(0, 2, 1), p, out=scratch.get("dv", kv_shape, dv_dtype))  # (g, D, S)
+                d_vh[g0:g1] += over_rows(p, d_out_blk, "dv", scratch)  # P^T dO
                 dp = np.matmul(d_out_blk, a.vh[g0:g1].transpose(0, 2, 1), out=scratch.get("dp", block, dp_dtype))  # (g, l, S)
                 d_logits = self._softmax_backward(p, dp, scratch.get("work", block, np.result_type(dp, p)))  # (g, l, S)
                 np.matmul(d_logits, a.kh[g0:g1], out=d_q_scaled[g0:g1, l0:l1])  # (g, l, D)
-                q_blk = a.q_scaled[g0:g1, l0:l1]  # (g, l, D)
-                if by_source:
-                    d_kh[g0:g1] += np.matmul(d_logits.transpose(0, 2, 1), q_blk, out=scratch.get("dk", kv_shape, dk_dtype))  # (g, S, D)
-                else:
-                    d_kh[g0:g1] += np.matmul(q_blk.transpose(0, 2, 1), d_logits, out=scratch.get("dk", kv_shape, dk_dtype))  # (g, D, S)
+                d_kh[g0:g1] += over_rows(d_logits, a.q_scaled[g0:g1, l0:l1], "dk", scratch)  # dLogits^T q_scaled
 
         threads.run(self._tasks(G, L, S, by_batch=False), task)
         if not by_source:
