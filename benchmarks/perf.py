@@ -70,41 +70,12 @@ def _timed(fn):
 
 
 def shape_table(repeats):
-    import torch
-
     rows = []
     for (B, L, E, H), dtype, need_weights in [(s, d, nw) for s in SHAPES for d in ("float32", "float64") for nw in (False, True)]:
-        rng = np.random.default_rng(0)
-        params = params_for(E, dtype, rng)
-        x = rng.standard_normal((B, L, E)).astype(dtype)
-        dy = rng.standard_normal((B, L, E)).astype(dtype)
-        ref = MultiheadAttention(params, num_heads=H, batch_first=True)
-        mod = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=getattr(torch, dtype))
-        tx, tdy = torch.tensor(x, requires_grad=True), torch.tensor(dy)
-
-        def run_ref():
-            ref.forward(x, x, x, need_weights=need_weights)
-            ref.backward(dy)
-
-        def run_torch():
-            out, _ = mod(tx, tx, tx, need_weights=need_weights)
-            out.backward(tdy)
-
         n = repeats if L >= 256 else 20 * repeats
-        t_ref, t_torch = [], []
-        for _ in range(2):  # two rounds, so a burst of load from other work rarely hits one side only
-            time.sleep(PAUSE_S)
-            t_ref += [_timed(run_ref) for _ in range(n)]
-            time.sleep(PAUSE_S)
-            t_torch += [_timed(run_torch) for _ in range(n)]
-        tracemalloc.start()
-        run_ref()
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        r, t = min(t_ref), min(t_torch)
-        rows.append((f"B={B} L={L} E={E} H={H}", dtype, need_weights, r * 1e3, t * 1e3, r / t,
-                     matmul_flops(B, L, E, H) / r / 1e9, peak / 2**20))  # fmt: skip
-        ref._saved = None
+        r, t, peak = reference_ratio(B, L, E, H, dtype, n, need_weights=need_weights, traced=True)
+        rows.append((f"B={B} L={L} E={E} H={H}", dtype, need_weights, r, t, r / t,
+                     matmul_flops(B, L, E, H) / r / 1e6, peak / 2**20))  # fmt: skip
     print("reference vs torch CPU, forward+backward, min of repeats (peak MB: NumPy allocations of one")
     print("reference forward+backward, by tracemalloc; GFLOP/s: matmul flops / reference time)")
     print(f"{'shape':<24}{'dtype':<9}{'need_w':<8}{'ref ms':>10}{'torch ms':>10}{'ratio':>7}{'GFLOP/s':>9}{'peak MB':>9}")
@@ -242,8 +213,9 @@ def grad_run(L, E=512, H=8):
         os.unlink(f.name)
 
 
-def reference_ratio(B, L, E, H, dtype, repeats):
-    """(reference ms, torch ms) of forward+backward, min over repeats, each side as a group."""
+def reference_ratio(B, L, E, H, dtype, repeats, need_weights=False, traced=False):
+    """(reference ms, torch ms, peak bytes) of forward+backward, min over repeats, each side as a
+    group; the peak (tracemalloc's, of one more reference forward+backward) only when `traced`."""
     import torch
 
     rng = np.random.default_rng(0)
@@ -254,20 +226,26 @@ def reference_ratio(B, L, E, H, dtype, repeats):
     tx, tdy = torch.tensor(x, requires_grad=True), torch.tensor(dy)
 
     def run_ref():
-        ref.forward(x, x, x, need_weights=False)
+        ref.forward(x, x, x, need_weights=need_weights)
         ref.backward(dy)
 
     def run_torch():
-        out, _ = mod(tx, tx, tx, need_weights=False)
+        out, _ = mod(tx, tx, tx, need_weights=need_weights)
         out.backward(tdy)
 
     t_ref, t_torch = [], []
-    for _ in range(2):
+    for _ in range(2):  # two rounds, so a burst of load from other work rarely hits one side only
         time.sleep(PAUSE_S)
         t_ref += [_timed(run_ref) for _ in range(repeats)]
         time.sleep(PAUSE_S)
         t_torch += [_timed(run_torch) for _ in range(repeats)]
-    return min(t_ref) * 1e3, min(t_torch) * 1e3
+    peak = None
+    if traced:
+        tracemalloc.start()
+        run_ref()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return min(t_ref) * 1e3, min(t_torch) * 1e3, peak
 
 
 def issue_table(quick: bool, repeats: int) -> None:
@@ -285,7 +263,7 @@ def issue_table(quick: bool, repeats: int) -> None:
     print(f"    torch's own forward+backward of that shape ({os.cpu_count()} threads, min of runs, in-process time): {step:.2f} s; "
           f"ratio {wall / step:.1f}x (target <= 6x); RSS target <= 1500 MB")  # fmt: skip
     for dtype, target in (("float32", 1.0), ("float64", 0.9)):
-        r, t = reference_ratio(B_ref, L_ref, 512, 8, dtype, repeats)
+        r, t, _ = reference_ratio(B_ref, L_ref, 512, 8, dtype, repeats)
         print(f"  reference {dtype} forward+backward B={B_ref} L={L_ref} E=512 H=8: {r:.0f} ms vs torch {t:.0f} ms, "
               f"ratio {r / t:.2f}x (target <= {target}x)")  # fmt: skip
     print(f"  peak RSS of attncheck grad (B=1 E=512 H=8, need_weights false) as L grows; above: minus the {base:.0f} MB "
