@@ -196,7 +196,8 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     workers. The chunks depend on the shapes alone (OpenBLAS can round a row differently when M
     changes), so the result does not depend on the thread count."""
     M = a.shape[-2]
-    size = -(-max(1, -(-M // 8)) // ROW_CHUNK) * ROW_CHUNK
+    eighth = -(-M // 8)  # ceil(M / 8)
+    size = -(-eighth // ROW_CHUNK) * ROW_CHUNK  # rounded up to a multiple of ROW_CHUNK
     if not _large.get() or size >= M:
         return a @ b
     out = np.empty(a.shape[:-1] + b.shape[-1:], dtype=np.result_type(a, b))  # (..., M, N)
