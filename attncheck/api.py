@@ -16,13 +16,10 @@ from collections.abc import Mapping
 from os import PathLike
 from typing import Any
 
-from attncheck import torch_side
-from attncheck.candidate import Candidate, candidate_from_object, load_candidate
-from attncheck.checks import run_check
-from attncheck.commands import COMMANDS as COMMAND_TABLE
-from attncheck.commands import NAMES
+from attncheck.candidate import Candidate, candidate_from_object, reference_for
+from attncheck.commands import COMMANDS, NAMES
 from attncheck.commands import command as command_named
-from attncheck.config import Config, check_memory, config_from_mapping, load_config
+from attncheck.config import Case, Config, Suite, config_from_mapping, load_config, load_suite
 from attncheck.errors import UsageError
 from attncheck.report import Report
 
@@ -40,38 +37,43 @@ def check(
     impl: a SPEC string ("pkg.module:attr" or "path/to/file.py:attr"), the class or factory
       itself, or None for the config's `impl`, else the NumPy reference.
     options: per_head=, strict= for grad.
+
+    The check runs through the same pipeline as the command line (attncheck.suite.prepare), so
+    its report is the CLI's. `report.assert_passed()` raises unless the verdict is pass.
     """
     takes = command_named(command).options
     unknown = sorted(set(options) - set(takes))
     if unknown:
-        owners = [f"{' and '.join(c.options)} are {c.name}'s" for c in COMMAND_TABLE.values() if c.options]
+        owners = [f"{' and '.join(c.options)} are {c.name}'s" for c in COMMANDS.values() if c.options]
         what = f"takes {' and '.join(takes)}" if takes else "takes no options"
         raise UsageError(f"{command} {what} (got {', '.join(unknown)}); {'; '.join(owners)}")
-    cfg = _config(config)
-    check_memory(cfg, str(config) if isinstance(config, (str, PathLike)) else "<check() config>")
-    from_file = impl is None and cfg.impl is not None and isinstance(config, (str, PathLike))
-    candidate = _candidate(impl if impl is not None else cfg.impl, origin=str(config) if from_file else None)
-    with torch_side.one_thread():  # as on the command line, so the numbers are the CLI's
-        return run_check(command, cfg, candidate, **options)
+    suite = _one_case(config)
+    from attncheck.suite import prepare
+
+    return prepare(suite, (command,), impl=_candidate(impl, suite.cases[0].config)).run(options).reports[0]
 
 
-def _config(config: Config | Mapping[str, Any] | str | PathLike | None) -> Config:
+def _one_case(config: Config | Mapping[str, Any] | str | PathLike | None) -> Suite:
+    """The config as a suite of one case; a file keeps its lines, to place an `impl` that cannot load."""
     if isinstance(config, Config):
-        return config
+        return Suite(config.name or "config", "<check() config>", [Case(config.name or "config", config)])
     if isinstance(config, Mapping):
-        return config_from_mapping(config, source="<check() mapping>")
-    if config is None or isinstance(config, (str, PathLike)):
-        return load_config(config)
+        cfg = config_from_mapping(config, source="<check() mapping>")
+        return Suite(cfg.name or "config", "<check() mapping>", [Case(cfg.name or "config", cfg)])
+    if config is None:
+        cfg = load_config(None)
+        return Suite(cfg.name or "default", "<default config>", [Case(cfg.name or "default", cfg)])
+    if isinstance(config, (str, PathLike)):
+        load_config(config)  # a suite file is refused here, as a config's loader refuses it
+        return load_suite(config)
     raise UsageError(f"config: expected a Config, a mapping or a path, got {type(config).__name__}")
 
 
-def _candidate(impl: str | Any | None, origin: str | None = None) -> Candidate:
-    """The candidate `impl` names; `origin` (the config file it came from) places a load error."""
-    if impl is None or isinstance(impl, str):
-        return load_candidate(impl, origin)
-    return candidate_from_object(impl)
+def _candidate(impl: str | Any | None, cfg: Config) -> str | Candidate | None:
+    """What `impl` names: a SPEC (imported by the pipeline), a candidate object, or None."""
+    if impl is None or isinstance(impl, (str, Candidate)):
+        return impl
+    return candidate_from_object(impl) or reference_for(cfg)
 
 
-COMMANDS = NAMES
-
-__all__ = ["check", "Report", "Config", "load_config", "COMMANDS"]
+__all__ = ["check", "Report", "Config", "load_config", "NAMES"]

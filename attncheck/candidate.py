@@ -3,16 +3,17 @@
 A candidate is any factory (a class or a function) named by a SPEC, `package.module:attr` or
 `path/to/file.py:attr`, and built as
 
-    obj = factory(params, num_heads=H, batch_first=..., **module_options(cfg))
+    obj = factory(params, num_heads=H, batch_first=..., **kind.options(cfg))
 
 with parameters keyed by `nn.MultiheadAttention.state_dict()` names. `obj.forward(query, key,
 value, *, attn_mask, key_padding_mask, need_weights, average_attn_weights)` returns
 `(output, weights)`; `obj.backward(grad_output)` returns gradients keyed by the same names plus
 `query`, `key`, `value`. For `module: transformer_encoder_layer` the options, names and calls
-are nn.TransformerEncoderLayer's (attncheck.modules): `obj.forward(src, *, src_mask,
-src_key_padding_mask, is_causal)` returns the output, and backward adds `src`. Everything it raises or returns is checked here and turned into a
-`CandidateError` naming the file and line in the candidate's own code; nothing it does can crash
-attncheck. This module imports neither torch nor anything that does.
+are nn.TransformerEncoderLayer's (attncheck.kinds): `obj.forward(src, *, src_mask,
+src_key_padding_mask, is_causal)` returns the output, and backward adds `src`.
+
+Everything it raises or returns is checked here and turned into a `CandidateError` naming the
+file and line in the candidate's own code. This module imports neither torch nor anything that does.
 
 A candidate's framework (`numpy`, `torch`, `jax`) decides what arrays it is handed: `Session`
 here hands NumPy arrays; `attncheck.torch_candidate.TorchSession` torch tensors and
@@ -40,9 +41,8 @@ from attncheck.config.config_file import impl_file
 from attncheck.dtypes import is_float
 from attncheck.errors import CandidateError, Unsupported, UsageError, shorten
 from attncheck.inputs import Workload
-from attncheck.modules import KINDS, MHA, kind_of
+from attncheck.kinds import kind_of, kinds
 
-REFERENCE_SPEC = MHA.reference_spec
 # A candidate's exception message is echoed in at most this many characters.
 MESSAGE_LIMIT = 200
 
@@ -57,21 +57,26 @@ class Candidate:
     spec: str
     factory: Callable[..., Any]
     framework: str = "numpy"  # detected at load (detect_framework); a config's `framework` overrides it
+    builtin: bool = False  # one of attncheck's own NumPy references
+    # The update rule the sgd-step check trains the candidate's gradients with: attncheck's SGD
+    # (None), or a known-bad one (attncheck.testing) whose own update is under check.
+    optimizer: type | None = None
 
-
-REFERENCE = Candidate(REFERENCE_SPEC, MHA.reference)
-# Each module's own reference; REFERENCE (no --impl) stands for the config's module's.
-REFERENCES = {name: REFERENCE if kind is MHA else Candidate(kind.reference_spec, kind.reference) for name, kind in KINDS.items()}
+    def lacks_backward(self, cfg) -> bool:
+        """Whether it is known before building one that its objects have no backward(grad_output)
+        and no autograd: a class without one, run as a NumPy candidate. (A factory function's
+        objects are only known once built.)"""
+        return (framework_of(cfg, self) == "numpy" and isinstance(self.factory, type)
+                and not callable(getattr(self.factory, "backward", None)))  # fmt: skip
 
 
 def reference_for(cfg) -> Candidate:
     """The NumPy reference of the config's module: the oracle, and the candidate when none is given."""
-    return REFERENCES[kind_of(cfg).name]
+    kind = kind_of(cfg)
+    return Candidate(kind.reference_spec, kind.reference, builtin=True)
 
 
-def for_module(candidate: Candidate, cfg) -> Candidate:
-    """The candidate to run: the default reference becomes the reference of the config's module."""
-    return reference_for(cfg) if candidate is REFERENCE else candidate
+REFERENCE_SPECS = {kind.reference_spec for kind in kinds().values()}
 
 
 def detect_framework(factory: Any) -> str:
@@ -104,26 +109,21 @@ def detect_framework(factory: Any) -> str:
 
 def framework_of(cfg, candidate: Candidate) -> str:
     """The framework a check uses for this candidate: the config's `framework`, else the detected one."""
-    if candidate.spec == REFERENCE_SPEC:
+    if candidate.builtin:
         return "numpy"  # the built-in reference (and the oracle) is NumPy whatever the config says
     return getattr(cfg, "framework", None) or candidate.framework
 
 
-def module_options(cfg) -> dict[str, Any]:
-    """The torch module's constructor options besides num_heads and batch_first: passed alike to
-    torch's module and to every candidate (attncheck.modules)."""
-    return kind_of(cfg).options(cfg)
-
-
 # ------------------------------------------------------------------------------------ loading
-def load_candidate(spec: str | None, origin: str | None = None) -> Candidate:
-    """The candidate a SPEC names; the built-in reference when spec is None or its own SPEC.
+def load_candidate(spec: str | None, origin: str | None = None) -> Candidate | None:
+    """The candidate a SPEC names; None (the config's module's built-in reference) when spec is
+    None or a reference's own SPEC.
 
     `origin` is where the SPEC was written, `file:line` of a config's `impl`; a SPEC that cannot
     be loaded is a UsageError placed there (else it names `--impl`).
     """
-    if spec is None or spec == REFERENCE_SPEC:
-        return REFERENCE
+    if spec is None or spec in REFERENCE_SPECS:
+        return None
     who = f"{origin}: impl {spec!r}" if origin else f"--impl {spec!r}"
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
@@ -148,12 +148,13 @@ def load_candidate(spec: str | None, origin: str | None = None) -> Candidate:
     return Candidate(spec, obj, detect_framework(obj))
 
 
-def candidate_from_object(impl: Any) -> Candidate:
-    """A Candidate for a class or factory handed over directly (the Python API's `impl=`)."""
+def candidate_from_object(impl: Any) -> Candidate | None:
+    """A Candidate for a class or factory handed over directly (the Python API's `impl=`); None for
+    a built-in reference."""
     if not callable(impl):
         raise UsageError(f"impl: {type(impl).__name__} is not a class or function")
-    if impl is REFERENCE.factory:
-        return REFERENCE
+    if any(impl is kind.reference for kind in kinds().values()):
+        return None
     name = getattr(impl, "__qualname__", None) or type(impl).__name__
     return Candidate(f"{getattr(impl, '__module__', '?')}:{name}", impl, detect_framework(impl))
 
@@ -259,9 +260,11 @@ def _guard(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
     except KeyboardInterrupt:
         raise
     except NotImplementedError as exc:  # the candidate declares this feature unsupported
-        raise Unsupported(f"{what} raised NotImplementedError: {shorten(str(exc), MESSAGE_LIMIT)}", _located(exc), _traceback(exc)) from exc
+        reason = shorten(str(exc), MESSAGE_LIMIT)
+        raise Unsupported(f"{what} raised NotImplementedError: {reason}", _located(exc), _traceback(exc), reason or "NotImplementedError") from exc
     except BaseException as exc:  # the candidate's bug is a finding, not a crash of attncheck
-        raise CandidateError(f"{what} raised {_raised(exc)}", _located(exc), _traceback(exc)) from exc
+        raised = _raised(exc)
+        raise CandidateError(f"{what} raised {raised}", _located(exc), _traceback(exc), raised) from exc
 
 
 def _nearest(name: str, known: list[str]) -> str:
@@ -269,7 +272,9 @@ def _nearest(name: str, known: list[str]) -> str:
     return f" (did you mean {match[0]!r}?)" if match else f" (expected one of {', '.join(known)})"
 
 
-INPUT_GRADIENTS = ("query", "key", "value")
+# Why grad and sgd-step are unsupported for a NumPy candidate without a backward.
+NO_BACKWARD = ("{name} has no backward(grad_output) method, which grad and sgd-step need "
+               "(forward checks it without one; a torch or JAX candidate gets its gradients from autograd)")  # fmt: skip
 
 
 class Session:
@@ -331,7 +336,7 @@ class Session:
             handed,
             num_heads=self.cfg.num_heads,
             batch_first=self.cfg.batch_first,
-            **module_options(self.cfg),
+            **kind_of(self.cfg).options(self.cfg),
         )
         self._check_handed(f"{self.candidate.spec}(...)")
         return obj
@@ -341,15 +346,11 @@ class Session:
         if not callable(getattr(obj, "forward", None)):
             raise CandidateError(f"{self.candidate.spec} built a {type(obj).__name__} with no forward() method")
         kind = kind_of(self.cfg)
-        first = "its `src` argument" if kind is not MHA else "its `query` argument"
-        one = w.key is w.query and w.value is w.query
-        query = self._hand(first, w.query, grad_of="input" if one else "query")
         # One array passed as query, key and value stays one array (self-attention), so a candidate
         # may test `key is query`; likewise key and value (encoder-decoder attention).
-        key = query if w.key is w.query else self._hand("its `key` argument", w.key, grad_of="key")
-        value = key if w.value is w.key else self._hand("its `value` argument", w.value, grad_of="value")
-        masks = ("attn_mask", "key_padding_mask") if kind is MHA else ("src_mask", "src_key_padding_mask")
-        handed_masks = (self._hand(f"its `{masks[0]}` argument", w.attn_mask), self._hand(f"its `{masks[1]}` argument", w.key_padding_mask))
+        handed = {name: self._hand(f"its `{kind.argument_of(name)}` argument", a, grad_of=name) for name, a in kind.inputs(self.cfg, w).items()}
+        query, key, value = kind.arguments(self.cfg, handed)
+        handed_masks = tuple(self._hand(f"its `{name}` argument", a) for name, a in zip(kind.mask_arguments, (w.attn_mask, w.key_padding_mask)))
         result = _guard(
             "forward()",
             kind.call_forward,
@@ -362,20 +363,14 @@ class Session:
         )
         self._check_handed("forward()")
         where = _defined_at(obj.forward)
-        self._returned(result if not kind.returns_weights else result[0] if isinstance(result, tuple) else None,
-                       obj, (query, key, value), handed_masks)  # fmt: skip
-        if not kind.returns_weights:
-            out = self._as_numpy(result, "forward() returned an output", where)
-            if out.shape != w.query.shape:
-                raise CandidateError(f"forward() returned an output of shape {out.shape}, expected src's {w.query.shape}", where)
-            return out, None
-        if not (isinstance(result, tuple) and len(result) == 2):
+        if kind.returns_weights and not (isinstance(result, tuple) and len(result) == 2):
             raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, weights)", where)
-        out = self._as_numpy(result[0], "forward() returned an output", where)
-        if out.shape != w.query.shape:  # (B, L, E) or (L, B, E) or (L, E): the query's own shape
-            raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {w.query.shape}", where)
-        weights = None if result[1] is None else self._as_numpy(result[1], "forward() returned weights", where)
-        return out, weights
+        output, weights = kind.split_result(result)
+        self._returned(output, obj, (query, key, value), handed_masks)
+        out = self._as_numpy(output, "forward() returned an output", where)
+        if out.shape != w.query.shape:  # (B, L, E) or (L, B, E) or (L, E): the first argument's own shape
+            raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {kind.first_argument}'s {w.query.shape}", where)
+        return out, None if weights is None else self._as_numpy(weights, "forward() returned weights", where)
 
     def backward(self, obj: Any, grad_output: np.ndarray, w: Workload) -> dict[str, np.ndarray]:
         """The candidate's gradients, keyed like params plus query/key/value (or `input` under
@@ -383,14 +378,8 @@ class Session:
         grads, where = self._gradients(obj, grad_output)
         if not isinstance(grads, dict):
             raise CandidateError(f"backward() returned {type(grads).__name__}, expected a dict of arrays", where)
-        kind = kind_of(self.cfg)
         shapes = {k: v.shape for k, v in w.params.items()}
-        if kind is not MHA:
-            shapes.update({name: w.query.shape for name in kind.input_gradients})
-        else:
-            shapes.update(query=w.query.shape, key=w.key.shape, value=w.value.shape)
-        if kind is MHA and w.key is w.query and w.value is w.query:
-            shapes["input"] = w.query.shape  # self-attention: the one input's whole gradient
+        shapes.update(kind_of(self.cfg).candidate_gradients(self.cfg, w))
         arrays = {}
         for name, g in grads.items():
             if name not in shapes:
@@ -412,13 +401,9 @@ class Session:
     def _gradients(self, obj: Any, grad_output: np.ndarray) -> tuple[Any, str | None]:
         """What the candidate's backward(grad_output) returned, and where that method is defined."""
         if not callable(getattr(obj, "backward", None)):
-            # Not a wrong answer but a check that cannot run: the user asked for gradients of an
-            # implementation that has none.
-            raise UsageError(
-                f"--impl {self.candidate.spec}: {type(obj).__name__} has no backward(grad_output) method, "
-                "which `grad` and `sgd-step` need (`forward` checks it without one; a torch or JAX "
-                "candidate gets its gradients from autograd)"
-            )
+            # Not a wrong answer but a feature it does not have: gradients are unsupported.
+            reason = NO_BACKWARD.format(name=type(obj).__name__)
+            raise Unsupported(reason, raised=reason)
         grads = _guard("backward()", obj.backward, self._hand("its `grad_output` argument", grad_output))
         self._check_handed("backward()")
         return grads, _defined_at(obj.backward)

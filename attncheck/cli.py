@@ -1,9 +1,11 @@
-"""The attncheck command line: parse, run one check, render, choose the exit code.
+"""The attncheck command line: parse, run the checks (attncheck.suite), render, choose the exit code.
 
 Exit codes: 0 every compared quantity agrees, 1 a mismatch (or a candidate that failed),
 2 bad usage or config, 3 an internal error (a bug in attncheck: please report it),
-4 inconclusive (something could not be judged, or nothing was), 130 interrupted. This is the only module that exits. torch is imported only once a check runs,
-so `--help` and config errors stay fast.
+4 inconclusive or unsupported (nothing proven), 130 interrupted.
+
+This is the only module that exits. torch is imported only once a check runs, and neither rich
+nor the config schema before a command needs them, so `--help` and config errors stay fast.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ Example:
 
 
 def _run(
-    commands: tuple[str, ...],
+    commands: str,
     config: Path | None,
     json_path: Path | None,
     impl: str | None,
@@ -179,10 +181,11 @@ def _run(
 ) -> int:
     """Run commands over every case of a config or suite, render, write outputs, pick the exit code."""
     from attncheck.config import Suite, load_suite
-    from attncheck.output import check_writable, write_atomic
-    from attncheck.suite import parse_shard, shard
+    from attncheck.files import check_writable, write_atomic
+    from attncheck.suite import parse_shard, prepare, shard
 
     try:
+        commands = parse_commands(commands)
         if json_path is not None:
             check_writable(json_path, "--json")
         if junit_path is not None:
@@ -206,7 +209,8 @@ def _run(
             label += f" · shard {i}/{n}"
         view = View(verbose, tracebacks, keep_evidence=plot_path is not None)
         overrides = {k: v.value for k, v in (("tolerance", tolerance), ("framework", framework), ("device", device)) if v is not None}
-        result = _run_suite(suite, label, commands, impl, overrides, workers, view, options, many=not one_case)
+        plan = prepare(suite, commands, impl=impl, overrides=overrides)
+        result = _run_plan(plan, label, len(suite.cases), workers, view, options, many=not one_case)
     except UsageError as err:
         for line in str(err).splitlines():
             typer.echo(f"error: {line}", err=True)
@@ -242,55 +246,49 @@ class View:
     keep_evidence: bool = False
 
 
-def exit_code(verdict: str) -> int:
-    """0 pass, 1 fail, 4 inconclusive: a run that proved nothing never exits 0."""
+def exit_code(verdict) -> int:
+    """0 pass, 1 fail, 4 inconclusive or unsupported: a run that proved nothing never exits 0."""
     from attncheck.report import FAIL, PASS
 
     return {PASS: EXIT_OK, FAIL: EXIT_MISMATCH}.get(verdict, EXIT_INCONCLUSIVE)
 
 
-def _run_suite(suite, label, commands, impl, overrides, workers, view: View, options, *, many: bool):
+def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *, many: bool):
     """Run and render: one case as today's full report, many as progress, failures and a summary."""
     from rich.console import Group
     from rich.text import Text
 
     from attncheck.render import make_console, progress_bar, progress_line, render, suite_summary, suite_verdict
     from attncheck.report import PASS, UNSUPPORTED
-    from attncheck.suite import SuiteResult, check_candidates, check_devices, plan, run_jobs
 
     console = make_console()
-    if not suite.cases:
+    if not cases:
         console.print(f"attncheck: no cases in {label}")
-    jobs, skipped = plan(suite, commands, impl=impl, overrides=overrides)
-    check_candidates(jobs)
-    check_devices(jobs)
-    start = time.perf_counter()
-    run = functools.partial(run_jobs, jobs, options, workers=workers, keep_evidence=view.keep_evidence)
+    run = functools.partial(plan.run, options, workers=workers, keep_evidence=view.keep_evidence)
     if not many:
-        reports = run()
+        result = run()
     else:
-        head = Text(f"attncheck {' + '.join(commands)}  ", style="bold")
+        head = Text(f"attncheck {' + '.join(plan.commands)}  ", style="bold")
         head.append(label, style="bold cyan")
-        head.append(f"  {len(suite.cases)} cases ({len(skipped)} skipped) · {len(jobs)} checks · workers={workers}")
+        head.append(f"  {cases} cases ({len(plan.skipped)} skipped) · {len(plan.jobs)} checks · workers={workers}")
         console.print(head)
         if console.is_terminal:
             with progress_bar(console) as bar:
-                task = bar.add_task("starting", total=len(jobs))
-                reports = run(progress=lambda done, total, job, report: bar.update(task, completed=done, description=f"{job.case} {job.command}"))
+                task = bar.add_task("starting", total=len(plan.jobs))
+                result = run(progress=lambda done, total, job, report: bar.update(task, completed=done, description=f"{job.case} {job.command}"))
         else:
-            reports = run(progress=lambda done, total, job, report: console.print(progress_line(done, total, report), soft_wrap=True))
-    result = SuiteResult(suite.name, commands, reports, skipped, time.perf_counter() - start)
+            result = run(progress=lambda done, total, job, report: console.print(progress_line(done, total, report), soft_wrap=True))
     if not many:
-        for report in reports:
+        for report in result.reports:
             render(report, console, tracebacks=view.tracebacks)
         return result
-    for report in reports:
+    for report in result.reports:
         # failing and inconclusive checks show their tables; an unsupported one is a line of the
         # capability table, with the candidate's reason
         if view.verbose or report.verdict not in (PASS, UNSUPPORTED):
             render(report, console, tracebacks=view.tracebacks)
-    summary = suite_summary(reports, [(c.name, c.skip_reason or "") for c in skipped], f"summary  {label}", every_check=view.verbose)
-    console.print(Group(*summary, suite_verdict(reports, len(skipped), result.seconds, result.verdict)))
+    summary = suite_summary(result, f"summary  {label}", every_check=view.verbose)
+    console.print(Group(*summary, suite_verdict(result)))
     return result
 
 
@@ -312,7 +310,7 @@ def forward(
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
     module: ModuleOption = None,
 ) -> None:  # fmt: skip
-    raise typer.Exit(_run(("forward",), config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
+    raise typer.Exit(_run("forward", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, strict=strict))  # fmt: skip
 
 
@@ -325,7 +323,7 @@ def grad(
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
     module: ModuleOption = None,
 ) -> None:  # fmt: skip
-    raise typer.Exit(_run(("grad",), config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
+    raise typer.Exit(_run("grad", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module,
                           per_head=per_head, strict=strict))  # fmt: skip
 
@@ -338,7 +336,7 @@ def sgd_step(
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
     module: ModuleOption = None,
 ) -> None:  # fmt: skip
-    raise typer.Exit(_run(("sgd-step",), config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
+    raise typer.Exit(_run("sgd-step", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module))  # fmt: skip
 
 
@@ -352,12 +350,7 @@ def run(
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
     module: ModuleOption = None,
 ) -> None:  # fmt: skip
-    try:
-        commands = NAMES if only is None else parse_commands(only)
-    except UsageError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(EXIT_USAGE) from None
-    raise typer.Exit(_run(commands, config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
+    raise typer.Exit(_run(",".join(NAMES) if only is None else only, config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module,
                           per_head=per_head, strict=strict))  # fmt: skip
 
@@ -394,6 +387,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _flush_quietly() -> None:
     """Flush stdout; a reader that has gone (`attncheck forward | head`) is not an error."""
-    from attncheck.render import QuietWhenClosed
+    from attncheck.files import QuietWhenClosed
 
     QuietWhenClosed(sys.stdout).flush()

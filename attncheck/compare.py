@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attncheck.dtypes import HALF, eps
-from attncheck.report import FAIL, INCONCLUSIVE, NOT_PROVIDED, PASS, Row
+from attncheck.report import FAIL, INCONCLUSIVE, NOT_PROVIDED, PASS, Quantity, Reason, Row
 
 # (kind, dtype) -> (atol, rtol) for the fixed rule.
 FIXED: dict[tuple[str, str], tuple[float, float]] = {
@@ -172,7 +172,7 @@ def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def compare(
     section: str,
-    quantity: str,
+    quantity: str | Quantity,
     actual: np.ndarray | None,
     expected: np.ndarray,
     rule: Rule,
@@ -192,7 +192,7 @@ def compare(
 
 def measure(
     section: str,
-    quantity: str,
+    quantity: str | Quantity,
     actual: np.ndarray | None,
     expected: np.ndarray,
     rule: Rule,
@@ -217,15 +217,14 @@ def measure(
     expected = np.asarray(expected)
     row = Row(section, quantity, "", shape=expected.shape, numel=int(expected.size), rule=rule.describe(), rule_kind=rule.kind)
     if actual is None:
-        row.missing = True
+        row.missing, row.reason = True, Reason.MISSING
         return row
     actual = np.asarray(actual)
     if actual.shape != expected.shape:
-        row.mismatched = row.numel
+        row.mismatched, row.reason = row.numel, Reason.SHAPE
         row.note = f"shape {actual.shape}, expected {expected.shape}"
         return row
-    if actual.dtype != expected.dtype:  # values are still compared; the checks report the dtype itself
-        row.actual_dtype = str(actual.dtype)
+    # A dtype other than torch's is an attribute the checks judge (checks.calls.dtype_rows); values are compared here.
 
     a = actual.astype(np.float64)
     e = expected.astype(np.float64)
@@ -283,6 +282,8 @@ def measure(
     row.evidence = Evidence(a, e, None if isinstance(rule, Fixed) else o, allowed if isinstance(rule, Fixed) else row.allowed)
     row.mismatched = int((bad | nan_wrong).sum())
     row.judged = int(valid.sum() + nan_wrong.sum())
+    if row.mismatched:
+        row.reason = Reason.VALUES if bad.any() else Reason.NAN
     notes = []
     if nan_wrong.any():
         notes.append(
@@ -310,8 +311,8 @@ def decide(row: Row, *, strict: bool = False, first_failing_step: int | None = N
     """The one place a compared row's status is decided, from what was measured and the context.
 
     missing value        NOT_PROVIDED (FAIL with strict): the candidate returned nothing to judge
-    mismatched elements  FAIL (a shape difference counts every element); for weights after SGD
-                         steps, the first step that left the rule is named
+    mismatched elements  FAIL (a shape difference counts every element), its `reason` as measured;
+                         for weights after SGD steps, the first step that left the rule is named
     unjudged elements    INCONCLUSIVE: torch's own NaN or inf that no mask explains, or nothing
                          left to judge at all (every element NaN on both sides)
     otherwise            PASS
@@ -324,9 +325,9 @@ def decide(row: Row, *, strict: bool = False, first_failing_step: int | None = N
         if first_failing_step is not None:
             row.note = (row.note + "; " if row.note else "") + f"left tolerance at step {first_failing_step}"
     elif row.unjudged or (row.numel and not row.judged):
-        row.status = INCONCLUSIVE
+        row.status, row.reason = INCONCLUSIVE, None
         if not row.unjudged:
             row.note = (row.note + "; " if row.note else "") + "every element is NaN on both sides (explained by the masks): nothing was judged"
     else:
-        row.status = PASS
+        row.status, row.reason = PASS, None
     return row

@@ -25,6 +25,7 @@ import numpy as np
 
 from attncheck.config import Config
 from attncheck.inputs import make_attn_mask, make_key_padding_mask
+from attncheck.kinds import kind_of
 from attncheck.report import FAIL, Report, Row
 
 # A pattern fits when the candidate is the transformed expected value to within the row's own
@@ -51,15 +52,14 @@ def diagnose_report(report: Report, cfg: Config) -> None:
     """Fill in `diagnosis` for every failing row of a report that has its arrays."""
     masks = None  # built once, for the first failing attention weights: (B, H, L, S) booleans
     for row in report.rows:
-        if row.status != FAIL or row.evidence is None:
+        if row.status is not FAIL or row.evidence is None:
             continue
-        if masks is None and row.quantity == "attn_weights":
+        if masks is None and row.parameter == "attn_weights":
             masks = Masks.of(cfg)
-        row.diagnosis = diagnose(row, cfg, masks)
-        if not row.diagnosis.startswith(("candidate =", "heads permuted")):
-            swapped = _swapped_with(row, report.rows)
-            if swapped:
-                row.diagnosis = "; ".join(filter(None, [swapped, row.diagnosis]))
+        patterns, where = _diagnosis(row, cfg, masks)
+        # A pattern already says what the candidate holds; else it may hold another quantity's value.
+        swapped = "" if patterns else _swapped_with(row, report.rows)
+        row.diagnosis = "; ".join(filter(None, [swapped, *patterns, *where]))
 
 
 def _swapped_with(row: Row, rows: list[Row]) -> str:
@@ -80,13 +80,20 @@ def _swapped_with(row: Row, rows: list[Row]) -> str:
 
 def diagnose(row: Row, cfg: Config, masks: Masks | None = None) -> str:
     """One row's diagnosis: its pattern, then where its error lies; "" when nothing can be said."""
+    patterns, where = _diagnosis(row, cfg, masks)
+    return "; ".join(patterns + where)
+
+
+def _diagnosis(row: Row, cfg: Config, masks: Masks | None) -> tuple[list[str], list[str]]:
+    """(patterns, where): the exact relation the candidate holds to the expected value, if one
+    fits, and where the error lies."""
     ev = row.evidence
     c, x = np.asarray(ev.candidate, dtype=np.float64), np.asarray(ev.reference, dtype=np.float64)
     if c.shape != x.shape:
-        return ""
+        return [], []
     allowed = np.broadcast_to(np.asarray(ev.allowed, dtype=np.float64), x.shape)
     if row.section == "finite-diff":
-        return _finite_difference(float(c), float(x), cfg)
+        return [], list(filter(None, [_finite_difference(float(c), float(x), cfg)]))
     layout = layout_of(row, cfg, x.ndim)
     findings = _patterns(c, x, allowed, layout, cfg)
     if layout.weights and masks is None:
@@ -94,30 +101,32 @@ def diagnose(row: Row, cfg: Config, masks: Masks | None = None) -> str:
     where = _where(c, x, allowed, layout, cfg, masks)
     if not where and not findings and layout.axes:
         where = ["everywhere: no head, row or column is spared"]
-    return "; ".join(findings + where)
+    return findings, where
 
 
 # ----------------------------------------------------------------------------------- layouts
 def layout_of(row: Row, cfg: Config, ndim: int) -> Layout:
-    """The meaning of each axis of a row's array, from its quantity's name and the config."""
-    name, _, head = row.quantity.partition(" head ")  # a per-head gradient row: one head's slice already
+    """The meaning of each axis of a row's array, from what it compares and the config."""
+    prefix = kind_of(cfg).attention_prefix
+    name = (row.parameter or "").removeprefix(prefix) if prefix else (row.parameter or "")
+    head = row.head is not None  # a per-head gradient row: one head's slice already
     if name == "attn_weights":
         axes = {4: ("batch", "head", "query", "key"), 2: ("query", "key")}.get(ndim)
         if ndim == 3:  # unbatched per-head weights, or batched head-averaged ones
             axes = ("head", "query", "key") if cfg.unbatched else ("batch", "query", "key")
         return Layout(axes or (), weights=True)
-    if name in ("output", "input", "query", "key", "value"):
+    if name in ("output", "input", "query", "key", "value", "key_value", "src"):
         if cfg.unbatched:
             positions = ("position", "feature")
         else:
             positions = ("batch", "position", "feature") if cfg.batch_first else ("position", "batch", "feature")
         return Layout(positions if ndim == len(positions) else ())
     by_head = not head  # blocks of D rows (in-projection) or columns (out_proj) belong to one head each
-    if name.startswith(("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")) and ndim == 2:
+    if name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight") and ndim == 2:
         return Layout(("row", "column"), head_axis=0 if by_head else None)
     if name == "out_proj.weight" and ndim == 2:
         return Layout(("row", "column"), head_axis=1 if by_head else None)
-    if name.startswith("in_proj_bias") and ndim == 1:
+    if name == "in_proj_bias" and ndim == 1:
         return Layout(("feature",), head_axis=0 if by_head else None)
     if name in ("bias_k", "bias_v") and ndim == 3:  # (1, 1, E)
         return Layout(("", "", "feature"), head_axis=2)

@@ -61,20 +61,21 @@ class ConfigError(UsageError):
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
-class CandidateError(AttncheckError):
+class CandidateProblem(AttncheckError):
+    """Something a call into a candidate did: a finding about the candidate, never an attncheck error."""
+
+    def __init__(self, message: str, location: str | None = None, traceback: str = "", raised: str = ""):
+        self.location = location
+        self.traceback = traceback  # the candidate's exception as Python prints it (`--traceback`); "" if none
+        self.raised = raised  # what the candidate raised, in its own words; "" if it raised nothing
+        super().__init__(f"{message} (at {location})" if location else message)
+
+
+class CandidateError(CandidateProblem):
     """A candidate implementation raised or returned something unusable: a failed check (exit 1)."""
 
-    def __init__(self, message: str, location: str | None = None, traceback: str = ""):
-        self.location = location
-        self.traceback = traceback  # the candidate's exception as Python prints it (`--traceback`); "" if none
-        super().__init__(f"{message} (at {location})" if location else message)
 
-
-class Unsupported(AttncheckError):
-    """The candidate raised NotImplementedError: it declares the feature unsupported, which is not
-    a failure. The check reports the candidate's reason instead of a verdict on values."""
-
-    def __init__(self, message: str, location: str | None = None, traceback: str = ""):
-        self.location = location
-        self.traceback = traceback  # the candidate's exception as Python prints it (`--traceback`); "" if none
-        super().__init__(f"{message} (at {location})" if location else message)
+class Unsupported(CandidateProblem):
+    """The candidate raised NotImplementedError (or lacks what the check needs, such as a backward):
+    it declares the feature unsupported, which is not a failure. The check reports the reason
+    instead of a verdict on values."""

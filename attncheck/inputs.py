@@ -16,7 +16,7 @@ import numpy as np
 
 from attncheck.config import Config
 from attncheck.dtypes import np_dtype
-from attncheck.modules import kind_of
+from attncheck.kinds import kind_of
 
 # Stream ids: fixed forever, so a seed keeps meaning the same arrays.
 _PARAMS, _INPUTS, _ATTN_MASK, _KEY_PADDING, _TARGET, _DIRECTIONS = range(6)
@@ -199,9 +199,7 @@ def make_workload(cfg: Config) -> Workload:
         attn_mask=attn_mask,
         key_padding_mask=key_padding_mask,
         target=make_target(cfg),
-        # The layer's output is defined there: its attention gives such rows zero (need_weights=False),
-        # and the residual and norms carry the input on.
-        undefined=output_rows(cfg, masked.any(axis=1)) if masked.any() and not cfg.is_layer else None,
+        undefined=output_rows(cfg, masked.any(axis=1)) if masked.any() and kind_of(cfg).has_undefined_rows(cfg) else None,
     )
 
 
@@ -253,3 +251,31 @@ def directions(cfg: Config, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.
         u = gen.standard_normal(shape)
         out[name] = u / max(np.abs(u).max(), 1e-300)
     return out
+
+
+# ------------------------------------------------------------------------------------- the loss
+def loss_magnitude(cfg: Config, output: np.ndarray, target: np.ndarray, undefined: np.ndarray | None = None) -> float:
+    """The sum of the magnitudes of the loss's terms: its rounding is relative to this."""
+    terms = (output.astype(np.float64) - target) ** 2 if cfg.loss == "mse" else np.abs(output.astype(np.float64) * target)
+    if undefined is not None:
+        terms = np.where(undefined, 0.0, terms)
+        return float(terms.sum() / max(terms.size - int(undefined.sum()), 1)) if cfg.loss == "mse" else float(terms.sum())
+    return float(np.mean(terms)) if cfg.loss == "mse" else float(np.sum(terms))
+
+
+def loss_and_grad(cfg: Config, output: np.ndarray, target: np.ndarray, undefined: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+    """The config's loss and d(loss)/d(output), as torch computes them (torch_side.loss_torch).
+
+    Output elements with no defined value (`undefined`: query rows with no allowed key) are left
+    out, as cross-entropy's ignore_index leaves targets out: NaN there cannot reach the loss.
+    """
+    if cfg.loss == "mse":
+        if undefined is None:
+            diff = output - target
+            return float(np.mean(diff.astype(np.float64) ** 2)), (2.0 / diff.size) * diff
+        diff = np.where(undefined, 0, output - target).astype(output.dtype)
+        count = max(diff.size - int(undefined.sum()), 1)
+        return float(np.sum(diff.astype(np.float64) ** 2) / count), (2.0 / count) * diff
+    if undefined is None:
+        return float(np.sum(output.astype(np.float64) * target)), target.copy()
+    return float(np.sum(np.where(undefined, 0.0, output.astype(np.float64) * target))), np.where(undefined, 0, target).astype(target.dtype)

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from attncheck.candidate import FrameworkSession, _defined_at, _guard, module_options
+from attncheck.candidate import FrameworkSession, _defined_at, _guard
 from attncheck.errors import UsageError
-from attncheck.modules import kind_of
+from attncheck.kinds import kind_of
 
 try:
     import jax
@@ -77,19 +77,12 @@ class JaxSession(FrameworkSession):
         def output_of(diff: dict[str, Any]) -> Any:
             """forward()'s output as a function of the parameters and inputs."""
             built = factory({**params, **{k: v for k, v in diff.items() if k in params}}, num_heads=cfg.num_heads,
-                            batch_first=cfg.batch_first, **module_options(cfg))  # fmt: skip
-            if "input" in diff:  # self-attention: one array as query, key and value
-                q = k = v = diff["input"]
-            else:  # key_is_value: one array as key and value
-                q, k, v = diff["query"], diff["key"], diff.get("value", diff["key"])
-            result = kind.call_forward(cfg, built, q, k, v, *masks)
-            return result[0] if kind.returns_weights else result
+                            batch_first=cfg.batch_first, **kind.options(cfg))  # fmt: skip
+            q, k, v = kind.arguments(cfg, {name: diff[name] for name in inputs})
+            return kind.split_result(kind.call_forward(cfg, built, q, k, v, *masks))[0]
 
         def vjp() -> dict[str, Any]:
             out, pullback = jax.vjp(output_of, {**params, **inputs})
-            grads = dict(pullback(jnp.asarray(grad_output, dtype=out.dtype))[0])
-            if "key" in grads and "value" not in grads:  # key_is_value: the one array's whole gradient is `key`'s
-                grads["value"] = jnp.zeros_like(grads["key"])
-            return grads
+            return dict(pullback(jnp.asarray(grad_output, dtype=out.dtype))[0])
 
         return _guard("jax.vjp through building and calling the candidate", vjp), where

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from attncheck.report import FAIL, INCONCLUSIVE, UNSUPPORTED, Report, failure_line, failure_lines
-from attncheck.suite import SuiteResult
+from attncheck.report import FAIL, INCONCLUSIVE, UNSUPPORTED, Report, SuiteResult, failure_line, failure_lines
 
 
 def failure_message(report: Report) -> str:
@@ -22,27 +21,27 @@ def failure_message(report: Report) -> str:
 def to_junit(result: SuiteResult) -> str:
     """The XML document, as text."""
     tests = len(result.reports) + len(result.skipped) * len(result.commands)
-    verdicts = [r.verdict for r in result.reports]
+    counts = result.counts()
     suite = ET.Element(
         "testsuite",
         name=f"attncheck.{result.name}",
         tests=str(tests),
-        failures=str(verdicts.count(FAIL)),
-        errors=str(verdicts.count(INCONCLUSIVE)),
-        skipped=str(len(result.skipped) * len(result.commands) + verdicts.count(UNSUPPORTED)),
+        failures=str(counts[FAIL]),
+        errors=str(counts[INCONCLUSIVE]),
+        skipped=str(len(result.skipped) * len(result.commands) + counts[UNSUPPORTED]),
         time=f"{result.seconds:.3f}",
     )
     for report in result.reports:
         case = ET.SubElement(suite, "testcase", classname=f"attncheck.{report.command}", name=report.name, time=f"{report.seconds:.3f}")
-        if report.verdict == FAIL:
+        if report.verdict is FAIL:
             failure = ET.SubElement(case, "failure", message=failure_message(report), type="mismatch")
             failure.text = "\n\n".join("\n".join(failure_lines(r)) for r in report.failures)
-        elif report.verdict == INCONCLUSIVE:
-            unjudged = [r for r in report.rows if r.status == INCONCLUSIVE]
+        elif report.verdict is INCONCLUSIVE:
+            unjudged = report.rows_with(INCONCLUSIVE)
             message = "; ".join(f"{r.section} {r.quantity}: {r.note}" for r in unjudged) or "nothing was compared"
             ET.SubElement(case, "error", message=f"inconclusive: {message}", type="inconclusive")
-        elif report.verdict == UNSUPPORTED:
-            ET.SubElement(case, "skipped", message="unsupported: " + "; ".join(r.note for r in report.rows if r.status == UNSUPPORTED))
+        elif report.verdict is UNSUPPORTED:
+            ET.SubElement(case, "skipped", message="unsupported: " + "; ".join(r.note for r in report.rows_with(UNSUPPORTED)))
     for skipped in result.skipped:
         for command in result.commands:
             case = ET.SubElement(suite, "testcase", classname=f"attncheck.{command}", name=skipped.name, time="0")

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from attncheck.config import Config, config_from_mapping
+from attncheck.config import Config
 from attncheck.diagnose import Layout, Masks, layout_of
 from attncheck.errors import UsageError
 from attncheck.report import FAIL, Report, Row
@@ -115,10 +115,10 @@ def figures(report: Report, *, every_row: bool = False) -> list[tuple[str, Any]]
     from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure
 
-    cfg = config_from_mapping({k: v for k, v in report.config.items()}, source="<report>")
+    cfg = report.config
     out = []
     for row in report.rows:
-        if row.evidence is None or not (row.status == FAIL or every_row):
+        if row.evidence is None or not (row.status is FAIL or every_row):
             continue
         ps = panels(row, cfg)
         if not ps:
@@ -155,7 +155,7 @@ def figures(report: Report, *, every_row: bool = False) -> list[tuple[str, Any]]
         facts = f"attncheck {report.command} · {report.name} · against {reference}"
         if any(p.masked is not None and p.masked.any() for p in ps):
             bar.ax.set_xlabel("hatched:\nmasked", fontsize=7)
-        fig.suptitle(f"{row.section} {row.quantity}: {row.status.upper()}\n" + _wrap(facts, width), fontsize=9)
+        fig.suptitle(f"{row.section} {row.quantity}: {row.status.value.upper()}\n" + _wrap(facts, width), fontsize=9)
         if row.diagnosis:
             fig.supxlabel(_wrap("diagnosis: " + row.diagnosis, int(width * 1.3)), fontsize=7, x=0.01, ha="left")
         out.append((f"{report.name}-{report.command}-{row.section}-{row.quantity}", fig))

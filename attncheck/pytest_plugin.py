@@ -53,33 +53,38 @@ class Check:
     impl: Any = None  # a SPEC string, a class or factory; None: the case's `impl`, else the reference
     skip_reason: str | None = None
     line: int | None = None  # the case's line in its suite file
-    impl_origin: str | None = None  # `file:line` of the case's `impl`, to place a load error
+    source: str = "<attncheck.cases>"  # the suite file
+    impl_line: int | None = None  # the line of the case's `impl` in it, to place a load error
 
     @classmethod
     def of(cls, suite: Suite, case: Case, command: str, impl: Any = None) -> Check:
-        origin = f"{suite.source}:{case.impl_line}" if impl is None and case.impl_line else None
-        return cls(case.name, command, case.config, impl, case.skip_reason, case.line, origin)
+        return cls(case.name, command, case.config, impl, case.skip_reason, case.line, suite.source, case.impl_line)
 
     @property
     def id(self) -> str:
         return f"{self.case}[{self.command}]"
 
     def run(self) -> Report:
-        """The check's Report (raises attncheck.errors.UsageError for a candidate that cannot load)."""
-        from attncheck.suite import Job, run_jobs
+        """The check's Report, through the pipeline every entry point runs (attncheck.suite.prepare);
+        raises attncheck.errors.UsageError for a candidate that cannot load."""
+        from attncheck.config import Case, Suite
+        from attncheck.suite import prepare
 
-        if self.impl is None or isinstance(self.impl, str):  # through the suite runner's import cache
-            spec = self.impl if self.impl is not None else self.config.impl
-            return run_jobs([Job(0, self.case, self.command, self.config, spec, self.impl_origin)], {})[0]
-        import attncheck
+        impl = self.impl
+        if impl is not None and not isinstance(impl, str):
+            from attncheck.api import _candidate
 
-        return attncheck.check(self.config, self.command, impl=self.impl)
+            impl = _candidate(impl, self.config)
+        case = Case(self.case, self.config, self.skip_reason, self.line, self.impl_line)
+        suite = Suite(self.case, self.source, [case])
+        return prepare(suite, (self.command,), impl=impl).run().reports[0]
 
     def assert_passed(self) -> None:
-        """Pass, fail with the failing rows, or skip (unsupported, or skipped by the suite)."""
+        """Pass, fail with the rows that did not pass, or skip (unsupported, or skipped by the suite):
+        the report's verdict, as pytest outcomes."""
         __tracebackhide__ = True
         from attncheck.errors import UsageError
-        from attncheck.report import PASS, UNSUPPORTED
+        from attncheck.report import UNSUPPORTED
 
         if self.config is None:
             raise _skip(self.skip_reason or "skipped by the suite")
@@ -87,10 +92,12 @@ class Check:
             report = self.run()
         except UsageError as exc:
             pytest.fail(f"attncheck {self.command} on {self.case!r}: {exc}", pytrace=False)
-        if report.verdict == UNSUPPORTED:
-            raise _skip(_unsupported_reason(report))
-        if report.verdict != PASS:
-            pytest.fail(failure_message(report), pytrace=False)
+        if report.verdict is UNSUPPORTED:
+            raise _skip(report.unsupported_reason or "unsupported by the candidate")
+        try:
+            report.assert_passed()
+        except AssertionError as exc:
+            pytest.fail(str(exc), pytrace=False)
 
 
 def _skip(reason: str) -> BaseException:
@@ -99,27 +106,6 @@ def _skip(reason: str) -> BaseException:
         return pytest.skip.Exception(reason, _use_item_location=True)
     except TypeError:  # a pytest without the flag (before 7.0)
         return pytest.skip.Exception(reason)
-
-
-def _unsupported_reason(report: Report) -> str:
-    from attncheck.report import UNSUPPORTED
-
-    return next((r.note for r in report.rows if r.status == UNSUPPORTED), "unsupported by the candidate")
-
-
-def failure_message(report: Report) -> str:
-    """Why a check did not pass: each failing or inconclusive row in `failure_lines`' shape, and
-    the report's notes where nothing failed outright (they say why it could not be judged)."""
-    from attncheck.report import FAIL, INCONCLUSIVE, failure_lines
-
-    bad = [r for r in report.rows if r.status in (FAIL, INCONCLUSIVE)]
-    lines = [f"attncheck {report.command} on {report.name!r} ({report.impl}): {report.verdict}, {len(bad)} of {len(report.rows)} rows"]
-    for row in bad:
-        head, *rest = failure_lines(row)
-        lines += [f"  {head}" + ("" if row.status == FAIL else f" [{row.status}]"), *(f"    {line}" for line in rest)]
-    if not any(r.status == FAIL for r in report.rows):
-        lines += [f"  note: {note}" for note in report.notes]
-    return "\n".join(lines)
 
 
 def cases(suite: str | PathLike | None = None, impl: Any = None, commands: str | tuple[str, ...] | None = None) -> list:

@@ -1,10 +1,9 @@
-"""Reports as rich tables for the terminal. Turns a Report into text; decides nothing."""
+"""Reports as rich tables for the terminal. Turns a Report into text; decides nothing: every
+verdict it prints is the report's, the suite's or a capability's own (attncheck.report)."""
 
 from __future__ import annotations
 
 import math
-
-import os
 from typing import Any
 
 from rich.console import Console, Group
@@ -14,9 +13,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Column, Table
 from rich.text import Text
 
-from attncheck.config import Config
-from attncheck.report import FAIL, INCONCLUSIVE, INFO, NOT_PROVIDED, PASS, SKIPPED, UNSUPPORTED, Report, Row, failure_lines, verdict_of
-from attncheck.suite import Capability, capabilities
+from attncheck.files import QuietWhenClosed
+from attncheck.kinds import kind_of
+from attncheck.report import (FAIL, INCONCLUSIVE, INFO, NOT_PROVIDED, PASS, SKIPPED, UNSUPPORTED, Capability, Reason, Report, Row,
+                              Status, SuiteResult, capabilities, case_verdict, failure_lines)  # fmt: skip
 
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", NOT_PROVIDED: "yellow", SKIPPED: "dim", INFO: "cyan",
                  INCONCLUSIVE: "bold magenta", UNSUPPORTED: "yellow"}  # fmt: skip
@@ -36,43 +36,38 @@ def fmt(x: float | None, digits: int = 2) -> str:
 def header(report: Report) -> Text:
     """One line with the config's key facts."""
     c = report.config
-    S = c.get("src_len") or c.get("tgt_len")
-    shape = f"E={c['embed_dim']} H={c['num_heads']} B={1 if c.get('unbatched') else c['batch_size']} L={c['tgt_len']} S={S}"
-    layer = c.get("module") == "transformer_encoder_layer"
-    if layer:
-        F = c.get("dim_feedforward") or 4 * c["embed_dim"]
-        shape = f"E={c['embed_dim']} H={c['num_heads']} F={F} B={1 if c.get('unbatched') else c['batch_size']} L={c['tgt_len']}"
-    facts = [
-        c["dtype"],
-        shape,
-        ("encoder layer · " + ("pre-norm" if c.get("norm_first") else "post-norm") + f" · {c.get('activation', 'relu')}") if layer
-        else "self-attention" if c.get("self_attention") else ("cross-attention, key is value" if c.get("key_is_value") else "cross-attention"),
-        "batch_first" if c.get("batch_first") else "seq-first",
-    ]
-    if c.get("unbatched"):
+    kind = kind_of(c)
+    B = c.effective_batch
+    if kind.attention_prefix:  # a module around its attention: the layer
+        shape = f"E={c.embed_dim} H={c.num_heads} F={c.dim_feedforward_eff} B={B} L={c.tgt_len}"
+        what = f"encoder layer · {'pre-norm' if c.norm_first else 'post-norm'} · {c.activation}"
+    else:
+        shape = f"E={c.embed_dim} H={c.num_heads} B={B} L={c.tgt_len} S={c.S}"
+        what = "self-attention" if c.self_attention else ("cross-attention, key is value" if c.key_is_value else "cross-attention")
+    facts = [c.dtype, shape, what, "batch_first" if c.batch_first else "seq-first"]
+    if c.unbatched:
         facts.append("unbatched")
-    if c.get("attn_mask", "none") != "none":
-        facts.append(f"attn_mask={c['attn_mask']}({c.get('attn_mask_dims', 2)}-D {c.get('mask_dtype', 'bool')})")
-    if c.get("key_padding_mask", "none") != "none":
-        facts.append(f"key_padding_mask={c['key_padding_mask']}")
+    if c.attn_mask != "none":
+        facts.append(f"attn_mask={c.attn_mask}({c.attn_mask_dims}-D {c.mask_dtype})")
+    if c.key_padding_mask != "none":
+        facts.append(f"key_padding_mask={c.key_padding_mask}")
     for flag in ("add_bias_kv", "add_zero_attn", "is_causal"):
-        if c.get(flag):
+        if getattr(c, flag):
             facts.append(flag)
-    if not c.get("bias", True):
+    if not c.bias:
         facts.append("bias=false")
-    if not c.get("need_weights", True) and not layer:
+    if not c.need_weights and kind.returns_weights:
         facts.append("need_weights=false")
     if report.command == "sgd-step":
-        facts.append(f"steps={c['steps']} lr={c['lr']:g}")
-    facts.append(f"tolerance={c.get('tolerance', Config.model_fields['tolerance'].default)}")
+        facts.append(f"steps={c.steps} lr={c.lr:g}")
+    facts.append(f"tolerance={c.tolerance}")
     text = Text()
     text.append(f"attncheck {report.command}", style="bold")
     text.append(f"  {report.name}  ", style="bold cyan")
     text.append(" · ".join(facts))
     text.append(f"\ncandidate: {report.impl}", style="dim")
-    framework, device = c.get("framework") or "numpy", c.get("device", "cpu")
-    if framework != "numpy" or device != "cpu":  # the NumPy contract on the CPU goes without saying
-        text.append(f"  ({framework} candidate, torch on {device})", style="dim")
+    if report.framework != "numpy" or c.device != "cpu":  # the NumPy contract on the CPU goes without saying
+        text.append(f"  ({report.framework} candidate, torch on {c.device})", style="dim")
     return text
 
 
@@ -166,22 +161,20 @@ def _accuracy(r: Row) -> str:
     return "" if ratio is None else f"{ratio:.2g}x"
 
 
+# What a failing row's numbers alone do not show, in a word, by its reason.
+_REASON_WORDS = {Reason.NAN: "NaN", Reason.SHAPE: "shape", Reason.DTYPE: "dtype", Reason.MISSING: "not returned"}
+
+
 def contradiction(r: Row) -> str:
     """Why a failing row failed, in a word, when its numbers alone do not show it (values NaN where
     torch has numbers, a value not returned, a wrong shape or dtype); "" when they do."""
-    if r.status != FAIL or (r.ratio is not None and r.ratio > 1 and math.isfinite(r.ratio)):
+    if r.status is not FAIL or (r.ratio is not None and r.ratio > 1 and math.isfinite(r.ratio)):
         return ""
-    if r.missing:
-        return "not returned"
-    for word in ("NaN", "shape", "dtype"):
-        if r.note.startswith(word):
-            return word
-    return "see below"
+    return _REASON_WORDS.get(r.reason, "see below")
 
 
 def _verdict_cell(r: Row) -> Text:
-    label = r.status.upper() if r.status in (PASS, FAIL) else r.status
-    text = Text(label, style=_STATUS_STYLE[r.status])
+    text = Text(r.status.label, style=_STATUS_STYLE[r.status])
     why = contradiction(r)
     if why:
         text.append(f": {why}", style=_STATUS_STYLE[r.status])
@@ -219,15 +212,15 @@ def verdict(report: Report) -> Text:
     compared = [r for r in report.rows if r.status in (PASS, FAIL)]
     failed = report.failures
     v = report.verdict
-    text = Text(v.upper(), style=_STATUS_STYLE[v])
+    text = Text(v.value.upper(), style=_STATUS_STYLE[v])
     if failed:
         names = ", ".join(f"{r.section} {r.quantity}" for r in failed[:8])
         more = f" and {len(failed) - 8} more" if len(failed) > 8 else ""
         text.append(f"  {len(failed)} of {len(compared)} compared quantities differ: {names}{more}")
-    elif v == UNSUPPORTED:
-        text.append("  the candidate declares this unsupported: " + "; ".join(r.note for r in report.rows if r.status == UNSUPPORTED))
-    elif v == INCONCLUSIVE:
-        unjudged = [f"{r.section} {r.quantity}" for r in report.rows if r.status == INCONCLUSIVE]
+    elif v is UNSUPPORTED:
+        text.append("  the candidate declares this unsupported: " + "; ".join(r.note for r in report.rows_with(UNSUPPORTED)))
+    elif v is INCONCLUSIVE:
+        unjudged = [f"{r.section} {r.quantity}" for r in report.rows_with(INCONCLUSIVE)]
         text.append(f"  could not judge {', '.join(unjudged[:8])}" if unjudged else "  nothing was compared")
         text.append(f"; {len(compared)} quantities compared and agree" if compared else "")
     else:
@@ -237,38 +230,6 @@ def verdict(report: Report) -> Text:
         text.append(f"  ({not_provided} not provided)", style="yellow")
     text.append(f"  [{report.seconds:.2f}s]", style="dim")
     return text
-
-
-class QuietWhenClosed:
-    """A text stream that stops writing, quietly, once its reader has gone (`attncheck ... | head`).
-
-    The check goes on, so the exit code is still the verdict's. The file descriptor is pointed at
-    /dev/null, so that Python's own flush at exit does not fail on the closed pipe either."""
-
-    def __init__(self, stream):
-        self._stream = stream
-        self.reader_gone = False
-
-    def write(self, text: str) -> int:
-        return self._quietly(self._stream.write, text) or len(text)
-
-    def flush(self) -> None:
-        self._quietly(self._stream.flush)
-
-    def _quietly(self, call, *args):
-        if self.reader_gone:
-            return None
-        try:
-            return call(*args)
-        except BrokenPipeError:
-            self.reader_gone = True
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self._stream.fileno())
-            os.close(devnull)
-            return None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
 
 
 def make_console(stream=None) -> Console:
@@ -303,32 +264,30 @@ def render(report: Report, console: Console, *, tracebacks: bool = False) -> Non
 # ------------------------------------------------------------------------------------- suites
 def progress_line(done: int, total: int, report: Report) -> str:
     """One plain line per finished check, for logs: `[3/40] case-name forward PASS 0.01s`."""
-    return f"[{done}/{total}] {report.name} {report.command} {report.verdict.upper()} {report.seconds:.2f}s"
+    return f"[{done}/{total}] {report.name} {report.command} {report.verdict.value.upper()} {report.seconds:.2f}s"
 
 
 # Up to this many cases a suite's summary has a line per case; beyond, counts per command.
 CASE_LINES_MAX = 60
 
 
-def case_lines(reports: list[Report]) -> Table:
+def case_lines(result: SuiteResult) -> Table:
     """One line per case: for each command, the worst ratio to what was allowed (or the check's
     verdict where it did not pass), then the case's verdict."""
-    commands = list(dict.fromkeys(r.command for r in reports))
-    by_case: dict[str, dict[str, Report]] = {}
-    for report in reports:
-        by_case.setdefault(report.name, {})[report.command] = report
+    commands = list(dict.fromkeys(r.command for r in result.reports))
     table = Table(header_style="bold", pad_edge=False, box=None)
     table.add_column("case", overflow="fold")
     for command in commands:
         table.add_column(command, justify="right")
     table.add_column("verdict")
-    for case, checks in by_case.items():
+    for case, reports in result.cases().items():
+        checks = {r.command: r for r in reports}
         cells: list[Text | str] = [Text(case)]
         for command in commands:
             report = checks.get(command)
             cells.append("" if report is None else _worst_cell(report))
-        verdict = verdict_of([r.verdict for r in checks.values()])
-        cells.append(Text(verdict.upper() if verdict in (PASS, FAIL) else verdict, style=_STATUS_STYLE[verdict]))
+        verdict = case_verdict(reports)
+        cells.append(Text(verdict.label, style=_STATUS_STYLE[verdict]))
         table.add_row(*cells)
     return table
 
@@ -341,7 +300,7 @@ def _worst_cell(report: Report) -> Text:
         return Text(f"{worst.ratio:.2g}x")
     if verdict == FAIL and worst is not None and worst.ratio is not None and math.isfinite(worst.ratio):
         return Text(f"{worst.ratio:.2g}x FAIL", style=_STATUS_STYLE[FAIL])
-    return Text(verdict.upper() if verdict in (PASS, FAIL) else verdict, style=_STATUS_STYLE[verdict])
+    return Text(verdict.label, style=_STATUS_STYLE[verdict])
 
 
 def capability_table(features: list[Capability]) -> Table:
@@ -358,16 +317,9 @@ def capability_table(features: list[Capability]) -> Table:
             supported = Text("all")
         else:
             supported = Text(f"{n - len(cap.unsupported)} of {n}; not ", style="")
-            supported.append("; ".join(f"{case}: {_reason(note)}" for case, note in cap.unsupported), style=_STATUS_STYLE[UNSUPPORTED])
-        label = cap.verdict.upper() if cap.verdict in (PASS, FAIL) else cap.verdict
-        table.add_row(cap.feature, str(n), supported, Text(label, style=_STATUS_STYLE[cap.verdict]))
+            supported.append("; ".join(f"{case}: {reason}" for case, reason in cap.unsupported), style=_STATUS_STYLE[UNSUPPORTED])
+        table.add_row(cap.feature, str(n), supported, Text(cap.verdict.label, style=_STATUS_STYLE[cap.verdict]))
     return table
-
-
-def _reason(note: str) -> str:
-    """The candidate's own words from an unsupported row's note: what follows NotImplementedError."""
-    _, sep, reason = note.partition("NotImplementedError: ")
-    return (reason if sep else note).split(" (at ")[0] or "NotImplementedError"
 
 
 class _Times(ProgressColumn):
@@ -391,13 +343,14 @@ def progress_bar(console: Console) -> Progress:
     return Progress(BarColumn(bar_width=20), MofNCompleteColumn(), _Times(), name, console=console, transient=True, expand=True)
 
 
-def suite_summary(reports: list[Report], skipped: list[tuple[str, str]], title: str, *, every_check: bool = False) -> list[Any]:
+def suite_summary(result: SuiteResult, title: str, *, every_check: bool = False) -> list[Any]:
     """The suite's summary: a line per case (counts per command for a suite of more than
     CASE_LINES_MAX cases), the capability table, a row for each check that did not pass (every
     check with `every_check`), then the skipped cases grouped by reason."""
-    per_case = len({r.name for r in reports}) <= CASE_LINES_MAX
+    reports = result.reports
+    per_case = len(result.cases()) <= CASE_LINES_MAX
     if per_case:
-        parts: list[Any] = [Text(f"{title}  (per case and command: the worst ratio to what was allowed)", style="bold"), case_lines(reports)]
+        parts: list[Any] = [Text(f"{title}  (per case and command: the worst ratio to what was allowed)", style="bold"), case_lines(result)]
     else:
         parts = [Text(title, style="bold"), command_counts(reports)]
     parts.append(capability_table(capabilities(reports)))
@@ -405,8 +358,8 @@ def suite_summary(reports: list[Report], skipped: list[tuple[str, str]], title: 
     shown = reports if every_check else [r for r in reports if r.verdict not in (PASS, UNSUPPORTED)]
     if shown:
         parts.append(check_rows(shown))
-    if skipped:
-        parts.append(skipped_cases(skipped))
+    if result.skipped:
+        parts.append(skipped_cases([(c.name, c.skip_reason or "") for c in result.skipped]))
     return parts
 
 
@@ -454,7 +407,7 @@ def check_rows(reports: list[Report]) -> Table:
             "" if worst is None else fmt(worst.max_abs),
             "" if worst is None else (fmt(worst.allowed) or worst.rule),
             "" if worst is None or worst.ratio is None else f"{worst.ratio:.2g}x",
-            Text(status.upper(), style=_STATUS_STYLE[status]),
+            Text(status.value.upper(), style=_STATUS_STYLE[status]),
             f"{report.seconds:.2f}s",
         )
     return table
@@ -474,14 +427,14 @@ def skipped_cases(skipped: list[tuple[str, str]]) -> Table:
     return table
 
 
-def suite_verdict(reports: list[Report], skipped: int, seconds: float, verdict: str) -> Text:
-    counts = {v: sum(r.verdict == v for r in reports) for v in (PASS, FAIL, INCONCLUSIVE, UNSUPPORTED)}
-    text = Text(verdict.upper(), style=_STATUS_STYLE[verdict])
-    text.append(f"  {counts[PASS]} of {len(reports)} checks pass")
+def suite_verdict(result: SuiteResult) -> Text:
+    counts, verdict = result.counts(), result.verdict
+    text = Text(verdict.value.upper(), style=_STATUS_STYLE[verdict])
+    text.append(f"  {counts[PASS]} of {len(result.reports)} checks pass")
     for v in (FAIL, INCONCLUSIVE, UNSUPPORTED):
         if counts[v]:
-            text.append(f", {counts[v]} {v if v != FAIL else 'fail'}")
-    if skipped:
-        text.append(f"; {skipped} cases skipped", style="dim")
-    text.append(f"  [{seconds:.2f}s]", style="dim")
+            text.append(f", {counts[v]} {v if v is not FAIL else 'fail'}")
+    if result.skipped:
+        text.append(f"; {len(result.skipped)} cases skipped", style="dim")
+    text.append(f"  [{result.seconds:.2f}s]", style="dim")
     return text

@@ -1,47 +1,133 @@
-"""What a check found, as plain data: rows of compared quantities, losses, notes.
+"""What a check found, as plain data: rows of compared quantities, losses, notes; and the verdict.
 
-A Report decides nothing about exit codes or colours; the CLI and the renderers read it.
+The verdict is decided here and nowhere else: `aggregate` turns statuses into one Status, and a
+Report, a suite's result, a case and a capability all take theirs from it. The CLI's exit code,
+`assert_passed`, the pytest plugin and JUnit only render that verdict; the renderers print it.
 Its JSON form (`Report.to_dict`) is a stable, documented shape (see README, "JSON report").
 """
 
 from __future__ import annotations
 
+import enum
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-# A row's status. INCONCLUSIVE: the quantity could not be judged (nothing was proven about it);
-# UNSUPPORTED: the candidate declared the feature unsupported (it raised NotImplementedError).
-PASS, FAIL, NOT_PROVIDED, SKIPPED, INFO = "pass", "fail", "not provided", "skipped", "info"
-INCONCLUSIVE, UNSUPPORTED = "inconclusive", "unsupported"
+if TYPE_CHECKING:
+    from attncheck.config import Case, Config
 
 
-def verdict_of(statuses: list[str]) -> str:
-    """The verdict of a check (its rows' statuses) or of a suite (its checks' verdicts).
+class Status(str, enum.Enum):
+    """A row's status, and the verdict of a check, a case, a capability or a suite.
+
+    pass          proven: something was compared and everything compared agrees
+    fail          a compared value, a call or the contract is wrong
+    inconclusive  something could not be judged (torch's own NaN, say), or nothing was: never a pass
+    unsupported   the candidate declared the feature unsupported (it raised NotImplementedError)
+    not provided  the candidate returned no value for an optional quantity (rows only)
+    skipped       torch has nothing to compare against here (rows only)
+    info          a fact about the run that judges nothing (rows only)
+    """
+
+    PASS = "pass"
+    FAIL = "fail"
+    INCONCLUSIVE = "inconclusive"
+    UNSUPPORTED = "unsupported"
+    NOT_PROVIDED = "not provided"
+    SKIPPED = "skipped"
+    INFO = "info"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    __hash__ = str.__hash__  # a member and its text are one key: {"pass": ...}[Status.PASS]
+
+    @property
+    def label(self) -> str:
+        """As a table prints it: PASS and FAIL in capitals, the others in words."""
+        return self.value.upper() if self in (Status.PASS, Status.FAIL) else self.value
+
+
+PASS, FAIL, INCONCLUSIVE, UNSUPPORTED = Status.PASS, Status.FAIL, Status.INCONCLUSIVE, Status.UNSUPPORTED
+NOT_PROVIDED, SKIPPED, INFO = Status.NOT_PROVIDED, Status.SKIPPED, Status.INFO
+
+
+def aggregate(statuses: Iterable[Status | str], *, unsupported: Literal["count", "ignore"] = "count") -> Status:
+    """The one verdict of many statuses: a check's rows, a case's or a suite's checks.
 
     fail          anything failed
-    unsupported   the candidate declared it unsupported, and nothing failed
-    inconclusive  something could not be judged, or nothing was judged at all: never a pass
-    pass          something was proven, and everything that was judged agrees
+    inconclusive  something could not be judged
+    unsupported   "count" (a check's rows): anything was declared unsupported, so the check
+                  proved less than it was asked to; "ignore" (a suite, a case, a capability):
+                  only when everything was, since what is supported is judged on its own
+    pass          something was proven, and nothing above holds
+    inconclusive  nothing was proven at all (no statuses, or only notes and missing values)
     """
+    statuses = [Status(s) for s in statuses]
     if FAIL in statuses:
         return FAIL
-    if statuses and all(s == UNSUPPORTED for s in statuses):
-        return UNSUPPORTED
-    if INCONCLUSIVE in statuses or PASS not in statuses:
+    if INCONCLUSIVE in statuses:
         return INCONCLUSIVE
-    return PASS
+    judged = [s for s in statuses if s is not UNSUPPORTED] if unsupported == "ignore" else statuses
+    if UNSUPPORTED in judged:
+        return UNSUPPORTED
+    if PASS in judged:
+        return PASS
+    return UNSUPPORTED if UNSUPPORTED in statuses else INCONCLUSIVE
 
-JSON_SCHEMA_VERSION = 1
+
+class Reason(str, enum.Enum):
+    """Why a row failed (or was not provided): what its numbers alone may not show."""
+
+    VALUES = "values"  # values outside what the rule allows
+    NAN = "nan"  # NaN where torch has numbers, or numbers where torch's NaN is explained by the masks
+    SHAPE = "shape"  # an array of another shape than torch's
+    DTYPE = "dtype"  # arrays of another dtype than torch's
+    MISSING = "missing"  # no value returned
+    CALL = "call"  # a call into the candidate raised, or returned something unusable
+    CONTRACT = "contract"  # the calls broke the contract: state kept between calls, inputs changed in place, unknown keys
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    __hash__ = str.__hash__
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """What a row compares: a parameter, input or output by its torch name, optionally one block
+    of a fused projection (q, k or v) and one head. `label` is how every report names it."""
+
+    parameter: str  # "output", "attn_weights", "in_proj_weight", "self_attn.in_proj_weight", "input", ...
+    block: str | None = None  # "q", "k" or "v": a block of in_proj_weight/in_proj_bias
+    head: int | None = None  # one head's slice
+
+    @property
+    def label(self) -> str:
+        text = self.parameter + (f"[{self.block}]" if self.block else "")
+        return text if self.head is None else f"{text} head {self.head}"
+
+
+JSON_SCHEMA_VERSION = 2
 
 
 @dataclass
 class Row:
-    """One compared quantity: the candidate's value against torch's (and the oracle's)."""
+    """One compared quantity: the candidate's value against torch's (and the oracle's).
+
+    `quantity` may be given as a Quantity, whose fields the row then carries; a plain name (a
+    call, "loss", "dtype") is its own `parameter`."""
 
     section: str  # "forward", "grad", "finite-diff", "sgd", "fast-path"
-    quantity: str  # "output", "in_proj_weight[q]", "in_proj_weight[q] head 0", ...
-    status: str  # PASS, FAIL, NOT_PROVIDED, SKIPPED or INFO
+    quantity: str | Quantity  # the label: "output", "in_proj_weight[q]", "in_proj_weight[q] head 0", ...
+    status: Status | str
     shape: tuple[int, ...] | None = None
     numel: int = 0
     mismatched: int = 0  # elements outside what the rule allows
@@ -58,9 +144,13 @@ class Row:
     nan_agreed: int = 0  # NaN elements present in both where the masks explain it, or accepted where no value is defined
     unjudged: int = 0  # elements where torch itself is NaN or inf and no mask explains it
     judged: int = 0  # elements whose value (or NaN placement) was judged
-    actual_dtype: str | None = None  # the candidate's dtype where it differs from torch's
     first_failing_step: int | None = None  # sgd: the first step at which it left tolerance
     missing: bool = False  # the candidate returned no value for this quantity
+    reason: Reason | None = None  # failing or not provided rows: why
+    parameter: str | None = None  # what is compared, by its torch name (see Quantity); the label's source
+    block: str | None = None
+    head: int | None = None
+    raised: str = ""  # a call that raised: the candidate's exception, `Type: message`, in its own words
     note: str = ""
     diagnosis: str = ""  # failing rows: where the error lies and what kind it is (attncheck.diagnose)
     # Not in JSON: the candidate's traceback when a call raised (`--traceback`), and the arrays
@@ -68,9 +158,20 @@ class Row:
     traceback: str = field(default="", repr=False)
     evidence: Any = field(default=None, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.quantity, Quantity):
+            self.parameter, self.block, self.head = self.quantity.parameter, self.quantity.block, self.quantity.head
+            self.quantity = self.quantity.label
+        elif self.parameter is None:
+            self.parameter = self.quantity
+        if self.status != "":
+            self.status = Status(self.status)
+        if self.reason is not None:
+            self.reason = Reason(self.reason)
+
     @property
     def failed(self) -> bool:
-        return self.status == FAIL
+        return self.status is FAIL
 
     @property
     def accuracy_ratio(self) -> float | None:
@@ -87,6 +188,9 @@ class Row:
         for k in ("shape", "max_abs_at", "max_rel_at"):
             if d[k] is not None:
                 d[k] = list(d[k])
+        for k in ("status", "reason"):
+            if d[k] is not None:
+                d[k] = str(d[k])
         return {k: _json_float(v) for k, v in d.items()}
 
 
@@ -161,37 +265,59 @@ class Report:
     command: str  # "forward", "grad", "sgd-step"
     name: str  # the config's name
     impl: str  # the candidate's SPEC
-    config: dict[str, Any]
+    config: Config
+    framework: str = "numpy"  # the candidate's array library, as the check used it (config or detected)
     rows: list[Row] = field(default_factory=list)
     losses: list[LossStep] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
-    def verdict(self) -> str:
-        """PASS, FAIL, INCONCLUSIVE or UNSUPPORTED (see `verdict_of`)."""
-        if any(r.status == UNSUPPORTED for r in self.rows):
-            return verdict_of([r.status for r in self.rows if r.status in (FAIL, UNSUPPORTED)])
-        return verdict_of([r.status for r in self.rows])
+    def verdict(self) -> Status:
+        """The check's verdict: `aggregate` of its rows, a declared gap counted (see there)."""
+        return aggregate((r.status for r in self.rows), unsupported="count")
 
     @property
     def passed(self) -> bool:
-        return self.verdict == PASS
+        return self.verdict is PASS
 
     @property
     def failures(self) -> list[Row]:
         return [r for r in self.rows if r.failed]
 
-    def assert_passed(self) -> None:
-        """Raise AssertionError listing every failing row with its numbers; the way to assert in pytest."""
-        failures = self.failures
-        if not failures:
+    def rows_with(self, status: Status) -> list[Row]:
+        return [r for r in self.rows if r.status is status]
+
+    @property
+    def unsupported_reason(self) -> str:
+        """The candidate's own words where it declared the check unsupported ("" if it did not)."""
+        row = next(iter(self.rows_with(UNSUPPORTED)), None)
+        return "" if row is None else (row.raised or row.note)
+
+    def summary_line(self) -> str:
+        """`attncheck grad on 'case' (impl): fail, 2 of 30 rows`: how every failure message begins."""
+        bad = [r for r in self.rows if r.status in (FAIL, INCONCLUSIVE, UNSUPPORTED)]
+        return f"attncheck {self.command} on {self.name!r} ({self.impl}): {self.verdict}, {len(bad)} of {len(self.rows)} rows"
+
+    def failure_message(self) -> str:
+        """Why the check did not pass: each failing, inconclusive or unsupported row in
+        `failure_lines`' shape, and the notes where nothing failed outright (they say why)."""
+        lines = [self.summary_line()]
+        for row in self.rows:
+            if row.status in (FAIL, INCONCLUSIVE, UNSUPPORTED):
+                head, *rest = failure_lines(row)
+                lines += [f"  {head}" + ("" if row.failed else f" [{row.status}]"), *(f"    {line}" for line in rest)]
+        if not self.failures:
+            lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    def assert_passed(self, *, allow_unsupported: bool = False) -> None:
+        """Raise AssertionError unless the verdict is pass: a check that failed, could not be judged
+        or was declared unsupported proved nothing. `allow_unsupported=True` lets a declared gap
+        through (the pytest plugin skips it instead)."""
+        if self.verdict is PASS or (allow_unsupported and self.verdict is UNSUPPORTED):
             return
-        lines = [f"attncheck {self.command} on {self.name!r} ({self.impl}): {len(failures)} of {len(self.rows)} rows failed"]
-        for r in failures:
-            head, *rest = failure_lines(r)
-            lines += [f"  {head}", *(f"    {line}" for line in rest)]
-        raise AssertionError("\n".join(lines))
+        raise AssertionError(self.failure_message())
 
     def worst(self) -> Row | None:
         """The compared row with the largest error relative to what it was allowed (failures first)."""
@@ -208,10 +334,94 @@ class Report:
             "command": self.command,
             "name": self.name,
             "impl": self.impl,
-            "verdict": self.verdict,
-            "config": self.config,
+            "verdict": str(self.verdict),
+            "config": {**self.config.model_dump(mode="json"), "framework": self.framework},
             "rows": [r.to_dict() for r in self.rows],
             "losses": [{k: _json_float(v) for k, v in asdict(s).items()} for s in self.losses],
             "notes": list(self.notes),
             "timing": {"seconds": round(self.seconds, 4)},
         }
+
+
+# ------------------------------------------------------------------------------------- suites
+@dataclass
+class SuiteResult:
+    """What a suite run found: reports in case x command order, and the skipped cases."""
+
+    name: str
+    commands: tuple[str, ...]
+    reports: list[Report] = field(default_factory=list)
+    skipped: list[Case] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def verdict(self) -> Status:
+        """`aggregate` of the checks' verdicts, what the candidate supports judged on its own: pass
+        when every supported check passed and one did; unsupported when it supports none."""
+        return aggregate((r.verdict for r in self.reports), unsupported="ignore")
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict is PASS
+
+    def cases(self) -> dict[str, list[Report]]:
+        """The reports by case, in case order."""
+        by_case: dict[str, list[Report]] = {}
+        for report in self.reports:
+            by_case.setdefault(report.name, []).append(report)
+        return by_case
+
+    def counts(self) -> dict[Status, int]:
+        """How many checks ended in each verdict."""
+        verdicts = [r.verdict for r in self.reports]
+        return {v: verdicts.count(v) for v in (PASS, FAIL, INCONCLUSIVE, UNSUPPORTED)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": JSON_SCHEMA_VERSION,
+            "suite": self.name,
+            "verdict": str(self.verdict),
+            "results": [r.to_dict() for r in self.reports],
+            "skipped": [{"case": c.name, "reason": c.skip_reason} for c in self.skipped],
+        }
+
+
+def case_verdict(reports: list[Report]) -> Status:
+    """One case's verdict over its commands, judged as a suite's is."""
+    return aggregate((r.verdict for r in reports), unsupported="ignore")
+
+
+@dataclass(frozen=True)
+class Capability:
+    """One feature of a suite: its cases, those the candidate declared unsupported (with its
+    reason), and the verdict of the supported ones."""
+
+    feature: str
+    cases: tuple[str, ...]
+    unsupported: tuple[tuple[str, str], ...]  # (case, the candidate's reason)
+    verdict: Status
+
+
+def capabilities(reports: list[Report]) -> list[Capability]:
+    """Each feature the reports exercise (their module kind's `features`, in order): supported or
+    not, and the verdict of what is supported."""
+    from attncheck.kinds import kind_of
+
+    by_feature: dict[str, list[Report]] = {}
+    order: list[str] = []
+    for report in reports:
+        kind = kind_of(report.config)
+        order += [name for name, _ in kind.features if name not in order]
+        by_feature.setdefault(kind.feature_of(report.config), []).append(report)
+    table = []
+    for name in order:
+        group = by_feature.get(name)
+        if not group:
+            continue
+        unsupported: dict[str, str] = {}
+        for r in group:
+            if r.verdict is UNSUPPORTED:
+                unsupported.setdefault(r.name, r.unsupported_reason)
+        verdict = aggregate((r.verdict for r in group), unsupported="ignore")
+        table.append(Capability(name, tuple(dict.fromkeys(r.name for r in group)), tuple(unsupported.items()), verdict))
+    return table

@@ -1,23 +1,32 @@
-"""Running a suite: every case x command, in one process or a pool of workers, in case order.
+"""The one pipeline every entry point runs: prepare a suite's checks, run them, return a SuiteResult.
 
-The runner returns plain data (a SuiteResult) and decides nothing about exit codes or text:
-the CLI renders it. Sharding and worker count never change the results, only who computes
-them: a shard is fixed by the case's index in the suite's deterministic order, and results
-are gathered back into that order. This module imports neither typer nor rich, and torch
-only once a check runs.
+    plan = prepare(suite, commands, impl=..., overrides=...)   # pre-flight, before any work
+    result = plan.run(options, workers=..., progress=...)      # every case x command, in case order
+
+The command line, the Python API (`attncheck.check`) and the pytest plugin all call these two,
+so a config is checked the same way from each: overrides validated like a config file, memory
+refused up front, candidates imported and devices found before the first check. The runner
+returns plain data and decides nothing about exit codes or text. Sharding and worker count never
+change the results, only who computes them: a shard is fixed by the case's index in the suite's
+deterministic order, and results are gathered back into that order. This module imports neither
+typer nor rich, and torch only once a check runs.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import signal
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable
 
-from attncheck.config import Case, Config, Suite, check_suite_memory
+from attncheck.config import Case, Config, Suite, check_suite_memory, config_from_mapping
 from attncheck.errors import UsageError
-from attncheck.report import INCONCLUSIVE, JSON_SCHEMA_VERSION, PASS, UNSUPPORTED, Report, verdict_of
+from attncheck.report import Report, SuiteResult
+
+if TYPE_CHECKING:
+    from attncheck.candidate import Candidate
 
 
 @dataclass(frozen=True)
@@ -28,89 +37,8 @@ class Job:
     case: str
     command: str
     config: Config
-    impl: str | None  # the candidate's SPEC; None is the reference
+    impl: str | Candidate | None  # the candidate's SPEC, or the candidate itself (the API's impl=); None is the reference
     impl_origin: str | None = None  # `file:line` of the config's `impl` it came from, if it did
-
-
-@dataclass
-class SuiteResult:
-    """What a suite run found: reports in case x command order, and the skipped cases."""
-
-    name: str
-    commands: tuple[str, ...]
-    reports: list[Report] = field(default_factory=list)
-    skipped: list[Case] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def verdict(self) -> str:
-        """FAIL if any check failed; PASS if every check the candidate supports passed and at least
-        one did; else INCONCLUSIVE (nothing judged, or something could not be judged)."""
-        verdicts = [r.verdict for r in self.reports]
-        supported = [v for v in verdicts if v != UNSUPPORTED]
-        return verdict_of(supported) if supported else INCONCLUSIVE
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == PASS
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": JSON_SCHEMA_VERSION,
-            "suite": self.name,
-            "verdict": self.verdict,
-            "results": [r.to_dict() for r in self.reports],
-            "skipped": [{"case": c.name, "reason": c.skip_reason} for c in self.skipped],
-        }
-
-
-# The features a suite's cases exercise, in the order a capability table lists them. A case
-# belongs to the first feature whose test it meets (a case per feature: see configs/default_suite.yaml).
-FEATURES: tuple[tuple[str, Callable[[Config], bool]], ...] = (
-    ("sgd-step", lambda c: c.steps > 1 or c.momentum != 0 or c.weight_decay != 0 or c.maximize),
-    ("numerics", lambda c: c.dtype == "float64" or c.input_scale != 1.0),
-    ("module options", lambda c: not c.bias or c.add_bias_kv or c.add_zero_attn),
-    ("masks", lambda c: c.attn_mask != "none" or (c.key_padding_mask != "none" and not c.unbatched)),
-    ("forward options", lambda c: not c.need_weights or not c.average_attn_weights),
-    ("shapes", lambda c: True),
-)
-
-
-def feature_of(cfg: Config) -> str:
-    """The feature a case exercises (see FEATURES)."""
-    return next(name for name, test in FEATURES if test(cfg))
-
-
-@dataclass(frozen=True)
-class Capability:
-    """One feature of a suite: its cases, those the candidate declared unsupported (with its
-    reason), and the verdict of the supported ones."""
-
-    feature: str
-    cases: tuple[str, ...]
-    unsupported: tuple[tuple[str, str], ...]  # (case, the candidate's reason)
-    verdict: str
-
-
-def capabilities(reports: list[Report]) -> list[Capability]:
-    """Each feature the reports exercise, in FEATURES order: supported or not, and its verdict."""
-    by_feature: dict[str, list[Report]] = {}
-    for report in reports:
-        by_feature.setdefault(feature_of(Config.model_validate(report.config)), []).append(report)
-    table = []
-    for name, _ in FEATURES:
-        group = by_feature.get(name)
-        if not group:
-            continue
-        cases = tuple(dict.fromkeys(r.name for r in group))
-        unsupported: dict[str, str] = {}
-        for r in group:
-            if r.verdict == UNSUPPORTED and r.name not in unsupported:
-                unsupported[r.name] = next((row.note for row in r.rows if row.status == UNSUPPORTED), "")
-        supported = [r.verdict for r in group if r.verdict != UNSUPPORTED]
-        verdict = verdict_of(supported) if supported else UNSUPPORTED
-        table.append(Capability(name, cases, tuple(unsupported.items()), verdict))
-    return table
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
@@ -130,21 +58,34 @@ def shard(cases: list[Case], i: int, n: int) -> list[Case]:
     return [case for index, case in enumerate(cases) if index % n == i - 1]
 
 
+def with_overrides(cfg: Config, overrides: dict[str, Any] | None, source: str = "<overrides>") -> Config:
+    """The config with some keys replaced, validated as a config file is (same rules, same messages)."""
+    if not overrides:
+        return cfg
+    return config_from_mapping({**cfg.model_dump(exclude_unset=True), **overrides}, source=source)
+
+
 def plan(
-    suite: Suite, commands: tuple[str, ...], *, impl: str | None = None, overrides: dict[str, Any] | None = None
+    suite: Suite, commands: tuple[str, ...], *, impl: str | Candidate | None = None, overrides: dict[str, Any] | None = None
 ) -> tuple[list[Job], list[Case]]:
     """The jobs to run (case x command, case-major) and the skipped cases, in suite order.
 
     `overrides` replace config keys in every case (the command line's --tolerance, --framework,
-    --device). A case whose check would not fit in memory is a ConfigError here, before any work.
+    --device), validated as the config file's own keys are. A case whose check would not fit in
+    memory is a ConfigError here, before any work.
     """
-    check_suite_memory(suite)
     jobs, skipped = [], []
+    cases = []
     for case in suite.cases:
+        if case.config is not None and overrides:
+            case = replace(case, config=with_overrides(case.config, overrides, f"{suite.source}: case {case.name!r} with overrides"))
+        cases.append(case)
+    check_suite_memory(Suite(suite.name, suite.source, cases))
+    for case in cases:
         if case.config is None:
             skipped.append(case)
             continue
-        cfg = case.config.model_copy(update=overrides) if overrides else case.config
+        cfg = case.config
         spec = impl if impl is not None else cfg.impl
         origin = f"{suite.source}:{case.impl_line}" if impl is None and cfg.impl is not None and case.impl_line else None
         for command in commands:
@@ -153,13 +94,43 @@ def plan(
     return jobs, skipped
 
 
+@dataclass
+class Plan:
+    """A suite's checks, ready to run: every pre-flight check has passed."""
+
+    name: str
+    commands: tuple[str, ...]
+    jobs: list[Job]
+    skipped: list[Case]
+
+    def run(self, options: dict[str, Any] | None = None, *, workers: int = 1, progress: Progress | None = None,
+            keep_evidence: bool = False) -> SuiteResult:  # fmt: skip
+        """Every job's report, in job order, as a SuiteResult."""
+        start = time.perf_counter()
+        reports = run_jobs(self.jobs, options or {}, workers=workers, progress=progress, keep_evidence=keep_evidence)
+        return SuiteResult(self.name, self.commands, reports, self.skipped, time.perf_counter() - start)
+
+
+def prepare(
+    suite: Suite, commands: tuple[str, ...], *, impl: str | Candidate | None = None, overrides: dict[str, Any] | None = None
+) -> Plan:
+    """Plan a suite's checks and run every pre-flight check, before any work: overrides valid,
+    memory enough, every candidate importable, every device present."""
+    jobs, skipped = plan(suite, commands, impl=impl, overrides=overrides)
+    check_candidates(jobs)
+    check_devices(jobs)
+    return Plan(suite.name, commands, jobs, skipped)
+
+
 _candidates: dict[str | None, Any] = {}
 
 
-def _candidate(spec: str | None, origin: str | None = None) -> Any:
+def _candidate(spec: str | Candidate | None, origin: str | None = None) -> Any:
     """The candidate a SPEC names, imported once per process; `origin` places a load error."""
     from attncheck.candidate import load_candidate
 
+    if spec is not None and not isinstance(spec, str):
+        return spec  # the candidate itself
     if spec not in _candidates:
         _candidates[spec] = load_candidate(spec, origin)
     return _candidates[spec]

@@ -7,7 +7,8 @@ with no `backward` gets its gradients from torch autograd: the vector-Jacobian p
 forward()'s output with d(loss)/d(output), which is the gradient of the same loss. A hand-written
 `backward(grad_output)` is used when the object has one (it then receives a tensor).
 
-This module imports torch on purpose (tests/test_structure.py lists it); checks.py imports it.
+This module imports torch on purpose (tests/test_structure.py lists it); the checks import it
+only for a torch candidate.
 """
 
 from __future__ import annotations
@@ -92,10 +93,6 @@ class TorchSession(FrameworkSession):
         for (name, _), g in zip(sources, found):
             if g is not None:
                 grads[name] = g if grads[name] is None else grads[name] + g
-        if "key" in grads and "value" not in grads and "input" not in grads and grads["key"] is not None:
-            # key_is_value: one tensor as key and value, whose gradient autograd gives whole; torch
-            # reports that one `key_value` gradient, the sum of the key and value parts.
-            grads["value"] = torch.zeros_like(grads["key"])
         unreached = [name for name in params if grads[name] is None]
         if unreached:
             note = (f"autograd: no gradient reaches {', '.join(unreached)} from forward()'s output (through the tensor "

@@ -1,7 +1,8 @@
-"""torch.nn.MultiheadAttention (or nn.TransformerEncoderLayer) with the same weights and inputs:
-the one module that imports torch.
+"""torch's own module (the config's kind: nn.MultiheadAttention or nn.TransformerEncoderLayer) with
+the same weights and inputs: the judge's side of every check.
 
-Everything returned is NumPy, so nothing above this module needs torch.
+Everything returned is NumPy, so nothing above this module needs torch. It never imports, calls
+or inspects candidate code; a torch candidate's tensors are handled by attncheck.torch_candidate.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from attncheck.candidate import module_options
 from attncheck.config import Config
 from attncheck.dtypes import BFLOAT16
 from attncheck.errors import UsageError
 from attncheck.inputs import Workload
+from attncheck.kinds import kind_of
 from attncheck.sgd import sgd_options
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -92,18 +93,16 @@ def one_thread():
 
 
 # torch's float32 sums round differently with its thread count, so the count is a function of the
-# config alone and results are identical for every --workers, --shard and API call: one thread up
-# to LARGE_LOGITS attention logits (B * H * L * S), where a check takes milliseconds, LARGE_THREADS
-# above, where torch's step takes seconds (at B=1 L=8192 E=512 H=8 float32: 3.7 s on two threads,
-# 7.0 s on one; benchmarks/perf.py). Two, not the machine's cores: a count that followed the
-# machine would make the results follow it too.
-LARGE_LOGITS = 1 << 22
+# config alone and results are identical for every --workers, --shard and API call: one thread for
+# a check that takes milliseconds, LARGE_THREADS for a large one (Config.is_large), where torch's
+# step takes seconds (benchmarks/perf.py measures it). Two, not the machine's cores: a count that
+# followed the machine would make the results follow it too.
 LARGE_THREADS = 2
 
 
 def threads_for(cfg: Config) -> int:
     """torch's thread count for the config's own torch calls: a function of the config alone."""
-    return LARGE_THREADS if cfg.effective_batch * cfg.num_heads * cfg.tgt_len * cfg.S > LARGE_LOGITS else 1
+    return LARGE_THREADS if cfg.is_large else 1
 
 
 def _on_config_threads(run):
@@ -128,16 +127,9 @@ def use_one_thread() -> None:
 
 
 def build_module(cfg: Config, params: dict[str, np.ndarray]) -> torch.nn.Module:
-    """nn.MultiheadAttention or nn.TransformerEncoderLayer for the config, every parameter (the
-    layer norms' weights and biases included) overwritten from `params`."""
-    if cfg.is_layer:
-        module = torch.nn.TransformerEncoderLayer(
-            nhead=cfg.num_heads, batch_first=cfg.batch_first, dtype=DTYPES[cfg.dtype], device=cfg.device, **module_options(cfg)
-        )
-    else:
-        module = torch.nn.MultiheadAttention(
-            num_heads=cfg.num_heads, batch_first=cfg.batch_first, dtype=DTYPES[cfg.dtype], device=cfg.device, **module_options(cfg)
-        )
+    """torch's module for the config (its kind's), every parameter (the layer norms' weights and
+    biases included) overwritten from `params`."""
+    module = kind_of(cfg).build_torch(cfg, DTYPES[cfg.dtype])
     load_params(module, params)
     return module
 
@@ -168,53 +160,27 @@ def _numpy(t: torch.Tensor | None) -> np.ndarray | None:
     return None if t is None else numpy(t)
 
 
-@dataclass
-class _Inputs:
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    attn_mask: torch.Tensor | None
-    key_padding_mask: torch.Tensor | None
+def _inputs(cfg: Config, w: Workload, requires_grad: bool) -> dict[str, torch.Tensor]:
+    """torch tensors for the workload's inputs, keyed as the kind reports their gradients: one
+    tensor passed as query, key and value (self-attention) or as key and value is one input."""
+    return {name: _tensor(a, cfg).requires_grad_(requires_grad) for name, a in kind_of(cfg).inputs(cfg, w).items()}
 
 
-def _inputs(cfg: Config, w: Workload, requires_grad: bool) -> _Inputs:
-    """torch tensors for the workload; under self-attention one tensor is passed three times,
-    under key_is_value one tensor as key and value."""
-    query = _tensor(w.query, cfg).requires_grad_(requires_grad)
-    if cfg.self_attention:
-        key = value = query
-    else:
-        key = _tensor(w.key, cfg).requires_grad_(requires_grad)
-        value = key if cfg.key_is_value else _tensor(w.value, cfg).requires_grad_(requires_grad)
-    return _Inputs(query, key, value, _tensor(w.attn_mask, cfg), _tensor(w.key_padding_mask, cfg))
-
-
-def _call(module: torch.nn.Module, cfg: Config, x: _Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _call(module: torch.nn.Module, cfg: Config, w: Workload, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(output, weights) of the module; the layer returns no weights."""
+    kind = kind_of(cfg)
     with warnings.catch_warnings():
         # Mixed bool/float masks are deprecated but still supported; the config asked for them.
         warnings.filterwarnings("ignore", message="Support for mismatched")
         warnings.filterwarnings("ignore", message="enable_nested_tensor")
-        if cfg.is_layer:
-            out = module(x.query, src_mask=x.attn_mask, src_key_padding_mask=x.key_padding_mask, is_causal=cfg.is_causal)
-            return out, None
-        return module(
-            x.query,
-            x.key,
-            x.value,
-            key_padding_mask=x.key_padding_mask,
-            need_weights=cfg.need_weights,
-            attn_mask=x.attn_mask,
-            average_attn_weights=cfg.average_attn_weights,
-            is_causal=cfg.is_causal,
-        )
+        return kind.call_torch(cfg, module, *kind.arguments(cfg, x), _tensor(w.attn_mask, cfg), _tensor(w.key_padding_mask, cfg))
 
 
 def loss_torch(cfg: Config, output: torch.Tensor, target: torch.Tensor, undefined: np.ndarray | None = None) -> torch.Tensor:
     """The config's loss: mean squared error against the target, or <output, cotangent>.
 
     Output elements with no defined value (`undefined`) are left out, as ignore_index does; the
-    NumPy side (checks.loss_and_grad) computes the same.
+    NumPy side (inputs.loss_and_grad) computes the same.
     """
     if undefined is not None:
         keep = ~tensor(np.ascontiguousarray(undefined), output.device)
@@ -231,50 +197,13 @@ def forward(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
     """torch's output and weights on its standard path (training mode, dropout 0)."""
     module = build_module(cfg, w.params).train()
     with torch.no_grad():
-        out, weights = _call(module, cfg, _inputs(cfg, w, requires_grad=False))
+        out, weights = _call(module, cfg, w, _inputs(cfg, w, requires_grad=False))
     return _numpy(out), _numpy(weights)
 
 
 def fast_path_blocker(cfg: Config) -> str | None:
-    """Why torch would not take its inference fast path for this config (None: it would).
-
-    Mirrors the checks at the top of nn.MultiheadAttention.forward (or
-    nn.TransformerEncoderLayer.forward), for eval() under no_grad().
-    """
-    if cfg.is_layer:
-        return _layer_fast_path_blocker(cfg)
-    if cfg.mask_dtype == "float" and cfg.attn_mask != "none":
-        return "floating-point masks are not supported for fast path"
-    if cfg.key_padding_mask != "none" and cfg.key_padding_mask_dtype_eff == "float":
-        return "floating-point masks are not supported for fast path"
-    if not torch.backends.mha.get_fastpath_enabled():
-        return "torch.backends.mha.get_fastpath_enabled() is False"
-    reasons = [
-        (cfg.unbatched, "input not batched"),
-        (not cfg.self_attention, "not self-attention (query, key and value are not one tensor)"),
-        (cfg.num_heads % 2 != 0, "num_heads is not even"),
-        (not cfg.batch_first, "batch_first is false"),
-        (cfg.add_bias_kv, "add_bias_kv is set"),
-        (cfg.add_zero_attn, "add_zero_attn is set"),
-        (cfg.kdim_eff != cfg.embed_dim or cfg.vdim_eff != cfg.embed_dim, "kdim/vdim differ from embed_dim"),
-        (not cfg.bias, "bias is false (torch's native kernel needs the projection biases)"),
-    ]
-    return next((why for blocked, why in reasons if blocked), None)
-
-
-def _layer_fast_path_blocker(cfg: Config) -> str | None:
-    """nn.TransformerEncoderLayer.forward's `why_not_sparsity_fast_path`, in its order. It does not
-    refuse float masks (merge_masks takes them), and activation and both eps are always its own
-    relu/gelu and one eps here."""
-    if not torch.backends.mha.get_fastpath_enabled():
-        return "torch.backends.mha.get_fastpath_enabled() is False"
-    reasons = [
-        (cfg.unbatched, "input not batched"),
-        (not cfg.batch_first, "batch_first is false"),
-        (not cfg.bias, "bias is false (self_attn was passed bias=False)"),
-        (cfg.num_heads % 2 != 0, "num_heads is odd"),
-    ]
-    return next((why for blocked, why in reasons if blocked), None)
+    """Why torch would not take its inference fast path for this config (None: it would)."""
+    return kind_of(cfg).fast_path_blocker(cfg)
 
 
 @_on_config_threads
@@ -282,16 +211,16 @@ def forward_fast_path(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray 
     """torch's output and weights in eval() under no_grad(), where it takes the fast path."""
     module = build_module(cfg, w.params).eval()
     with torch.inference_mode():
-        out, weights = _call(module, cfg, _inputs(cfg, w, requires_grad=False))
+        out, weights = _call(module, cfg, w, _inputs(cfg, w, requires_grad=False))
     return _numpy(out), _numpy(weights)
 
 
 @dataclass
 class GradResult:
-    """torch's forward, loss and autograd gradients (keyed like the reference's backward)."""
+    """torch's forward, loss and autograd gradients: parameters by state_dict() name, inputs as
+    the kind reports them (`input` under self-attention, `key_value` when key is value, `src`)."""
 
     output: np.ndarray
-    weights: np.ndarray | None
     loss: float
     grads: dict[str, np.ndarray]
 
@@ -301,19 +230,12 @@ def grad(cfg: Config, w: Workload) -> GradResult:
     """Forward, the config's loss and autograd gradients of every parameter and input."""
     module = build_module(cfg, w.params).train()
     x = _inputs(cfg, w, requires_grad=True)
-    out, weights = _call(module, cfg, x)
+    out, _ = _call(module, cfg, w, x)
     loss = loss_torch(cfg, out, _tensor(w.target, cfg), w.undefined)
     loss.backward()
     grads = {name: _numpy(p.grad) for name, p in module.named_parameters()}
-    if cfg.is_layer:
-        grads["src"] = _numpy(x.query.grad)
-    elif cfg.self_attention:
-        grads["input"] = _numpy(x.query.grad)  # the sum of the query, key and value gradients
-    elif cfg.key_is_value:
-        grads.update(query=_numpy(x.query.grad), key_value=_numpy(x.key.grad))  # the key and value gradients summed
-    else:
-        grads.update(query=_numpy(x.query.grad), key=_numpy(x.key.grad), value=_numpy(x.value.grad))
-    return GradResult(_numpy(out), _numpy(weights), float(loss.detach()), grads)
+    grads.update({name: _numpy(t.grad) for name, t in x.items()})
+    return GradResult(_numpy(out), float(loss.detach()), grads)
 
 
 @dataclass
@@ -335,14 +257,14 @@ def sgd(cfg: Config, w: Workload) -> SGDResult:
     result = SGDResult([], [])
     for _ in range(cfg.steps):
         module.zero_grad(set_to_none=True)
-        out, _ = _call(module, cfg, x)
+        out, _ = _call(module, cfg, w, x)
         loss = loss_torch(cfg, out, target, w.undefined)
         loss.backward()
         step()
         result.losses.append(float(loss.detach()))
         result.params.append(state_numpy(module))
     with torch.no_grad():  # the loss the last step leads to, for telling divergence
-        out, _ = _call(module, cfg, x)
+        out, _ = _call(module, cfg, w, x)
         result.final_loss = float(loss_torch(cfg, out, target, w.undefined))
     return result
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attncheck import checks, sgd
-from attncheck.checks import Candidate, check_forward, check_grad, check_sgd
+from attncheck import sgd
+from attncheck.candidate import Candidate
+from attncheck.checks import check_forward, check_grad, check_sgd
 from attncheck.reference import MultiheadAttention
 from tests.conftest import cfg
 from attncheck.testing.wrong_impls import SoftmaxDiagonalBackward
@@ -70,11 +71,10 @@ class MomentumBeforeWeightDecay(sgd.SGD):
         return updated
 
 
-def test_a_wrong_sgd_update_fails(monkeypatch):
+def test_a_wrong_sgd_update_fails():
     c = cfg(steps=3, momentum=0.9, weight_decay=0.1)
     assert check_sgd(c).passed
-    monkeypatch.setattr(checks, "SGD", MomentumBeforeWeightDecay)
-    report = check_sgd(c)
+    report = check_sgd(c, Candidate("reference trained by MomentumBeforeWeightDecay", MultiheadAttention, optimizer=MomentumBeforeWeightDecay))
     assert not report.passed
     failing = [r for r in report.rows if r.failed]
     assert any(r.first_failing_step == 2 for r in failing)  # step 1 agrees: the buffer is empty

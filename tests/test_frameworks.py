@@ -30,7 +30,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def test_torch_sdpa_candidate_passes_with_autograd_gradients(command, dtype):
     report = attncheck.check({**SDPA_CONFIG, "dtype": dtype}, command, impl=SDPA)
     report.assert_passed()
-    assert report.config["framework"] == "torch"
+    assert report.framework == "torch"
     if command != "forward":  # every gradient came from autograd: none is missing
         assert not [r for r in report.rows if r.status == "not provided"]
 

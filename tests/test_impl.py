@@ -4,6 +4,7 @@ the examples, and attncheck.check()."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -22,6 +23,7 @@ from attncheck.candidate import load_candidate
 from attncheck.reference import MultiheadAttention as Reference
 
 ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
 PER_HEAD = "examples/per_head_loop.py:MultiheadAttention"
 WRONG_DIAGONAL = "examples/wrong_softmax_diagonal.py:MultiheadAttention"
 
@@ -72,7 +74,7 @@ BROKEN = {
             def forward(self, *args, **kw):  # HERE
                 out, w = super().forward(*args, **kw)
                 return out[:, :-1], w
-        """, "grad", "forward() returned an output of shape (2, 4, 16), expected (2, 5, 16)"),
+        """, "grad", "forward() returned an output of shape (2, 4, 16), expected query's (2, 5, 16)"),
     "wrong_gradient_shape": Broken(
         """
         class Candidate(Ref):
@@ -159,13 +161,28 @@ class Candidate:
 
 
 @pytest.mark.parametrize("command", ["grad", "sgd-step"])
-def test_no_backward_is_a_usage_error(tmp_path, command):
+def test_no_backward_makes_gradients_unsupported(tmp_path, command):
+    """A NumPy class without backward() cannot be checked for gradients: that command alone is
+    unsupported (exit 4, never a pass), with the reason, and nothing is computed for it."""
     path, _ = write_candidate(tmp_path, FORWARD_ONLY)
-    result = run(command, "--impl", f"{path}:Candidate")
-    assert result.exit_code == 2, result.output
-    assert "no backward(grad_output) method" in result.output
+    result = run(command, "--impl", f"{path}:Candidate", "-c", str(CONFIGS / "default.yaml"))
+    assert result.exit_code == 4, result.output
+    assert "UNSUPPORTED" in result.output and "Candidate has no backward(grad_output) method" in result.output
     assert "Traceback" not in result.output
-    assert run("forward", "--impl", f"{path}:Candidate").exit_code == 0
+    assert run("forward", "--impl", f"{path}:Candidate", "-c", str(CONFIGS / "default.yaml")).exit_code == 0
+
+
+def test_run_of_a_forward_only_candidate_keeps_what_it_judged(tmp_path):
+    """`run` is everything a candidate supports: its forward checks pass, grad and sgd-step are
+    listed unsupported with the reason, and the run exits 0."""
+    path, _ = write_candidate(tmp_path, FORWARD_ONLY)
+    result = run("run", "--impl", f"{path}:Candidate")
+    assert result.exit_code == 0, result.output
+    verdicts = re.findall(r"^\[\d+/\d+\] \S+ (forward|grad|sgd-step) (\w+)", result.output, re.M)
+    assert verdicts and {command: {v for c, v in verdicts if c == command} for command, _ in verdicts} == {
+        "forward": {"PASS"}, "grad": {"UNSUPPORTED"}, "sgd-step": {"UNSUPPORTED"}}
+    assert re.search(rf"^PASS\s+{sum(c == 'forward' for c, _ in verdicts)} of {len(verdicts)} checks pass", result.output, re.M)
+    assert "no backward(grad_output) method" in result.output
 
 
 MISSING_BIAS_GRAD = """
@@ -330,7 +347,7 @@ def test_assert_passed_lists_every_failing_row_with_its_numbers():
     with pytest.raises(AssertionError) as info:
         report.assert_passed()
     message = str(info.value)
-    assert f"{len(report.failures)} of {len(report.rows)} rows failed" in message
+    assert f"fail, {len(report.failures)} of {len(report.rows)} rows" in message
     for row in report.failures:  # one message shape (report.failure_lines): quantity, counts, numbers, allowed
         assert f"{row.section} {row.quantity} ({row.rule})" in message
         assert f"Mismatched elements: {row.mismatched} / {row.numel}" in message

@@ -87,5 +87,5 @@ def test_command_line_impl_stays_relative_to_the_current_directory(project):
 def test_the_api_names_the_config_file_of_an_impl_it_cannot_load(project):
     config = project / "tests" / "mha.yaml"
     config.write_text("impl: cand.py:Nope\n")
-    with pytest.raises(UsageError, match=rf"^{re.escape(str(config))}: impl '.*cand.py:Nope': .* has no attribute 'Nope'"):
+    with pytest.raises(UsageError, match=rf"^{re.escape(str(config))}:\d+: impl '.*cand.py:Nope': .* has no attribute 'Nope'"):
         attncheck.check(config)

@@ -26,7 +26,7 @@ def test_a_flax_module_is_detected_as_jax():
 def test_flax_attention_agrees_with_torch(command, dtype):
     report = attncheck.check({**CONFIG, "dtype": dtype}, command, impl=FLAX)
     report.assert_passed()
-    assert report.config["framework"] == "jax"
+    assert report.framework == "jax"
     assert not [r for r in report.rows if r.status == "not provided"]  # every gradient from jax.vjp
     assert not [n for n in report.notes if "converted to NumPy" in n]
 

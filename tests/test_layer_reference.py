@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from attncheck import torch_side
-from attncheck.candidate import module_options
-from attncheck.checks import check_forward, check_grad, check_sgd, loss_and_grad
+from attncheck.checks import check_forward, check_grad, check_sgd
+from attncheck.inputs import loss_and_grad
+from attncheck.kinds import kind_of
 from attncheck.inputs import make_workload
 from attncheck.layer_reference import (
     TransformerEncoderLayer,
@@ -68,7 +69,7 @@ def _both(c):
     """(reference forward, torch forward, reference grads, torch grads) on the config's workload."""
     w = make_workload(c)
     t = torch_side.grad(c, w)
-    ref = TransformerEncoderLayer(w.params, num_heads=c.num_heads, batch_first=c.batch_first, **module_options(c))
+    ref = TransformerEncoderLayer(w.params, num_heads=c.num_heads, batch_first=c.batch_first, **kind_of(c).options(c))
     out = ref.forward(w.query, src_mask=w.attn_mask, src_key_padding_mask=w.key_padding_mask, is_causal=c.is_causal)
     _, d_out = loss_and_grad(c, out, w.target, w.undefined)
     return out, t.output, ref.backward(d_out), t.grads

@@ -139,7 +139,7 @@ def test_fast_path_nan_rows_differ_legitimately_from_the_sdpa_path():
 
 
 def test_nan_in_the_wrong_place_is_a_mismatch():
-    from attncheck.checks import Candidate
+    from attncheck.candidate import Candidate
 
     class NanEverywhere(MultiheadAttention):
         def forward(self, *args, **kwargs):

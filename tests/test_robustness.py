@@ -20,7 +20,7 @@ import attncheck.cli
 from attncheck.cli import app
 from attncheck.config import MEMORY_LIMIT_ENV
 from attncheck.errors import ConfigError
-from attncheck.output import write_atomic
+from attncheck.files import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from attncheck.api import check
 from attncheck.cli import app
-from attncheck.output import write_atomic
+from attncheck.files import write_atomic
 from attncheck.render import fmt, progress_bar, render
 from attncheck.report import FAIL, PASS, Report, Row
 from tests.test_diagnose import QGradTimesSqrtD

@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from attncheck import checks
-from attncheck.checks import Candidate, run_check
+from attncheck.candidate import Candidate
+from attncheck.checks import run_check
 from attncheck.cli import app
 from attncheck.report import FAIL, Report, Row
 from attncheck.testing import detection, wrong_impls

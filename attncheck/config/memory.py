@@ -47,6 +47,7 @@ def estimate_bytes(cfg: Config) -> int:
     momentum buffers add E * (2E + kdim + vdim) terms. Everything is counted in float64. What a
     candidate allocates is its own: one that builds the whole score matrix is not counted.
     """
+    from attncheck.kinds import kind_of
     from attncheck.reference import DEFAULT_BLOCK_ELEMENTS, DEFAULT_CACHE_BYTES
     from attncheck.threads import MAX_THREADS
 
@@ -65,13 +66,9 @@ def estimate_bytes(cfg: Config) -> int:
     activations = 2 * B * (4 * L * E + S * (cfg.kdim_eff + cfg.vdim_eff + 2 * E))
     # weights, their gradients, momentum buffers and torch's copies.
     weights = 4 * E * (2 * E + cfg.kdim_eff + cfg.vdim_eff)
-    if cfg.is_layer:
-        # The encoder layer adds the feed-forward network: (B, L, F) hidden activations (before and
-        # after the activation, with gradients), a few (B, L, E) residual and norm states, and the
-        # (F, E) weights twice over.
-        F = cfg.dim_feedforward_eff
-        activations += 2 * B * L * (2 * F + 6 * E)
-        weights += 4 * 2 * F * E
+    extra_activations, extra_weights = kind_of(cfg).extra_memory(cfg)
+    activations += extra_activations
+    weights += extra_weights
     return _FLOAT64_BYTES * (attention + activations + weights)
 
 

@@ -23,6 +23,8 @@ MAX_BATCH = 65_536
 MAX_LEN = 1_000_000  # tgt_len, src_len
 MAX_STEPS = 100_000
 MAX_SEED = 2**63 - 1
+# A check whose calls compute more attention logits than this is large (Config.is_large).
+LARGE_LOGITS = 1 << 22
 
 _INT_RANGES = {
     "seed": (0, MAX_SEED),
@@ -154,6 +156,18 @@ class Config(BaseModel):
     def effective_batch(self) -> int:
         """B as the attention sees it: 1 for an unbatched input."""
         return 1 if self.unbatched else self.batch_size
+
+    @property
+    def logits(self) -> int:
+        """B * H * L * S: how many attention logits one call computes, the measure of its cost."""
+        return self.effective_batch * self.num_heads * self.tgt_len * self.S
+
+    @property
+    def is_large(self) -> bool:
+        """Whether one call costs seconds rather than milliseconds (more than LARGE_LOGITS logits):
+        torch then runs on more threads, the repeat call on shorter inputs and the finite
+        differences along one joint direction."""
+        return self.logits > LARGE_LOGITS
 
     @property
     def key_padding_mask_dtype_eff(self) -> str:

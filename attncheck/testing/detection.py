@@ -13,14 +13,14 @@ the repository root, where the tests and benchmarks/detection.py (which reprints
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import attncheck
-from attncheck import checks
+from attncheck.candidate import Candidate
+from attncheck.kinds.mha import MHA
 from attncheck.config import Config, load_suite
-from attncheck.report import Report
+from attncheck.report import Reason, Report
 from attncheck.testing import wrong_impls
 
 # Quantities, in the rows' own names (the default config: self-attention, one in_proj_weight).
@@ -166,21 +166,12 @@ def as_case(catch: SuiteCatch) -> Case:
     return Case(catch.impl, catch.command, default_suite_case(catch.case), catch.fails)
 
 
-@contextmanager
-def sgd_swapped(optimizer: type) -> Iterator[None]:
-    """attncheck.checks.SGD replaced by `optimizer` (the candidate's update rule) while the block runs."""
-    trusted, checks.SGD = checks.SGD, optimizer
-    try:
-        yield
-    finally:
-        checks.SGD = trusted
-
-
 def run(case: Case) -> Report:
-    """The report of one known-bad implementation under its command and config."""
+    """The report of one known-bad implementation under its command and config: a wrong module, or
+    the built-in reference trained with a wrong update rule (the candidate's optimizer)."""
     if case.impl in wrong_impls.OPTIMIZERS:
-        with sgd_swapped(wrong_impls.OPTIMIZERS[case.impl]):
-            return attncheck.check(case.config, case.command)
+        trained = Candidate(f"{MHA.reference_spec} trained by {case.impl}", MHA.reference, optimizer=wrong_impls.OPTIMIZERS[case.impl])
+        return attncheck.check(case.config, case.command, impl=trained)
     return attncheck.check(case.config, case.command, impl=wrong_impls.MODULES[case.impl])
 
 
@@ -192,18 +183,13 @@ def failing_rows(report: Report) -> dict[str, tuple[str, ...]]:
     return rows
 
 
-# Rows that report what a candidate's calls did rather than a value: results that depend on an
-# earlier call, an input changed in place, a gradient under an unknown name.
-CALL_FINDINGS = ("repeat call", "contract")
-
-
 def problems(case: Case, report: Report) -> list[str]:
     """Why `report` is not the outcome `case` expects, one line per problem; empty when it is."""
     found, mismatched = [], set()
     for row in report.failures:
-        if row.quantity == "candidate":
+        if row.reason is Reason.CALL:
             found.append(f"the candidate crashed ({row.section}): {row.note}")
-        elif row.quantity in CALL_FINDINGS:  # a finding about the calls themselves: no values to mismatch
+        elif row.reason is Reason.CONTRACT:  # a finding about the calls themselves: no values to mismatch
             mismatched.add((row.section, row.quantity))
         elif row.mismatched == 0:
             found.append(f"{row.section} {row.quantity} failed without a mismatch: {row.note}")

@@ -1,10 +1,12 @@
-"""Output files written whole or not at all: checked before any work, renamed into place after."""
+"""Where attncheck writes: output files written whole or not at all (checked before any work,
+renamed into place after), and the terminal's stream, quiet once its reader has gone."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from attncheck.errors import UsageError
 
@@ -46,3 +48,35 @@ def write_atomic(path: Path, text: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class QuietWhenClosed:
+    """A text stream that stops writing, quietly, once its reader has gone (`attncheck ... | head`).
+
+    The check goes on, so the exit code is still the verdict's. The file descriptor is pointed at
+    /dev/null, so that Python's own flush at exit does not fail on the closed pipe either."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        return self._quietly(self._stream.write, text) or len(text)
+
+    def flush(self) -> None:
+        self._quietly(self._stream.flush)
+
+    def _quietly(self, call, *args):
+        if self.reader_gone:
+            return None
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            self.reader_gone = True
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+            return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

@@ -1,0 +1,51 @@
+"""The three checks, forward, grad and sgd-step: run the candidate and torch on one workload, compare.
+
+Each check returns a Report; its verdict is the report's own (attncheck.report.aggregate). The
+candidate is any object built as `factory(params, num_heads=..., batch_first=..., **options)`
+with `forward` (and `backward` for grad and sgd-step, unless autograd gives it); the NumPy
+reference of the config's module is the default one, and also serves, run in float64, as the
+oracle of the budget rule.
+
+    run            CheckRun: what every check does around its comparisons
+    calls          the repeat call, in-place changes, unknown keys and dtypes: the calls' contract
+    forward        outputs and attention weights, and torch's fast path
+    grad           gradients against torch autograd and the oracle
+    finite_diff    the candidate's own gradients against finite differences of its loss
+    sgd_step       weights after SGD steps against torch.optim.SGD
+"""
+
+from __future__ import annotations
+
+from attncheck import torch_side
+from attncheck.candidate import NO_BACKWARD, Candidate
+from attncheck.checks.forward import check_forward
+from attncheck.checks.grad import check_grad
+from attncheck.checks.run import CheckRun
+from attncheck.checks.sgd_step import check_sgd
+from attncheck.commands import command as command_named
+from attncheck.commands import options_for
+from attncheck.config import Config
+from attncheck.diagnose import diagnose_report
+from attncheck.errors import Unsupported
+from attncheck.report import Report
+
+
+def run_check(command: str, cfg: Config, candidate: Candidate | None = None, **options) -> Report:
+    """Run one command (see attncheck.commands) by name; options it does not take are dropped.
+    Each failing row gets its diagnosis (attncheck.diagnose).
+
+    A command that needs gradients is unsupported, before any work, for a candidate known to have
+    no backward (a NumPy class without one)."""
+    which = command_named(command)
+    if which.needs_backward and candidate is not None and candidate.lacks_backward(cfg):
+        run = CheckRun.begin(command, cfg, candidate)
+        reason = NO_BACKWARD.format(name=candidate.factory.__name__)
+        return run.ended_at(which.section, Unsupported(reason, raised=reason))
+    torch_side.require_device(cfg)
+    with torch_side.deterministic(cfg):
+        report = which.check(cfg, candidate, **options_for(command, options))
+    diagnose_report(report, cfg)
+    return report
+
+
+__all__ = ["run_check", "check_forward", "check_grad", "check_sgd"]

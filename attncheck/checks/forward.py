@@ -1,0 +1,82 @@
+"""`forward`: outputs and attention weights of the candidate against torch's standard path, its
+inference fast path where torch takes one, and the float64 oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attncheck import torch_side
+from attncheck.candidate import Candidate
+from attncheck.checks.calls import dtype_rows, finding_rows, repeat_rows
+from attncheck.checks.run import CheckRun
+from attncheck.compare import compare, rule_for, with_logit_floor
+from attncheck.config import Config
+from attncheck.errors import CandidateProblem
+from attncheck.inputs import weights_rows
+from attncheck.report import FAIL, SKIPPED, Reason, Report, Row
+
+
+def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bool = False) -> Report:
+    """Outputs and attention weights of the candidate against torch's standard (and fast) path."""
+    run = CheckRun.begin("forward", cfg, candidate)
+    report, w, masked = run.report, run.w, run.masked
+    t_out, t_weights = torch_side.forward(cfg, w)
+    rule = rule_for(cfg, "forward")
+    o_out = o_weights = None
+    if rule.needs_oracle:
+        oracle = run.oracle_session()
+        w64 = w.astype(np.float64)
+        oracle_obj = oracle.build(w64.params)
+        o_out, o_weights = oracle.forward(oracle_obj, w64)
+        rule = with_logit_floor(rule, cfg, getattr(oracle_obj, "logit_magnitude", None))  # the layer reference has none
+        del oracle_obj  # its saved state (probabilities, at long sequences) need not outlive its run
+    session = run.session()
+    try:
+        obj = session.build(w.params)
+        out, weights = session.forward(obj, w)
+    except CandidateProblem as err:
+        return run.ended_at("forward", err)
+    report.notes.extend(session.notes)
+    # Rows with no allowed key: NaN in torch's standard path (need_weights) is explained by the
+    # masks; on its SDPA path they are zeros, and a candidate's NaN there is as good (no defined value).
+    rows_nan = w.undefined if cfg.need_weights else None
+    report.rows.append(compare("forward", "output", out, t_out, rule, oracle=o_out, nan_ok=rows_nan,
+                               undefined=None if cfg.need_weights else w.undefined))  # fmt: skip
+    returned = {"output": out.dtype}
+    if cfg.need_weights:
+        w_rows = weights_rows(cfg, masked) if masked.any() else None
+        report.rows.append(compare("forward", "attn_weights", weights, t_weights, rule, oracle=o_weights, strict=strict, nan_ok=w_rows))
+        returned["attn_weights"] = None if weights is None else weights.dtype
+    elif weights is not None:
+        report.rows.append(Row("forward", "attn_weights", FAIL, reason=Reason.CONTRACT, note="need_weights is false: expected None"))
+    report.rows.extend(fast_path_rows(cfg, w, out, weights, rule, o_out, o_weights, masked))
+    report.rows.extend(dtype_rows("forward", cfg, returned))
+    report.rows.extend(repeat_rows(report, "forward", session, obj, cfg, w, backward=False))
+    report.rows.extend(finding_rows("forward", session))
+    return run.finish()
+
+
+def fast_path_rows(cfg, w, out, weights, rule, o_out, o_weights, masked) -> list[Row]:
+    """torch's inference fast path against the candidate, where torch would take it."""
+    blocker = torch_side.fast_path_blocker(cfg)
+    if blocker is not None:
+        return [Row("fast-path", "output", SKIPPED, note=f"torch takes no fast path here: {blocker}")]
+    f_out, f_weights = torch_side.forward_fast_path(cfg, w)
+    rows = []
+    pairs = [("output", out, f_out, o_out, w.undefined)]
+    if cfg.need_weights:
+        pairs.append(("attn_weights", weights, f_weights, o_weights, weights_rows(cfg, masked) if masked.any() else None))
+    for name, mine, fast, oracle, rows_nan in pairs:
+        note = ""
+        if masked.any() and not cfg.need_weights:
+            # The fast path gives NaN for fully masked rows where the SDPA path gives zeros: rows
+            # with no defined value, so compare the other rows only.
+            keep = ~np.isnan(fast)
+            note = "fully masked rows: NaN on torch's fast path, zeros on its standard path; other rows compared"
+            mine, fast = np.where(keep, mine, 0).astype(mine.dtype), np.where(keep, fast, 0).astype(fast.dtype)
+            oracle = None if oracle is None else np.where(keep, oracle, 0)
+            rows_nan = None
+        row = compare("fast-path", name, mine, fast, rule, oracle=oracle, nan_ok=rows_nan)
+        row.note = row.note or note
+        rows.append(row)
+    return rows

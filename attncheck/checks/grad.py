@@ -1,0 +1,128 @@
+"""`grad`: every gradient of the candidate against torch autograd and the float64 oracle, and its
+own gradients against finite differences of its own loss (attncheck.checks.finite_diff)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attncheck import torch_side
+from attncheck.candidate import Candidate, Session
+from attncheck.checks.calls import dtype_rows, finding_rows, repeat_rows
+from attncheck.checks.finite_diff import JOINT_FD, finite_difference_rows
+from attncheck.checks.run import CheckRun, oracle_config
+from attncheck.compare import compare, rule_for, with_logit_floor
+from attncheck.config import Config
+from attncheck.errors import CandidateProblem
+from attncheck.inputs import Workload, loss_and_grad, loss_magnitude
+from attncheck.kinds import kind_of
+from attncheck.report import FAIL, NOT_PROVIDED, LossStep, Quantity, Reason, Report, Row
+
+
+def grad_quantities(cfg: Config, name: str, per_head: bool) -> list[tuple[Quantity, tuple]]:
+    """Report rows for one gradient: (what it compares, index into the array), split by the fused
+    projection's q, k, v blocks and, with `per_head`, by head.
+
+    The attention's parameters inside a larger module (the layer's `self_attn.`) split the same way.
+    """
+    prefix = kind_of(cfg).attention_prefix
+    inner = name[len(prefix) :] if prefix and name.startswith(prefix) else name
+    E, D, H = cfg.embed_dim, cfg.head_dim, cfg.num_heads
+    if inner in ("in_proj_weight", "in_proj_bias"):
+        blocks = [(p, i * E) for i, p in enumerate("qkv")]
+    elif inner in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+        blocks = [(None, 0)]
+    elif inner == "out_proj.weight" and per_head:
+        return [(Quantity(name), (slice(None),))] + [
+            (Quantity(name, head=h), (slice(None), slice(h * D, (h + 1) * D))) for h in range(H)
+        ]
+    else:
+        return [(Quantity(name), (slice(None),))]
+    quantities = []
+    for block, offset in blocks:
+        quantities.append((Quantity(name, block), (slice(offset, offset + E),)))
+        if per_head:
+            quantities += [(Quantity(name, block, h), (slice(offset + h * D, offset + (h + 1) * D),)) for h in range(H)]
+    return quantities
+
+
+def not_returned(section: str, quantity: Quantity | str, strict: bool) -> Row:
+    """A gradient the candidate did not return: not provided, or a failure under `strict`."""
+    return Row(section, quantity, FAIL if strict else NOT_PROVIDED, missing=True, reason=Reason.MISSING, note="not returned by backward()")
+
+
+def all_gradients(cfg: Config, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
+    """A candidate's gradients keyed as torch reports them: parameters, then inputs (see the kind)."""
+    kind = kind_of(cfg)
+    return {**kind.parameter_gradients(grads), **kind.input_gradients(cfg, grads)[0]}
+
+
+def run_grad(session: Session, cfg: Config, w: Workload, obj=None):
+    """(output, loss, gradients) of one forward and backward; a fresh object unless `obj` is given."""
+    obj = session.build(w.params) if obj is None else obj
+    out, _ = session.forward(obj, w)
+    loss, d_out = loss_and_grad(cfg, out, w.target, w.undefined)
+    return out, loss, session.backward(obj, d_out, w)
+
+
+def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: bool = False, strict: bool = False) -> Report:
+    """Every gradient of the candidate against torch autograd, and against finite differences."""
+    run = CheckRun.begin("grad", cfg, candidate)
+    report, w = run.report, run.w
+    t = torch_side.grad(cfg, w)
+    forward_rule, grad_rule = rule_for(cfg, "forward"), rule_for(cfg, "grad")
+    oracle = None
+    w64 = w.astype(np.float64)
+    if grad_rule.needs_oracle or cfg.dtype != "float64":  # the finite differences reuse it below
+        oracle_session = run.oracle_session()
+        oracle_obj = oracle_session.build(w64.params)
+        oracle = run_grad(oracle_session, oracle_config(cfg), w64, oracle_obj)
+        forward_rule = with_logit_floor(forward_rule, cfg, getattr(oracle_obj, "logit_magnitude", None))  # the layer reference has none
+        del oracle_obj  # its saved state (probabilities, at long sequences) need not outlive its run
+
+    session = run.session()
+    try:
+        obj = session.build(w.params)
+        out, loss, grads = run_grad(session, cfg, w, obj)
+    except CandidateProblem as err:
+        return run.ended_at("grad", err)
+    report.notes.extend(session.notes)
+    o_out, o_loss, o_grads = oracle if grad_rule.needs_oracle else (None, None, None)
+    o_grads = None if o_grads is None else all_gradients(cfg, o_grads)
+    rows_nan = w.undefined if cfg.need_weights else None
+    report.rows.append(compare("forward", "output", out, t.output, forward_rule, oracle=o_out, nan_ok=rows_nan,
+                               undefined=None if cfg.need_weights else w.undefined))  # fmt: skip
+    report.rows.append(
+        compare("forward", "loss", np.array(loss, dtype=out.dtype), np.array(t.loss, dtype=t.output.dtype), forward_rule,
+                oracle=None if o_loss is None else np.array(o_loss), scale=loss_magnitude(cfg, t.output, w.target, w.undefined))
+    )  # fmt: skip
+    report.losses.append(LossStep(0, loss, t.loss))
+
+    cand = all_gradients(cfg, grads)
+    # A candidate that gives NaN where no value is defined (accepted above) spreads it through its
+    # backward, as torch's standard path does: its NaN gradients are then not judged, not wrong.
+    spread = w.undefined is not None and bool(np.isnan(out[w.undefined]).any())
+    grad_scale = max((float(np.nanmax(np.abs(g), initial=0.0)) for g in (o_grads or {}).values() if g is not None), default=0.0)
+    for name, expected in t.grads.items():
+        for quantity, index in grad_quantities(cfg, name, per_head):
+            actual = cand.get(name)
+            if actual is None:
+                report.rows.append(not_returned("grad", quantity, strict))
+                continue
+            o = None if o_grads is None else o_grads[name][index]
+            report.rows.append(compare("grad", quantity, actual[index], expected[index], grad_rule, oracle=o, scale=grad_scale,
+                                       nan_ok=run.grads_nan_explained, candidate_nan_ok=spread))  # fmt: skip
+
+    note = kind_of(cfg).input_gradients(cfg, grads)[1]
+    if note:
+        report.notes.append(note)
+    report.rows.extend(dtype_rows("grad", cfg, {"output": out.dtype, **{k: v.dtype for k, v in grads.items()}}))
+    report.rows.extend(repeat_rows(report, "grad", session, obj, cfg, w, backward=True))
+    del obj  # nor the candidate's, through the float64 finite differences
+    report.rows.extend(finding_rows("grad", session))
+    fd_rows = finite_difference_rows(cfg, run.candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict,
+                                     run.grads_nan_explained or spread)  # fmt: skip
+    if any(row.quantity == JOINT_FD for row in fd_rows):
+        report.notes.append("finite differences: one random direction over every gradient at once (two float64 forwards) at this size; "
+                            "one direction per quantity only if that fails, to say which")  # fmt: skip
+    report.rows.extend(fd_rows)
+    return run.finish()

@@ -1,0 +1,100 @@
+"""What every check does around its own comparisons: one template, `CheckRun`.
+
+A check begins the same way whatever it compares: the candidate to run (the config's module's
+built-in reference when none is given), an empty Report, the workload drawn from the seed, a
+note on rows with no allowed key; then it asks torch, the oracle and the candidate, compares,
+and ends by timing the report. The candidate's calls may raise `CandidateProblem`: a check turns
+that into a row (`call_row`), a failure or a declared gap.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from attncheck import torch_side
+from attncheck.candidate import Candidate, Session, framework_of, reference_for
+from attncheck.config import Config
+from attncheck.errors import CandidateProblem, Unsupported
+from attncheck.inputs import Workload, fully_masked, make_workload
+from attncheck.kinds import kind_of
+from attncheck.report import FAIL, UNSUPPORTED, Reason, Report, Row
+
+
+def oracle_config(cfg: Config) -> Config:
+    """The config the float64 oracle runs: the same check in float64."""
+    return cfg.model_copy(update={"dtype": "float64"})
+
+
+def session_for(cfg: Config, candidate: Candidate) -> Session:
+    """The Session flavour for the candidate's framework: NumPy arrays, torch tensors or JAX arrays."""
+    framework = framework_of(cfg, candidate)
+    if framework == "torch":
+        from attncheck.torch_candidate import TorchSession  # torch tensors only for a torch candidate
+
+        return TorchSession(cfg, candidate)
+    if framework == "jax":
+        from attncheck.jax_candidate import JaxSession  # JAX is imported only for a JAX candidate
+
+        return JaxSession(cfg, candidate)
+    return Session(cfg, candidate)
+
+
+def call_row(section: str, quantity: str, err: CandidateProblem) -> Row:
+    """A candidate call that raised: a failure, or the feature declared unsupported."""
+    unsupported = isinstance(err, Unsupported)
+    return Row(section, quantity, UNSUPPORTED if unsupported else FAIL, reason=None if unsupported else Reason.CALL,
+               raised=err.raised, note=str(err), traceback=err.traceback)  # fmt: skip
+
+
+@dataclass
+class CheckRun:
+    """One check under way: its config, candidate, report and workload."""
+
+    command: str
+    cfg: Config
+    candidate: Candidate
+    report: Report
+    w: Workload
+    masked: np.ndarray  # (B, H, L): query rows whose every key is masked
+    start: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def begin(cls, command: str, cfg: Config, candidate: Candidate | None) -> CheckRun:
+        """The candidate to run, the report, the workload and the note on fully masked rows."""
+        start = time.perf_counter()
+        candidate = candidate or reference_for(cfg)
+        report = Report(command, cfg.name or "config", candidate.spec, cfg, framework_of(cfg, candidate))
+        if cfg.device in torch_side.DEVICE_NOTES:
+            report.notes.append(torch_side.DEVICE_NOTES[cfg.device])
+        w = make_workload(cfg)
+        masked = fully_masked(cfg, w.attn_mask, w.key_padding_mask)
+        if masked.any():
+            report.notes.append(kind_of(cfg).masking_note(cfg, int(masked.sum()), masked.size))
+        return cls(command, cfg, candidate, report, w, masked, start)
+
+    @property
+    def grads_nan_explained(self) -> bool:
+        """Whether NaN in torch's gradients is explained by the masks: under need_weights=True a fully
+        masked row's NaN reaches every gradient it touches (NaN * 0 is NaN in the matmuls' backward),
+        even though the loss leaves the row out."""
+        return bool(self.cfg.need_weights and self.masked.any())
+
+    def oracle_session(self) -> Session:
+        """The float64 oracle: the config's module's NumPy reference, run in float64."""
+        return Session(oracle_config(self.cfg), reference_for(self.cfg))
+
+    def session(self) -> Session:
+        """The candidate's session, in the config's dtype."""
+        return session_for(self.cfg, self.candidate)
+
+    def ended_at(self, section: str, err: CandidateProblem) -> Report:
+        """The check ends at a candidate call that raised."""
+        self.report.rows.append(call_row(section, "candidate", err))
+        return self.finish()
+
+    def finish(self) -> Report:
+        self.report.seconds = time.perf_counter() - self.start
+        return self.report

@@ -1,0 +1,150 @@
+"""`sgd-step`: the weights after `steps` SGD steps of the candidate's gradients against torch.optim.SGD."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from attncheck import torch_side
+from attncheck.candidate import Candidate, Session
+from attncheck.checks.calls import dtype_rows, finding_rows
+from attncheck.checks.grad import grad_quantities
+from attncheck.checks.run import CheckRun, oracle_config
+from attncheck.compare import compare, decide, measure, rule_for, sgd_rule
+from attncheck.config import Config
+from attncheck.dtypes import eps as machine_eps
+from attncheck.errors import CandidateProblem
+from attncheck.inputs import Workload, loss_and_grad
+from attncheck.report import LossStep, Report
+from attncheck.sgd import SGD, sgd_options
+
+
+@dataclass
+class Trajectory:
+    losses: list[float]
+    params: list[dict[str, np.ndarray]]
+    returned: dict[str, np.dtype] = field(default_factory=dict)  # dtypes of what the candidate returned
+    nan_where_undefined: bool = False  # its output had NaN where no value is defined (accepted there)
+
+
+def train(session: Session, cfg: Config, w: Workload, optimizer: type = SGD) -> Trajectory:
+    """`steps` training steps: the candidate's forward and backward, the optimizer's update."""
+    opt = optimizer(**sgd_options(cfg))
+    params = dict(w.params)
+    traj = Trajectory([], [])
+    for _ in range(cfg.steps):
+        obj = session.build(params)
+        current = replace(w, params=params)
+        out, _ = session.forward(obj, current)
+        loss, d_out = loss_and_grad(cfg, out, w.target, w.undefined)
+        grads = session.backward(obj, d_out, current)
+        traj.returned.update({"output": out.dtype, **{k: v.dtype for k, v in grads.items()}})
+        traj.nan_where_undefined |= w.undefined is not None and bool(np.isnan(out[w.undefined]).any())
+        # The update runs in the parameters' dtype, as torch's does; a gradient in another dtype
+        # is reported by the dtype row, not silently passed.
+        params = opt.step(params, {k: np.asarray(v, dtype=params[k].dtype) for k, v in grads.items() if k in params})
+        traj.losses.append(loss)
+        traj.params.append(params)
+    return traj
+
+
+def _sample_steps(n: int, keep: int = 12) -> list[int]:
+    """All steps when few; else the first and last few and an even sample between."""
+    if n <= keep:
+        return list(range(1, n + 1))
+    inner = np.linspace(4, n - 3, keep - 6).round().astype(int).tolist()
+    return sorted(set([1, 2, 3] + inner + [n - 2, n - 1, n]))
+
+
+# Weights that grow past this multiple of their start, or a loss that grows past it, mean the
+# training diverges: each step then amplifies earlier rounding by orders of magnitude, and which
+# correct implementation lands nearer the oracle is luck.
+DIVERGED_GROWTH = 10.0
+# Short of divergence, torch's weights stay within a few hundred units of rounding (relative to
+# their magnitude) of the float64 oracle's. Past LEFT_ORACLE_ULPS units (float32: 1.2e-3 relative)
+# rounding has been amplified by the steps and decides the trajectory: torch's own weights have
+# left the oracle's, and it cannot vouch for a candidate's from there.
+LEFT_ORACLE_ULPS = 1e4
+
+
+def _diverged(torch_weights: np.ndarray, start: np.ndarray, losses: list[float], step: int) -> bool:
+    """Whether torch's training diverges by `step`: its weights grew past DIVERGED_GROWTH times
+    their start, or the loss the step starts from or leads to is that many times the first in
+    magnitude (an unbounded loss such as `loss: sum` runs off to minus infinity).
+
+    `losses` holds the loss before each step and, last, the loss after the final step."""
+    grown = float(np.nanmax(np.abs(torch_weights), initial=0.0))
+    if not grown <= DIVERGED_GROWTH * max(float(np.nanmax(np.abs(start), initial=0.0)), 1e-30):
+        return True
+    limit = DIVERGED_GROWTH * max(abs(losses[0]), 1e-30)
+    return not (abs(losses[step - 1]) <= limit and abs(losses[step]) <= limit)
+
+
+def judged_steps(cfg: Config, w: Workload, t, oracle: Trajectory | None) -> tuple[int, str]:
+    """The last step whose weights can be judged, and why later ones cannot ("" when all can).
+
+    Step 1 always can: its weights are w - lr * g from the start, so no rounding has been
+    amplified yet, and a wrong gradient shows there whatever the training does later. Every later
+    step can until torch's own training diverges or its weights leave the oracle's trajectory.
+    """
+    torch_losses = t.losses + [t.final_loss]  # before each step, then after the last
+    limit = LEFT_ORACLE_ULPS * machine_eps(cfg.dtype)
+    for step in range(2, cfg.steps + 1):
+        for name, start in w.params.items():
+            if _diverged(t.params[step - 1][name], start, torch_losses, step):
+                return step - 1, f"the training diverges at step {step} (loss {t.losses[0]:.4g} at the start, {torch_losses[step]:.4g} after it)"
+            if oracle is not None:
+                o = oracle.params[step - 1][name]
+                off = float(np.nanmax(np.abs(t.params[step - 1][name] - o), initial=0.0))
+                if not off <= limit * max(float(np.nanmax(np.abs(o), initial=0.0)), 1e-30):
+                    return step - 1, (f"at step {step} torch's own {cfg.dtype} `{name}` is {off:.3g} off the float64 oracle's: "
+                                      "rounding amplified by the steps decides the weights from there")  # fmt: skip
+    return cfg.steps, ""
+
+
+def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
+    """Weights after `steps` SGD steps of the candidate against torch.optim.SGD."""
+    run = CheckRun.begin("sgd-step", cfg, candidate)
+    report, w = run.report, run.w
+    t = torch_side.sgd(cfg, w)
+    oracle = None
+    if rule_for(cfg, "sgd").needs_oracle:
+        oracle = train(run.oracle_session(), oracle_config(cfg), w.astype(np.float64))  # attncheck's own SGD, always
+    session = run.session()
+    try:
+        mine = train(session, cfg, w, run.candidate.optimizer or SGD)
+    except CandidateProblem as err:
+        return run.ended_at("sgd", err)
+    report.notes.extend(session.notes)
+
+    n = cfg.steps
+    last, why = judged_steps(cfg, w, t, oracle)
+    for name in t.params[0]:
+        for quantity, index in grad_quantities(cfg, name, per_head=False):
+            first_bad, row = None, None
+            for step in range(1, last + 1):
+                o = None if oracle is None else oracle.params[step - 1][name][index]
+                row = measure("sgd", quantity, mine.params[step - 1][name][index], t.params[step - 1][name][index], sgd_rule(cfg, step),
+                              oracle=o, nan_ok=run.grads_nan_explained, candidate_nan_ok=mine.nan_where_undefined)  # fmt: skip
+                if row.mismatched:
+                    first_bad = step
+                    break  # the row shows the step that decided
+            if first_bad is None and last < n:
+                row.note = (row.note + "; " if row.note else "") + f"judged at steps 1-{last} of {n}"
+            report.rows.append(decide(row, first_failing_step=first_bad))
+    # The loss before step s + 1 comes from the weights after step s: judged as far as they are.
+    k = min(last + 1, n)
+    loss_row = compare(
+        "sgd", f"loss (steps 1-{k})", np.array(mine.losses[:k]), np.array(t.losses[:k]), sgd_rule(cfg, k),
+        oracle=None if oracle is None else np.array(oracle.losses[:k]),
+    )  # fmt: skip
+    if loss_row.max_abs_at:
+        loss_row.note = (loss_row.note + "; " if loss_row.note else "") + f"largest difference at step {loss_row.max_abs_at[0] + 1}"
+    report.rows.append(loss_row)
+    if last < n:
+        report.notes.append(f"weights judged at steps 1-{last} of {n}: {why}. Lower lr, steps or input_scale to judge them all.")
+    report.rows.extend(dtype_rows("sgd", cfg, mine.returned))
+    report.rows.extend(finding_rows("sgd", session))
+    report.losses = [LossStep(s, mine.losses[s - 1], t.losses[s - 1]) for s in _sample_steps(n)]
+    return run.finish()

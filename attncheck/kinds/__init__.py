@@ -1,0 +1,155 @@
+"""The modules attncheck checks, each a ModuleKind: everything that differs between them (NumPy only).
+
+A config's `module` picks one kind. The kind knows the torch class it mirrors and its NumPy
+reference; the constructor options both sides get; the parameters (shapes keyed by state_dict()
+names); how torch's module and a candidate are called, with which argument names; which input
+gradients there are and how torch names them; which rows have no defined value; when torch
+takes its fast path; and the features its suites exercise. The checks, the candidate sessions,
+the torch side and the renderers ask the kind; none of them asks which module it is, so a new
+kind is a new module in this package and a `module` value in the config schema.
+
+    multihead_attention        nn.MultiheadAttention        attncheck.kinds.mha
+    transformer_encoder_layer  nn.TransformerEncoderLayer   attncheck.kinds.encoder_layer
+
+torch is imported only inside the methods that build or call torch's module (attncheck.torch_side
+calls them), so this package stays importable without it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from attncheck.config import Config
+    from attncheck.inputs import Workload
+
+Feature = tuple[str, Callable[["Config"], bool]]
+
+
+class ModuleKind:
+    """One module attncheck checks: the torch class it mirrors and how both sides are called."""
+
+    name: str  # the config's `module`
+    torch_name: str  # as the report and messages name it, e.g. "nn.MultiheadAttention"
+    reference_spec: str  # the SPEC of its NumPy reference
+    first_argument: str  # forward()'s first argument: "query" or "src"
+    mask_arguments: tuple[str, str]  # forward()'s (attention mask, key padding mask) keywords
+    one_input: str  # the gradient key of one tensor passed as every input (self-attention)
+    attention_prefix: str = ""  # the attention's parameters' prefix in state_dict() names
+    returns_weights: bool = False  # forward returns (output, weights), not the output alone
+    features: tuple[Feature, ...] = ()  # the capability table's rows: a case is the first it meets
+
+    # ------------------------------------------------------------------------ both sides
+    @property
+    def reference(self) -> Callable[..., Any]:
+        """The NumPy reference class: the oracle, and the candidate when none is given."""
+        raise NotImplementedError
+
+    def options(self, cfg: Config) -> dict[str, Any]:
+        """The torch module's constructor options besides num_heads and batch_first: passed alike
+        to torch's module (by its own argument names) and to every candidate."""
+        raise NotImplementedError
+
+    def param_shapes(self, cfg: Config) -> dict[str, tuple[int, ...]]:
+        """The shapes of the torch module's state_dict() for this config, in its order."""
+        raise NotImplementedError
+
+    def call_forward(self, cfg: Config, obj: Any, query, key, value, attn_mask, key_padding_mask) -> Any:
+        """Call an object's forward the way the torch module is called (a candidate, or torch's)."""
+        raise NotImplementedError
+
+    def split_result(self, result: Any) -> tuple[Any, Any]:
+        """(output, weights) of what forward returned; weights None when the module returns none."""
+        return (result[0], result[1]) if self.returns_weights else (result, None)
+
+    # ------------------------------------------------------------------------ gradients
+    def candidate_gradients(self, cfg: Config, w: Workload) -> dict[str, tuple[int, ...]]:
+        """The input gradients a candidate's backward may return, by key, with their shapes."""
+        raise NotImplementedError
+
+    def inputs(self, cfg: Config, w: Workload) -> dict[str, np.ndarray]:
+        """The inputs as torch's autograd sees them, keyed as its gradients are reported: one
+        tensor passed several times is one input."""
+        raise NotImplementedError
+
+    def arguments(self, cfg: Config, named: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """(query, key, value) as forward() takes them, from inputs keyed as `inputs` (any arrays)."""
+        raise NotImplementedError
+
+    def argument_of(self, name: str) -> str:
+        """The forward() argument an input of `inputs` is first passed as, for messages."""
+        raise NotImplementedError
+
+    def with_input(self, cfg: Config, w: Workload, name: str, value: np.ndarray) -> Workload:
+        """The workload with the input `name` (a key of `inputs`) replaced, wherever it is passed."""
+        from dataclasses import replace
+
+        query, key, value = self.arguments(cfg, {**self.inputs(cfg, w), name: value})
+        return replace(w, query=query, key=key, value=value)
+
+    def input_gradients(self, cfg: Config, grads: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """A candidate's input gradients keyed as `inputs` (None where it gave none), and what was
+        made of them, for the report's notes ("" when nothing was)."""
+        raise NotImplementedError
+
+    def parameter_gradients(self, grads: dict[str, Any]) -> dict[str, Any]:
+        """The gradients of a candidate's backward that are not input gradients."""
+        inputs = {*self.all_input_keys}
+        return {k: v for k, v in grads.items() if k not in inputs}
+
+    all_input_keys: tuple[str, ...] = ()  # every input-gradient key a candidate may use
+
+    # ------------------------------------------------------------------------ undefined rows
+    def has_undefined_rows(self, cfg: Config) -> bool:
+        """Whether a query row with no allowed key leaves output elements with no defined value."""
+        return True
+
+    def masking_note(self, cfg: Config, rows: int, total: int) -> str:
+        """What the report says when `rows` of `total` query rows have every key masked."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------ torch's module
+    def build_torch(self, cfg: Config, dtype: Any) -> Any:
+        """torch's module for the config, with its own initial weights (torch_side loads ours)."""
+        raise NotImplementedError
+
+    def call_torch(self, cfg: Config, module: Any, query, key, value, attn_mask, key_padding_mask) -> tuple[Any, Any]:
+        """(output, weights) of torch's module on tensors; weights None when it returns none."""
+        raise NotImplementedError
+
+    def fast_path_blocker(self, cfg: Config) -> str | None:
+        """Why torch would not take its inference fast path for this config (None: it would)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------ suites and memory
+    def feature_of(self, cfg: Config) -> str:
+        """The feature a case exercises: the first of `features` whose test it meets."""
+        return next(name for name, test in self.features if test(cfg))
+
+    def extra_memory(self, cfg: Config) -> tuple[int, int]:
+        """(activations, weights) in elements beyond the attention's own, for the memory estimate."""
+        return 0, 0
+
+
+def _all_kinds() -> dict[str, ModuleKind]:
+    from attncheck.kinds.encoder_layer import ENCODER_LAYER
+    from attncheck.kinds.mha import MHA
+
+    return {kind.name: kind for kind in (MHA, ENCODER_LAYER)}
+
+
+_KINDS: dict[str, ModuleKind] = {}
+
+
+def kinds() -> dict[str, ModuleKind]:
+    """Every kind, by its config name."""
+    if not _KINDS:
+        _KINDS.update(_all_kinds())
+    return _KINDS
+
+
+def kind_of(cfg: Any) -> ModuleKind:
+    """The kind a config checks."""
+    return kinds()[getattr(cfg, "module", "multihead_attention")]
