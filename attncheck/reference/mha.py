@@ -55,7 +55,7 @@ HOOKS = (
     # here: layout and masks
     "_split_heads", "_merge_heads", "_additive",
     # attncheck/reference/kernel.py: the attention core
-    "_blocks", "_mask_block", "_probabilities", "_normalize", "_softmax_backward", "_attention_forward",
+    "_mask_block", "_probabilities", "_normalize", "_softmax_backward", "_attention_forward",
 )  # fmt: skip
 
 

@@ -4,8 +4,9 @@ Each is a small variation of the correct reference, so a check that catches it p
 exactly that bug. Usable as `--impl attncheck.testing.wrong_impls:NAME`. Which command catches
 which, under which config and on which rows, is the table in attncheck/testing/detection.py.
 
-Dimensions as in attncheck/reference.py: B batch, L target length, S source length, E embed dim,
-H heads, D head dim, G = B * H.
+The private methods overridden here are the reference's declared hooks, attncheck.reference.HOOKS
+(tests/test_hooks.py fails on any other). Dimensions as in attncheck/reference/mha.py: B batch,
+L target length, S source length, E embed dim, H heads, D head dim, G = B * H.
 """
 
 from __future__ import annotations
