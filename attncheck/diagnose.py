@@ -25,6 +25,7 @@ import numpy as np
 
 from attncheck.config import Config
 from attncheck.inputs import make_attn_mask, make_key_padding_mask
+from attncheck.masks import attn_by_head, blocked, padding_by_head
 from attncheck.report import FAIL, Report, Row
 
 # A pattern fits when the candidate is the transformed expected value to within the row's own
@@ -134,6 +135,12 @@ class Masks:
 
     @staticmethod
     def of(cfg: Config) -> Masks:
+        """The masks of the config's workload, drawn again from its seed."""
+        return Masks.from_arrays(cfg, make_attn_mask(cfg), make_key_padding_mask(cfg))
+
+    @staticmethod
+    def from_arrays(cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None) -> Masks:
+        """The masks a workload holds (attn_mask (L, S) or (B*H, L, S), key_padding_mask (B, S) or (S,)), as torch applies them."""
         B, H, L, S = cfg.effective_batch, cfg.num_heads, cfg.tgt_len, cfg.S
         padded = []
         if cfg.add_bias_kv:
@@ -142,12 +149,10 @@ class Masks:
             padded.append((S + len(padded), "zero-attention"))
         attn = np.zeros((B, H, L, S + len(padded)), dtype=bool)
         kpm = np.zeros_like(attn)
-        mask = make_attn_mask(cfg)
-        if mask is not None:
-            attn[..., :S] = _blocked(mask).reshape(-1, L, S).reshape(-1 if mask.ndim == 3 else 1, H if mask.ndim == 3 else 1, L, S)
-        pad = make_key_padding_mask(cfg)
-        if pad is not None:
-            kpm[..., :S] = _blocked(pad).reshape(B, 1, 1, S)
+        if attn_mask is not None:
+            attn[..., :S] = attn_by_head(blocked(attn_mask), B, H)  # (1 or B, 1 or H, L, S)
+        if key_padding_mask is not None:
+            kpm[..., :S] = padding_by_head(blocked(key_padding_mask), B)  # (B, 1, 1, S)
         return Masks(attn, kpm, tuple(padded))
 
     def for_weights(self, layout: Layout) -> tuple[np.ndarray, np.ndarray] | None:
@@ -158,10 +163,6 @@ class Masks:
         if "batch" not in layout.axes:
             attn, kpm = attn[0], kpm[0]
         return attn, kpm
-
-
-def _blocked(mask: np.ndarray) -> np.ndarray:
-    return mask if mask.dtype == np.bool_ else np.isneginf(mask)
 
 
 # ---------------------------------------------------------------------------------- patterns

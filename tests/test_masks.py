@@ -150,3 +150,8 @@ def _outside_the_standard_library(names: set[str]) -> set[str]:
 def test_masks_imports_nothing_but_numpy_and_the_standard_library():
     assert _outside_the_standard_library(_imports(Path(masks.__file__))) == {"numpy"}
 
+
+def test_adapt_imports_nothing_from_attncheck_but_masks():
+    from attncheck import adapt
+
+    assert _outside_the_standard_library(_imports(Path(adapt.__file__))) == {"numpy", "attncheck.masks"}
