@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from attncheck import masks  # torch's mask rule; NumPy only, as this module is
+
 Array = np.ndarray
 
 
@@ -371,36 +373,13 @@ def _mask_shape(shape: Sequence[int], attn_mask: Array | None) -> tuple[int, int
     return B, max(heads, 1), L, S
 
 
-def _as_additive(what: str, mask: Array, dtype: np.dtype) -> Array:
-    """A torch mask as an additive one: bool True -> -inf, False -> 0; float as it is (torch's rule)."""
-    mask = np.asarray(mask)
-    if mask.dtype == np.bool_:
-        return np.where(mask, -np.inf, 0.0).astype(dtype)
-    if not np.issubdtype(mask.dtype, np.floating):
-        raise ValueError(f"{what}: expected a bool or float mask, got {mask.dtype}")
-    return mask.astype(dtype)
-
-
 def _merged(attn_mask, key_padding_mask, B: int, H: int, L: int, S: int, dtype) -> Array | None:
-    """attn_mask + key_padding_mask as torch merges them, (B, H, L, S) additive (a broadcast view)."""
-    merged = np.zeros((), dtype=dtype)
-    if attn_mask is not None:
-        am = _as_additive("attn_mask", attn_mask, dtype)
-        if am.shape == (L, S):
-            pass
-        elif am.shape == (B * H, L, S):
-            am = am.reshape(B, H, L, S)
-        else:
-            raise ValueError(f"attn_mask: expected shape {(L, S)} or {(B * H, L, S)}, got {am.shape}")
-        merged = merged + am
-    if key_padding_mask is not None:
-        kpm = _as_additive("key_padding_mask", key_padding_mask, dtype)  # (B, S), or (S,) unbatched
-        if kpm.size != B * S or kpm.shape[-1] != S:
-            raise ValueError(f"key_padding_mask: expected shape {(B, S)} (or ({S},) unbatched), got {kpm.shape}")
-        merged = merged + kpm.reshape(B, 1, 1, S)
-    if attn_mask is None and key_padding_mask is None:
-        return None
-    return np.broadcast_to(merged, (B, H, L, S))
+    """attn_mask + key_padding_mask as torch merges them (attncheck.masks), (B, H, L, S) additive (a broadcast view)."""
+    try:
+        merged = masks.merged(attn_mask, key_padding_mask, B, H, L, S, dtype)
+    except TypeError as err:  # a mask neither bool nor float: an adapter's mistake, as a wrong shape is
+        raise ValueError(str(err)) from None
+    return None if merged is None else np.broadcast_to(merged, (B, H, L, S))
 
 
 def _shaped(mask4: Array, shape: Sequence[int]) -> Array:

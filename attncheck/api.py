@@ -50,7 +50,8 @@ def check(
     suite = _one_case(config)
     from attncheck.suite import prepare
 
-    return prepare(suite, (command,), impl=_candidate(impl, suite.cases[0].config)).run(options).reports[0]
+    # The arrays behind each row stay on the report, for plots and the user's own inspection.
+    return prepare(suite, (command,), impl=_candidate(impl, suite.cases[0].config)).run(options, keep_evidence=True).reports[0]
 
 
 def _one_case(config: Config | Mapping[str, Any] | str | PathLike | None) -> Suite:

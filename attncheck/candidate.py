@@ -273,8 +273,7 @@ def _nearest(name: str, known: list[str]) -> str:
 
 
 # Why grad and sgd-step are unsupported for a NumPy candidate without a backward.
-NO_BACKWARD = ("{name} has no backward(grad_output) method, which grad and sgd-step need "
-               "(forward checks it without one; a torch or JAX candidate gets its gradients from autograd)")  # fmt: skip
+NO_BACKWARD = "{name} has no backward(grad_output) method: grad and sgd-step need one (torch and JAX candidates get autograd's)"
 
 
 class Session:

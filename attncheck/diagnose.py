@@ -11,7 +11,7 @@ where    the heads, query rows, key columns or positions the error is confined t
          appended bias_k or zero-attention column, the first or last key.
 
 A diagnosis is a hint for the reader, not a verdict: it never changes a row's status.
-Dimensions as in attncheck/reference.py: B batch, L target length, S source length, E embed
+Dimensions as in attncheck/reference/mha.py: B batch, L target length, S source length, E embed
 dim, H heads, D head dim.
 """
 
@@ -26,6 +26,7 @@ import numpy as np
 from attncheck.config import Config
 from attncheck.inputs import make_attn_mask, make_key_padding_mask
 from attncheck.kinds import kind_of
+from attncheck.masks import attn_by_head, blocked, padding_by_head
 from attncheck.report import FAIL, Report, Row
 
 # A pattern fits when the candidate is the transformed expected value to within the row's own
@@ -48,14 +49,15 @@ class Layout:
     weights: bool = False  # attention weights: masks and the diagonal apply
 
 
-def diagnose_report(report: Report, cfg: Config) -> None:
-    """Fill in `diagnosis` for every failing row of a report that has its arrays."""
+def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None) -> None:
+    """Fill in `diagnosis` for every failing row of a report that has its arrays; the masks are
+    the ones the check handed both sides."""
     masks = None  # built once, for the first failing attention weights: (B, H, L, S) booleans
     for row in report.rows:
         if row.status is not FAIL or row.evidence is None:
             continue
         if masks is None and row.parameter == "attn_weights":
-            masks = Masks.of(cfg)
+            masks = Masks.from_arrays(cfg, attn_mask, key_padding_mask)
         patterns, where = _diagnosis(row, cfg, masks)
         # A pattern already says what the candidate holds; else it may hold another quantity's value.
         swapped = "" if patterns else _swapped_with(row, report.rows)
@@ -143,6 +145,12 @@ class Masks:
 
     @staticmethod
     def of(cfg: Config) -> Masks:
+        """The masks of the config's workload, drawn again from its seed."""
+        return Masks.from_arrays(cfg, make_attn_mask(cfg), make_key_padding_mask(cfg))
+
+    @staticmethod
+    def from_arrays(cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None) -> Masks:
+        """The masks a workload holds (attn_mask (L, S) or (B*H, L, S), key_padding_mask (B, S) or (S,)), as torch applies them."""
         B, H, L, S = cfg.effective_batch, cfg.num_heads, cfg.tgt_len, cfg.S
         padded = []
         if cfg.add_bias_kv:
@@ -151,12 +159,10 @@ class Masks:
             padded.append((S + len(padded), "zero-attention"))
         attn = np.zeros((B, H, L, S + len(padded)), dtype=bool)
         kpm = np.zeros_like(attn)
-        mask = make_attn_mask(cfg)
-        if mask is not None:
-            attn[..., :S] = _blocked(mask).reshape(-1, L, S).reshape(-1 if mask.ndim == 3 else 1, H if mask.ndim == 3 else 1, L, S)
-        pad = make_key_padding_mask(cfg)
-        if pad is not None:
-            kpm[..., :S] = _blocked(pad).reshape(B, 1, 1, S)
+        if attn_mask is not None:
+            attn[..., :S] = attn_by_head(blocked(attn_mask), B, H)  # (1 or B, 1 or H, L, S)
+        if key_padding_mask is not None:
+            kpm[..., :S] = padding_by_head(blocked(key_padding_mask), B)  # (B, 1, 1, S)
         return Masks(attn, kpm, tuple(padded))
 
     def for_weights(self, layout: Layout) -> tuple[np.ndarray, np.ndarray] | None:
@@ -167,10 +173,6 @@ class Masks:
         if "batch" not in layout.axes:
             attn, kpm = attn[0], kpm[0]
         return attn, kpm
-
-
-def _blocked(mask: np.ndarray) -> np.ndarray:
-    return mask if mask.dtype == np.bool_ else np.isneginf(mask)
 
 
 # ---------------------------------------------------------------------------------- patterns

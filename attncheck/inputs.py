@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from attncheck import masks
 from attncheck.config import Config
 from attncheck.dtypes import np_dtype
 from attncheck.kinds import kind_of
@@ -209,16 +210,8 @@ def fully_masked(cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np
     if cfg.add_bias_kv or cfg.add_zero_attn or (attn_mask is None and key_padding_mask is None):
         return np.zeros((B, H, L), dtype=bool)  # the appended key is always allowed; or nothing is masked
 
-    def as_blocked(mask: np.ndarray) -> np.ndarray:
-        return mask if mask.dtype == np.bool_ else np.isneginf(mask)
-
-    # Never (B, H, L, S) unless the mask itself is: a 2-D mask and the padding mask meet at (B, L, S).
-    blocked = None
-    if attn_mask is not None:
-        blocked = as_blocked(attn_mask).reshape(B, H, L, S) if attn_mask.ndim == 3 else as_blocked(attn_mask)[None, None]
-    if key_padding_mask is not None:
-        padded = as_blocked(key_padding_mask).reshape(B, 1, 1, S)
-        blocked = padded if blocked is None else blocked | padded
+    # Never (B, H, L, S) unless the mask itself is: a 2-D mask and the padding mask meet at (B, 1, L, S).
+    blocked = masks.merged_blocked(attn_mask, key_padding_mask, B, H, L, S)  # broadcastable to (B, H, L, S)
     return np.broadcast_to(blocked.all(axis=-1), (B, H, L)).copy()
 
 

@@ -28,6 +28,10 @@ from attncheck.reference import MultiheadAttention
 
 ATTENTION_PREFIX = "self_attn."
 
+# The private methods a known-bad layer (attncheck/testing/wrong_layers.py) may override: the
+# layer's declared seams, as attncheck.reference.HOOKS are the attention's (tests/test_hooks.py).
+HOOKS = ("_p", "_norm", "_norm_backward", "_ff")
+
 
 # ------------------------------------------------------------------------------------- linear
 def linear_forward(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:

@@ -182,7 +182,7 @@ def write_plots(reports: list[Report], path: Path, *, every_row: bool = False) -
     """Draw the figures of every report and write them: one multi-page file (.pdf), one file per
     figure named after PATH (.png, .svg; PATH itself when there is one figure), or one PNG per
     figure in a directory. Returns the files written."""
-    from attncheck.output import write_atomic
+    from attncheck.files import write_atomic
 
     named = [item for report in reports for item in figures(report, every_row=every_row)]
     suffix = path.suffix.lower()

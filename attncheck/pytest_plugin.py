@@ -93,7 +93,7 @@ class Check:
         except UsageError as exc:
             pytest.fail(f"attncheck {self.command} on {self.case!r}: {exc}", pytrace=False)
         if report.verdict is UNSUPPORTED:
-            raise _skip(report.unsupported_reason or "unsupported by the candidate")
+            raise _skip("; ".join(r.note for r in report.rows_with(UNSUPPORTED)) or "unsupported by the candidate")
         try:
             report.assert_passed()
         except AssertionError as exc:

@@ -312,14 +312,37 @@ def capability_table(features: list[Capability]) -> Table:
     table.add_column("supported", overflow="fold")
     table.add_column("verdict")
     for cap in features:
-        n = len(cap.cases)
         if not cap.unsupported:
             supported = Text("all")
         else:
-            supported = Text(f"{n - len(cap.unsupported)} of {n}; not ", style="")
-            supported.append("; ".join(f"{case}: {reason}" for case, reason in cap.unsupported), style=_STATUS_STYLE[UNSUPPORTED])
-        table.add_row(cap.feature, str(n), supported, Text(cap.verdict.label, style=_STATUS_STYLE[cap.verdict]))
+            n = len(cap.checks)
+            supported = Text(f"{n - len(cap.unsupported)} of {n} checks; not ")
+            supported.append(_unsupported_checks(cap), style=_STATUS_STYLE[UNSUPPORTED])
+        table.add_row(cap.feature, str(len(cap.cases)), supported, Text(cap.verdict.label, style=_STATUS_STYLE[cap.verdict]))
     return table
+
+
+def _unsupported_checks(cap: Capability) -> str:
+    """The unsupported checks grouped by the candidate's reason, each reason once: cases that are
+    unsupported in every command they ran are named alone (`kdim-vdim`); else a command whose every
+    case is unsupported (`grad (every case)`), or the command and its cases (`grad: a, b`)."""
+    commands_of: dict[str, set[str]] = {}
+    for case, command in cap.checks:
+        commands_of.setdefault(case, set()).add(command)
+    by_reason: dict[str, dict[str, list[str]]] = {}  # reason -> command -> cases
+    for case, command, reason in cap.unsupported:
+        by_reason.setdefault(reason or "NotImplementedError", {}).setdefault(command, []).append(case)
+    groups = []
+    for reason, commands in by_reason.items():
+        cases = list(dict.fromkeys(case for listed in commands.values() for case in listed))
+        if all({command for command, listed in commands.items() if case in listed} == commands_of[case] for case in cases):
+            groups.append(f"{', '.join(cases)}: {reason}")
+            continue
+        every = [command for command, listed in commands.items() if len(listed) > 1 and len(listed) == sum(c == command for _, c in cap.checks)]
+        named = [f"{', '.join(every)} (every case)"] if every else []
+        named += [f"{command}: {', '.join(listed)}" for command, listed in commands.items() if command not in every]
+        groups.append(f"{'; '.join(named)}: {reason}")
+    return "; ".join(groups)
 
 
 class _Times(ProgressColumn):

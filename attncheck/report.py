@@ -393,13 +393,14 @@ def case_verdict(reports: list[Report]) -> Status:
 
 @dataclass(frozen=True)
 class Capability:
-    """One feature of a suite: its cases, those the candidate declared unsupported (with its
-    reason), and the verdict of the supported ones."""
+    """One feature of a suite: its cases and checks, the checks the candidate declared unsupported
+    (with its reason), and the verdict of the supported ones."""
 
     feature: str
     cases: tuple[str, ...]
-    unsupported: tuple[tuple[str, str], ...]  # (case, the candidate's reason)
+    unsupported: tuple[tuple[str, str, str], ...]  # (case, command, the candidate's reason)
     verdict: Status
+    checks: tuple[tuple[str, str], ...] = ()  # every (case, command) of the feature
 
 
 def capabilities(reports: list[Report]) -> list[Capability]:
@@ -418,10 +419,8 @@ def capabilities(reports: list[Report]) -> list[Capability]:
         group = by_feature.get(name)
         if not group:
             continue
-        unsupported: dict[str, str] = {}
-        for r in group:
-            if r.verdict is UNSUPPORTED:
-                unsupported.setdefault(r.name, r.unsupported_reason)
+        unsupported = tuple((r.name, r.command, r.unsupported_reason) for r in group if r.verdict is UNSUPPORTED)
         verdict = aggregate((r.verdict for r in group), unsupported="ignore")
-        table.append(Capability(name, tuple(dict.fromkeys(r.name for r in group)), tuple(unsupported.items()), verdict))
+        checks = tuple((r.name, r.command) for r in group)
+        table.append(Capability(name, tuple(dict.fromkeys(r.name for r in group)), unsupported, verdict, checks))
     return table

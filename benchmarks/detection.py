@@ -51,9 +51,11 @@ def detection_table() -> list[str]:
 def no_config_catch_rate() -> list[str]:
     """One line per known-bad implementation: whether the no-config run catches it, on its
     annotated case's rows, and which cases fail; then the catch rate."""
+    from attncheck.candidate import Candidate
     from attncheck.commands import NAMES
     from attncheck.config import load_suite
-    from attncheck.suite import SuiteResult, plan, run_jobs
+    from attncheck.kinds.mha import MHA
+    from attncheck.suite import prepare
 
     suite = load_suite(None)
     catches = {catch.impl: catch for catch in detection.DEFAULT_SUITE_CATCHES}
@@ -62,21 +64,19 @@ def no_config_catch_rate() -> list[str]:
              "|---|---|---|---|---|"]  # fmt: skip
     caught = 0
     for name in names:
-        if name in wrong_impls.OPTIMIZERS:
-            jobs, skipped = plan(suite, NAMES)
-            with detection.sgd_swapped(wrong_impls.OPTIMIZERS[name]):
-                reports = run_jobs(jobs, {})
+        if name in wrong_impls.OPTIMIZERS:  # the reference trained by the wrong update rule
+            impl = Candidate(f"{MHA.reference_spec} trained by {name}", MHA.reference, optimizer=wrong_impls.OPTIMIZERS[name])
         else:
-            jobs, skipped = plan(suite, NAMES, impl=f"attncheck.testing.wrong_impls:{name}")
-            reports = run_jobs(jobs, {})
-        result = SuiteResult(suite.name, NAMES, reports, skipped)
+            impl = f"attncheck.testing.wrong_impls:{name}"
+        result = prepare(suite, NAMES, impl=impl).run()
+        reports = result.reports
         failing = list(dict.fromkeys(r.name for r in reports if not r.passed))
         catch = catches[name]
         [report] = [r for r in reports if r.name == catch.case and r.command == catch.command]
         problems = detection.problems(detection.as_case(catch), report)
         ok = result.verdict == "fail" and not problems
         caught += ok
-        lines.append(f"| {name} | {catch.case} {catch.command} | {result.verdict.upper()} "
+        lines.append(f"| {name} | {catch.case} {catch.command} | {result.verdict.value.upper()} "
                      f"| {len(failing)} | {'yes' if ok else 'NO: ' + '; '.join(problems)} |")  # fmt: skip
     lines.append(f"\nno-config catch rate: {caught} of {len(names)} known-bad implementations ({100 * caught / len(names):.0f}%)")
     return lines

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
 from attncheck import torch_side  # noqa: E402
-from attncheck.candidate import REFERENCE, load_candidate  # noqa: E402
+from attncheck.candidate import load_candidate  # noqa: E402
 from attncheck.checks import check_forward, check_grad, check_sgd  # noqa: E402
 from attncheck.compare import BUDGET_FACTOR, BUDGET_FLOOR, Budget  # noqa: E402
 from attncheck.config import config_from_mapping  # noqa: E402
@@ -85,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", type=int, default=200)
     args = parser.parse_args()
-    candidates = {"reference": REFERENCE, "sdpa": load_candidate(f"{ROOT}/examples/torch_sdpa.py:MultiheadAttention")}
+    candidates = {"reference": None, "sdpa": load_candidate(f"{ROOT}/examples/torch_sdpa.py:MultiheadAttention")}
     with torch_side.one_thread():
         for dtype in ("float16", "bfloat16"):
             ratios, floors = measure(candidates, dtype, args.configs)

@@ -18,10 +18,13 @@ from typer.testing import CliRunner
 
 from attncheck.cli import app
 from attncheck.config import load_suite
-from attncheck.render import suite_summary, suite_verdict
-from attncheck.report import UNSUPPORTED
+from attncheck.candidate import Candidate
 from attncheck.commands import NAMES
-from attncheck.suite import SuiteResult, capabilities, plan, run_jobs
+from attncheck.config import Config
+from attncheck.kinds.mha import MHA
+from attncheck.render import suite_summary, suite_verdict
+from attncheck.report import FAIL, UNSUPPORTED, Reason, Report, Row, SuiteResult, capabilities
+from attncheck.suite import prepare
 from attncheck.testing import detection, wrong_impls
 from attncheck.testing.detection import DEFAULT_SUITE_CATCHES
 
@@ -56,30 +59,31 @@ def test_the_corpus_covers_every_class_once():
 @pytest.mark.parametrize("name", FULL_RUNS)
 def test_no_config_run_exits_1_on_the_expected_rows(tmp_path, name):
     catch = _catch(name)
-    out = tmp_path / "r.json"
-    args = ["run", "--json", str(out)]
     if name in wrong_impls.OPTIMIZERS:
-        with detection.sgd_swapped(wrong_impls.OPTIMIZERS[name]):
-            result = CliRunner().invoke(app, [*args, "--only", "sgd-step"])
+        # A wrong update rule is no SPEC: the reference trained by it, through the same pipeline.
+        trained = Candidate(f"{MHA.reference_spec} trained by {name}", MHA.reference, optimizer=wrong_impls.OPTIMIZERS[name])
+        result = prepare(load_suite(None), ("sgd-step",), impl=trained).run()
+        assert result.verdict is FAIL
+        data = result.to_dict()
     else:
-        result = CliRunner().invoke(app, [*args, "--impl", SPEC.format(name)])
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    data = json.loads(out.read_text())
+        out = tmp_path / "r.json"
+        cli = CliRunner().invoke(app, ["run", "--json", str(out), "--impl", SPEC.format(name)])
+        assert cli.exit_code == 1, cli.output
+        assert "Traceback" not in cli.output
+        data = json.loads(out.read_text())
     [report] = [r for r in data["results"] if r["name"] == catch.case and r["command"] == catch.command]
     failing: dict[str, tuple[str, ...]] = {}
     for row in report["rows"]:
         if row["status"] == "fail":
-            assert row["quantity"] != "candidate", row  # a crash is no catch
-            assert row["mismatched"] > 0 or row["quantity"] in detection.CALL_FINDINGS, row
+            assert row["reason"] != "call", row  # a crash is no catch
+            assert row["mismatched"] > 0 or row["reason"] == "contract", row
             failing[row["section"]] = (*failing.get(row["section"], ()), row["quantity"])
     assert failing == dict(catch.fails)
 
 
 @pytest.fixture(scope="module")
 def reference_run() -> SuiteResult:
-    jobs, skipped = plan(load_suite(None), NAMES)
-    return SuiteResult("default-suite", NAMES, run_jobs(jobs, {}), skipped)
+    return prepare(load_suite(None), NAMES).run()
 
 
 def test_the_reference_passes_every_case(reference_run):
@@ -89,8 +93,7 @@ def test_the_reference_passes_every_case(reference_run):
 
 def test_an_all_pass_summary_fits_one_screen(reference_run):
     console = Console(width=100, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
-    reports = reference_run.reports
-    console.print(*suite_summary(reports, [], "summary  default-suite"), suite_verdict(reports, 0, 1.0, reference_run.verdict))
+    console.print(*suite_summary(reference_run, "summary  default-suite"), suite_verdict(reference_run))
     lines = console.export_text().splitlines()
     assert len(lines) <= 40 and max(map(len, lines)) <= 100
     assert sum(line.split()[-1:] == ["PASS"] for line in lines) >= len(load_suite(None).cases)  # a line per case
@@ -102,14 +105,15 @@ def test_no_config_cli_passes_the_reference_and_the_example():
     result = CliRunner().invoke(app, ["run", "--impl", PER_HEAD])
     assert result.exit_code == 0, result.output
     # its refusals are unsupported, named with its reason in the capability table
-    assert "unsupported" in result.output and "add_bias_kv and add_zero_attn are not supported" in result.output
+    text = " ".join(result.output.split())  # a table cell may wrap anywhere
+    assert "9 unsupported" in text and "not bias-kv-masked, zero-attn-masked: per_head_loop: add_bias_kv and add_zero_attn are not supported" in text
 
 
 def test_capabilities_name_the_unsupported_features_and_judge_the_rest():
-    from attncheck.report import Report, Row
-
     def report(case, config, status):
-        return Report("forward", case, "x", config, rows=[Row("forward", "output", status, note="forward() raised NotImplementedError: no bias_kv")])
+        row = Row("forward", "output", status, note="forward() raised NotImplementedError: no bias_kv (at x.py:3)",
+                  raised="no bias_kv" if status == UNSUPPORTED else "")  # fmt: skip
+        return Report("forward", case, "x", Config(**config), rows=[row])
 
     base = {"name": "c", "embed_dim": 8, "num_heads": 2}
     caps = capabilities([
@@ -119,7 +123,7 @@ def test_capabilities_name_the_unsupported_features_and_judge_the_rest():
     ])  # fmt: skip
     assert [(c.feature, c.cases, c.verdict) for c in caps] == [
         ("module options", ("kv", "nobias"), "fail"), ("shapes", ("plain",), "pass")]  # fmt: skip
-    assert caps[0].unsupported == (("kv", "forward() raised NotImplementedError: no bias_kv"),)
+    assert caps[0].unsupported == (("kv", "forward", "no bias_kv"),)  # the candidate's own words
 
 
 @pytest.mark.parametrize("overrides", [

@@ -294,7 +294,7 @@ def test_overlapping_large_calls_on_two_threads_restore_blas():
 
 
 def test_torch_thread_count_follows_the_config_alone(monkeypatch):
-    """Above torch_side.LARGE_LOGITS torch runs on LARGE_THREADS threads during its own call, and
+    """Above LARGE_LOGITS (a large config, Config.is_large) torch runs on LARGE_THREADS threads during its own call, and
     the count is restored after: it never depends on --workers or the machine."""
     import torch
 
@@ -306,7 +306,7 @@ def test_torch_thread_count_follows_the_config_alone(monkeypatch):
     monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.append(n) or real(n))
     with torch_side.one_thread():
         torch_side.grad(cfg, make_workload(cfg))
-        monkeypatch.setattr(torch_side, "LARGE_LOGITS", 0)
+        monkeypatch.setattr(schema, "LARGE_LOGITS", 0)
         torch_side.grad(cfg, make_workload(cfg))
         assert torch.get_num_threads() == 1
     assert seen[1:5] == [1, 1, torch_side.LARGE_THREADS, 1]  # after one_thread's own 1: small, restored, large, restored
@@ -359,6 +359,8 @@ def test_in_place_softmax_equals_textbook_formula():
 # Each runs on a small config with LARGE_LOGITS set to 0, so the path meant for long sequences is
 # taken, and is checked against the path a small config takes (the unoptimized computation).
 from attncheck import checks  # noqa: E402
+from attncheck.checks import calls, finite_diff  # noqa: E402
+from attncheck.config import schema  # noqa: E402
 from attncheck.candidate import Candidate  # noqa: E402
 from attncheck.config import Config  # noqa: E402
 from attncheck.inputs import fully_masked, make_workload  # noqa: E402
@@ -366,7 +368,7 @@ from attncheck.testing import untrusted, wrong_impls  # noqa: E402
 
 
 def _as_large(monkeypatch):
-    monkeypatch.setattr(checks, "LARGE_LOGITS", 0)
+    monkeypatch.setattr(schema, "LARGE_LOGITS", 0)
 
 
 def _fd_rows(report):
@@ -380,8 +382,8 @@ def test_joint_finite_difference_passes_what_per_quantity_passes(monkeypatch):
     report = checks.check_grad(cfg)
     large = _fd_rows(report)
     assert all(r.status == "pass" for r in small.values()) and len(small) == 9
-    assert list(large) == [checks.JOINT_FD] and large[checks.JOINT_FD].status == "pass"
-    assert large[checks.JOINT_FD].ratio < 0.1  # far inside: the joint sum is no looser than its parts
+    assert list(large) == [finite_diff.JOINT_FD] and large[finite_diff.JOINT_FD].status == "pass"
+    assert large[finite_diff.JOINT_FD].ratio < 0.1  # far inside: the joint sum is no looser than its parts
     assert any("one random direction over every gradient" in n for n in report.notes)
 
 
@@ -390,11 +392,11 @@ def test_joint_finite_difference_along_the_sum_of_the_per_quantity_directions(mo
     cfg = Config(seed=4, dtype="float64")
     small = _fd_rows(checks.check_grad(cfg))
     _as_large(monkeypatch)
-    joint = _fd_rows(checks.check_grad(cfg))[checks.JOINT_FD]
+    joint = _fd_rows(checks.check_grad(cfg))[finite_diff.JOINT_FD]
     # Every quantity's step here is FD_EPS (all |x| <= 1 but the input's), so the slopes just add
     # up once the input's own step is accounted for.
     w = make_workload(cfg)
-    steps = {label: checks.FD_EPS * max(1.0, float(np.abs(w.query if label == "input" else w.params[label.split("[")[0]]).max()))
+    steps = {label: finite_diff.FD_EPS * max(1.0, float(np.abs(w.query if label == "input" else w.params[label.split("[")[0]]).max()))
              for label in small}  # fmt: skip
     unit = steps["in_proj_weight[q]"]
     expected = sum(float(r.evidence.candidate) * steps[q] / unit for q, r in small.items())
@@ -407,7 +409,7 @@ def test_a_failing_joint_direction_is_localized_per_quantity(monkeypatch):
     small = _fd_rows(checks.check_grad(cfg, bad))
     _as_large(monkeypatch)
     large = _fd_rows(checks.check_grad(cfg, bad))
-    assert large.pop(checks.JOINT_FD).status == "fail"
+    assert large.pop(finite_diff.JOINT_FD).status == "fail"
     assert {q: r.status for q, r in large.items()} == {q: r.status for q, r in small.items()}
     assert {q for q, r in large.items() if r.failed} == {"in_proj_weight[q]", "in_proj_weight[k]", "in_proj_bias[q]", "in_proj_bias[k]", "input"}
     for q in small:
@@ -421,7 +423,7 @@ def test_shortened_repeat_call_still_catches_state(monkeypatch, impl):
     cfg = Config(seed=0, tgt_len=80, dtype="float32")
     report = checks.check_grad(cfg, Candidate("stateful", impl))
     assert [r.status for r in report.rows if r.quantity == "repeat call"] == ["fail"]
-    assert any(f"inputs of length {checks.REPEAT_LENGTH}" in n for n in report.notes)
+    assert any(f"inputs of length {calls.REPEAT_LENGTH}" in n for n in report.notes)
 
 
 def test_shortened_repeat_call_passes_the_reference(monkeypatch):
@@ -468,5 +470,5 @@ def test_joint_finite_difference_catches_a_small_gradient_error(monkeypatch):
     direction (136x along its own), so the joint row is not blind to small errors."""
     _as_large(monkeypatch)
     rows = _fd_rows(checks.check_grad(Config(seed=0, dtype="float64"), Candidate("perturbed", PerturbedOutProjGradient)))
-    assert rows[checks.JOINT_FD].failed and rows[checks.JOINT_FD].ratio > 10
-    assert [q for q, r in rows.items() if r.failed] == [checks.JOINT_FD, "out_proj.weight"]
+    assert rows[finite_diff.JOINT_FD].failed and rows[finite_diff.JOINT_FD].ratio > 10
+    assert [q for q, r in rows.items() if r.failed] == [finite_diff.JOINT_FD, "out_proj.weight"]

@@ -16,7 +16,6 @@ from typer.testing import CliRunner
 
 from attncheck.api import check
 from attncheck.cli import app
-from attncheck.config import config_from_mapping
 from attncheck.plot import figures, panels, write_plots
 from tests.test_diagnose import CausalOffByOne, HeadsReversed, HeadTwoQGradZero, KeyPaddingIgnored
 
@@ -31,7 +30,7 @@ def _row(report, quantity, section="forward"):
 
 def test_a_causal_off_by_one_shows_as_the_diagonal_above_the_main_one():
     report = check(PER_HEAD_CAUSAL, "forward", impl=CausalOffByOne)
-    ps = panels(_row(report, "attn_weights"), config_from_mapping(report.config))
+    ps = panels(_row(report, "attn_weights"), report.config)
     assert [p.title.split(",")[0] for p in ps] == ["head 0", "head 1", "head 2", "head 3"]  # one panel per head
     for p in ps:
         L = p.ratio.shape[0]
@@ -43,14 +42,14 @@ def test_a_causal_off_by_one_shows_as_the_diagonal_above_the_main_one():
 
 def test_a_head_bug_shows_as_whole_heads():
     report = check({}, "grad", impl=HeadTwoQGradZero)
-    (p,) = panels(_row(report, "in_proj_weight[q]", "grad"), config_from_mapping(report.config))
+    (p,) = panels(_row(report, "in_proj_weight[q]", "grad"), report.config)
     assert p.head_size == (4, None)  # head boundaries drawn every D rows
     assert (p.ratio[8:12] > 1).all() and (p.ratio[:8] <= 1).all() and (p.ratio[12:] <= 1).all()
 
 
 def test_a_key_padding_bug_shows_at_the_padded_columns():
     report = check(dict(key_padding_mask="random", tgt_len=8), "forward", impl=KeyPaddingIgnored)
-    (p,) = panels(_row(report, "attn_weights"), config_from_mapping(report.config))
+    (p,) = panels(_row(report, "attn_weights"), report.config)
     padded = p.masked.all(axis=0)
     assert padded.any() and np.array_equal(p.masked, np.broadcast_to(padded, p.masked.shape))  # whole columns hatched
     assert (p.ratio[:, padded] > 1).all()

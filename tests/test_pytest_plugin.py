@@ -11,7 +11,7 @@ import pytest
 
 import attncheck
 from attncheck.config import load_suite
-from attncheck.pytest_plugin import Check, failure_message
+from attncheck.pytest_plugin import Check
 from attncheck.report import INCONCLUSIVE, PASS, UNSUPPORTED, Report, Row
 
 pytest_plugins = ["pytester"]
@@ -191,7 +191,7 @@ class Canned(Check):
 
 
 def canned(status: str, note: str = "") -> Check:
-    report = Report("grad", "case", "mine:Impl", {}, rows=[Row("forward", "output", PASS), Row("grad", "loss", status, note=note)],
+    report = Report("grad", "case", "mine:Impl", attncheck.Config(), rows=[Row("forward", "output", PASS), Row("grad", "loss", status, note=note)],
                     notes=["the training diverges"])  # fmt: skip
     cfg = attncheck.Config()
     return Canned("case", "grad", cfg, report)
@@ -211,5 +211,5 @@ def test_unsupported_skips_with_the_reason():
 
 
 def test_failure_message_lists_only_failing_rows():
-    report = Report("forward", "c", "x:Y", {}, rows=[Row("forward", "output", "fail", note="bad"), Row("forward", "attn_weights", PASS)])
-    assert failure_message(report).splitlines() == ["attncheck forward on 'c' (x:Y): fail, 1 of 2 rows", "  forward output", "    bad"]
+    report = Report("forward", "c", "x:Y", attncheck.Config(), rows=[Row("forward", "output", "fail", note="bad"), Row("forward", "attn_weights", PASS)])
+    assert report.failure_message().splitlines() == ["attncheck forward on 'c' (x:Y): fail, 1 of 2 rows", "  forward output", "    bad"]

@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 
 import attncheck.api
 import attncheck.checks
+import attncheck.checks.forward
+import attncheck.suite
 import attncheck.cli
 from attncheck.cli import app
 from attncheck.config import MEMORY_LIMIT_ENV
@@ -104,7 +106,7 @@ def test_internal_bug_exits_3_with_traceback_and_a_request_to_report(monkeypatch
     def broken(*args, **kwargs):
         raise RuntimeError("an attncheck bug")
 
-    monkeypatch.setattr(attncheck.checks, "check_forward", broken)
+    monkeypatch.setattr(attncheck.checks.forward, "check_forward", broken)
     with pytest.raises(SystemExit) as exit_info:
         attncheck.cli.main(["forward"])
     assert exit_info.value.code == 3
@@ -138,7 +140,7 @@ def test_oversized_suite_case_is_refused_by_name_before_any_work(tmp_path, monke
 
 
 def test_check_refuses_an_oversized_config_before_any_work(monkeypatch):
-    monkeypatch.setattr(attncheck.api, "run_check", must_not_run)
+    monkeypatch.setattr(attncheck.suite, "run_jobs", must_not_run)
     monkeypatch.setenv(MEMORY_LIMIT_ENV, "1")
     with pytest.raises(ConfigError, match=r"this check needs about .* 2 x 4 x 2000 x 2000"):
         attncheck.check({"tgt_len": 2000})

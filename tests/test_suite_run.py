@@ -123,7 +123,7 @@ def test_suite_json(suites, tmp_path):
     out = tmp_path / "r.json"
     run("run", "-c", suites["failing"], "--json", out)
     data = json.loads(out.read_text())
-    assert data["schema"] == 1 and data["suite"] == "tiny" and data["verdict"] == "fail"
+    assert data["schema"] == 2 and data["suite"] == "tiny" and data["verdict"] == "fail"
     assert len(data["results"]) == (MATRIX_RUNNABLE + 1) * 3
     assert [s["case"] for s in data["skipped"]] == ["add_bias_kv=true,is_causal=true"]
     assert "is_causal" in data["skipped"][0]["reason"]
@@ -185,7 +185,7 @@ def test_workers_give_identical_results(suites, tmp_path):
     assert rows(2) == rows(1)
 
 
-# Above torch_side.LARGE_LOGITS (2^22) attention logits B * H * L * S torch runs on two threads, and
+# Above LARGE_LOGITS (2^22) attention logits B * H * L * S (Config.is_large) torch runs on two threads, and
 # from the reference's parallel_logits (2^23) its calls run on worker threads (one per worker
 # process under --workers); each count is fixed by the config, so the numbers must not move.
 LARGE = """\
@@ -201,13 +201,11 @@ matrix:
 
 
 def test_workers_give_identical_results_above_the_thread_threshold(tmp_path):
-    from attncheck import torch_side
     from attncheck.config import Config
     from attncheck.reference import DEFAULT_PARALLEL_LOGITS
 
     cfg = Config(embed_dim=8, num_heads=2, tgt_len=1500)
-    logits = cfg.effective_batch * cfg.num_heads * cfg.tgt_len * cfg.S
-    assert logits > torch_side.LARGE_LOGITS and logits >= DEFAULT_PARALLEL_LOGITS  # the suite below is large for both
+    assert cfg.is_large and cfg.logits >= DEFAULT_PARALLEL_LOGITS  # the suite below is large for both
     suite = tmp_path / "large.yaml"
     suite.write_text(LARGE)
 

@@ -27,7 +27,8 @@ from attncheck.api import check
 from attncheck.cli import app
 from attncheck.files import write_atomic
 from attncheck.render import fmt, progress_bar, render
-from attncheck.report import FAIL, PASS, Report, Row
+from attncheck.config import Config
+from attncheck.report import FAIL, PASS, Report, Row, SuiteResult
 from tests.test_diagnose import QGradTimesSqrtD
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,11 +56,10 @@ def fixed_report() -> Report:
             rule_kind="budget", allowed=3.26e-06, ratio=0.008, candidate_error=2.65e-08, torch_error=2.28e-08),
         Row("grad", "out_proj.weight head 3", FAIL, shape=(16, 4), numel=64, mismatched=12, max_abs=0.0, max_rel=0.0,
             rule="4x torch + 1e-05", rule_kind="budget", allowed=4.72e-06, ratio=0.0, candidate_error=0.0, torch_error=4.47e-08,
-            note="NaN in 12 places torch has none, missing in 0 places torch has NaN"),
+            reason="nan", note="NaN in 12 places torch has none, missing in 0 places torch has NaN"),
     ]  # fmt: skip
-    config = dict(embed_dim=16, num_heads=4, batch_size=2, tgt_len=5, src_len=None, dtype="float32", self_attention=True,
-                  batch_first=True, tolerance="budget")  # fmt: skip
-    return Report("grad", "fixed", "mypkg.attention:MultiheadAttention", config, rows, seconds=0.05)
+    config = Config(embed_dim=16, num_heads=4, batch_size=2, tgt_len=5, dtype="float32", self_attention=True, batch_first=True, tolerance="budget")
+    return Report("grad", "fixed", "mypkg.attention:MultiheadAttention", config, rows=rows, seconds=0.05)
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -155,10 +155,10 @@ def test_an_all_pass_suite_is_summarized(tmp_path):
 def test_a_suite_of_many_cases_is_summarized_by_counts_per_command():
     from attncheck.render import CASE_LINES_MAX, suite_summary
 
-    reports = [Report(command, f"case-{i}", "x", {"name": f"case-{i}"}, rows=[Row("forward", "output", "pass", ratio=0.5)])
+    reports = [Report(command, f"case-{i}", "x", Config(name=f"case-{i}"), rows=[Row("forward", "output", "pass", ratio=0.5)])
                for i in range(CASE_LINES_MAX + 1) for command in ("forward", "grad")]  # fmt: skip
     console = Console(width=100, file=io.StringIO(), record=True)
-    console.print(*suite_summary(reports, [], "summary"))
+    console.print(*suite_summary(SuiteResult("many", ("forward", "grad"), reports), "summary"))
     text = console.export_text()
     assert re.search(rf"forward\s+{CASE_LINES_MAX + 1}\s+{CASE_LINES_MAX + 1}\s+0", text) and "case-7 " not in text
 

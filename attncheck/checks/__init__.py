@@ -25,14 +25,13 @@ from attncheck.checks.sgd_step import check_sgd
 from attncheck.commands import command as command_named
 from attncheck.commands import options_for
 from attncheck.config import Config
-from attncheck.diagnose import diagnose_report
 from attncheck.errors import Unsupported
 from attncheck.report import Report
 
 
 def run_check(command: str, cfg: Config, candidate: Candidate | None = None, **options) -> Report:
     """Run one command (see attncheck.commands) by name; options it does not take are dropped.
-    Each failing row gets its diagnosis (attncheck.diagnose).
+    Each failing row comes with its diagnosis (attncheck.diagnose).
 
     A command that needs gradients is unsupported, before any work, for a candidate known to have
     no backward (a NumPy class without one)."""
@@ -43,9 +42,7 @@ def run_check(command: str, cfg: Config, candidate: Candidate | None = None, **o
         return run.ended_at(which.section, Unsupported(reason, raised=reason))
     torch_side.require_device(cfg)
     with torch_side.deterministic(cfg):
-        report = which.check(cfg, candidate, **options_for(command, options))
-    diagnose_report(report, cfg)
-    return report
+        return which.check(cfg, candidate, **options_for(command, options))
 
 
 __all__ = ["run_check", "check_forward", "check_grad", "check_sgd"]

@@ -17,6 +17,7 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.candidate import Candidate, Session, framework_of, reference_for
 from attncheck.config import Config
+from attncheck.diagnose import diagnose_report
 from attncheck.errors import CandidateProblem, Unsupported
 from attncheck.inputs import Workload, fully_masked, make_workload
 from attncheck.kinds import kind_of
@@ -96,5 +97,7 @@ class CheckRun:
         return self.finish()
 
     def finish(self) -> Report:
+        """The report, each failing row with its diagnosis (attncheck.diagnose), timed."""
+        diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask)
         self.report.seconds = time.perf_counter() - self.start
         return self.report

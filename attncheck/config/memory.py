@@ -78,8 +78,10 @@ def check_memory(cfg: Config, source: str = "<config>", line: int | None = None)
 
 
 def check_suite_memory(suite: Suite) -> None:
-    """Refuse a suite if any case's check would not fit in memory, naming every such case."""
-    cases = [(case.config, case.line, case.name) for case in suite.cases if case.config is not None]
+    """Refuse a suite if any case's check would not fit in memory, naming every such case (a suite
+    of one case, a config file or the API's one config, is "this check")."""
+    one = len(suite.cases) == 1
+    cases = [(case.config, case.line, None if one else case.name) for case in suite.cases if case.config is not None]
     _refuse_oversized(cases, suite.source)
 
 

@@ -4,8 +4,9 @@ Each is a small variation of the correct reference, so a check that catches it p
 exactly that bug. Usable as `--impl attncheck.testing.wrong_impls:NAME`. Which command catches
 which, under which config and on which rows, is the table in attncheck/testing/detection.py.
 
-Dimensions as in attncheck/reference.py: B batch, L target length, S source length, E embed dim,
-H heads, D head dim, G = B * H.
+The private methods overridden here are the reference's declared hooks, attncheck.reference.HOOKS
+(tests/test_hooks.py fails on any other). Dimensions as in attncheck/reference/mha.py: B batch,
+L target length, S source length, E embed dim, H heads, D head dim, G = B * H.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ import threading
 import numpy as np
 
 from attncheck.reference import MultiheadAttention
-from attncheck.sgd import SGD
+# Wrong backward passes of the projections and wrong update rules live beside these (wrong_gradients,
+# wrong_updates); their names stay usable from here.
+from attncheck.testing.wrong_gradients import (BiasGradAveragedOverBatch, BiasKvGradSwapped,  # noqa: F401
+                                               OutProjWeightGradTransposed, QueryGradScaleMissing)  # fmt: skip
+from attncheck.testing.wrong_updates import (OPTIMIZERS, MaximizeAfterWeightDecay, MomentumBufferFromZero,  # noqa: F401
+                                             NesterovWithoutGradient, WeightDecayDecoupled)  # fmt: skip
 
 
 class SoftmaxDiagonalBackward(MultiheadAttention):
@@ -520,60 +526,6 @@ class Float32Internally(MultiheadAttention):
         return {k: v.astype(self.given) for k, v in grads.items()}
 
 
-# --------------------------------------------------------------------------------- gradients
-class QueryGradScaleMissing(MultiheadAttention):
-    """backward() forgets the 1/sqrt(D) softmax scale on the query path: the query-projection and
-    query gradients are sqrt(D) times too large. Invisible when D == 1."""
-
-    def backward(self, grad_output):
-        grads = super().backward(grad_output)
-        root = self.dtype.type(np.sqrt(self.D))
-        if self.separate:
-            grads["q_proj_weight"] = grads["q_proj_weight"] * root
-        else:
-            grads["in_proj_weight"][: self.E] *= root
-        if self.bq is not None:
-            grads["in_proj_bias"][: self.E] *= root
-        grads["query"] = grads["query"] * root
-        return grads
-
-
-class BiasGradAveragedOverBatch(MultiheadAttention):
-    """Bias gradients averaged over the batch instead of summed (in_proj_bias, out_proj.bias).
-    Invisible when B == 1."""
-
-    def forward(self, query, *args, **kwargs):
-        self._batch = 1 if query.ndim == 2 else query.shape[0 if self.batch_first else 1]
-        return super().forward(query, *args, **kwargs)
-
-    def backward(self, grad_output):
-        grads = super().backward(grad_output)
-        for name in ("in_proj_bias", "out_proj.bias"):
-            if name in grads:
-                grads[name] = grads[name] / self.dtype.type(self._batch)
-        return grads
-
-
-class OutProjWeightGradTransposed(MultiheadAttention):
-    """backward() returns the out-projection weight's gradient transposed: (in, out) where torch's
-    layout is (out, in). Square, so no shape check can see it."""
-
-    def backward(self, grad_output):
-        grads = super().backward(grad_output)
-        grads["out_proj.weight"] = np.ascontiguousarray(grads["out_proj.weight"].T)
-        return grads
-
-
-class BiasKvGradSwapped(MultiheadAttention):
-    """backward() returns bias_k's gradient as bias_v's and bias_v's as bias_k's."""
-
-    def backward(self, grad_output):
-        grads = super().backward(grad_output)
-        if "bias_k" in grads:
-            grads["bias_k"], grads["bias_v"] = grads["bias_v"], grads["bias_k"]
-        return grads
-
-
 # ------------------------------------------------------------------------------------- calls
 class KeyValueProjectionCached(MultiheadAttention):
     """Caches the key and value inputs of its first call and reuses them on every later call of the
@@ -597,52 +549,6 @@ class MaskSanitizedInPlace(MultiheadAttention):
         return super().forward(query, key, value, attn_mask=attn_mask, **kwargs)
 
 
-class MomentumBufferFromZero(SGD):
-    """The momentum buffer starts at zero, not at the first gradient: buf = momentum * 0 + (1 - dampening) * g.
-
-    Identical to torch when dampening == 0; with dampening the first step is (1 - dampening)
-    times too small. An optimizer, not a module: swapped in for attncheck.checks.SGD.
-    """
-
-    def step(self, params, grads):
-        for name, g in grads.items():
-            if self.momentum != 0 and name not in self.momentum_buffers:
-                self.momentum_buffers[name] = np.zeros_like(g)
-        return super().step(params, grads)
-
-
-class NesterovWithoutGradient(SGD):
-    """Nesterov's update uses the buffer alone (g = buf, plain momentum) instead of g + momentum * buf."""
-
-    def step(self, params, grads):
-        plain = SGD(self.lr, self.momentum, self.dampening, self.weight_decay, False, self.maximize, self.momentum_buffers)
-        return plain.step(params, grads)
-
-
-class WeightDecayDecoupled(SGD):
-    """Weight decay applied to the weights directly after the update, p -= lr * weight_decay * p
-    (AdamW style), instead of added to the gradient before the momentum."""
-
-    def step(self, params, grads):
-        plain = SGD(self.lr, self.momentum, self.dampening, 0.0, self.nesterov, self.maximize, self.momentum_buffers)
-        updated = plain.step(params, grads)
-        for name in grads:
-            updated[name] = (updated[name] - self.lr * self.weight_decay * params[name]).astype(params[name].dtype)
-        return updated
-
-
-class MaximizeAfterWeightDecay(SGD):
-    """maximize negates the gradient after the weight decay is added, so the decay is negated too
-    (torch negates the gradient first)."""
-
-    def step(self, params, grads):
-        if not self.maximize:
-            return super().step(params, grads)
-        decayed = {k: g + self.weight_decay * params[k] for k, g in grads.items()}
-        rest = SGD(self.lr, self.momentum, self.dampening, 0.0, self.nesterov, True, self.momentum_buffers)
-        return rest.step(params, decayed)
-
-
 # Every wrong module above, by name.
 MODULES = {
     cls.__name__: cls
@@ -658,9 +564,3 @@ MODULES = {
         BiasKvGradSwapped, KeyValueProjectionCached, MaskSanitizedInPlace,
     )
 }  # fmt: skip
-
-# The wrong optimizers, by name: each is swapped in for attncheck.checks.SGD.
-OPTIMIZERS = {
-    cls.__name__: cls
-    for cls in (MomentumBufferFromZero, NesterovWithoutGradient, WeightDecayDecoupled, MaximizeAfterWeightDecay)
-}

@@ -1,6 +1,7 @@
 """Deliberately wrong encoder layers: each must be caught by the layer's default suite, with no config.
 
-Each is the NumPy reference layer (attncheck/layer_reference.py) with one bug students write.
+Each is the NumPy reference layer (attncheck/layer_reference.py) with one bug students write,
+overriding only its declared hooks (layer_reference.HOOKS; tests/test_hooks.py).
 Usable as `--impl attncheck.testing.wrong_layers:NAME --module transformer_encoder_layer`;
 tests/test_wrong_layers.py runs each through the embedded suite and names the cases that catch it.
 

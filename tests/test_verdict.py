@@ -1,0 +1,108 @@
+"""One verdict, decided once (attncheck.report.aggregate), and every entry point renders that one:
+the CLI's exit code, Report.assert_passed, the pytest plugin's outcome and JUnit agree for every
+verdict."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+
+import attncheck
+from attncheck.cli import EXIT_INCONCLUSIVE, EXIT_MISMATCH, EXIT_OK, exit_code
+from attncheck.config import Config
+from attncheck.junit import to_junit
+from attncheck.pytest_plugin import Check
+from attncheck.report import (FAIL, INCONCLUSIVE, INFO, NOT_PROVIDED, PASS, SKIPPED, UNSUPPORTED, Report, Row, Status, SuiteResult,
+                              aggregate, capabilities, case_verdict)  # fmt: skip
+
+# (statuses, as a check's rows ("count"), as a suite's checks ("ignore"))
+TABLE = [
+    ([], INCONCLUSIVE, INCONCLUSIVE),
+    ([PASS], PASS, PASS),
+    ([PASS, INFO, SKIPPED, NOT_PROVIDED], PASS, PASS),
+    ([NOT_PROVIDED, INFO], INCONCLUSIVE, INCONCLUSIVE),  # nothing proven
+    ([PASS, FAIL, UNSUPPORTED, INCONCLUSIVE], FAIL, FAIL),
+    ([PASS, INCONCLUSIVE], INCONCLUSIVE, INCONCLUSIVE),
+    ([PASS, UNSUPPORTED], UNSUPPORTED, PASS),  # a check that proved less than asked; a suite judges what is supported
+    ([UNSUPPORTED, UNSUPPORTED], UNSUPPORTED, UNSUPPORTED),
+    ([UNSUPPORTED, INCONCLUSIVE], INCONCLUSIVE, INCONCLUSIVE),
+]
+
+
+@pytest.mark.parametrize("statuses,as_rows,as_checks", TABLE)
+def test_aggregate(statuses, as_rows, as_checks):
+    assert aggregate(statuses, unsupported="count") is as_rows
+    assert aggregate(statuses, unsupported="ignore") is as_checks
+    assert aggregate([str(s) for s in statuses]) is as_rows  # the JSON's words mean the same
+
+
+def report(status: Status, name: str = "case", command: str = "forward") -> Report:
+    rows = [Row("forward", "output", PASS, numel=4, judged=4)] if status is not UNSUPPORTED else []
+    rows.append(Row("forward", "attn_weights", status, note=f"a row that is {status}", raised="no weights here" if status is UNSUPPORTED else ""))
+    return Report(command, name, "mine:Impl", Config(name=name), rows=rows)
+
+
+class Canned(Check):
+    def run(self):
+        return self.impl  # the Report this test hands over
+
+
+@pytest.mark.parametrize("status,code,outcome,junit", [
+    (PASS, EXIT_OK, "passed", None),
+    (FAIL, EXIT_MISMATCH, "failed", "failure"),
+    (INCONCLUSIVE, EXIT_INCONCLUSIVE, "failed", "error"),
+    (UNSUPPORTED, EXIT_INCONCLUSIVE, "skipped", "skipped"),
+])  # fmt: skip
+def test_every_entry_point_renders_the_one_verdict(status, code, outcome, junit):
+    one = report(status)
+    assert one.verdict is status
+    result = SuiteResult("suite", ("forward",), [one])
+    assert result.verdict is status and exit_code(result.verdict) == code
+    if status is PASS:
+        one.assert_passed()
+    else:
+        with pytest.raises(AssertionError, match=rf"^attncheck forward on 'case' \(mine:Impl\): {status}"):
+            one.assert_passed()
+    try:
+        Canned("case", "forward", one.config, one).assert_passed()
+        got = "passed"
+    except pytest.skip.Exception:
+        got = "skipped"
+    except pytest.fail.Exception:
+        got = "failed"
+    assert got == outcome
+    elements = {child.tag for child in ET.fromstring(to_junit(result)).find("testcase")}
+    assert elements == (set() if junit is None else {junit})
+
+
+def test_assert_passed_lets_a_declared_gap_through_only_when_asked():
+    gap = report(UNSUPPORTED)
+    with pytest.raises(AssertionError, match="no weights here|a row that is unsupported"):
+        gap.assert_passed()
+    gap.assert_passed(allow_unsupported=True)
+    with pytest.raises(AssertionError):
+        report(INCONCLUSIVE).assert_passed(allow_unsupported=True)
+
+
+def test_the_api_never_passes_a_candidate_that_refuses_everything():
+    """The design review's example: a candidate whose constructor raises NotImplementedError."""
+
+    class Refuses:
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError("no")
+
+    checked = attncheck.check(None, "forward", impl=Refuses)
+    assert checked.verdict is UNSUPPORTED and checked.unsupported_reason == "no"
+    with pytest.raises(AssertionError, match="unsupported"):
+        checked.assert_passed()
+
+
+def test_a_suite_a_case_and_a_capability_take_their_verdict_from_their_checks():
+    reports = [report(PASS, "a"), report(UNSUPPORTED, "a", "grad"), report(UNSUPPORTED, "b"), report(FAIL, "c")]
+    assert case_verdict(reports[:2]) is PASS and case_verdict(reports[2:3]) is UNSUPPORTED
+    assert SuiteResult("s", ("forward", "grad"), reports).verdict is FAIL
+    assert SuiteResult("s", ("forward", "grad"), reports[:3]).verdict is PASS
+    assert SuiteResult("s", ("forward",), reports[2:3]).verdict is UNSUPPORTED
+    [shapes] = capabilities(reports)
+    assert shapes.verdict is FAIL and shapes.unsupported == (("a", "grad", "no weights here"), ("b", "forward", "no weights here"))
