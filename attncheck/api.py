@@ -4,8 +4,9 @@
     report = check({"attn_mask": "causal"}, "grad", impl="mypkg.attention:MHA")
     report.assert_passed()
 
-Errors the CLI would exit 2 for (a bad config, an impl that cannot be imported, a candidate with
-no backward under grad) are raised as attncheck.errors.UsageError (ConfigError for configs).
+Errors the CLI would exit 2 for (a bad config, an impl that cannot be imported) are raised as
+attncheck.errors.UsageError (ConfigError for configs). A candidate runs in a process of its own,
+as on the command line: nothing it does can end or change the caller's process.
 A candidate that raises or returns something unusable is a failing row of the Report, as on the
 command line.
 """
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 from os import PathLike
 from typing import Any
 
-from attncheck.candidate import Candidate, candidate_from_object, reference_for
+from attncheck.candidate import Candidate, candidate_from_object, importable_spec
 from attncheck.commands import COMMANDS, NAMES
 from attncheck.commands import command as command_named
 from attncheck.config import Case, Config, Suite, config_from_mapping, load_config, load_suite
@@ -74,7 +75,11 @@ def _candidate(impl: str | Any | None, cfg: Config) -> str | Candidate | None:
     """What `impl` names: a SPEC (imported by the pipeline), a candidate object, or None."""
     if impl is None or isinstance(impl, (str, Candidate)):
         return impl
-    return candidate_from_object(impl) or reference_for(cfg)
+    candidate = candidate_from_object(impl)
+    if candidate.builtin:
+        return candidate
+    # A class a fresh interpreter can import runs in its own process, as a SPEC does.
+    return importable_spec(impl) or candidate
 
 
 __all__ = ["check", "Report", "Config", "load_config", "NAMES"]

@@ -61,22 +61,43 @@ class Candidate:
     # The update rule the sgd-step check trains the candidate's gradients with: attncheck's SGD
     # (None), or a known-bad one (attncheck.testing) whose own update is under check.
     optimizer: type | None = None
+    # Run in a process of its own (attncheck.remote): then `factory` is None in the judge's
+    # process, which never imports the candidate, and what it knows came from that process.
+    remote: bool = False
+    class_without_backward: bool = False  # a class whose objects have no backward(grad_output)
+    isolation_note: str = ""  # why a candidate runs in the judge's process, when it does
 
     def lacks_backward(self, cfg) -> bool:
         """Whether it is known before building one that its objects have no backward(grad_output)
         and no autograd: a class without one, run as a NumPy candidate. (A factory function's
         objects are only known once built.)"""
-        return (framework_of(cfg, self) == "numpy" and isinstance(self.factory, type)
-                and not callable(getattr(self.factory, "backward", None)))  # fmt: skip
+        return framework_of(cfg, self) == "numpy" and self.class_without_backward
+
+
+def _class_without_backward(factory: Any) -> bool:
+    return isinstance(factory, type) and not callable(getattr(factory, "backward", None))
+
+
+def make_session(cfg, candidate: Candidate) -> Session:
+    """The Session flavour for the candidate's framework: NumPy arrays, torch tensors or JAX
+    arrays. Run where the candidate runs: its own process (attncheck.child) or, for attncheck's
+    own references, the judge's."""
+    framework = framework_of(cfg, candidate)
+    if framework == "torch":
+        from attncheck.torch_candidate import TorchSession  # torch tensors only for a torch candidate
+
+        return TorchSession(cfg, candidate)
+    if framework == "jax":
+        from attncheck.jax_candidate import JaxSession  # JAX is imported only for a JAX candidate
+
+        return JaxSession(cfg, candidate)
+    return Session(cfg, candidate)
 
 
 def reference_for(cfg) -> Candidate:
     """The NumPy reference of the config's module: the oracle, and the candidate when none is given."""
     kind = kind_of(cfg)
     return Candidate(kind.reference_spec, kind.reference, builtin=True)
-
-
-REFERENCE_SPECS = {kind.reference_spec for kind in kinds().values()}
 
 
 def detect_framework(factory: Any) -> str:
@@ -115,15 +136,23 @@ def framework_of(cfg, candidate: Candidate) -> str:
 
 
 # ------------------------------------------------------------------------------------ loading
+def builtin(spec: str) -> Candidate | None:
+    """One of attncheck's own references by its SPEC (run in the judge's process), else None."""
+    references = {kind.reference_spec: kind.reference for kind in kinds().values()}
+    return Candidate(spec, references[spec], builtin=True) if spec in references else None
+
+
 def load_candidate(spec: str | None, origin: str | None = None) -> Candidate | None:
     """The candidate a SPEC names; None (the config's module's built-in reference) when spec is
-    None or a reference's own SPEC.
+    None; a built-in reference by its own SPEC (that reference, whichever module the config checks).
 
     `origin` is where the SPEC was written, `file:line` of a config's `impl`; a SPEC that cannot
     be loaded is a UsageError placed there (else it names `--impl`).
     """
-    if spec is None or spec in REFERENCE_SPECS:
+    if spec is None:
         return None
+    if builtin(spec) is not None:
+        return builtin(spec)
     who = f"{origin}: impl {spec!r}" if origin else f"--impl {spec!r}"
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
@@ -145,18 +174,35 @@ def load_candidate(spec: str | None, origin: str | None = None) -> Candidate | N
         obj = getattr(obj, part)
     if not callable(obj):
         raise UsageError(f"{who}: {attr} is a {type(obj).__name__}, not a class or function")
-    return Candidate(spec, obj, detect_framework(obj))
+    return Candidate(spec, obj, detect_framework(obj), class_without_backward=_class_without_backward(obj))
 
 
-def candidate_from_object(impl: Any) -> Candidate | None:
-    """A Candidate for a class or factory handed over directly (the Python API's `impl=`); None for
-    a built-in reference."""
+def candidate_from_object(impl: Any) -> Candidate:
+    """A Candidate for a class or factory handed over directly (the Python API's `impl=`)."""
     if not callable(impl):
         raise UsageError(f"impl: {type(impl).__name__} is not a class or function")
-    if any(impl is kind.reference for kind in kinds().values()):
-        return None
+    for kind in kinds().values():
+        if impl is kind.reference:
+            return Candidate(kind.reference_spec, impl, builtin=True)
     name = getattr(impl, "__qualname__", None) or type(impl).__name__
-    return Candidate(f"{getattr(impl, '__module__', '?')}:{name}", impl, detect_framework(impl))
+    spec = f"{getattr(impl, '__module__', '?')}:{name}"
+    note = "" if importable_spec(impl) else (
+        f"{spec} runs in attncheck's own process, not isolated: a separate process cannot import it "
+        "(defined in __main__, inside a function, or under another name); a module-level class or a SPEC string is isolated")  # fmt: skip
+    return Candidate(spec, impl, detect_framework(impl), class_without_backward=_class_without_backward(impl), isolation_note=note)
+
+
+def importable_spec(impl: Any) -> str | None:
+    """`module:qualname` when a fresh interpreter can import exactly this object by that name."""
+    module, name = getattr(impl, "__module__", None), getattr(impl, "__qualname__", None)
+    if not module or not name or module == "__main__" or "<" in name or module not in sys.modules:
+        return None
+    if module.startswith("attncheck_candidate_"):  # a file attncheck loaded: its SPEC names the file
+        return None
+    obj: Any = sys.modules[module]
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+    return f"{module}:{name}" if obj is impl else None
 
 
 def _import_file(who: str, path: Path):
@@ -401,8 +447,7 @@ class Session:
         """What the candidate's backward(grad_output) returned, and where that method is defined."""
         if not callable(getattr(obj, "backward", None)):
             # Not a wrong answer but a feature it does not have: gradients are unsupported.
-            reason = NO_BACKWARD.format(name=type(obj).__name__)
-            raise Unsupported(reason, raised=reason)
+            raise Unsupported(NO_BACKWARD.format(name=type(obj).__name__))
         grads = _guard("backward()", obj.backward, self._hand("its `grad_output` argument", grad_output))
         self._check_handed("backward()")
         return grads, _defined_at(obj.backward)

@@ -128,6 +128,11 @@ ModuleOption = Annotated[
                  "Without --config, the embedded default suite of that module runs; with one, every case must check it.",
                  show_default=False),
 ]  # fmt: skip
+TimeoutOption = Annotated[
+    Optional[float],
+    typer.Option("--timeout", help="Seconds one call into the candidate may take before its process is killed and the call fails. "
+                 "Default: the config's `timeout`, else 60 s plus 1 s per million attention logits.", show_default=False),
+]  # fmt: skip
 TracebackOption = Annotated[bool, typer.Option("--traceback", help="Show the candidate's full traceback when a call into it raised.")]
 
 EPILOG = """\b
@@ -150,7 +155,8 @@ CI jobs; --junit, --json report it; --workers K pays off for long checks only).
 
 \b
 Exit codes: 0 pass, 1 fail, 2 usage or config error, 3 bug in attncheck,
-4 inconclusive (nothing proven), 130 interrupted.
+4 inconclusive or unsupported (nothing proven), 130 interrupted.
+Every call into the candidate runs in a process of its own, within --timeout seconds.
 ATTNCHECK_MEMORY_LIMIT_MB: refuse configs needing more memory than this (default:
 75% of physical memory).
 
@@ -177,19 +183,20 @@ def _run(
     plot_all: bool = False,
     tracebacks: bool = False,
     module: Module | None = None,
+    timeout: float | None = None,
     **options,
 ) -> int:
     """Run commands over every case of a config or suite, render, write outputs, pick the exit code."""
     from attncheck.config import Suite, load_suite
-    from attncheck.files import check_writable, write_atomic
+    from attncheck.config.config_file import impl_file
+    from attncheck.files import check_outputs, check_writable, write_atomic
     from attncheck.suite import parse_shard, prepare, shard
 
     try:
         commands = parse_commands(commands)
-        if json_path is not None:
-            check_writable(json_path, "--json")
-        if junit_path is not None:
-            check_writable(junit_path, "--junit")
+        named_file = impl_file(impl) if impl else None
+        check_outputs({"--json": json_path, "--junit": junit_path},
+                      {"the config": config, "the candidate's file": Path(named_file[0]) if named_file else None})  # fmt: skip
         if plot_path is not None:
             from attncheck.plot import plot_target, require_matplotlib
 
@@ -209,6 +216,8 @@ def _run(
             label += f" · shard {i}/{n}"
         view = View(verbose, tracebacks, keep_evidence=plot_path is not None)
         overrides = {k: v.value for k, v in (("tolerance", tolerance), ("framework", framework), ("device", device)) if v is not None}
+        if timeout is not None:
+            overrides["timeout"] = timeout
         plan = prepare(suite, commands, impl=impl, overrides=overrides)
         result = _run_plan(plan, label, len(suite.cases), workers, view, options, many=not one_case)
     except UsageError as err:
@@ -218,6 +227,9 @@ def _run(
     except KeyboardInterrupt:
         return _interrupted()
 
+    from attncheck.remote import stop_all
+
+    stop_all()  # the candidates' processes end before any file is written: none outlives the run to touch one
     if json_path is not None:
         data = result.reports[0].to_dict() if single and result.reports else result.to_dict()
         write_atomic(json_path, json.dumps(data, indent=2) + "\n")
@@ -308,10 +320,10 @@ def forward(
     strict: StrictOption = False,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
-    module: ModuleOption = None,
+    module: ModuleOption = None, timeout: TimeoutOption = None,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run("forward", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, strict=strict))  # fmt: skip
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, strict=strict))  # fmt: skip
 
 
 @_command("grad", COMMANDS["grad"].summary)
@@ -321,10 +333,10 @@ def grad(
     per_head: PerHeadOption = False, strict: StrictOption = False,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
-    module: ModuleOption = None,
+    module: ModuleOption = None, timeout: TimeoutOption = None,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run("grad", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module,
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout,
                           per_head=per_head, strict=strict))  # fmt: skip
 
 
@@ -334,7 +346,7 @@ def sgd_step(
     framework: FrameworkOption = None, device: DeviceOption = None,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
-    module: ModuleOption = None,
+    module: ModuleOption = None, timeout: TimeoutOption = None,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run("sgd-step", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module))  # fmt: skip
@@ -348,10 +360,10 @@ def run(
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     per_head: PerHeadOption = False, strict: StrictOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
-    module: ModuleOption = None,
+    module: ModuleOption = None, timeout: TimeoutOption = None,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run(",".join(NAMES) if only is None else only, config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module,
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout,
                           per_head=per_head, strict=strict))  # fmt: skip
 
 

@@ -13,6 +13,24 @@ from dataclasses import dataclass
 QUOTE_LIMIT = 80
 
 
+# Characters a candidate's text may not carry to a terminal, a log or XML: C0 and C1 controls
+# (ESC starts the sequences that move the cursor or erase lines), DEL, and the non-characters XML
+# refuses; newlines and tabs stay where a traceback needs them.
+_UNPRINTABLE = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F, *range(0x80, 0xA0))}
+_UNPRINTABLE.update({c: f"\\u{c:04x}" for c in (0xFFFE, 0xFFFF)})
+
+
+def clean(text: object, *, lines: bool = True) -> str:
+    """A candidate's text made safe to print and to write into XML: every control character is
+    written as its escape (\\x1b), surrogates replaced; newlines and tabs kept unless `lines` is False."""
+    try:
+        text = str(text)
+    except BaseException:  # noqa: BLE001 - a __str__ that raises is the candidate's, not ours
+        text = "<text that cannot be shown>"
+    table = _UNPRINTABLE if lines else {**_UNPRINTABLE, 0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
+    return text.encode("utf-8", "replace").decode("utf-8").translate(table)
+
+
 def shorten(text: str, limit: int = QUOTE_LIMIT) -> str:
     """`text` cut to `limit` characters with an ellipsis and the full length, on one line."""
     text = " ".join(str(text).split())
@@ -65,8 +83,10 @@ class CandidateProblem(AttncheckError):
     """Something a call into a candidate did: a finding about the candidate, never an attncheck error."""
 
     def __init__(self, message: str, location: str | None = None, traceback: str = "", raised: str = ""):
+        # Everything here may be the candidate's own words: made safe to print once, here.
+        message, location, raised = clean(message, lines=False), location and clean(location, lines=False), clean(raised, lines=False)
         self.location = location
-        self.traceback = traceback  # the candidate's exception as Python prints it (`--traceback`); "" if none
+        self.traceback = clean(traceback)  # the candidate's exception as Python prints it (`--traceback`); "" if none
         self.raised = raised  # what the candidate raised, in its own words; "" if it raised nothing
         super().__init__(f"{message} (at {location})" if location else message)
 

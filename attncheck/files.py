@@ -11,10 +11,31 @@ from typing import Any
 from attncheck.errors import UsageError
 
 
+def check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | None]) -> None:
+    """Refuse, before any work, output paths that cannot be written, that name one file twice, or
+    that would replace a file the run reads or did not make: an input (the config, the candidate's
+    file), a symbolic link, or anything not a plain file (a fifo, a device)."""
+    given = {option: path for option, path in outputs.items() if path is not None}
+    seen: dict[Path, str] = {}
+    for option, path in given.items():
+        check_writable(path, option)
+        real = path.resolve()
+        if real in seen:
+            raise UsageError(f"{option} {str(path)!r}: the same file as {seen[real]}; give each report its own path")
+        seen[real] = option
+        for what, source in inputs.items():
+            if source is not None and source.exists() and real == source.resolve():
+                raise UsageError(f"{option} {str(path)!r}: that is {what}, which the report would replace")
+
+
 def check_writable(path: Path, option: str) -> None:
     """Refuse an output path that cannot be written, before any work is done."""
+    if path.is_symlink():
+        raise UsageError(f"{option} {str(path)!r}: is a symbolic link (to {os.readlink(path)!r}); name the file itself")
     if path.is_dir():
         raise UsageError(f"{option} {str(path)!r}: is a directory")
+    if path.exists() and not path.is_file():
+        raise UsageError(f"{option} {str(path)!r}: exists and is not a plain file (a fifo or a device?)")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"{option} {str(path)!r}: directory {str(parent)!r} does not exist")

@@ -162,7 +162,7 @@ def _accuracy(r: Row) -> str:
 
 
 # What a failing row's numbers alone do not show, in a word, by its reason.
-_REASON_WORDS = {Reason.NAN: "NaN", Reason.SHAPE: "shape", Reason.DTYPE: "dtype", Reason.MISSING: "not returned"}
+_REASON_WORDS = {Reason.NAN: "NaN", Reason.SHAPE: "shape", Reason.DTYPE: "dtype", Reason.MISSING: "not returned", Reason.CALL: "call"}
 
 
 def contradiction(r: Row) -> str:

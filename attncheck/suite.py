@@ -126,13 +126,15 @@ _candidates: dict[str | None, Any] = {}
 
 
 def _candidate(spec: str | Candidate | None, origin: str | None = None) -> Any:
-    """The candidate a SPEC names, imported once per process; `origin` places a load error."""
-    from attncheck.candidate import load_candidate
+    """The candidate a SPEC names, loaded once per judge process in a process of its own (the
+    judge never imports it); `origin` places a load error. None is the built-in reference."""
+    from attncheck.candidate import builtin
+    from attncheck.remote import load
 
     if spec is not None and not isinstance(spec, str):
         return spec  # the candidate itself
     if spec not in _candidates:
-        _candidates[spec] = load_candidate(spec, origin)
+        _candidates[spec] = None if spec is None else (builtin(spec) or load(spec, origin))
     return _candidates[spec]
 
 

@@ -144,19 +144,23 @@ def test_the_reference_passes_in_half_precision(command, dtype):
     attncheck.check({"dtype": dtype, "attn_mask": "causal", "key_padding_mask": "random"}, command).assert_passed()
 
 
-class Recording(Reference):
-    seen: list = []
+class HandedBfloat16(Reference):
+    """Fails unless it is handed ml_dtypes' bfloat16 (it runs in a process of its own: it can only say so by failing)."""
+
+    def __init__(self, params, **kwargs):
+        assert all(p.dtype == BFLOAT16 for p in params.values()), {k: p.dtype for k, p in params.items()}
+        super().__init__(params, **kwargs)
 
     def forward(self, query, *args, **kwargs):
-        Recording.seen.append((query.dtype, self.params["out_proj.weight"].dtype))
+        assert query.dtype == BFLOAT16, query.dtype
         return super().forward(query, *args, **kwargs)
 
 
 def test_numpy_candidates_receive_bfloat16_through_ml_dtypes():
-    Recording.seen.clear()
-    attncheck.check({"dtype": "bfloat16"}, "forward", impl=Recording).assert_passed()
-    # The reference computes in float32 internally; what it was handed is ml_dtypes' bfloat16.
-    assert Recording.seen[0][0] == BFLOAT16
+    # The reference computes in float32 internally; what it is handed is ml_dtypes' bfloat16.
+    attncheck.check({"dtype": "bfloat16"}, "forward", impl=HandedBfloat16).assert_passed()
+    with pytest.raises(AssertionError, match="AssertionError"):  # and it can tell
+        attncheck.check({"dtype": "float32"}, "forward", impl=HandedBfloat16).assert_passed()
 
 
 def test_a_float32_result_for_half_inputs_is_a_dtype_row():

@@ -207,12 +207,13 @@ def test_an_existing_output_file_keeps_its_mode(tmp_path):
 
 def test_ctrl_c_with_workers_returns_within_two_seconds(tmp_path):
     candidate = tmp_path / "stuck.py"
+    ready = tmp_path / "ready"
     candidate.write_text(
-        "import sys, time\n"
+        "import pathlib, time\n"
         "from attncheck.reference import MultiheadAttention\n"
         "class Stuck(MultiheadAttention):\n"
         "    def forward(self, *args, **kwargs):\n"
-        "        print('candidate-ready', file=sys.stderr, flush=True)\n"
+        f"        pathlib.Path({str(ready)!r}).touch()\n"  # its printed output is the report's, not the terminal's
         "        time.sleep(120)\n"
     )
     suite = tmp_path / "suite.yaml"
@@ -220,9 +221,9 @@ def test_ctrl_c_with_workers_returns_within_two_seconds(tmp_path):
     proc = _attncheck("forward", "-c", str(suite), "--impl", f"{candidate}:Stuck", "--workers", "2",
                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     try:
-        for line in proc.stderr:  # a worker is inside the candidate: the readiness line
-            if "candidate-ready" in line:
-                break
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline:  # a worker's candidate is inside forward()
+            time.sleep(0.05)
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)

@@ -38,8 +38,8 @@ def run_check(command: str, cfg: Config, candidate: Candidate | None = None, **o
     which = command_named(command)
     if which.needs_backward and candidate is not None and candidate.lacks_backward(cfg):
         run = CheckRun.begin(command, cfg, candidate)
-        reason = NO_BACKWARD.format(name=candidate.factory.__name__)
-        return run.ended_at(which.section, Unsupported(reason, raised=reason))
+        reason = NO_BACKWARD.format(name=candidate.spec.rpartition(":")[2].rpartition(".")[2])
+        return run.ended_at(which.section, Unsupported(reason))
     torch_side.require_device(cfg)
     with torch_side.deterministic(cfg):
         return which.check(cfg, candidate, **options_for(command, options))

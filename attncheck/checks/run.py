@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from attncheck import torch_side
-from attncheck.candidate import Candidate, Session, framework_of, reference_for
+from attncheck.candidate import Candidate, Session, framework_of, make_session, reference_for
 from attncheck.config import Config
 from attncheck.diagnose import diagnose_report
 from attncheck.errors import CandidateProblem, Unsupported
@@ -30,17 +30,14 @@ def oracle_config(cfg: Config) -> Config:
 
 
 def session_for(cfg: Config, candidate: Candidate) -> Session:
-    """The Session flavour for the candidate's framework: NumPy arrays, torch tensors or JAX arrays."""
-    framework = framework_of(cfg, candidate)
-    if framework == "torch":
-        from attncheck.torch_candidate import TorchSession  # torch tensors only for a torch candidate
+    """Where the candidate's calls run: its own process (attncheck.remote) for any candidate the
+    judge loaded from a SPEC; in this process only attncheck's own references, and objects handed
+    to the API that no other process can import (the report says so)."""
+    if candidate.remote:
+        from attncheck.remote import RemoteSession
 
-        return TorchSession(cfg, candidate)
-    if framework == "jax":
-        from attncheck.jax_candidate import JaxSession  # JAX is imported only for a JAX candidate
-
-        return JaxSession(cfg, candidate)
-    return Session(cfg, candidate)
+        return RemoteSession(cfg, candidate)
+    return make_session(cfg, candidate)
 
 
 def call_row(section: str, quantity: str, err: CandidateProblem) -> Row:
@@ -70,6 +67,8 @@ class CheckRun:
         report = Report(command, cfg.name or "config", candidate.spec, cfg, framework_of(cfg, candidate))
         if cfg.device in torch_side.DEVICE_NOTES:
             report.notes.append(torch_side.DEVICE_NOTES[cfg.device])
+        if candidate.isolation_note:
+            report.notes.append(candidate.isolation_note)
         w = make_workload(cfg)
         masked = fully_masked(cfg, w.attn_mask, w.key_padding_mask)
         if masked.any():

@@ -40,7 +40,7 @@ _INT_RANGES = {
 }
 _FLOAT_FIELDS = (
     "dropout", "mask_fill", "input_scale", "budget_factor", "budget_floor", "atol", "rtol",
-    "lr", "momentum", "dampening", "weight_decay", "layer_norm_eps",
+    "lr", "momentum", "dampening", "weight_decay", "layer_norm_eps", "timeout",
 )
 # field: (bound, whether the bound itself is allowed, the rule as the user reads it)
 _FLOAT_BOUNDS = {
@@ -50,6 +50,7 @@ _FLOAT_BOUNDS = {
     "atol": (0.0, True, "must be >= 0"),
     "rtol": (0.0, True, "must be >= 0"),
     "layer_norm_eps": (0.0, False, "must be > 0"),
+    "timeout": (0.0, False, "must be > 0 (seconds)"),
     # torch.optim.SGD's own checks, in its words.
     "lr": (0.0, True, "Invalid learning rate: torch.optim.SGD needs lr >= 0"),
     "momentum": (0.0, True, "Invalid momentum value: torch.optim.SGD needs momentum >= 0"),
@@ -121,6 +122,9 @@ class Config(BaseModel):
     steps: int = 1
 
     impl: str | None = None
+    # Seconds one call into the candidate may take; None: a minute, plus a second per million
+    # attention logits (attncheck.remote.timeout_for).
+    timeout: float | None = None
 
     @property
     def S(self) -> int:

@@ -1,0 +1,145 @@
+"""A candidate's own process: `python -m attncheck.child READ_FD WRITE_FD JUDGE_PID` (started by attncheck.remote).
+
+The only process that imports and calls candidate code. It loads the candidate named by the
+judge's first request, then serves requests one at a time, each answered with one reply
+(attncheck.channel): open a session for a config, build an object from parameters, call its
+forward or backward. The session (attncheck.candidate.Session and its torch and JAX flavours)
+hands the candidate copies, records in-place changes and unknown keys, and converts what it
+returns to NumPy; the reply carries the arrays and those findings, never a verdict. The judge
+compares. Whatever the candidate does to this process (exits, hangs, crashes, patches modules)
+ends or spoils this process alone, which the judge then replaces.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any
+
+# Objects of a session the judge may still call: a check calls its latest few (the object it
+# compared, a fresh one for the repeat call; sgd-step one per step).
+KEEP_OBJECTS = 8
+
+
+class Child:
+    def __init__(self) -> None:
+        self.candidate = None
+        self.sessions: dict[int, Any] = {}
+        self.objects: dict[int, dict[int, Any]] = {}
+        self.counter = 0
+
+    def handle(self, request: tuple) -> dict[str, Any]:
+        op, *args = request
+        if op == "load":
+            return self.load(*args)
+        if op == "open":
+            sid, cfg = args
+            from attncheck.candidate import make_session
+
+            self.sessions[sid], self.objects[sid] = make_session(cfg, self.candidate), {}
+            return {}
+        if op == "close":
+            self.sessions.pop(args[0], None)
+            self.objects.pop(args[0], None)
+            return {}
+        sid, *rest = args
+        session = self.sessions[sid]
+        if op == "build":
+            obj = session.build(rest[0])
+            self.counter += 1
+            objects = self.objects[sid]
+            objects[self.counter] = obj
+            while len(objects) > KEEP_OBJECTS:
+                del objects[next(iter(objects))]
+            return self.with_findings(session, {"handle": self.counter})
+        obj = self.objects[sid].get(rest[0])
+        if obj is None:
+            raise LookupError(f"object {rest[0]} is gone")
+        if op == "forward":
+            out, weights = session.forward(obj, rest[1])
+            return self.with_findings(session, {"output": out, "weights": weights})
+        if op == "backward":
+            return self.with_findings(session, {"grads": session.backward(obj, rest[1], rest[2])})
+        raise ValueError(f"unknown request {op!r}")
+
+    def load(self, spec: str, origin: str | None) -> dict[str, Any]:
+        from attncheck.candidate import load_candidate
+
+        self.candidate = load_candidate(spec, origin)
+        return {"framework": self.candidate.framework, "class_without_backward": self.candidate.class_without_backward}
+
+    @staticmethod
+    def with_findings(session, body: dict[str, Any]) -> dict[str, Any]:
+        return {**body, "findings": list(session.findings), "notes": list(session.notes)}
+
+
+def _error(kind: str, exc: BaseException) -> dict[str, Any]:
+    from attncheck.errors import clean
+
+    def text(value: Any) -> str:
+        try:
+            return clean(value)
+        except BaseException:  # noqa: BLE001 - a candidate's object whose text cannot be had
+            return "<text that cannot be shown>"
+
+    return {"error": {"kind": kind, "message": text(exc), "location": text(getattr(exc, "location", None) or ""),
+                      "traceback": text(getattr(exc, "traceback", "") or traceback.format_exc()), "raised": text(getattr(exc, "raised", ""))}}  # fmt: skip
+
+
+def _die_with(judge: int) -> None:
+    """Ask the kernel to kill this process when the judge that started it dies (Linux), so that no
+    candidate outlives a judge killed by a signal; exit at once if it is already gone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != judge:
+        os._exit(0)
+
+
+def main(read_fd: int, write_fd: int, judge: int) -> None:
+    _die_with(judge)
+    from attncheck.channel import encode_reply, read_request
+    from attncheck.errors import CandidateProblem, Unsupported, UsageError
+
+    reader = os.fdopen(read_fd, "rb", buffering=0)
+    writer = os.fdopen(write_fd, "wb", buffering=0)
+
+    def read_exact(n: int) -> bytes:
+        chunks, left = [], n
+        while left:
+            chunk = reader.read(left)
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    child = Child()
+    while True:
+        try:
+            request = read_request(read_exact)
+        except EOFError:
+            return  # the judge is done
+        try:
+            reply = child.handle(request)
+        except Unsupported as exc:
+            reply = _error("unsupported", exc)
+        except CandidateProblem as exc:
+            reply = _error("call", exc)
+        except UsageError as exc:
+            reply = _error("usage", exc)
+        except BaseException as exc:  # noqa: BLE001 - the candidate spoiled this process: the judge replaces it
+            reply = _error("broken", exc)
+        try:
+            data = encode_reply(reply)
+        except BaseException as exc:  # noqa: BLE001 - say so rather than die
+            data = encode_reply(_error("broken", exc))
+        writer.write(data)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

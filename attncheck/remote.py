@@ -1,0 +1,312 @@
+"""The judge's side of a candidate's own process: start it, ask it, bound every call, replace it.
+
+A `CandidateProcess` is one fresh interpreter (`python -m attncheck.child`) that has imported one
+candidate; the judge keeps one per candidate and reuses it across the checks of a run. Each call
+has a time limit (`timeout_for`); a process that misses it is killed, and one that dies, exits or
+answers with malformed data (attncheck.channel) makes that call a failure naming what happened
+("killed by SIGSEGV during forward()"), after which the next call starts a new process.
+`RemoteSession` is what a check talks to: the same build/forward/backward as
+attncheck.candidate.Session, with the calls made in the candidate's process.
+
+The process is started in a session of its own, so the user's Ctrl-C reaches the judge alone,
+which then kills it; its output goes to a file the judge reads back, escaped, into the report.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from attncheck.candidate import Candidate
+from attncheck.channel import Malformed, read_reply, write_request
+from attncheck.errors import CandidateError, Unsupported, UsageError, clean, shorten
+
+# A call's time limit when the config sets none: a minute, and a second more per million attention
+# logits (B H L S) a call computes. A correct NumPy candidate runs a forward and backward at
+# B=1 H=8 L=S=8192 (537M logits) in tens of seconds on 2 cores, far inside the 597 s it is given.
+BASE_TIMEOUT = 60.0
+TIMEOUT_PER_LOGIT = 1e-6
+# Importing a candidate (and torch or JAX with it) under load takes seconds; a minute is ample.
+LOAD_TIMEOUT = 120.0
+# The printed output of a candidate reported per session, in characters.
+PRINTED_LIMIT = 2000
+
+
+def timeout_for(cfg) -> float:
+    """The time limit of one call into the candidate under this config, in seconds."""
+    return cfg.timeout if cfg.timeout is not None else BASE_TIMEOUT + TIMEOUT_PER_LOGIT * cfg.logits
+
+
+def _reply_limit(arrays: list[np.ndarray | None]) -> int:
+    """The most array bytes a reply may carry: sixteen times the float64 size of what was sent."""
+    return 16 * 8 * sum(int(a.size) for a in arrays if a is not None) + (64 << 20)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class LoadFailed(CandidateError):
+    """The candidate's process could not import it: a usage error before any check, a failed call after."""
+
+
+class CandidateProcess:
+    """One candidate's process: started on demand, loaded with the candidate, replaced after a failure."""
+
+    def __init__(self, spec: str, origin: str | None):
+        self.spec, self.origin = spec, origin
+        self.process: subprocess.Popen | None = None
+        self.generation = 0  # counts the processes started: a session opened in an earlier one is gone
+        self.loaded: dict[str, Any] = {}
+        self._output = tempfile.TemporaryFile()
+        self._output_read = 0
+
+    # ---------------------------------------------------------------------------- lifetime
+    def _start(self) -> None:
+        judge_read, child_write = os.pipe()
+        child_read, judge_write = os.pipe()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "attncheck.child", str(child_read), str(child_write), str(os.getpid())],
+            pass_fds=(child_read, child_write), stdin=subprocess.DEVNULL, stdout=self._output, stderr=self._output,
+            start_new_session=True, env=env, close_fds=True,
+        )  # fmt: skip
+        os.close(child_read)
+        os.close(child_write)
+        self._read_fd, self._write_fd = judge_read, judge_write
+        self.generation += 1
+        reply = self._ask(("load", self.spec, self.origin), "importing the candidate", LOAD_TIMEOUT, 1 << 20)
+        error = reply.get("error")
+        if error is not None:
+            self.stop()
+            raise LoadFailed(error["message"] if error["kind"] == "usage" else f"{self._who()}: loading it failed: {shorten(error['message'], 300)}")
+        self.loaded = reply
+
+    def _who(self) -> str:
+        return f"{self.origin}: impl {self.spec!r}" if self.origin else f"--impl {self.spec!r}"
+
+    def ensure(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            self.stop()
+            self._start()
+
+    def close(self) -> None:
+        """Stop the process and let go of its output file."""
+        self.stop()
+        self._output.close()
+
+    def stop(self) -> None:
+        """End the process and everything it started in its session, now."""
+        if self.process is None:
+            return
+        for fd in (self._read_fd, self._write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait()
+        self.process = None
+
+    # ---------------------------------------------------------------------------- calls
+    def call(self, request: tuple, what: str, timeout: float, max_bytes: int) -> dict[str, Any]:
+        """The reply to one request; a CandidateError when the process does not answer in time,
+        dies or answers with something malformed (the process is then replaced on the next call)."""
+        self.ensure()
+        return self._ask(request, what, timeout, max_bytes)
+
+    def _ask(self, request: tuple, what: str, timeout: float, max_bytes: int) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        try:
+            write_request(self._write_all, request)
+            reply = read_reply(lambda n: self._read_exact(n, deadline), max_bytes)
+            if not isinstance(reply, dict):
+                raise Malformed("the reply is not a mapping")
+            return reply
+        except TimeoutError:
+            self.stop()
+            raise CandidateError(f"no answer in {timeout:.3g} s during {what}: the candidate's process was killed "
+                                 "(set `timeout` or --timeout for slower candidates)") from None  # fmt: skip
+        except (EOFError, BrokenPipeError):
+            raise CandidateError(self._death(what)) from None
+        except Malformed as exc:
+            self.stop()
+            raise CandidateError(f"the candidate's process answered {what} with malformed data ({exc}); it was replaced") from None
+
+    def _death(self, what: str) -> str:
+        code = self.process.wait() if self.process is not None else None
+        self.stop()
+        if code is not None and code < 0:
+            return f"killed by {_signal_name(-code)} during {what}"
+        return f"the candidate's process exited with code {code} during {what}"
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._write_fd, view) :]
+
+    def _read_exact(self, n: int, deadline: float) -> bytes:
+        chunks, left = [], n
+        while left:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([self._read_fd], [], [], wait)[0]:
+                raise TimeoutError
+            chunk = os.read(self._read_fd, min(left, 1 << 22))
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def printed(self) -> str:
+        """What the candidate printed since the last look, escaped and cut to PRINTED_LIMIT."""
+        self._output.seek(self._output_read)
+        data = self._output.read(PRINTED_LIMIT + 1)
+        self._output.seek(0, os.SEEK_END)
+        self._output_read = self._output.tell()
+        text = clean(data.decode("utf-8", "replace"))
+        return text if len(text) <= PRINTED_LIMIT else text[:PRINTED_LIMIT] + "…"
+
+
+_PROCESSES: dict[str, CandidateProcess] = {}
+# Candidate processes kept alive at once: a run checks one candidate, a test session many; the
+# least recently used is stopped beyond this (and started again if it is asked for again).
+MAX_LIVE = 4
+
+
+def process_for(spec: str, origin: str | None = None) -> CandidateProcess:
+    """The process of one candidate, started and loaded on first use, then reused."""
+    process = _PROCESSES.pop(spec, None) or CandidateProcess(spec, origin)
+    _PROCESSES[spec] = process  # the most recently used last
+    for stale in list(_PROCESSES)[:-MAX_LIVE]:
+        _PROCESSES.pop(stale).close()
+    return process
+
+
+def load(spec: str, origin: str | None = None) -> Candidate:
+    """The candidate a SPEC names, loaded in its own process, before any check: what the judge
+    may know of it. One that cannot be imported there is a UsageError (exit 2)."""
+    process = process_for(spec, origin)
+    try:
+        process.ensure()
+    except CandidateError as exc:
+        raise UsageError(str(exc) if isinstance(exc, LoadFailed) else f"{process._who()}: {exc}") from None
+    loaded = process.loaded
+    return Candidate(spec, None, str(loaded.get("framework")), remote=True, class_without_backward=bool(loaded.get("class_without_backward")))
+
+
+@atexit.register
+def stop_all() -> None:
+    """End every candidate process (and what each started): before output files are written, and at exit."""
+    for process in _PROCESSES.values():
+        process.stop()
+
+
+# ------------------------------------------------------------------------------- sessions
+_SESSIONS = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Handle:
+    """An object built in a candidate's process: valid while that process lives."""
+
+    number: int
+    generation: int
+
+
+class RemoteSession:
+    """attncheck.candidate.Session's build, forward and backward, run in the candidate's process."""
+
+    def __init__(self, cfg, candidate: Candidate):
+        self.cfg, self.candidate = cfg, candidate
+        self.findings: list[str] = []
+        self.notes: list[str] = []
+        self.process = process_for(candidate.spec)
+        self.sid = next(_SESSIONS)
+        self.opened_in = 0  # the process generation this session was opened in
+        self.timeout = timeout_for(cfg)
+
+    def _call(self, op: str, what: str, *args, arrays: list[np.ndarray | None]) -> dict[str, Any]:
+        self.process.ensure()
+        if self.opened_in != self.process.generation:
+            self.process.call(("open", self.sid, self.cfg), "opening a session", self.timeout, 1 << 20)
+            self.opened_in = self.process.generation
+        try:
+            reply = self.process.call((op, self.sid, *args), what, self.timeout, _reply_limit(arrays))
+        finally:
+            printed = self.process.printed()
+            if printed:
+                self.notes.append(f"the candidate printed: {printed}")
+        error = reply.get("error")
+        if error is not None:
+            location = error.get("location") or None
+            if error["kind"] == "unsupported":
+                raise Unsupported(_without(error["message"], location), location, error["traceback"], error["raised"])
+            if error["kind"] == "broken":
+                self.process.stop()
+                raise CandidateError(f"the candidate's process broke during {what}: {shorten(error['message'], 200)}; it was replaced",
+                                     None, error["traceback"])  # fmt: skip
+            raise CandidateError(_without(error["message"], location), location, error["traceback"], error["raised"])
+        self.findings[:] = [clean(f, lines=False) for f in reply.get("findings", [])]
+        self.notes.extend(clean(n, lines=False) for n in reply.get("notes", []) if clean(n, lines=False) not in self.notes)
+        return reply
+
+    def build(self, params: dict[str, np.ndarray]) -> Handle:
+        reply = self._call("build", f"{self.candidate.spec}(...)", params, arrays=[])
+        return Handle(_int(reply.get("handle")), self.process.generation)
+
+    def forward(self, obj: Handle, w) -> tuple[np.ndarray, np.ndarray | None]:
+        self._alive(obj, "forward()")
+        reply = self._call("forward", "forward()", obj.number, w, arrays=[w.query, w.key, w.value])
+        return _array(reply.get("output"), "forward() returned an output"), _optional(reply.get("weights"), "forward() returned weights")
+
+    def backward(self, obj: Handle, grad_output: np.ndarray, w) -> dict[str, np.ndarray]:
+        self._alive(obj, "backward()")
+        reply = self._call("backward", "backward()", obj.number, grad_output, w, arrays=[*w.params.values(), w.query, w.key, w.value])
+        grads = reply.get("grads")
+        if not isinstance(grads, dict):
+            raise CandidateError("the candidate's process answered backward() with no gradients")
+        return {str(k): _array(v, f"backward() returned {k!r}") for k, v in grads.items()}
+
+    def _alive(self, obj: Handle, what: str) -> None:
+        if obj.generation != self.process.generation:
+            raise CandidateError(f"{what} on an object from the candidate's earlier process, which was replaced after a failure")
+
+
+def _without(message: str, location: str | None) -> str:
+    """The message without the ` (at file:line)` the error adds again."""
+    suffix = f" (at {location})"
+    return message[: -len(suffix)] if location and message.endswith(suffix) else message
+
+
+def _int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CandidateError("the candidate's process answered with no object")
+    return value
+
+
+def _array(value: Any, what: str) -> np.ndarray:
+    if not isinstance(value, np.ndarray):
+        raise CandidateError(f"{what} that did not come back as an array")
+    return value
+
+
+def _optional(value: Any, what: str) -> np.ndarray | None:
+    return None if value is None else _array(value, what)

@@ -1,0 +1,132 @@
+"""The judge never shares a process with the candidate: every hostile candidate of
+attncheck.testing.hostile gets the verdict it must get, and none can end, hang or fool attncheck,
+its caller (the Python API, pytest) or its report files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import attncheck
+from attncheck.cli import app
+from attncheck.report import FAIL
+from attncheck.testing.hostile import HOSTILE, Hostile
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = str(ROOT / "configs" / "default.yaml")
+SPEC = "attncheck.testing.hostile:{}"
+# A hanging candidate is given 2 s per call; the others the default, which they never approach.
+HANG_TIMEOUT = "2"
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize("hostile", HOSTILE, ids=[h.name for h in HOSTILE])
+def test_a_hostile_candidate_gets_its_verdict(hostile: Hostile, tmp_path, monkeypatch):
+    report = tmp_path / "report.json"
+    junit = tmp_path / "junit.xml"
+    monkeypatch.setenv("ATTNCHECK_HOSTILE_JSON", str(report))  # where ForksAndRewritesTheReport aims
+    args = ["forward", "-c", CONFIG, "--impl", SPEC.format(hostile.name), "--json", str(report), "--junit", str(junit)]
+    if hostile.attack == "hanging" and hostile.exit_code:
+        args += ["--timeout", HANG_TIMEOUT]
+    start = time.monotonic()
+    code, output = run(*args)
+    assert code == hostile.exit_code, output
+    assert time.monotonic() - start < 60
+    assert "Traceback" not in output and "internal error" not in output
+    assert hostile.telling in output, output
+    if hostile.name == "ForksAndRewritesTheReport":
+        time.sleep(4)  # past the moment its forked child would write
+    data = json.loads(report.read_text())
+    assert data["verdict"] == ("pass" if hostile.exit_code == 0 else "fail")
+    ET.parse(junit)  # valid XML, whatever the candidate said
+    assert "\x1b" not in output and "\x00" not in output  # nothing it said reaches the terminal raw
+
+
+@pytest.mark.parametrize("body,telling", [
+    ("import sys\nsys.exit(0)\n", "SystemExit(0)"),
+    ("import os\nos._exit(0)\n", "exited with code 0"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", "killed by SIGKILL"),
+])  # fmt: skip
+def test_a_candidate_that_ends_its_import_is_a_usage_error(tmp_path, body, telling):
+    path = tmp_path / "cand.py"
+    path.write_text(body + "class C:\n    pass\n")
+    code, output = run("forward", "-c", CONFIG, "--impl", f"{path}:C")
+    assert code == 2 and telling in output and "Traceback" not in output, output
+
+
+def test_the_python_api_survives_a_candidate_that_ends_its_process():
+    for name in ("ExitsInForward", "Segfaults"):
+        report = attncheck.check(None, "forward", impl=SPEC.format(name))
+        assert report.verdict is FAIL
+        with pytest.raises(AssertionError):
+            report.assert_passed()
+    assert os.getpid()  # still here
+
+
+def test_a_class_handed_to_the_api_runs_in_its_own_process():
+    from attncheck.testing.hostile import PatchesNumpy
+
+    import numpy as np
+
+    abs_before = np.abs
+    report = attncheck.check(None, "forward", impl=PatchesNumpy)
+    assert report.verdict is FAIL and np.abs is abs_before  # it patched its own process's NumPy, not ours
+    assert not any("not isolated" in note for note in report.notes)
+
+
+def test_a_class_no_other_process_can_import_runs_here_and_the_report_says_so():
+    from attncheck.reference import MultiheadAttention
+
+    class Local(MultiheadAttention):
+        pass
+
+    report = attncheck.check(None, "forward", impl=Local)
+    assert report.passed and any("not isolated" in note for note in report.notes)
+
+
+def test_ctrl_c_during_a_hung_candidate_exits_130_at_once(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attncheck", "forward", "-c", CONFIG, "--impl", SPEC.format("IgnoresSigintAndSleeps"),
+         "--json", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )  # fmt: skip
+    time.sleep(8)  # torch imported, the candidate's process started and asleep in forward()
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130, output
+    assert time.monotonic() - start < 10 and not out.exists()
+
+
+@pytest.mark.parametrize("options,message", [
+    (lambda p: ["--json", str(p / "x"), "--junit", str(p / "x")], "the same file as --json"),
+    (lambda p: ["--json", CONFIG], "that is the config"),
+])  # fmt: skip
+def test_an_output_path_that_would_replace_an_input_or_the_other_report_is_refused(tmp_path, options, message):
+    code, output = run("forward", "-c", CONFIG, *options(tmp_path))
+    assert code == 2 and message in output, output
+
+
+def test_an_output_path_that_is_a_link_or_a_fifo_is_refused(tmp_path):
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "elsewhere.json")
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path, message in ((link, "is a symbolic link"), (fifo, "not a plain file")):
+        code, output = run("forward", "-c", CONFIG, "--json", str(path))
+        assert code == 2 and message in output, output
+    assert not (tmp_path / "elsewhere.json").exists()
