@@ -58,6 +58,7 @@ def test_the_corpus_covers_every_class_once():
     assert {c.case for c in DEFAULT_SUITE_CATCHES} <= cases
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FULL_RUNS)
 def test_no_config_run_exits_1_on_the_expected_rows(tmp_path, name):
     catch = _catch(name)
