@@ -1,11 +1,10 @@
 """The NumPy reference against torch.nn.MultiheadAttention: PyTorch's own module test grid, the
-default config, every shipped config, fully masked rows and the fast path. Random configs from the
-whole option space are tests/test_no_false_alarms.py's."""
+default config, fully masked rows and the fast path. Random configs from the whole option space are
+tests/test_no_false_alarms.py's; every shipped config, through the CLI, tests/test_shipped.py's."""
 
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +14,6 @@ from attncheck.inputs import make_workload
 from attncheck.reference import MultiheadAttention
 from tests.conftest import cfg
 from tests.helpers import assert_agrees
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-SHIPPED = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 
 # PyTorch's own module test grid (test_multihead_attn_* in test_nn.py), as configs.
 GRID = [
@@ -59,19 +55,6 @@ def test_fully_masked_rows_are_nan_with_weights_and_zero_without():
     out, weights = m.forward(w.query, w.key, w.value, key_padding_mask=w.key_padding_mask, need_weights=False)
     assert weights is None and not np.isnan(out).any()
     np.testing.assert_allclose(out[0], np.broadcast_to(w.params["out_proj.bias"], out[0].shape), rtol=1e-6)
-
-
-@pytest.mark.parametrize("name", SHIPPED)
-def test_every_shipped_config_passes_all_commands(name):
-    """Every case of every file in configs/ (a suite's skipped combinations excepted)."""
-    from attncheck.config import load_suite
-
-    suite = load_suite(CONFIGS / name)
-    cases = [case for case in suite.cases if case.config is not None]
-    assert cases, f"{name} has no runnable case"
-    for case in cases[:: max(1, len(cases) // 24)]:  # a large matrix is sampled evenly
-        for check in (check_forward, check_grad, check_sgd):
-            assert_agrees(check(case.config))
 
 
 # ------------------------------------------------------------------------------ torch fast path
