@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 from hypothesis import HealthCheck, settings
 
 from attncheck.config import config_from_mapping
@@ -17,8 +16,3 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 def cfg(**overrides):
     """A validated Config from keyword overrides of the defaults."""
     return config_from_mapping(overrides, source="<test>")
-
-
-@pytest.fixture
-def make_cfg():
-    return cfg

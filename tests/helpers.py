@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 from attncheck.report import INCONCLUSIVE, PASS, Report
 
 
@@ -17,3 +19,10 @@ def assert_agrees(report: Report) -> None:
         assert not report.failures, problems
         return
     assert report.verdict == PASS, (report.verdict, problems, report.notes)
+
+
+def sigint_as_at_a_terminal() -> None:
+    """For a subprocess that a test interrupts: Ctrl-C's default action, which a child inherits as
+    ignored when pytest itself runs as a background job (`bin/test &` in a script), where Python
+    would then never raise KeyboardInterrupt. Passed as Popen's preexec_fn."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

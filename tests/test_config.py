@@ -423,6 +423,7 @@ def parses_or_refuses(text: str) -> None:
         assert math.isfinite(cfg.lr)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.dictionaries(KEYS, VALUES, max_size=6))
 def test_fuzz_random_mappings(mapping):

@@ -281,24 +281,6 @@ def test_import_attncheck_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_import_attncheck_testing_imports_neither_torch_nor_hypothesis():
-    code = "import sys, attncheck.testing; assert not {'torch', 'hypothesis'} & set(sys.modules), sorted({'torch', 'hypothesis'} & set(sys.modules))"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-
-
-def test_only_the_strategies_module_imports_hypothesis():
-    """hypothesis is a test extra: every other attncheck module must import without it."""
-    code = textwrap.dedent("""
-        import importlib, pkgutil, sys
-        import attncheck
-        for module in pkgutil.walk_packages(attncheck.__path__, "attncheck."):
-            if module.name not in ("attncheck.__main__", "attncheck.testing.strategies"):
-                importlib.import_module(module.name)
-                assert "hypothesis" not in sys.modules, module.name
-    """)
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-
-
 @pytest.mark.parametrize(
     "config",
     [None, {"dtype": "float64", "attn_mask": "causal"}, "configs/causal.yaml", ROOT / "configs/float64.yaml", "config_object"],

@@ -9,6 +9,8 @@ import pytest
 pytest.importorskip("jax", reason="JAX is not installed: pip install 'attncheck[jax]'")
 pytest.importorskip("flax", reason="Flax is not installed: pip install 'attncheck[jax]'")
 
+pytestmark = pytest.mark.slow  # JAX traces and compiles every candidate call: seconds per check
+
 import attncheck  # noqa: E402
 from attncheck.candidate import load_candidate  # noqa: E402
 

@@ -61,6 +61,7 @@ def _assert_no_false_alarm(c):
         assert_agrees(report)
 
 
+@pytest.mark.slow
 @settings(max_examples=120, **DRAWS)
 @given(configs())
 def test_no_false_alarm_anywhere_in_the_config_space(c):

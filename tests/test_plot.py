@@ -65,6 +65,7 @@ def test_one_figure_per_failing_quantity_with_a_panel_per_head():
     assert len(figures(report, every_row=True)) == 4  # outputs too, passing
 
 
+@pytest.mark.slow
 def test_files_in_a_directory(tmp_path):
     report = check(PER_HEAD_CAUSAL, "forward", impl=CausalOffByOne)
     written = write_plots([report], tmp_path / "plots")
@@ -75,6 +76,7 @@ def test_files_in_a_directory(tmp_path):
     assert width > 1000 and 300 < height < width  # four panels side by side
 
 
+@pytest.mark.slow
 def test_one_svg_for_one_quantity_and_one_pdf_page_per_quantity(tmp_path):
     report = check({}, "grad", impl=HeadTwoQGradZero)
     (svg,) = write_plots([report], tmp_path / "q.svg")
@@ -85,6 +87,7 @@ def test_one_svg_for_one_quantity_and_one_pdf_page_per_quantity(tmp_path):
     assert data.startswith(b"%PDF") and data.count(b"/Type /Page\n") + data.count(b"/Type /Page ") + data.count(b"/Type /Page>") >= 5
 
 
+@pytest.mark.slow
 def test_cli_plot_and_plot_all(tmp_path):
     one = ["-c", "configs/default.yaml"]  # one config: the default suite would draw every case's quantities
     result = runner.invoke(app, ["grad", *one, "--impl", "tests/test_diagnose.py:HeadTwoQGradZero", "--plot", str(tmp_path / "g.png")])

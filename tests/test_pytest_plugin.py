@@ -153,6 +153,7 @@ def test_a_bad_suite_is_a_collection_error_with_its_location(pytester):
     assert "Traceback" not in result.stdout.str()
 
 
+@pytest.mark.slow
 def test_xdist_distributes_the_items(pytester):
     pytest.importorskip("xdist")
     write(pytester, "attncheck_mha.yaml", SUITE)

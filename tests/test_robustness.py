@@ -23,6 +23,7 @@ from attncheck.cli import app
 from attncheck.config import MEMORY_LIMIT_ENV
 from attncheck.errors import ConfigError
 from attncheck.files import write_atomic
+from tests.helpers import sigint_as_at_a_terminal
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,6 +65,7 @@ def read_until(proc: subprocess.Popen, marker: bytes, timeout: float) -> bytes:
     return seen
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_130_quietly_and_leaves_no_file(tmp_path):
     config = tmp_path / "long.yaml"
     config.write_text(LONG_SUITE)
@@ -71,7 +73,7 @@ def test_ctrl_c_exits_130_quietly_and_leaves_no_file(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "attncheck", "sgd-step", "-c", str(config), "--json", str(out)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sigint_as_at_a_terminal,
     )  # fmt: skip
     try:
         printed = read_until(proc, READY, timeout=120)

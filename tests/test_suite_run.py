@@ -175,6 +175,7 @@ def test_shards_partition_the_suite(suites, tmp_path):
     assert sorted(s for _, skipped in shards for s in skipped) == whole_skipped
 
 
+@pytest.mark.slow
 def test_workers_give_identical_results(suites, tmp_path):
     def rows(workers):
         out = tmp_path / f"w{workers}.json"
@@ -200,6 +201,7 @@ matrix:
 """
 
 
+@pytest.mark.slow
 def test_workers_give_identical_results_above_the_thread_threshold(tmp_path):
     from attncheck.config import Config
     from attncheck.reference import DEFAULT_PARALLEL_LOGITS

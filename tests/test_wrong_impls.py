@@ -23,11 +23,12 @@ from tests.conftest import cfg
 SPEC = "attncheck.testing.wrong_impls:{}"
 
 # The CLI's exit code on a few of them, through `--impl attncheck.testing.wrong_impls:NAME`.
+# One config each (the default suite's catches are tests/test_default_suite.py's, per case).
 CLI = [
-    ("SoftmaxDiagonalBackward", ["grad"]),
-    ("HeadsSplitTransposed", ["forward"]),
+    ("SoftmaxDiagonalBackward", ["grad", "--config", "configs/default.yaml"]),
+    ("HeadsSplitTransposed", ["forward", "--config", "configs/default.yaml"]),
     ("MaskAfterSoftmax", ["forward", "--config", "configs/causal.yaml"]),
-    ("OutProjBiasGradMissing", ["grad", "--strict"]),
+    ("OutProjBiasGradMissing", ["grad", "--strict", "--config", "configs/default.yaml"]),
 ]
 
 
@@ -90,5 +91,5 @@ def test_cli_exits_1(name, args):
 
 
 def test_cli_exits_0_where_the_bug_cannot_show():
-    result = CliRunner().invoke(app, ["forward", "--impl", SPEC.format("SoftmaxDiagonalBackward")])
+    result = CliRunner().invoke(app, ["forward", "--config", "configs/default.yaml", "--impl", SPEC.format("SoftmaxDiagonalBackward")])
     assert result.exit_code == 0, result.output

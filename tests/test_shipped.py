@@ -1,0 +1,191 @@
+"""Every shipped config and example, through the real CLI, with the verdict its documentation gives.
+
+The configs: `attncheck run -c FILE` (forward, grad and sgd-step; every case of a suite) for every
+file in configs/, with the built-in reference. The README's table of example configs says each
+passes all three commands (exit 0); the exception is below, with the README passages it rests on.
+
+The examples: each file in examples/ on the command its docstring or the README pairs it with,
+asserting the exit code written there (and, where the documentation counts them, how many checks
+pass and how many the example declares unsupported). An example whose documented commands already
+run through the CLI in another test module is listed in COVERED_ELSEWHERE instead, by test name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from attncheck.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+EXAMPLE_FILES = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
+
+# --------------------------------------------------------------------------------- the configs
+# The exit code of `attncheck run -c FILE` where it is not 0, and the verdict of each command.
+# fully_masked.yaml: a sequence whose every key is padded, need_weights: true. Its forward passes
+# (the file: "compares as NaN in the same places"); its gradients and SGD weights are NaN on both
+# sides, explained by the masks, so nothing is judged there: inconclusive, exit 4 (README "The torch
+# semantics mirrored": the NaN spreads "to every gradient the row touches"; README "Known-bad
+# implementations": such checks are "inconclusive, not passed"; tests/test_trust.py pins grad's 4).
+# The README's config table says every example config "passes all three commands": not this one.
+NOT_ZERO = {"fully_masked.yaml": (4, {"forward": "pass", "grad": "inconclusive", "sgd-step": "inconclusive"})}
+# A full run of configs/suite.yaml is 128 cases x 3 commands, several seconds.
+SLOW_CONFIGS = {"suite.yaml"}
+
+
+@pytest.fixture
+def cli(tmp_path, capsys, monkeypatch):
+    """`attncheck ARGS --json FILE` run in this process from the repository root (the paths in the
+    documentation are relative to it): its exit code, JSON report (empty if none was written) and
+    printed output."""
+    monkeypatch.chdir(ROOT)
+
+    def run(*args: str) -> tuple[int, dict, str]:
+        out = tmp_path / "report.json"
+        with pytest.raises(SystemExit) as ended:
+            main([*args, "--json", str(out)])
+        printed = capsys.readouterr()
+        return ended.value.code, (json.loads(out.read_text()) if out.exists() else {}), printed.out + printed.err
+
+    return run
+
+
+def reports_of(data: dict) -> list[dict]:
+    """The single reports of a JSON file: a suite's results, or the one report of one config and command."""
+    return data["results"] if "results" in data else [data]
+
+
+def unexplained(report: dict) -> list[tuple]:
+    """The rows of a report by the reference that show a problem: every failing row, and every
+    inconclusive one unless torch's own values are NaN there because the masks leave a query row
+    no key (as tests.helpers.assert_agrees allows)."""
+    masked = any("every key masked" in note for note in report["notes"])
+    return [(report["name"], report["command"], r["section"], r["quantity"], r["status"], r["note"]) for r in report["rows"]
+            if r["status"] == "fail" or (r["status"] == "inconclusive" and not (masked and r["note"]))]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_CONFIGS else []) for n in CONFIGS])
+def test_every_shipped_config_gives_its_documented_verdict(cli, name):
+    code, data, printed = cli("run", "-c", f"configs/{name}")
+    expected_code, verdicts = NOT_ZERO.get(name, (0, None))
+    assert code == expected_code, printed[-3000:]
+    assert "Traceback" not in printed
+    reports = reports_of(data)
+    assert reports and {r["command"] for r in reports} == {"forward", "grad", "sgd-step"}
+    assert [problem for r in reports for problem in unexplained(r)] == []
+    if verdicts is None:
+        assert {r["verdict"] for r in reports} == {"pass"}, [(r["name"], r["command"], r["verdict"]) for r in reports]
+    else:
+        assert {r["command"]: r["verdict"] for r in reports} == verdicts
+
+
+def test_the_exceptions_name_shipped_configs():
+    assert set(NOT_ZERO) | SLOW_CONFIGS <= set(CONFIGS)
+
+
+# -------------------------------------------------------------------------------- the examples
+@dataclass(frozen=True)
+class Documented:
+    """An example on a command its documentation gives, and the verdict written there."""
+
+    impl: str  # FILE.py:ATTR in examples/
+    args: tuple[str, ...]  # the command, before --impl
+    exit_code: int
+    source: str  # where the command and its verdict are written
+    verdicts: dict[str, int] | None = None  # checks per verdict, where the source counts them
+    only_passing: str | None = None  # the one case that passes, where the source names it (the rest: unsupported)
+    slow: bool = False
+
+
+EXAMPLES = [
+    Documented("gpt2_causal.py:MultiheadAttention", ("grad", "-c", "configs/causal.yaml"), 0,
+               "its docstring; README 'Checking your own implementation': '# exit 0'"),
+    # README 'Checking your own implementation' shows `attncheck grad --impl
+    # examples/gpt2_causal.py:MultiheadAttention  # exit 4: unsupported`, written (commit 5aaba40)
+    # when no --config meant configs/default.yaml: no mask, every check unsupported, exit 4, as the
+    # next case checks. Since cc9dcf5 no --config runs the default suite, whose causal cases GPT-2
+    # passes; by the README's suite rule ("PASS only if every check the candidate supports passes
+    # and at least one was judged") that is exit 0. The README line is stale.
+    Documented("gpt2_causal.py:MultiheadAttention", ("grad",), 0,
+               "README 'The default suite': the run's verdict rule (the README's '# exit 4' predates the default suite)"),
+    Documented("gpt2_causal.py:MultiheadAttention", ("grad", "-c", "configs/default.yaml"), 4,
+               "README '# exit 4: unsupported', on the single default config it was written for; README 'Exit codes'"),
+    Documented("per_head_lists.py:MultiheadAttention", ("grad", "-c", "configs/cross_attention.yaml"), 0, "its docstring"),
+    Documented("column_notebook.py:MultiheadAttention", ("grad", "-c", "configs/key_padding.yaml"), 0, "its docstring"),
+    Documented("mse_trainer.py:MultiheadAttention", ("sgd-step", "-c", "configs/sgd_momentum.yaml"), 0, "its docstring"),
+    Documented("wrong_causal_off_by_one.py:MultiheadAttention", ("forward", "-c", "configs/per_head_weights.yaml"), 1,
+               "its docstring; README 'Seeing where the error is'"),
+    Documented("wrong_softmax_diagonal.py:MultiheadAttention", ("grad",), 1,
+               "its docstring; README 'Checking your own implementation': '# exit 1'"),
+    Documented("tutorial_encoder_layer.py:TransformerEncoderLayer", ("forward", "--module", "transformer_encoder_layer"), 0,
+               "its docstring: passes unbatched-no-bias' forward, declares the rest unsupported", only_passing="unbatched-no-bias"),
+    Documented("tutorial_encoder_layer.py:TransformerEncoderLayer", ("forward", "-c", "configs/encoder_layer_no_bias.yaml"), 0,
+               "its docstring"),
+    Documented("torch_sdpa.py:MultiheadAttention", ("run",), 0,
+               "README 'Kernels and other frameworks': passes 63 of 85 checks, 22 unsupported", {"pass": 63, "unsupported": 22}),
+    # The README's no-config run of the Flax example takes minutes (JAX traces every check); its
+    # gradients are tests/test_jax.py's (through attncheck.check with the same SPEC).
+    Documented("flax_attention.py:MultiheadAttention", ("forward", "-c", "configs/causal.yaml"), 0,
+               "README 'Kernels and other frameworks': Flax agrees in float32 with causal masks", slow=True),
+]  # fmt: skip
+
+# Examples whose documented commands run through the CLI in another module, with their verdicts.
+# (wrong_half_accumulation.py documents no command: its own test below.)
+COVERED_ELSEWHERE = {
+    # docstring: forward with no config, grad -c causal, sgd-step -c float64, each exit 0
+    "per_head_loop": ["tests/test_impl.py::test_per_head_loop_example_passes",
+                      "tests/test_default_suite.py::test_no_config_cli_passes_the_reference_and_the_example"],
+}  # fmt: skip
+WRONG_HALF_CONFIG = """\
+dtype: float16
+need_weights: false
+tgt_len: 512
+embed_dim: 32
+num_heads: 4
+attn_mask: causal
+batch_size: 1
+seed: 3
+"""
+
+
+def _example_id(case: Documented) -> str:
+    return f"{case.impl.split('.py')[0]}:{'_'.join(case.args).replace('configs/', '')}"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c.slow else []) for c in EXAMPLES], ids=_example_id)
+def test_every_example_gives_its_documented_verdict(cli, case):
+    code, data, printed = cli(*case.args, "--impl", f"examples/{case.impl}")
+    assert code == case.exit_code, (case.source, printed[-3000:])
+    assert "Traceback" not in printed
+    reports = reports_of(data)
+    assert not [r for r in reports if any(row["quantity"] == "candidate" and row["status"] == "fail" for row in r["rows"])], \
+        "the example crashed: a crash is no verdict"  # fmt: skip
+    if case.verdicts is not None:
+        assert Counter(r["verdict"] for r in reports) == case.verdicts, case.source
+    if case.only_passing is not None:
+        assert {r["name"]: r["verdict"] for r in reports} == {r["name"]: "unsupported" for r in reports} | {case.only_passing: "pass"}
+
+
+def test_wrong_half_accumulation_fails_in_half_precision_on_long_rows(cli, tmp_path):
+    """README 'Kernels and other frameworks': with half-precision accumulators the error grows with
+    the row length, past the budget (S = 512 here; the correct SDPA kernel passes the same config,
+    tests/test_frameworks.py)."""
+    config = tmp_path / "half.yaml"
+    config.write_text(WRONG_HALF_CONFIG)
+    code, data, printed = cli("forward", "-c", str(config), "--impl", "examples/wrong_half_accumulation.py:MultiheadAttention")
+    assert code == 1, printed[-3000:]
+    assert "output" in {r["quantity"] for r in data["rows"] if r["status"] == "fail" and r["mismatched"]}
+
+
+def test_every_example_is_run_through_the_cli():
+    run_here = {case.impl.split(".py")[0] for case in EXAMPLES} | {"wrong_half_accumulation"}
+    assert set(EXAMPLE_FILES) == run_here | set(COVERED_ELSEWHERE), "an example with no documented CLI run"
+    for tests in COVERED_ELSEWHERE.values():
+        for test in tests:
+            path, name = test.split("::")
+            assert f"def {name}(" in (ROOT / path).read_text(), test
