@@ -194,6 +194,7 @@ def _run(
 
     try:
         commands = parse_commands(commands)
+        replaced = [(option, path) for option, path in (("--json", json_path), ("--junit", junit_path)) if path is not None and path.exists()]
         named_file = impl_file(impl) if impl else None
         check_outputs({"--json": json_path, "--junit": junit_path},
                       {"the config": config, "the candidate's file": Path(named_file[0]) if named_file else None})  # fmt: skip
@@ -237,6 +238,8 @@ def _run(
         from attncheck.junit import to_junit
 
         write_atomic(junit_path, to_junit(result))
+    for option, path in replaced:  # a report file of an earlier run: replaced whole, and said so
+        typer.echo(f"{option}: replaced the existing {str(path)!r}", err=True)
     if plot_path is not None:
         from attncheck.plot import write_plots
 

@@ -37,13 +37,7 @@ def header(report: Report) -> Text:
     """One line with the config's key facts."""
     c = report.config
     kind = kind_of(c)
-    B = c.effective_batch
-    if kind.attention_prefix:  # a module around its attention: the layer
-        shape = f"E={c.embed_dim} H={c.num_heads} F={c.dim_feedforward_eff} B={B} L={c.tgt_len}"
-        what = f"encoder layer · {'pre-norm' if c.norm_first else 'post-norm'} · {c.activation}"
-    else:
-        shape = f"E={c.embed_dim} H={c.num_heads} B={B} L={c.tgt_len} S={c.S}"
-        what = "self-attention" if c.self_attention else ("cross-attention, key is value" if c.key_is_value else "cross-attention")
+    shape, what = kind.describe(c)
     facts = [c.dtype, shape, what, "batch_first" if c.batch_first else "seq-first"]
     if c.unbatched:
         facts.append("unbatched")

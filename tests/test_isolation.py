@@ -130,3 +130,11 @@ def test_an_output_path_that_is_a_link_or_a_fifo_is_refused(tmp_path):
         code, output = run("forward", "-c", CONFIG, "--json", str(path))
         assert code == 2 and message in output, output
     assert not (tmp_path / "elsewhere.json").exists()
+
+
+def test_a_report_file_of_an_earlier_run_is_replaced_whole_and_said_so(tmp_path):
+    out = tmp_path / "r.json"
+    assert run("forward", "-c", CONFIG, "--json", str(out))[0] == 0
+    code, output = run("forward", "-c", CONFIG, "--json", str(out))
+    assert code == 0 and f"--json: replaced the existing {str(out)!r}" in output
+    assert json.loads(out.read_text())["verdict"] == "pass"

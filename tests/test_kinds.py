@@ -1,5 +1,6 @@
-"""Module kinds as plug-ins: each kind's candidates without a backward get autograd's gradients under
-the kind's own input names, and nothing outside attncheck/kinds asks which module a config checks."""
+"""Module kinds as plug-ins: each kind names what differs, and nothing outside attncheck/kinds asks
+which module a config checks. (torch's own and a Flax encoder layer, with no backward, passing the
+layer's default suite through the CLI: tests/test_shipped.py.)"""
 
 from __future__ import annotations
 
@@ -8,34 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from attncheck.commands import NAMES
 from attncheck.config import load_suite
 from attncheck.kinds import kind_of, kinds
-from attncheck.report import PASS
-from attncheck.suite import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYER_SUITE = "transformer_encoder_layer"
-
-
-def test_torch_s_own_encoder_layer_passes_the_layer_suite_in_every_command():
-    """torch's nn.TransformerEncoderLayer, no backward: autograd through the tensors handed in as
-    `src` and the parameters (it failed every grad and sgd-step check when the leaf was `input`)."""
-    result = prepare(load_suite(None, module=LAYER_SUITE), NAMES, impl=f"{ROOT}/examples/torch_encoder_layer.py:TransformerEncoderLayer").run()
-    assert result.verdict is PASS, [(r.name, r.command, str(r.verdict)) for r in result.reports if not r.passed]
-    assert {r.command for r in result.reports} == set(NAMES) and all(r.verdict is PASS for r in result.reports)
-    assert all(r.framework == "torch" for r in result.reports)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("command", NAMES)
-def test_a_flax_encoder_layer_passes_the_layer_suite(command):
-    """A Flax encoder layer, no backward: gradients from jax.vjp under the layer's `src`."""
-    pytest.importorskip("flax")
-    result = prepare(load_suite(None, module=LAYER_SUITE), (command,), impl=f"{ROOT}/examples/flax_encoder_layer.py:TransformerEncoderLayer").run()
-    assert result.verdict is PASS and all(r.verdict is PASS for r in result.reports), [
-        (r.name, str(r.verdict), r.failure_message()) for r in result.reports if not r.passed]
-    assert all(r.framework == "jax" for r in result.reports)
 
 
 def test_every_kind_names_what_differs():

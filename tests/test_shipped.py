@@ -132,6 +132,10 @@ EXAMPLES = [
     # gradients are tests/test_jax.py's (through attncheck.check with the same SPEC).
     Documented("flax_attention.py:MultiheadAttention", ("forward", "-c", "configs/causal.yaml"), 0,
                "README 'Kernels and other frameworks': Flax agrees in float32 with causal masks", slow=True),
+    Documented("torch_encoder_layer.py:TransformerEncoderLayer", ("run", "--module", "transformer_encoder_layer"), 0,
+               "its docstring: passes the layer's default suite in all three commands", {"pass": 21}),
+    Documented("flax_encoder_layer.py:TransformerEncoderLayer", ("run", "--module", "transformer_encoder_layer"), 0,
+               "its docstring: the layer's default suite, gradients from jax.vjp", {"pass": 21}, slow=True),
 ]  # fmt: skip
 
 # Examples whose documented commands run through the CLI in another module, with their verdicts.

@@ -44,14 +44,21 @@ def _perturbed(cfg: Config, w: Workload, name: str, delta: np.ndarray) -> Worklo
     return kind_of(cfg).with_input(cfg, w, name, kind_of(cfg).inputs(cfg, w)[name] + delta)
 
 
-def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, strict: bool = False, grads_nan: bool = False) -> list[Row]:
+# What the report says when the finite differences took one joint direction.
+JOINT_NOTE = ("finite differences: one random direction over every gradient at once (two float64 forwards) at this size; "
+              "one direction per quantity only if that fails, to say which")  # fmt: skip
+
+
+def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, strict: bool = False, grads_nan: bool = False,
+                           notes: list[str] | None = None) -> list[Row]:  # fmt: skip
     """One direction per reported quantity (rows that localize), or at large sizes (Config.is_large)
     one joint direction over all of them (a row that proves), where each float64 forward costs
     seconds: one direction per quantity follows only when the joint one fails, to say which
     gradient is wrong. At small sizes the joint row would save milliseconds and lose the localization.
 
     `grads64` are the candidate's float64 gradients when the check already has them; `oracle` the
-    oracle's (output, loss, gradients), which are the built-in reference's own.
+    oracle's (output, loss, gradients), which are the built-in reference's own. JOINT_NOTE goes to
+    `notes` when the joint direction is taken.
     """
     from attncheck.checks.grad import all_gradients, grad_quantities, not_returned, run_grad
 
@@ -133,6 +140,8 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
         if not cfg.is_large:
             return rows + per_quantity()
         parts = [(name, index) for _, name, index in probes]
+        if notes is not None:
+            notes.append(JOINT_NOTE)
         joint = probe_row(JOINT_FD, parts, None, sum(int(dirs[n][i].size) for n, i in parts))
         joint.note += f"; one random direction over {', '.join(q.label for q, _, _ in probes)} (two forwards)"
         if not joint.failed:

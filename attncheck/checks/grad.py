@@ -8,7 +8,7 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.candidate import Candidate, Session
 from attncheck.checks.calls import dtype_rows, finding_rows, repeat_rows
-from attncheck.checks.finite_diff import JOINT_FD, finite_difference_rows
+from attncheck.checks.finite_diff import finite_difference_rows
 from attncheck.checks.run import CheckRun, oracle_config
 from attncheck.compare import compare, rule_for, with_logit_floor
 from attncheck.config import Config
@@ -119,10 +119,6 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     report.rows.extend(repeat_rows(report, "grad", session, obj, cfg, w, backward=True))
     del obj  # nor the candidate's, through the float64 finite differences
     report.rows.extend(finding_rows("grad", session))
-    fd_rows = finite_difference_rows(cfg, run.candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict,
-                                     run.grads_nan_explained or spread)  # fmt: skip
-    if any(row.quantity == JOINT_FD for row in fd_rows):
-        report.notes.append("finite differences: one random direction over every gradient at once (two float64 forwards) at this size; "
-                            "one direction per quantity only if that fails, to say which")  # fmt: skip
-    report.rows.extend(fd_rows)
+    report.rows.extend(finite_difference_rows(cfg, run.candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict,
+                                              run.grads_nan_explained or spread, notes=report.notes))  # fmt: skip
     return run.finish()

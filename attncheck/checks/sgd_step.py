@@ -139,6 +139,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
         "sgd", f"loss (steps 1-{k})", np.array(mine.losses[:k]), np.array(t.losses[:k]), sgd_rule(cfg, k),
         oracle=None if oracle is None else np.array(oracle.losses[:k]),
     )  # fmt: skip
+    loss_row.parameter = "loss"  # the label names the steps; what it compares is the loss
     if loss_row.max_abs_at:
         loss_row.note = (loss_row.note + "; " if loss_row.note else "") + f"largest difference at step {loss_row.max_abs_at[0] + 1}"
     report.rows.append(loss_row)

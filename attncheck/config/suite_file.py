@@ -20,16 +20,8 @@ from attncheck.commands import NAMES
 from attncheck.config.config_file import plain_config, resolve_impl
 from attncheck.config.display import plain, show, type_name
 from attncheck.config.messages import locate, raise_if_any, unknown_key_message, validate
-from attncheck.config.schema import CONFIG_KEYS, SUITE_KEYS, TRANSFORMER_ENCODER_LAYER, Config
-from attncheck.config.yaml_reading import (
-    DEFAULT_LAYER_SUITE_SOURCE,
-    Document,
-    KeyPath,
-    default_layer_suite_text,
-    dotted,
-    parse_document,
-    read_suite_file,
-)
+from attncheck.config.schema import CONFIG_KEYS, SUITE_KEYS, Config
+from attncheck.config.yaml_reading import Document, KeyPath, dotted, embedded_text, parse_document, read_suite_file
 from attncheck.errors import Problem, UsageError
 
 MAX_MATRIX_CASES = 10_000
@@ -66,8 +58,13 @@ def load_suite(path: str | Path | None, module: str | None = None) -> Suite:
     `module` (the command line's --module): with no file, the embedded default suite of that
     module; with one, every case must check that module (a UsageError names the first that does not).
     """
-    if path is None and module == TRANSFORMER_ENCODER_LAYER:
-        return parse_suite(default_layer_suite_text(), DEFAULT_LAYER_SUITE_SOURCE, name="default-layer-suite")
+    if path is None and module is not None:
+        from attncheck.kinds import kinds
+
+        embedded = kinds()[module].default_suite  # a kind with a default suite of its own
+        if embedded is not None:
+            filename, source, name = embedded
+            return parse_suite(embedded_text(filename), source, name=name)
     text, source, name = read_suite_file(path)
     suite = parse_suite(text, source, name=name)
     if module is not None and path is not None:

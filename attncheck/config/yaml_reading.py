@@ -48,7 +48,12 @@ DEFAULT_LAYER_SUITE_SOURCE = "<default layer suite>"
 
 def default_layer_suite_text() -> str:
     """The embedded default suite of nn.TransformerEncoderLayer, attncheck/config/default_layer_suite.yaml."""
-    return resources.files("attncheck.config").joinpath("default_layer_suite.yaml").read_text(encoding="utf-8")
+    return embedded_text("default_layer_suite.yaml")
+
+
+def embedded_text(filename: str) -> str:
+    """The text of a file shipped in the attncheck.config package."""
+    return resources.files("attncheck.config").joinpath(filename).read_text(encoding="utf-8")
 
 
 def read_config_file(path: str | Path | None) -> tuple[str, str, str]:

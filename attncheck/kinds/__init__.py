@@ -40,6 +40,13 @@ class ModuleKind:
     attention_prefix: str = ""  # the attention's parameters' prefix in state_dict() names
     returns_weights: bool = False  # forward returns (output, weights), not the output alone
     features: tuple[Feature, ...] = ()  # the capability table's rows: a case is the first it meets
+    # The embedded suite `--module NAME` runs with no config: (package file in attncheck/config,
+    # its name in messages, the suite's name); None: attncheck's default suite.
+    default_suite: tuple[str, str, str] | None = None
+
+    def describe(self, cfg: Config) -> tuple[str, str]:
+        """The report header's shape (`E=16 H=4 B=2 L=5 S=5`) and what is checked, in words."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------------ both sides
     @property

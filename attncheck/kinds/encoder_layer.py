@@ -30,6 +30,12 @@ class EncoderLayerKind(ModuleKind):
         ("shapes", lambda c: True),
     )
 
+    default_suite = ("default_layer_suite.yaml", "<default layer suite>", "default-layer-suite")
+
+    def describe(self, cfg) -> tuple[str, str]:
+        shape = f"E={cfg.embed_dim} H={cfg.num_heads} F={cfg.dim_feedforward_eff} B={cfg.effective_batch} L={cfg.tgt_len}"
+        return shape, f"encoder layer · {'pre-norm' if cfg.norm_first else 'post-norm'} · {cfg.activation}"
+
     @property
     def reference(self):
         from attncheck.layer_reference import TransformerEncoderLayer

@@ -76,6 +76,10 @@ class MultiheadAttentionKind(ModuleKind):
         ("shapes", lambda c: True),
     )
 
+    def describe(self, cfg) -> tuple[str, str]:
+        what = "self-attention" if cfg.self_attention else ("cross-attention, key is value" if cfg.key_is_value else "cross-attention")
+        return f"E={cfg.embed_dim} H={cfg.num_heads} B={cfg.effective_batch} L={cfg.tgt_len} S={cfg.S}", what
+
     @property
     def reference(self):
         from attncheck.reference import MultiheadAttention
