@@ -72,11 +72,17 @@ class CandidateProcess:
         self.process: subprocess.Popen | None = None
         self.generation = 0  # counts the processes started: a session opened in an earlier one is gone
         self.loaded: dict[str, Any] = {}
+        self._loading = False  # spawned, and its load reply not read yet
         self._output = tempfile.TemporaryFile()
         self._output_read = 0
 
     # ---------------------------------------------------------------------------- lifetime
     def _start(self) -> None:
+        self.spawn()
+        self.finish_loading()
+
+    def spawn(self) -> None:
+        """Start the process and ask it to import the candidate, without waiting for it to."""
         judge_read, child_write = os.pipe()
         child_read, judge_write = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -89,7 +95,13 @@ class CandidateProcess:
         os.close(child_write)
         self._read_fd, self._write_fd = judge_read, judge_write
         self.generation += 1
-        reply = self._ask(("load", self.spec, self.origin), "importing the candidate", LOAD_TIMEOUT, 1 << 20)
+        write_request(self._write_all, ("load", self.spec, self.origin))
+        self._loading = True
+
+    def finish_loading(self) -> None:
+        """Wait for the candidate's import that `spawn` asked for; LoadFailed if it failed."""
+        self._loading = False
+        reply = self._ask(None, "importing the candidate", LOAD_TIMEOUT, 1 << 20)
         error = reply.get("error")
         if error is not None:
             self.stop()
@@ -100,6 +112,8 @@ class CandidateProcess:
         return f"{self.origin}: impl {self.spec!r}" if self.origin else f"--impl {self.spec!r}"
 
     def ensure(self) -> None:
+        if self.process is not None and self._loading:
+            self.finish_loading()
         if self.process is None or self.process.poll() is not None:
             self.stop()
             self._start()
@@ -124,6 +138,7 @@ class CandidateProcess:
             pass
         self.process.wait()
         self.process = None
+        self._loading = False
 
     # ---------------------------------------------------------------------------- calls
     def call(self, request: tuple, what: str, timeout: float, max_bytes: int) -> dict[str, Any]:
@@ -132,10 +147,12 @@ class CandidateProcess:
         self.ensure()
         return self._ask(request, what, timeout, max_bytes)
 
-    def _ask(self, request: tuple, what: str, timeout: float, max_bytes: int) -> dict[str, Any]:
+    def _ask(self, request: tuple | None, what: str, timeout: float, max_bytes: int) -> dict[str, Any]:
+        """Send `request` (None: one sent already) and read its reply."""
         deadline = time.monotonic() + timeout
         try:
-            write_request(self._write_all, request)
+            if request is not None:
+                write_request(self._write_all, request)
             reply = read_reply(lambda n: self._read_exact(n, deadline), max_bytes)
             if not isinstance(reply, dict):
                 raise Malformed("the reply is not a mapping")
@@ -198,6 +215,17 @@ def process_for(spec: str, origin: str | None = None) -> CandidateProcess:
     for stale in list(_PROCESSES)[:-MAX_LIVE]:
         _PROCESSES.pop(stale).close()
     return process
+
+
+def start_loading(spec: str, origin: str | None = None) -> None:
+    """Start the candidate's process importing it, and return at once: the judge meanwhile imports
+    its own torch, and the two imports share the cores. `load` collects the result."""
+    process = process_for(spec, origin)
+    if process.process is None:
+        try:
+            process.spawn()
+        except OSError as exc:
+            raise UsageError(f"{process._who()}: its process could not be started: {exc}") from None
 
 
 def load(spec: str, origin: str | None = None) -> Candidate:

@@ -139,8 +139,18 @@ def _candidate(spec: str | Candidate | None, origin: str | None = None) -> Any:
 
 
 def check_candidates(jobs: list[Job]) -> None:
-    """Import every candidate before any work, so a bad SPEC is a usage error up front."""
-    for spec, origin in dict.fromkeys((job.impl, job.impl_origin) for job in jobs):
+    """Import every candidate before any work, each in its own process, so a bad SPEC is a usage
+    error up front; the judge imports its own checks (and torch) while they do."""
+    from attncheck.candidate import builtin
+    from attncheck.remote import start_loading
+
+    wanted = list(dict.fromkeys((job.impl, job.impl_origin) for job in jobs))
+    for spec, origin in wanted:
+        if isinstance(spec, str) and builtin(spec) is None and spec not in _candidates:
+            start_loading(spec, origin)
+    if wanted:
+        import attncheck.checks  # noqa: F401 - the judge's torch, imported while the candidates' processes start
+    for spec, origin in wanted:
         _candidate(spec, origin)
 
 

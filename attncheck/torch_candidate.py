@@ -35,6 +35,9 @@ class TorchSession(FrameworkSession):
     def __init__(self, cfg, candidate):
         super().__init__(cfg, candidate)
         self.device = torch.device(cfg.device)
+        # The judge's own thread rule (a function of the config): a check's tiny calls are slower on
+        # a thread pool, and two processes' pools would contend for the same cores.
+        torch.set_num_threads(torch_side.threads_for(cfg))
         self._inputs: dict[str, torch.Tensor] = {}
         self._output: Any = None
 

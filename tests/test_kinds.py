@@ -33,7 +33,7 @@ def test_nothing_outside_the_kinds_branches_on_the_module():
     offenders = []
     for path in package.rglob("*.py"):
         relative = path.relative_to(package).as_posix()
-        if relative.startswith(("kinds/", "config/")):
+        if relative.startswith(("kinds/", "config/schema.py")):  # the kinds, and the schema that names them
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if KIND_BRANCH.search(line.split("#")[0]):  # code, not comments
