@@ -193,13 +193,15 @@ class CandidateProcess:
         return b"".join(chunks)
 
     def printed(self) -> str:
-        """What the candidate printed since the last look, escaped and cut to PRINTED_LIMIT."""
-        self._output.seek(self._output_read)
-        data = self._output.read(PRINTED_LIMIT + 1)
-        self._output.seek(0, os.SEEK_END)
-        self._output_read = self._output.tell()
-        text = clean(data.decode("utf-8", "replace"))
-        return text if len(text) <= PRINTED_LIMIT else text[:PRINTED_LIMIT] + "…"
+        """What the candidate printed since the last look: its first PRINTED_LIMIT bytes, escaped
+        after the cut (so no escape is cut in two), and how many more there were."""
+        end = os.fstat(self._output.fileno()).st_size
+        new, self._output_read = end - self._output_read, end
+        if new <= 0:
+            return ""
+        self._output.seek(end - new)
+        text = clean(self._output.read(min(new, PRINTED_LIMIT)).decode("utf-8", "replace"))
+        return text if new <= PRINTED_LIMIT else f"{text}… ({new - PRINTED_LIMIT:,} more bytes not shown)"
 
 
 _PROCESSES: dict[str, CandidateProcess] = {}
