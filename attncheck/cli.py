@@ -133,6 +133,12 @@ TimeoutOption = Annotated[
     typer.Option("--timeout", help="Seconds one call into the candidate may take before its process is killed and the call fails. "
                  "Default: the config's `timeout`, else 60 s plus 1 s per million attention logits.", show_default=False),
 ]  # fmt: skip
+SetOption = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", help="KEY=VALUE: set a config key in every case (repeatable), validated as in a config file; "
+                 "VALUE is read as YAML (false, 0.5, causal, null). E.g. --set check_dtype=false --set attn_mask=causal.",
+                 show_default=False),
+]  # fmt: skip
 TracebackOption = Annotated[bool, typer.Option("--traceback", help="Show the candidate's full traceback when a call into it raised.")]
 
 EPILOG = """\b
@@ -184,6 +190,7 @@ def _run(
     tracebacks: bool = False,
     module: Module | None = None,
     timeout: float | None = None,
+    settings: list[str] | None = None,
     **options,
 ) -> int:
     """Run commands over every case of a config or suite, render, write outputs, pick the exit code."""
@@ -216,7 +223,8 @@ def _run(
             suite = Suite(suite.name, suite.source, shard(suite.cases, i, n))
             label += f" · shard {i}/{n}"
         view = View(verbose, tracebacks, keep_evidence=plot_path is not None)
-        overrides = {k: v.value for k, v in (("tolerance", tolerance), ("framework", framework), ("device", device)) if v is not None}
+        overrides = parse_settings(settings or [])
+        overrides.update({k: v.value for k, v in (("tolerance", tolerance), ("framework", framework), ("device", device)) if v is not None})
         if timeout is not None:
             overrides["timeout"] = timeout
         plan = prepare(suite, commands, impl=impl, overrides=overrides)
@@ -249,6 +257,30 @@ def _run(
         for path in written:
             typer.echo(f"plot: {path}", err=True)
     return exit_code(result.verdict)
+
+
+def parse_settings(settings: list[str]) -> dict:
+    """`--set KEY=VALUE` options as config keys and values (YAML scalars); a malformed one or an
+    unknown key is a UsageError naming it. The values are validated with each case's config."""
+    import yaml
+
+    from attncheck.config.messages import unknown_key_message
+    from attncheck.config.schema import CONFIG_KEYS
+    from attncheck.config.yaml_reading import read_value
+
+    parsed = {}
+    for setting in settings:
+        key, sep, text = setting.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"--set {setting!r}: expected KEY=VALUE, e.g. --set check_dtype=false")
+        if key not in CONFIG_KEYS:
+            raise UsageError(f"--set {setting!r}: {unknown_key_message(key, CONFIG_KEYS)}")
+        try:
+            parsed[key] = read_value(text) if text.strip() else None
+        except yaml.YAMLError as exc:
+            raise UsageError(f"--set {setting!r}: the value is not YAML: {' '.join(str(exc).split())}") from None
+    return parsed
 
 
 @dataclass(frozen=True)
@@ -323,10 +355,10 @@ def forward(
     strict: StrictOption = False,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
-    module: ModuleOption = None, timeout: TimeoutOption = None,
+    module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run("forward", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, strict=strict))  # fmt: skip
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings, strict=strict))  # fmt: skip
 
 
 @_command("grad", COMMANDS["grad"].summary)
@@ -336,10 +368,10 @@ def grad(
     per_head: PerHeadOption = False, strict: StrictOption = False,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
-    module: ModuleOption = None, timeout: TimeoutOption = None,
+    module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run("grad", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout,
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings,
                           per_head=per_head, strict=strict))  # fmt: skip
 
 
@@ -349,7 +381,7 @@ def sgd_step(
     framework: FrameworkOption = None, device: DeviceOption = None,
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
-    module: ModuleOption = None, timeout: TimeoutOption = None,
+    module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run("sgd-step", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module))  # fmt: skip
@@ -363,10 +395,10 @@ def run(
     junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     per_head: PerHeadOption = False, strict: StrictOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
-    module: ModuleOption = None, timeout: TimeoutOption = None,
+    module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run(",".join(NAMES) if only is None else only, config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout,
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings,
                           per_head=per_head, strict=strict))  # fmt: skip
 
 

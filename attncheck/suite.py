@@ -78,7 +78,7 @@ def plan(
     cases = []
     for case in suite.cases:
         if case.config is not None and overrides:
-            case = replace(case, config=with_overrides(case.config, overrides, f"{suite.source}: case {case.name!r} with overrides"))
+            case = replace(case, config=with_overrides(case.config, overrides, f"{suite.source}: case {case.name!r} with --set and options"))
         cases.append(case)
     check_suite_memory(Suite(suite.name, suite.source, cases))
     for case in cases:

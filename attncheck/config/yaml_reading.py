@@ -275,3 +275,8 @@ def _index_marks(root: yaml.Node, depth: int = 3) -> dict[KeyPath, yaml.Mark]:
 
     walk(root, ())
     return marks
+
+
+def read_value(text: str) -> Any:
+    """One value as a config file reads it (`--set KEY=VALUE`): 1e-5 a number, tags refused."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader

@@ -1,0 +1,53 @@
+"""`--set KEY=VALUE`: any config key, on any command, in every case of a suite, validated as a
+config file's keys are."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from attncheck.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = str(ROOT / "configs" / "default.yaml")
+
+
+def run(*args) -> tuple[int, str]:
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+def test_set_changes_the_config_of_a_single_check(tmp_path):
+    out = tmp_path / "r.json"
+    code, _ = run("forward", "-c", CONFIG, "--set", "attn_mask=causal", "--set", "need_weights=false", "--set", "seed=7",
+                  "--set", "budget_floor=1e-5", "--json", out)  # fmt: skip
+    config = json.loads(out.read_text())["config"]
+    assert code == 0 and (config["attn_mask"], config["need_weights"], config["seed"], config["budget_floor"]) == ("causal", False, 7, 1e-5)
+
+
+def test_set_reaches_every_case_of_the_default_suite(tmp_path):
+    out = tmp_path / "r.json"
+    code, _ = run("forward", "--set", "dtype=float64", "--json", out)
+    results = json.loads(out.read_text())["results"]
+    assert code == 0 and len(results) > 20 and {r["config"]["dtype"] for r in results} == {"float64"}
+
+
+def test_a_flag_given_too_wins_over_set(tmp_path):
+    out = tmp_path / "r.json"
+    run("forward", "-c", CONFIG, "--set", "tolerance=budget", "--tolerance", "fixed", "--json", out)
+    assert json.loads(out.read_text())["config"]["tolerance"] == "fixed"
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("check_dtyp=false", "--set 'check_dtyp=false': unknown key 'check_dtyp'; did you mean 'check_dtype'?"),
+    ("dtype", "--set 'dtype': expected KEY=VALUE"),
+    ("attn_mask=[", "--set 'attn_mask=[': the value is not YAML"),
+    ("num_heads=5", "num_heads: embed_dim 16 is not divisible by num_heads 5"),
+    ("attn_mask=sometimes", "attn_mask"),
+])  # fmt: skip
+def test_a_bad_setting_is_one_clear_usage_error(setting, message):
+    code, output = run("forward", "-c", CONFIG, "--set", setting)
+    assert code == 2 and message in output and "Traceback" not in output, output
