@@ -135,7 +135,7 @@ TimeoutOption = Annotated[
 ]  # fmt: skip
 SetOption = Annotated[
     Optional[list[str]],
-    typer.Option("--set", help="KEY=VALUE: set a config key in every case (repeatable), validated as in a config file; "
+    typer.Option("--set", metavar="KEY=VALUE", help="Set a config key in every case (repeatable), validated as in a config file; "
                  "VALUE is read as YAML (false, 0.5, causal, null). E.g. --set check_dtype=false --set attn_mask=causal.",
                  show_default=False),
 ]  # fmt: skip
