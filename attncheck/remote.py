@@ -53,6 +53,20 @@ def _reply_limit(arrays: list[np.ndarray | None]) -> int:
     return 16 * 8 * sum(int(a.size) for a in arrays if a is not None) + (64 << 20)
 
 
+def _checked(reply: Any) -> dict[str, Any]:
+    """A reply whose fields have the types the judge reads, or Malformed: a candidate can write a
+    well-framed reply of its own into its process's pipe."""
+    if not isinstance(reply, dict):
+        raise Malformed("the reply is not a mapping")
+    error = reply.get("error")
+    if error is not None and not (isinstance(error, dict) and all(isinstance(error.get(k), str) for k in ("kind", "message", "location", "traceback", "raised"))):
+        raise Malformed("an error that is not one")
+    for key in ("findings", "notes"):
+        if not (isinstance(reply.get(key, []), list) and all(isinstance(item, str) for item in reply.get(key, []))):
+            raise Malformed(f"{key} that are not a list of text")
+    return reply
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -153,10 +167,7 @@ class CandidateProcess:
         try:
             if request is not None:
                 write_request(self._write_all, request)
-            reply = read_reply(lambda n: self._read_exact(n, deadline), max_bytes)
-            if not isinstance(reply, dict):
-                raise Malformed("the reply is not a mapping")
-            return reply
+            return _checked(read_reply(lambda n: self._read_exact(n, deadline), max_bytes))
         except TimeoutError:
             self.stop()
             raise CandidateError(f"no answer in {timeout:.3g} s during {what}: the candidate's process was killed "
