@@ -25,7 +25,7 @@ from attncheck.dtypes import BFLOAT16
 
 MAGIC = b"ATTN"
 _LENGTH = struct.Struct("<Q")
-MAX_HEADER = 16 << 20  # a header is text: findings, notes and array descriptions
+MAX_HEADER = 4 << 20  # a header is text: findings, notes and array descriptions
 # The dtypes a reply's arrays may have: what attncheck's conversion to NumPy lets through.
 DTYPES = {name: np.dtype(name) for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                                              "float16", "float32", "float64", "complex64", "complex128")}  # fmt: skip
@@ -73,7 +73,15 @@ def encode_reply(body: Any) -> bytes:
 
 
 def read_reply(read_exact: Callable[[int], bytes], max_bytes: int) -> Any:
-    """A reply's body with its arrays, or Malformed; at most `max_bytes` of array data."""
+    """A reply's body with its arrays, or Malformed; at most `max_bytes` of array data. Whatever
+    the bytes are, nothing but Malformed (or the reader's own errors) comes out."""
+    try:
+        return _read_reply(read_exact, max_bytes)
+    except (ValueError, TypeError, RecursionError, OverflowError, MemoryError, KeyError, IndexError) as exc:
+        raise Malformed(f"{type(exc).__name__} while reading it") from None
+
+
+def _read_reply(read_exact: Callable[[int], bytes], max_bytes: int) -> Any:
     head = read_exact(len(MAGIC) + _LENGTH.size)
     if head[: len(MAGIC)] != MAGIC:
         raise Malformed("the reply does not start as a reply")
@@ -88,10 +96,10 @@ def read_reply(read_exact: Callable[[int], bytes], max_bytes: int) -> Any:
         raise Malformed("the reply header has the wrong keys")
     specs, total = [], 0
     for spec in header["arrays"]:
-        if not isinstance(spec, dict) or spec.get("dtype") not in DTYPES or not isinstance(spec.get("shape"), list):
+        if not isinstance(spec, dict) or not isinstance(spec.get("dtype"), str) or spec["dtype"] not in DTYPES or not isinstance(spec.get("shape"), list):
             raise Malformed(f"an array of an unknown dtype or shape: {str(spec)[:80]}")
         shape = spec["shape"]
-        if len(shape) > 32 or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n for n in shape):
+        if len(shape) > 32 or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**40 for n in shape):
             raise Malformed(f"an array of shape {str(shape)[:80]}")
         dtype = DTYPES[spec["dtype"]]
         nbytes = math.prod(shape) * dtype.itemsize

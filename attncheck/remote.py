@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ from attncheck.errors import CandidateError, Unsupported, UsageError, clean, sho
 # B=1 H=8 L=S=8192 (537M logits) in tens of seconds on 2 cores, far inside the 597 s it is given.
 BASE_TIMEOUT = 60.0
 TIMEOUT_PER_LOGIT = 1e-6
-# Importing a candidate (and torch or JAX with it) under load takes seconds; a minute is ample.
+# Importing a candidate (and torch or JAX with it) under load takes seconds; two minutes are ample.
 LOAD_TIMEOUT = 120.0
 # The printed output of a candidate reported per session, in characters.
 PRINTED_LIMIT = 2000
@@ -89,6 +90,7 @@ class CandidateProcess:
         self._loading = False  # spawned, and its load reply not read yet
         self._output = tempfile.TemporaryFile()
         self._output_read = 0
+        _EVERY.add(self)
 
     # ---------------------------------------------------------------------------- lifetime
     def _start(self) -> None:
@@ -100,16 +102,22 @@ class CandidateProcess:
         judge_read, child_write = os.pipe()
         child_read, judge_write = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.process = subprocess.Popen(
+        try:
+            self.process = subprocess.Popen(
             [sys.executable, "-m", "attncheck.child", str(child_read), str(child_write), str(os.getpid())],
             pass_fds=(child_read, child_write), stdin=subprocess.DEVNULL, stdout=self._output, stderr=self._output,
             start_new_session=True, env=env, close_fds=True,
-        )  # fmt: skip
+            )  # fmt: skip
+        except BaseException:
+            for fd in (judge_read, child_write, child_read, judge_write):
+                os.close(fd)
+            raise
         os.close(child_read)
         os.close(child_write)
+        os.set_blocking(judge_write, False)  # writes wait in select, against the call's deadline
         self._read_fd, self._write_fd = judge_read, judge_write
         self.generation += 1
-        write_request(self._write_all, ("load", self.spec, self.origin))
+        write_request(lambda data: self._write_all(data, time.monotonic() + LOAD_TIMEOUT), ("load", self.spec, self.origin))
         self._loading = True
 
     def finish_loading(self) -> None:
@@ -131,11 +139,6 @@ class CandidateProcess:
         if self.process is None or self.process.poll() is not None:
             self.stop()
             self._start()
-
-    def close(self) -> None:
-        """Stop the process and let go of its output file."""
-        self.stop()
-        self._output.close()
 
     def stop(self) -> None:
         """End the process and everything it started in its session, now."""
@@ -166,7 +169,7 @@ class CandidateProcess:
         deadline = time.monotonic() + timeout
         try:
             if request is not None:
-                write_request(self._write_all, request)
+                write_request(lambda data: self._write_all(data, deadline), request)
             return _checked(read_reply(lambda n: self._read_exact(n, deadline), max_bytes))
         except TimeoutError:
             self.stop()
@@ -179,16 +182,24 @@ class CandidateProcess:
             raise CandidateError(f"the candidate's process answered {what} with malformed data ({exc}); it was replaced") from None
 
     def _death(self, what: str) -> str:
-        code = self.process.wait() if self.process is not None else None
+        try:
+            code = self.process.wait(timeout=1) if self.process is not None else None
+        except subprocess.TimeoutExpired:  # alive, but its end of the channel is closed
+            self.stop()
+            return f"the candidate's process closed its channel to attncheck during {what}; it was killed"
         self.stop()
         if code is not None and code < 0:
             return f"killed by {_signal_name(-code)} during {what}"
         return f"the candidate's process exited with code {code} during {what}"
 
-    def _write_all(self, data: bytes) -> None:
+    def _write_all(self, data: bytes, deadline: float) -> None:
+        """Write all of `data`, waiting for the pipe to drain until `deadline` (TimeoutError after)."""
         view = memoryview(data)
         while view:
-            view = view[os.write(self._write_fd, view) :]
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([], [self._write_fd], [], wait)[1]:
+                raise TimeoutError
+            view = view[os.write(self._write_fd, view[: 1 << 16]) :]
 
     def _read_exact(self, n: int, deadline: float) -> bytes:
         chunks, left = [], n
@@ -216,6 +227,7 @@ class CandidateProcess:
 
 
 _PROCESSES: dict[str, CandidateProcess] = {}
+_EVERY: weakref.WeakSet[CandidateProcess] = weakref.WeakSet()  # evicted ones too, while a session holds one
 # Candidate processes kept alive at once: a run checks one candidate, a test session many; the
 # least recently used is stopped beyond this (and started again if it is asked for again).
 MAX_LIVE = 4
@@ -226,7 +238,7 @@ def process_for(spec: str, origin: str | None = None) -> CandidateProcess:
     process = _PROCESSES.pop(spec, None) or CandidateProcess(spec, origin)
     _PROCESSES[spec] = process  # the most recently used last
     for stale in list(_PROCESSES)[:-MAX_LIVE]:
-        _PROCESSES.pop(stale).close()
+        _PROCESSES.pop(stale).stop()  # a session still holding it may start it again
     return process
 
 
@@ -256,7 +268,7 @@ def load(spec: str, origin: str | None = None) -> Candidate:
 @atexit.register
 def stop_all() -> None:
     """End every candidate process (and what each started): before output files are written, and at exit."""
-    for process in _PROCESSES.values():
+    for process in list(_EVERY):
         process.stop()
 
 
@@ -287,7 +299,7 @@ class RemoteSession:
     def _call(self, op: str, what: str, *args, arrays: list[np.ndarray | None]) -> dict[str, Any]:
         self.process.ensure()
         if self.opened_in != self.process.generation:
-            self.process.call(("open", self.sid, self.cfg), "opening a session", self.timeout, 1 << 20)
+            self._raise_error(self.process.call(("open", self.sid, self.cfg), "opening a session", self.timeout, 1 << 20), "opening a session")
             self.opened_in = self.process.generation
         try:
             reply = self.process.call((op, self.sid, *args), what, self.timeout, _reply_limit(arrays))
@@ -295,8 +307,17 @@ class RemoteSession:
             printed = self.process.printed()
             if printed:
                 self.notes.append(f"the candidate printed: {printed}")
+        self._raise_error(reply, what)
+        self.findings[:] = [clean(f, lines=False) for f in reply.get("findings", [])]
+        self.notes.extend(clean(n, lines=False) for n in reply.get("notes", []) if clean(n, lines=False) not in self.notes)
+        return reply
+
+    def _raise_error(self, reply: dict[str, Any], what: str) -> None:
+        """The candidate's error a reply carries, raised as the judge's own exception."""
         error = reply.get("error")
         if error is not None:
+            if error["kind"] == "usage":
+                raise Unsupported(error["message"])  # the session cannot be had here (JAX missing, say)
             location = error.get("location") or None
             if error["kind"] == "unsupported":
                 raise Unsupported(_without(error["message"], location), location, error["traceback"], error["raised"])
@@ -305,9 +326,6 @@ class RemoteSession:
                 raise CandidateError(f"the candidate's process broke during {what}: {shorten(error['message'], 200)}; it was replaced",
                                      None, error["traceback"])  # fmt: skip
             raise CandidateError(_without(error["message"], location), location, error["traceback"], error["raised"])
-        self.findings[:] = [clean(f, lines=False) for f in reply.get("findings", [])]
-        self.notes.extend(clean(n, lines=False) for n in reply.get("notes", []) if clean(n, lines=False) not in self.notes)
-        return reply
 
     def build(self, params: dict[str, np.ndarray]) -> Handle:
         reply = self._call("build", f"{self.candidate.spec}(...)", params, arrays=[])

@@ -177,6 +177,23 @@ class IgnoresSigintAndSleeps(Reference):
         time.sleep(3600)
 
 
+class ClosesItsChannel(Reference):
+    """Closes its end of the channel to attncheck (its reply pipe, named in its argv) and sleeps."""
+
+    def forward(self, *args, **kwargs):
+        os.close(int(sys.argv[2]))
+        time.sleep(3600)
+
+
+class StopsItself(Reference):
+    """SIGSTOP to itself from a thread: alive, and reading nothing the judge sends."""
+
+    def forward(self, *args, **kwargs):
+        threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+        time.sleep(1)
+        return super().forward(*args, **kwargs)
+
+
 class LeavesAThreadRunning(Reference):
     """Correct, but leaves a non-daemon thread running forever: the run must still end, and pass."""
 
@@ -322,6 +339,8 @@ HOSTILE = [
     Hostile("Deadlocks", "hanging", 1, "no answer in"),
     Hostile("RaisesWhatHangsWhenShown", "hanging", 1, "no answer in"),
     Hostile("IgnoresSigintAndSleeps", "hanging", 1, "no answer in"),
+    Hostile("ClosesItsChannel", "hanging", 1, "closed its channel to attncheck during forward()"),
+    Hostile("StopsItself", "hanging", 1, "no answer in"),
     Hostile("LeavesAThreadRunning", "hanging", 0, ""),
     Hostile("ReturnsAFakeDtype", "lying objects", 1, "returned as float64 for float32 inputs"),
     Hostile("ReturnsShiftingValues", "lying objects", 1, "forward output"),
