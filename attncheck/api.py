@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from os import PathLike
 from typing import Any
 
-from attncheck.candidate import Candidate, candidate_from_object, importable_spec
+from attncheck.candidate import Candidate, candidate_from_object
 from attncheck.commands import COMMANDS, NAMES
 from attncheck.commands import command as command_named
 from attncheck.config import Case, Config, Suite, config_from_mapping, load_config, load_suite
@@ -76,10 +76,8 @@ def _candidate(impl: str | Any | None, cfg: Config) -> str | Candidate | None:
     if impl is None or isinstance(impl, (str, Candidate)):
         return impl
     candidate = candidate_from_object(impl)
-    if candidate.builtin:
-        return candidate
-    # A class a fresh interpreter can import runs in its own process, as a SPEC does.
-    return importable_spec(impl) or candidate
+    # A class a fresh interpreter can import (no isolation note) runs in its own process, by its SPEC.
+    return candidate if candidate.builtin or candidate.isolation_note else candidate.spec
 
 
 __all__ = ["check", "Report", "Config", "load_config", "NAMES"]

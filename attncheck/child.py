@@ -77,14 +77,8 @@ class Child:
 def _error(kind: str, exc: BaseException) -> dict[str, Any]:
     from attncheck.errors import clean
 
-    def text(value: Any) -> str:
-        try:
-            return clean(value)
-        except BaseException:  # noqa: BLE001 - a candidate's object whose text cannot be had
-            return "<text that cannot be shown>"
-
-    return {"error": {"kind": kind, "message": text(exc), "location": text(getattr(exc, "location", None) or ""),
-                      "traceback": text(getattr(exc, "traceback", "") or traceback.format_exc()), "raised": text(getattr(exc, "raised", ""))}}  # fmt: skip
+    return {"error": {"kind": kind, "message": clean(exc), "location": clean(getattr(exc, "location", None) or ""),
+                      "traceback": clean(getattr(exc, "traceback", "") or traceback.format_exc()), "raised": clean(getattr(exc, "raised", ""))}}  # fmt: skip
 
 
 def _die_with(judge: int) -> None:

@@ -309,7 +309,9 @@ class RemoteSession:
                 self.notes.append(f"the candidate printed: {printed}")
         self._raise_error(reply, what)
         self.findings[:] = [clean(f, lines=False) for f in reply.get("findings", [])]
-        self.notes.extend(clean(n, lines=False) for n in reply.get("notes", []) if clean(n, lines=False) not in self.notes)
+        for note in (clean(n, lines=False) for n in reply.get("notes", [])):
+            if note not in self.notes:
+                self.notes.append(note)
         return reply
 
     def _raise_error(self, reply: dict[str, Any], what: str) -> None:
