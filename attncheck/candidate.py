@@ -66,6 +66,10 @@ class Candidate:
     remote: bool = False
     class_without_backward: bool = False  # a class whose objects have no backward(grad_output)
     isolation_note: str = ""  # why a candidate runs in the judge's process, when it does
+    # The causal mask it implements (module: sdpa; its `causal_alignment` attribute): "upper_left"
+    # (SDPA's is_causal) or "lower_right" (FlashAttention's causal=True); None: whatever the
+    # config checks (attncheck's own reference). Not validated here: the remote load says what is wrong.
+    causal_alignment: str | None = "upper_left"
 
     def lacks_backward(self, cfg) -> bool:
         """Whether it is known before building one that its objects have no backward(grad_output)
@@ -97,7 +101,16 @@ def make_session(cfg, candidate: Candidate) -> Session:
 def reference_for(cfg) -> Candidate:
     """The NumPy reference of the config's module: the oracle, and the candidate when none is given."""
     kind = kind_of(cfg)
-    return Candidate(kind.reference_spec, kind.reference, builtin=True)
+    return Candidate(kind.reference_spec, kind.reference, builtin=True, causal_alignment=None)
+
+
+def declared_alignment(factory: Any) -> Any:
+    """The `causal_alignment` a candidate declares on itself (or its class); upper_left when none.
+    Returned as found: a value other than the two names is the caller's to refuse."""
+    value = getattr(factory, "causal_alignment", None)
+    if value is None:
+        value = getattr(type(factory), "causal_alignment", None) if not isinstance(factory, type) else None
+    return "upper_left" if value is None else (value if isinstance(value, str) else repr(value)[:80])
 
 
 def detect_framework(factory: Any) -> str:
@@ -139,7 +152,7 @@ def framework_of(cfg, candidate: Candidate) -> str:
 def builtin(spec: str) -> Candidate | None:
     """One of attncheck's own references by its SPEC (run in the judge's process), else None."""
     references = {kind.reference_spec: kind.reference for kind in kinds().values()}
-    return Candidate(spec, references[spec], builtin=True) if spec in references else None
+    return Candidate(spec, references[spec], builtin=True, causal_alignment=None) if spec in references else None
 
 
 def load_candidate(spec: str | None, origin: str | None = None) -> Candidate | None:
@@ -174,7 +187,8 @@ def load_candidate(spec: str | None, origin: str | None = None) -> Candidate | N
         obj = getattr(obj, part)
     if not callable(obj):
         raise UsageError(f"{who}: {attr} is a {type(obj).__name__}, not a class or function")
-    return Candidate(spec, obj, detect_framework(obj), class_without_backward=_class_without_backward(obj))
+    return Candidate(spec, obj, detect_framework(obj), class_without_backward=_class_without_backward(obj),
+                     causal_alignment=declared_alignment(obj))  # fmt: skip
 
 
 def candidate_from_object(impl: Any) -> Candidate:
@@ -183,13 +197,14 @@ def candidate_from_object(impl: Any) -> Candidate:
         raise UsageError(f"impl: {type(impl).__name__} is not a class or function")
     for kind in kinds().values():
         if impl is kind.reference:
-            return Candidate(kind.reference_spec, impl, builtin=True)
+            return Candidate(kind.reference_spec, impl, builtin=True, causal_alignment=None)
     name = getattr(impl, "__qualname__", None) or type(impl).__name__
     spec = f"{getattr(impl, '__module__', '?')}:{name}"
     note = "" if importable_spec(impl) else (
         f"{spec} runs in attncheck's own process, not isolated: a separate process cannot import it "
         "(defined in __main__, inside a function, or under another name); a module-level class or a SPEC string is isolated")  # fmt: skip
-    return Candidate(spec, impl, detect_framework(impl), class_without_backward=_class_without_backward(impl), isolation_note=note)
+    return Candidate(spec, impl, detect_framework(impl), class_without_backward=_class_without_backward(impl), isolation_note=note,
+                     causal_alignment=declared_alignment(impl))  # fmt: skip
 
 
 def importable_spec(impl: Any) -> str | None:
@@ -375,52 +390,54 @@ class Session:
         # builds). An object is not called after a newer one is built.
         self._handed = [h for h in self._handed if not h[0].startswith("parameter")]
         handed = {k: self._hand(f"parameter `{k}`", v, grad_of=k) for k, v in params.items()}
-        obj = _guard(
-            f"{self.candidate.spec}(...)",
-            self.candidate.factory,
-            handed,
-            num_heads=self.cfg.num_heads,
-            batch_first=self.cfg.batch_first,
-            **kind_of(self.cfg).options(self.cfg),
-        )
+        obj = _guard(f"{self.candidate.spec}(...)", kind_of(self.cfg).instantiate, self.cfg, self.candidate.factory, handed)
         self._check_handed(f"{self.candidate.spec}(...)")
         return obj
 
     def forward(self, obj: Any, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
         """The candidate's (output, weights), after checking it returned an output torch's shape."""
-        if not callable(getattr(obj, "forward", None)):
-            raise CandidateError(f"{self.candidate.spec} built a {type(obj).__name__} with no forward() method")
         kind = kind_of(self.cfg)
+        method = kind.forward_of(obj)
+        if method is None:
+            raise CandidateError(f"{self.candidate.spec} built a {type(obj).__name__} with no forward() method")
         # One array passed as query, key and value stays one array (self-attention), so a candidate
         # may test `key is query`; likewise key and value (encoder-decoder attention).
         handed = {name: self._hand(f"its `{kind.argument_of(name)}` argument", a, grad_of=name) for name, a in kind.inputs(self.cfg, w).items()}
         query, key, value = kind.arguments(self.cfg, handed)
         handed_masks = tuple(self._hand(f"its `{name}` argument", a) for name, a in zip(kind.mask_arguments, (w.attn_mask, w.key_padding_mask)))
-        result = _guard(
-            "forward()",
-            kind.call_forward,
-            self.cfg,
-            obj,
-            query,
-            key,
-            value,
-            *handed_masks,
-        )
+        handed_extras = {name: self._hand(f"its `{name}` argument", a) for name, a in w.extras.items()}
+        self.last_extras = handed_extras
+        result = self._call_guarded("forward()", kind.call_forward, self.cfg, obj, query, key, value, *handed_masks, **handed_extras)
         self._check_handed("forward()")
-        where = _defined_at(obj.forward)
-        if kind.returns_weights and not (isinstance(result, tuple) and len(result) == 2):
-            raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, weights)", where)
-        output, weights = kind.split_result(result)
-        self._returned(output, obj, (query, key, value), handed_masks)
+        where = _defined_at(method)
+        second_name = kind.second_output
+        if kind.returns_pair(self.cfg) and not (isinstance(result, tuple) and len(result) == 2):
+            raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, {second_name})", where)
+        output, second = kind.split_result(self.cfg, result)
+        self._returned(output, obj, (query, key, value), handed_masks, second)
         out = self._as_numpy(output, "forward() returned an output", where)
-        if out.shape != w.query.shape:  # (B, L, E) or (L, B, E) or (L, E): the first argument's own shape
-            raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {kind.first_argument}'s {w.query.shape}", where)
-        return out, None if weights is None else self._as_numpy(weights, "forward() returned weights", where)
+        expected = kind.output_shape(self.cfg, w)  # the modules: the first argument's own shape
+        if out.shape != expected:
+            what = f"{kind.first_argument}'s {expected}" if expected == w.query.shape else f"{expected}"
+            raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {what}", where)
+        return out, None if second is None else self._as_numpy(second, f"forward() returned {second_name}", where)
 
-    def backward(self, obj: Any, grad_output: np.ndarray, w: Workload) -> dict[str, np.ndarray]:
+    def _call_guarded(self, what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """_guard, with a call the kind calls an unsupported option (a keyword the function does
+        not take) turned into Unsupported."""
+        try:
+            return _guard(what, fn, *args, **kwargs)
+        except CandidateError as err:
+            why = kind_of(self.cfg).unsupported_call(self.cfg, err.raised or "")
+            if why is None:
+                raise
+            raise Unsupported(f"{what}: {why}", err.location, err.traceback, why) from None
+
+    def backward(self, obj: Any, grad_output: np.ndarray, w: Workload, grad_second: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The candidate's gradients, keyed like params plus query/key/value (or `input` under
-        self-attention); missing keys are allowed, unknown keys are findings."""
-        grads, where = self._gradients(obj, grad_output)
+        self-attention); missing keys are allowed, unknown keys are findings. `grad_second` is
+        d(loss)/d(LSE) where the kind puts its second output in the loss."""
+        grads, where = self._gradients(obj, grad_output, grad_second)
         if not isinstance(grads, dict):
             raise CandidateError(f"backward() returned {type(grads).__name__}, expected a dict of arrays", where)
         shapes = {k: v.shape for k, v in w.params.items()}
@@ -439,16 +456,19 @@ class Session:
                 raise CandidateError(f"backward() returned {name!r} of shape {g.shape}, expected {shapes[name]}", where)
         return arrays
 
-    def _returned(self, output: Any, obj: Any, inputs: tuple[Any, Any, Any], masks: tuple[Any, Any]) -> None:
+    def _returned(self, output: Any, obj: Any, inputs: tuple[Any, Any, Any], masks: tuple[Any, Any], second: Any = None) -> None:
         """The output forward() returned, before conversion, and the call that returned it: what
         a framework session differentiates when the candidate has no backward."""
 
-    def _gradients(self, obj: Any, grad_output: np.ndarray) -> tuple[Any, str | None]:
+    def _gradients(self, obj: Any, grad_output: np.ndarray, grad_second: np.ndarray | None = None) -> tuple[Any, str | None]:
         """What the candidate's backward(grad_output) returned, and where that method is defined."""
         if not callable(getattr(obj, "backward", None)):
             # Not a wrong answer but a feature it does not have: gradients are unsupported.
-            raise Unsupported(NO_BACKWARD.format(name=type(obj).__name__))
-        grads = _guard("backward()", obj.backward, self._hand("its `grad_output` argument", grad_output))
+            raise Unsupported(NO_BACKWARD.format(name=getattr(obj, "__name__", None) or type(obj).__name__))
+        kind = kind_of(self.cfg)
+        handed_second = None if grad_second is None else self._hand(f"its `grad_{kind.second_output}` argument", grad_second)
+        grads = self._call_guarded("backward()", kind.call_backward, self.cfg, obj, self._hand("its `grad_output` argument", grad_output),
+                                   handed_second)  # fmt: skip
         self._check_handed("backward()")
         return grads, _defined_at(obj.backward)
 

@@ -60,14 +60,15 @@ class Child:
             out, weights = session.forward(obj, rest[1])
             return self.with_findings(session, {"output": out, "weights": weights})
         if op == "backward":
-            return self.with_findings(session, {"grads": session.backward(obj, rest[1], rest[2])})
+            return self.with_findings(session, {"grads": session.backward(obj, rest[1], rest[2], rest[3])})
         raise ValueError(f"unknown request {op!r}")
 
     def load(self, spec: str, origin: str | None) -> dict[str, Any]:
         from attncheck.candidate import load_candidate
 
         self.candidate = load_candidate(spec, origin)
-        return {"framework": self.candidate.framework, "class_without_backward": self.candidate.class_without_backward}
+        return {"framework": self.candidate.framework, "class_without_backward": self.candidate.class_without_backward,
+                "causal_alignment": self.candidate.causal_alignment}  # fmt: skip
 
     @staticmethod
     def with_findings(session, body: dict[str, Any]) -> dict[str, Any]:

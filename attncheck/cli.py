@@ -41,6 +41,7 @@ app = typer.Typer(
 class Module(str, enum.Enum):
     multihead_attention = "multihead_attention"
     transformer_encoder_layer = "transformer_encoder_layer"
+    sdpa = "sdpa"
 
 
 class Tolerance(str, enum.Enum):
@@ -124,7 +125,8 @@ PlotOption = Annotated[
 PlotAllOption = Annotated[bool, typer.Option("--plot-all", help="With --plot: draw every compared quantity, not only failing ones.")]
 ModuleOption = Annotated[
     Optional[Module],
-    typer.Option("--module", help="The torch module to check against: multihead_attention or transformer_encoder_layer. "
+    typer.Option("--module", help="What to check against: multihead_attention, transformer_encoder_layer, or sdpa (the attention function "
+                 "itself, F.scaled_dot_product_attention's signature). "
                  "Without --config, the embedded default suite of that module runs; with one, every case must check it.",
                  show_default=False),
 ]  # fmt: skip

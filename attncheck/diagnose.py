@@ -187,7 +187,7 @@ def _fits(candidate: np.ndarray, transformed: np.ndarray, allowed: np.ndarray, s
 
 def factor_meaning(k: float, cfg: Config) -> str:
     """'sqrt(D)', '1/H', ... for a factor that matches a dimension of the config; '' if none."""
-    D, E = cfg.head_dim, cfg.embed_dim
+    D, E = cfg.head_dim_eff, cfg.embed_dim
     named = {"sqrt(D)": math.sqrt(D), "D": D, "H": cfg.num_heads, "B": cfg.effective_batch, "L": cfg.tgt_len,
              "S": cfg.S, "sqrt(E)": math.sqrt(E), "E": E}  # fmt: skip
     matches = []
@@ -202,7 +202,7 @@ def factor_meaning(k: float, cfg: Config) -> str:
 
 def _factor_words(k: float, cfg: Config, what: str = "expected") -> str:
     meaning = factor_meaning(k, cfg)
-    values = f"D={cfg.head_dim}, H={cfg.num_heads}, B={cfg.effective_batch}, L={cfg.tgt_len}, S={cfg.S}"
+    values = f"D={cfg.head_dim_eff}, H={cfg.num_heads}, B={cfg.effective_batch}, L={cfg.tgt_len}, S={cfg.S}"
     why = f" ({_short(k)} = {meaning}; {values}): a missing or extra scale" if meaning else ": a missing or extra scale"
     return f"candidate = {_short(k)} x {what}{why}"
 

@@ -10,7 +10,7 @@ Ek key dim (kdim), Ev value dim (vdim).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,6 +42,12 @@ class Workload:
     # Output elements of query rows with no allowed key in some head (shaped like the output; None
     # when there are none): they have no defined value, and the loss leaves them out.
     undefined: np.ndarray | None = None
+    # Arrays passed besides the inputs and masks, by keyword (module: sdpa's alibi_slopes).
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    # The cotangent of the second output where it is in the loss (module: sdpa's LSE, (B, Hq, L)),
+    # and its rows with no defined value (no allowed key: LSE -inf), which the loss leaves out.
+    target_lse: np.ndarray | None = None
+    lse_undefined: np.ndarray | None = None
 
     def astype(self, dtype: np.dtype) -> Workload:
         """The same problem cast to another float dtype (bool masks stay bool)."""
@@ -65,7 +71,16 @@ class Workload:
             key_padding_mask=cast(self.key_padding_mask),
             target=cast(self.target),
             undefined=self.undefined,
+            extras=self.extras,  # kept as given (FlashAttention's slopes are float32 in every dtype)
+            target_lse=None if self.target_lse is None else self.target_lse.astype(lse_dtype(dtype)),
+            lse_undefined=self.lse_undefined,
         )
+
+
+def lse_dtype(dtype) -> np.dtype:
+    """The dtype the LSE is handed in: float32 for half-precision inputs (as FlashAttention keeps it), else theirs."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
 
 
 def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
@@ -189,6 +204,9 @@ def make_target(cfg: Config) -> np.ndarray:
 
 def make_workload(cfg: Config) -> Workload:
     """Everything one check needs, drawn from the config's seed."""
+    own = kind_of(cfg).make_workload(cfg)
+    if own is not None:
+        return own
     query, key, value = make_inputs(cfg)
     attn_mask, key_padding_mask = make_attn_mask(cfg), make_key_padding_mask(cfg)
     masked = fully_masked(cfg, attn_mask, key_padding_mask)
@@ -272,3 +290,32 @@ def loss_and_grad(cfg: Config, output: np.ndarray, target: np.ndarray, undefined
     if undefined is None:
         return float(np.sum(output.astype(np.float64) * target)), target.copy()
     return float(np.sum(np.where(undefined, 0.0, output.astype(np.float64) * target))), np.where(undefined, 0, target).astype(target.dtype)
+
+
+def lse_loss_and_grad(lse: np.ndarray, target: np.ndarray, undefined: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+    """The LSE's term of the loss, <lse, target> over the rows with an allowed key, and its
+    gradient (zero on rows with none, whose LSE is -inf); torch_side.lse_loss_torch computes the same."""
+    keep = np.ones(lse.shape, dtype=bool) if undefined is None else ~undefined
+    with np.errstate(invalid="ignore"):
+        terms = np.where(keep, lse.astype(np.float64) * target, 0.0)
+    return float(terms.sum()), np.where(keep, target, 0).astype(target.dtype)
+
+
+def lse_magnitude(lse: np.ndarray, target: np.ndarray, undefined: np.ndarray | None = None) -> float:
+    """The sum of the magnitudes of the LSE term's products: its rounding is relative to this."""
+    keep = np.ones(lse.shape, dtype=bool) if undefined is None else ~undefined
+    with np.errstate(invalid="ignore"):
+        return float(np.abs(np.where(keep, lse.astype(np.float64) * target, 0.0)).sum())
+
+
+def total_loss(cfg: Config, w: Workload, out: np.ndarray, second: np.ndarray | None) -> tuple[float, np.ndarray, np.ndarray | None, float]:
+    """(loss, d(loss)/d(output), d(loss)/d(second), the magnitude its rounding is relative to):
+    the output's loss, plus the LSE's term where the kind puts its second output in the loss."""
+    loss, d_out = loss_and_grad(cfg, out, w.target, w.undefined)
+    magnitude = loss_magnitude(cfg, out, w.target, w.undefined)
+    d_second = None
+    if kind_of(cfg).second_in_loss(cfg):
+        lse_loss, d_second = lse_loss_and_grad(second, w.target_lse, w.lse_undefined)
+        loss += lse_loss
+        magnitude += lse_magnitude(second, w.target_lse, w.lse_undefined)
+    return loss, d_out, d_second, magnitude

@@ -36,7 +36,7 @@ class JaxSession(FrameworkSession):
 
     def __init__(self, cfg, candidate):
         super().__init__(cfg, candidate)
-        self._call: tuple[Any, dict[str, Any], tuple[Any, Any]] | None = None  # (obj, inputs by key, masks)
+        self._call: tuple[Any, dict[str, Any], tuple[Any, Any], dict[str, Any]] | None = None  # (obj, inputs by key, masks, extras)
 
     def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None) -> Any:
         array = jnp.asarray(original)
@@ -61,28 +61,34 @@ class JaxSession(FrameworkSession):
         self._leaves, self._call = {}, None
         return super().forward(obj, w)
 
-    def _returned(self, output: Any, obj: Any, inputs: tuple, masks: tuple) -> None:
-        self._call = (obj, self._leaves, masks)
+    def _returned(self, output: Any, obj: Any, inputs: tuple, masks: tuple, second: Any = None) -> None:
+        self._call = (obj, self._leaves, masks, self.last_extras)
 
-    def _gradients(self, obj: Any, grad_output: np.ndarray) -> tuple[Any, str | None]:
-        """The candidate's own backward if it has one; else jax.vjp of build-and-forward."""
+    def _gradients(self, obj: Any, grad_output: np.ndarray, grad_second: np.ndarray | None = None) -> tuple[Any, str | None]:
+        """The candidate's own backward if it has one; else jax.vjp of build-and-forward (through
+        the LSE too, where the kind puts it in the loss)."""
         if callable(getattr(obj, "backward", None)):
-            return super()._gradients(obj, grad_output)
-        where = _defined_at(obj.forward)
-        called, inputs, masks = self._call
+            return super()._gradients(obj, grad_output, grad_second)
         kind = kind_of(self.cfg)
+        where = _defined_at(kind.forward_of(obj))
+        called, inputs, masks, extras = self._call
         params = self._params_of[id(called)][1]
         cfg, factory = self.cfg, self.candidate.factory
+        with_second = grad_second is not None
 
         def output_of(diff: dict[str, Any]) -> Any:
-            """forward()'s output as a function of the parameters and inputs."""
-            built = factory({**params, **{k: v for k, v in diff.items() if k in params}}, num_heads=cfg.num_heads,
-                            batch_first=cfg.batch_first, **kind.options(cfg))  # fmt: skip
+            """forward()'s output (and LSE) as a function of the parameters and inputs."""
+            built = kind.instantiate(cfg, factory, {**params, **{k: v for k, v in diff.items() if k in params}})
             q, k, v = kind.arguments(cfg, {name: diff[name] for name in inputs})
-            return kind.split_result(kind.call_forward(cfg, built, q, k, v, *masks))[0]
+            out, second = kind.split_result(cfg, kind.call_forward(cfg, built, q, k, v, *masks, **extras))
+            return (out, second) if with_second else out
 
         def vjp() -> dict[str, Any]:
             out, pullback = jax.vjp(output_of, {**params, **inputs})
-            return dict(pullback(jnp.asarray(grad_output, dtype=out.dtype))[0])
+            if with_second:
+                cotangent = (jnp.asarray(grad_output, dtype=out[0].dtype), jnp.asarray(grad_second, dtype=out[1].dtype))
+            else:
+                cotangent = jnp.asarray(grad_output, dtype=out.dtype)
+            return dict(pullback(cotangent)[0])
 
         return _guard("jax.vjp through building and calling the candidate", vjp), where

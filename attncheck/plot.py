@@ -102,7 +102,7 @@ def panels(row: Row, cfg: Config) -> list[Panel]:
     if layout.head_axis is not None and cfg.num_heads > 1:
         on_rows = layout.head_axis == 0 and len(layout.axes) == 2  # weight gradients' rows; else the last axis
         if ratio.shape[0 if on_rows else 1] == cfg.embed_dim:
-            heads = (cfg.head_dim, None) if on_rows else (None, cfg.head_dim)
+            heads = (cfg.head_dim_eff, None) if on_rows else (None, cfg.head_dim_eff)
     return [Panel(batch.lstrip(", "), ratio, masked, axes[0], axes[1], heads)]
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from attncheck.candidate import Candidate
 from attncheck.channel import Malformed, read_reply, write_request
 from attncheck.errors import CandidateError, Unsupported, UsageError, clean, shorten
+from attncheck.kinds.sdpa import ALIGNMENTS
 
 # A call's time limit when the config sets none: a minute, and a second more per million attention
 # logits (B H L S) a call computes. A correct NumPy candidate runs a forward and backward at
@@ -262,7 +263,12 @@ def load(spec: str, origin: str | None = None) -> Candidate:
     except CandidateError as exc:
         raise UsageError(str(exc) if isinstance(exc, LoadFailed) else f"{process._who()}: {exc}") from None
     loaded = process.loaded
-    return Candidate(spec, None, str(loaded.get("framework")), remote=True, class_without_backward=bool(loaded.get("class_without_backward")))
+    alignment = loaded.get("causal_alignment")
+    if alignment not in ALIGNMENTS:
+        raise UsageError(f"{process._who()}: its causal_alignment is {str(alignment)[:80]}; expected one of {', '.join(ALIGNMENTS)} "
+                         "(the causal mask it implements: upper_left, SDPA's is_causal, or lower_right, FlashAttention's causal=True)")  # fmt: skip
+    return Candidate(spec, None, str(loaded.get("framework")), remote=True, class_without_backward=bool(loaded.get("class_without_backward")),
+                     causal_alignment=alignment)  # fmt: skip
 
 
 @atexit.register
@@ -338,9 +344,9 @@ class RemoteSession:
         reply = self._call("forward", "forward()", obj.number, w, arrays=[w.query, w.key, w.value])
         return _array(reply.get("output"), "forward() returned an output"), _optional(reply.get("weights"), "forward() returned weights")
 
-    def backward(self, obj: Handle, grad_output: np.ndarray, w) -> dict[str, np.ndarray]:
+    def backward(self, obj: Handle, grad_output: np.ndarray, w, grad_second: np.ndarray | None = None) -> dict[str, np.ndarray]:
         self._alive(obj, "backward()")
-        reply = self._call("backward", "backward()", obj.number, grad_output, w, arrays=[*w.params.values(), w.query, w.key, w.value])
+        reply = self._call("backward", "backward()", obj.number, grad_output, w, grad_second, arrays=[*w.params.values(), w.query, w.key, w.value])
         grads = reply.get("grads")
         if not isinstance(grads, dict):
             raise CandidateError("the candidate's process answered backward() with no gradients")

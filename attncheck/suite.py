@@ -39,6 +39,7 @@ class Job:
     config: Config
     impl: str | Candidate | None  # the candidate's SPEC, or the candidate itself (the API's impl=); None is the reference
     impl_origin: str | None = None  # `file:line` of the config's `impl` it came from, if it did
+    embedded: bool = False  # a case of attncheck's own default suite, not of the user's config
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
@@ -80,7 +81,7 @@ def plan(
         if case.config is not None and overrides:
             case = replace(case, config=with_overrides(case.config, overrides, f"{suite.source}: case {case.name!r} with --set and options"))
         cases.append(case)
-    check_suite_memory(Suite(suite.name, suite.source, cases))
+    check_suite_memory(Suite(suite.name, suite.source, cases, suite.embedded))
     for case in cases:
         if case.config is None:
             skipped.append(case)
@@ -88,9 +89,14 @@ def plan(
         cfg = case.config
         spec = impl if impl is not None else cfg.impl
         origin = f"{suite.source}:{case.impl_line}" if impl is None and cfg.impl is not None and case.impl_line else None
-        for command in commands:
+        from attncheck.kinds import kind_of
+
+        # With several commands (`run`: everything the module supports), one the kind has no use
+        # for (sgd-step of a function) is left out; asked for alone, it is reported unsupported.
+        wanted = [c for c in commands if len(commands) == 1 or c not in kind_of(cfg).unsupported_commands]
+        for command in wanted:
             if case.commands is None or command in case.commands:
-                jobs.append(Job(len(jobs), case.name, command, cfg, spec, origin))
+                jobs.append(Job(len(jobs), case.name, command, cfg, spec, origin, suite.embedded))
     return jobs, skipped
 
 
@@ -168,7 +174,7 @@ def run_job(job: Job, options: dict[str, Any], keep_evidence: bool = False) -> R
     are dropped unless kept for plots: they would otherwise travel back from every worker."""
     from attncheck.checks import run_check
 
-    report = run_check(job.command, job.config, _candidate(job.impl, job.impl_origin), **options)
+    report = run_check(job.command, job.config, _candidate(job.impl, job.impl_origin), embedded=job.embedded, **options)
     if not keep_evidence:
         for row in report.rows:
             row.evidence = None

@@ -22,6 +22,7 @@ from attncheck import torch_side
 from attncheck.candidate import FrameworkSession, _defined_at, _guard
 from attncheck.dtypes import is_float
 from attncheck.errors import CandidateError
+from attncheck.kinds import kind_of
 
 
 def _exact(a: np.ndarray) -> np.ndarray:
@@ -40,6 +41,7 @@ class TorchSession(FrameworkSession):
         torch.set_num_threads(torch_side.threads_for(cfg))
         self._inputs: dict[str, torch.Tensor] = {}
         self._output: Any = None
+        self._second: Any = None  # the LSE, where the kind puts it in the loss
 
     # -------------------------------------------------------------------- handing tensors in
     def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None) -> torch.Tensor:
@@ -62,8 +64,8 @@ class TorchSession(FrameworkSession):
         self._inputs = self._leaves
         return result
 
-    def _returned(self, output: Any, obj: Any, inputs: tuple, masks: tuple) -> None:
-        self._output = output
+    def _returned(self, output: Any, obj: Any, inputs: tuple, masks: tuple, second: Any = None) -> None:
+        self._output, self._second = output, second
 
     def _as_numpy(self, value: Any, what: str, where: str | None) -> np.ndarray:
         if isinstance(value, torch.Tensor):
@@ -73,25 +75,32 @@ class TorchSession(FrameworkSession):
         return super()._as_numpy(value, what, where)
 
     # ------------------------------------------------------------------------------ gradients
-    def _gradients(self, obj: Any, grad_output: np.ndarray) -> tuple[Any, str | None]:
-        """The candidate's own backward if it has one; else autograd from forward()'s output."""
+    def _gradients(self, obj: Any, grad_output: np.ndarray, grad_second: np.ndarray | None = None) -> tuple[Any, str | None]:
+        """The candidate's own backward if it has one; else autograd from forward()'s output (and
+        its LSE, where the kind puts it in the loss)."""
         if callable(getattr(obj, "backward", None)):
-            return super()._gradients(obj, grad_output)
-        where = _defined_at(obj.forward)
+            return super()._gradients(obj, grad_output, grad_second)
+        kind = kind_of(self.cfg)
+        where = _defined_at(kind.forward_of(obj))
         out = self._output
         if not isinstance(out, torch.Tensor) or out.grad_fn is None:
             raise CandidateError(
                 "forward() returned an output autograd cannot differentiate (no grad_fn: computed under no_grad, "
                 "detached, or not a tensor): give the object a backward(grad_output), or keep the graph", where)  # fmt: skip
+        outputs = [out]
+        cotangents = [torch_side.tensor(np.ascontiguousarray(grad_output), out.device).to(out.dtype)]
+        second = self._second
+        if grad_second is not None and isinstance(second, torch.Tensor) and second.grad_fn is not None:
+            outputs.append(second)
+            cotangents.append(torch_side.tensor(np.ascontiguousarray(grad_second), second.device).to(second.dtype))
         params = self._params_of.get(id(obj), (obj, {}))[1]
         own = dict(obj.named_parameters()) if isinstance(obj, torch.nn.Module) else {}
         # Each parameter's gradient through the tensor handed in and through the module's own
         # parameter of the same state_dict() name (a module may copy the values into its own).
         sources = [(name, leaf) for name, leaf in {**params, **self._inputs}.items()]
         sources += [(name, p) for name, p in own.items() if name in params and p is not params[name] and p.requires_grad]
-        cotangent = torch_side.tensor(np.ascontiguousarray(grad_output), out.device).to(out.dtype)
-        found = _guard("autograd through forward()", torch.autograd.grad, out, [t for _, t in sources],
-                       grad_outputs=cotangent, allow_unused=True)  # fmt: skip
+        found = _guard("autograd through forward()", torch.autograd.grad, outputs, [t for _, t in sources],
+                       grad_outputs=cotangents, allow_unused=True)  # fmt: skip
         grads: dict[str, torch.Tensor | None] = {name: None for name in {**params, **self._inputs}}
         for (name, _), g in zip(sources, found):
             if g is not None:

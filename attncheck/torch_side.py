@@ -173,7 +173,8 @@ def _call(module: torch.nn.Module, cfg: Config, w: Workload, x: dict[str, torch.
         # Mixed bool/float masks are deprecated but still supported; the config asked for them.
         warnings.filterwarnings("ignore", message="Support for mismatched")
         warnings.filterwarnings("ignore", message="enable_nested_tensor")
-        return kind.call_torch(cfg, module, *kind.arguments(cfg, x), _tensor(w.attn_mask, cfg), _tensor(w.key_padding_mask, cfg))
+        extras = {name: _tensor(a, cfg) for name, a in w.extras.items()}
+        return kind.call_torch(cfg, module, *kind.arguments(cfg, x), _tensor(w.attn_mask, cfg), _tensor(w.key_padding_mask, cfg), **extras)
 
 
 def loss_torch(cfg: Config, output: torch.Tensor, target: torch.Tensor, undefined: np.ndarray | None = None) -> torch.Tensor:
@@ -190,6 +191,23 @@ def loss_torch(cfg: Config, output: torch.Tensor, target: torch.Tensor, undefine
     if cfg.loss == "mse":
         return F.mse_loss(output, target)
     return (output * target).sum()
+
+
+def lse_loss_torch(lse: torch.Tensor, target: np.ndarray, undefined: np.ndarray | None) -> torch.Tensor:
+    """The LSE's term of the loss, <lse, target> over rows with an allowed key (inputs.lse_loss_and_grad)."""
+    t = tensor(target, lse.device).to(lse.dtype)
+    if undefined is None:
+        return (lse * t).sum()
+    keep = ~tensor(np.ascontiguousarray(undefined), lse.device)
+    return torch.where(keep, lse * t, 0).sum()
+
+
+def _loss(cfg: Config, w: Workload, out: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
+    """The config's loss of torch's outputs: the output's, plus the LSE's term where the kind puts it in."""
+    loss = loss_torch(cfg, out, _tensor(w.target, cfg), w.undefined)
+    if kind_of(cfg).second_in_loss(cfg):
+        loss = loss + lse_loss_torch(second, w.target_lse, w.lse_undefined)
+    return loss
 
 
 @_on_config_threads
@@ -223,6 +241,7 @@ class GradResult:
     output: np.ndarray
     loss: float
     grads: dict[str, np.ndarray]
+    second: np.ndarray | None = None  # the LSE where it is in the loss
 
 
 @_on_config_threads
@@ -230,12 +249,12 @@ def grad(cfg: Config, w: Workload) -> GradResult:
     """Forward, the config's loss and autograd gradients of every parameter and input."""
     module = build_module(cfg, w.params).train()
     x = _inputs(cfg, w, requires_grad=True)
-    out, _ = _call(module, cfg, w, x)
-    loss = loss_torch(cfg, out, _tensor(w.target, cfg), w.undefined)
+    out, second = _call(module, cfg, w, x)
+    loss = _loss(cfg, w, out, second)
     loss.backward()
     grads = {name: _numpy(p.grad) for name, p in module.named_parameters()}
     grads.update({name: _numpy(t.grad) for name, t in x.items()})
-    return GradResult(_numpy(out), float(loss.detach()), grads)
+    return GradResult(_numpy(out), float(loss.detach()), grads, _numpy(second) if kind_of(cfg).second_in_loss(cfg) else None)
 
 
 @dataclass

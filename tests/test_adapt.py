@@ -190,9 +190,9 @@ def test_split_heads_takes_torchs_head_columns_and_merges_back():
 def test_per_head_lists_round_trip(name):
     c, w = workload(**CASES[name])
     heads = adapt.per_head(w.params, c.num_heads)
-    assert len(heads) == c.num_heads and heads[0]["W_k"].shape == (c.kdim_eff, c.head_dim)
+    assert len(heads) == c.num_heads and heads[0]["W_k"].shape == (c.kdim_eff, c.head_dim_eff)
     # head 1's query projection is torch's rows D:2D
-    np.testing.assert_array_equal(heads[1]["W_q"].T, adapt.projections(w.params)["W_q"][c.head_dim:2 * c.head_dim])
+    np.testing.assert_array_equal(heads[1]["W_q"].T, adapt.projections(w.params)["W_q"][c.head_dim_eff:2 * c.head_dim_eff])
     back = adapt.per_head_grads(w.params, [{f"d{k}": v for k, v in h.items()} for h in heads])
     assert back.keys() == {k for k in w.params if not k.startswith("out_proj")}
     for key in back:

@@ -90,8 +90,9 @@ BAD_INPUTS: dict[str, Bad] = {
     "float_as_word": Bad("lr: fast\n", "expected a number, got 'fast' (str)", 1),
     "float_too_large": Bad("lr: 1" + "0" * 400 + "\n", "too large for a float", 1),
     "string_as_list": Bad("impl: [a, b]\n", "expected a string", 1),
-    "bad_literal": Bad("attn_mask: causl\n", "got 'causl'; allowed: none, causal, random", 1),
-    "bad_literal_int": Bad("attn_mask_dims: 4\n", "got 4; allowed: 2, 3", 1),
+    "bad_literal": Bad("attn_mask: causl\n", "got 'causl'; allowed: none, causal, random, full_row", 1),
+    "bad_literal_int": Bad("attn_mask_dims: 5\n", "got 5; allowed: 2, 3, 4", 1),
+    "sdpa_mask_dims_for_mha": Bad("attn_mask_dims: 4\n", "4 is for module: sdpa", 1),
     "bad_literal_optional": Bad("key_padding_mask_dtype: int\n", "allowed: bool, float, null", 1),
     "bad_dtype": Bad("dtype: float8\n", "allowed: float32, float64, float16, bfloat16", 1),
     # Ranges.
@@ -249,7 +250,7 @@ def test_derived_sizes():
         embed_dim=12, num_heads=3, tgt_len=4, src_len=6, kdim=5, vdim=7,
         self_attention=False, mask_dtype="float",
     )
-    assert (cfg.S, cfg.kdim_eff, cfg.vdim_eff, cfg.head_dim) == (6, 5, 7, 4)
+    assert (cfg.S, cfg.kdim_eff, cfg.vdim_eff, cfg.head_dim_eff) == (6, 5, 7, 4)
     assert cfg.key_padding_mask_dtype_eff == "float"
     defaults = Config()
     assert (defaults.S, defaults.kdim_eff, defaults.vdim_eff) == (5, 16, 16)
@@ -273,7 +274,7 @@ def test_building_in_code_applies_the_same_rules():
         Config(embed_dim=16, num_heads=5)
     with pytest.raises(ConfigError, match="num_heads: embed_dim 16 is not divisible"):
         config_from_mapping({"embed_dim": 16, "num_heads": 5}, source="overrides")
-    assert config_from_mapping({"embed_dim": 8, "num_heads": 2}).head_dim == 4
+    assert config_from_mapping({"embed_dim": 8, "num_heads": 2}).head_dim_eff == 4
 
 
 def test_config_module_imports_no_heavy_framework():

@@ -20,7 +20,7 @@ def test_every_kind_names_what_differs():
         cfg = next(case.config for case in load_suite(None, module=kind.name).cases if case.config is not None)
         assert kind_of(cfg) is kind
         assert kind.first_argument and len(kind.mask_arguments) == 2 and kind.features and kind.reference_spec
-        assert set(kind.param_shapes(cfg)) and kind.one_input in kind.all_input_keys
+        assert bool(kind.param_shapes(cfg)) == kind.has_parameters and kind.one_input in kind.all_input_keys
 
 
 # Outside the kinds' package and the config schema, no module compares a config's module name or

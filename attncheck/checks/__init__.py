@@ -26,19 +26,27 @@ from attncheck.commands import command as command_named
 from attncheck.commands import options_for
 from attncheck.config import Config
 from attncheck.errors import Unsupported
+from attncheck.kinds import kind_of
 from attncheck.report import Report
 
 
-def run_check(command: str, cfg: Config, candidate: Candidate | None = None, **options) -> Report:
+def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, embedded: bool = False, **options) -> Report:
     """Run one command (see attncheck.commands) by name; options it does not take are dropped.
     Each failing row comes with its diagnosis (attncheck.diagnose).
 
-    A command that needs gradients is unsupported, before any work, for a candidate known to have
-    no backward (a NumPy class without one)."""
+    Unsupported before any work: a command the kind has no use for (sgd-step of a function), a
+    command that needs gradients for a candidate known to have no backward (a NumPy class
+    without one), and a case of attncheck's own default suite (`embedded`) that checks what the
+    candidate declares it does not implement (the other causal alignment)."""
     which = command_named(command)
-    if which.needs_backward and candidate is not None and candidate.lacks_backward(cfg):
-        run = CheckRun.begin(command, cfg, candidate)
+    kind = kind_of(cfg)
+    reason = kind.unsupported_commands.get(command)
+    if reason is None and embedded:
+        reason = kind.unsupported_case(cfg, candidate)
+    if reason is None and which.needs_backward and candidate is not None and candidate.lacks_backward(cfg):
         reason = NO_BACKWARD.format(name=candidate.spec.rpartition(":")[2].rpartition(".")[2])
+    if reason is not None:
+        run = CheckRun.begin(command, cfg, candidate)
         return run.ended_at(which.section, Unsupported(reason))
     torch_side.require_device(cfg)
     with torch_side.deterministic(cfg):

@@ -14,7 +14,8 @@ from attncheck.config.schema import MAX_SEED
 from attncheck.dtypes import eps as machine_eps
 from attncheck.dtypes import is_float, np_dtype
 from attncheck.errors import CandidateProblem
-from attncheck.inputs import Workload, fully_masked, make_workload
+from attncheck.inputs import Workload, make_workload
+from attncheck.kinds import kind_of
 from attncheck.report import FAIL, INFO, Reason, Report, Row
 from attncheck.checks.run import call_row
 
@@ -42,13 +43,14 @@ def other_inputs(cfg: Config, w: Workload) -> tuple[Config, Workload]:
     lengths = {}
     if cfg.is_large:
         lengths = dict(tgt_len=min(cfg.tgt_len, REPEAT_LENGTH), src_len=None if cfg.src_len is None else min(cfg.src_len, REPEAT_LENGTH))
-    had_masked_rows = bool(fully_masked(cfg, w.attn_mask, w.key_padding_mask).any())
+    kind = kind_of(cfg)
+    had_masked_rows = bool(kind.fully_masked(cfg, w).any())
     first = None
     for k in range(1, REPEAT_SEEDS + 1):
         other_cfg = cfg.model_copy(update={"seed": (cfg.seed + k) % (MAX_SEED + 1), **lengths})
         other = make_workload(other_cfg)
         first = first or (other_cfg, other)
-        if bool(fully_masked(other_cfg, other.attn_mask, other.key_padding_mask).any()) == had_masked_rows:
+        if bool(kind.fully_masked(other_cfg, other).any()) == had_masked_rows:
             return other_cfg, replace(other, params=w.params)
     other_cfg, other = first
     return other_cfg, replace(other, params=w.params)
@@ -89,12 +91,14 @@ def repeat_rows(report: Report, section: str, session: Session, obj, cfg: Config
         report.notes.append(f"the repeat call ran on inputs of length {cfg2.tgt_len} (source {cfg2.S}) at this size: "
                             "state a candidate keeps per input shape is not exercised")  # fmt: skip
 
+    kind = kind_of(cfg)
+
     def run(o) -> dict[str, np.ndarray | None]:
-        out, weights = session.forward(o, w2)
-        results = {"output": out, "attn_weights": weights}
+        out, second = session.forward(o, w2)
+        results = {"output": out, kind.second_output: second}
         if backward:
-            # The target as grad_output: the same cotangent for both, whatever the outputs are.
-            results.update(session.backward(o, w2.target, w2))
+            # The targets as cotangents: the same for both, whatever the outputs are.
+            results.update(session.backward(o, w2.target, w2, w2.target_lse if kind.second_in_loss(cfg2) else None))
         return results
 
     try:

@@ -16,7 +16,7 @@ from attncheck.checks.run import call_row, oracle_config, session_for
 from attncheck.compare import Evidence, decide
 from attncheck.config import Config
 from attncheck.errors import CandidateProblem
-from attncheck.inputs import Workload, directions, loss_and_grad, loss_magnitude
+from attncheck.inputs import Workload, directions, total_loss
 from attncheck.kinds import kind_of
 from attncheck.report import FAIL, INCONCLUSIVE, Reason, Row
 
@@ -70,9 +70,12 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
                 out0, loss0, grads64 = oracle
             else:
                 out0, loss0, grads64 = run_grad(session, cfg64, w64)
+            second0 = None
+            if kind_of(cfg).second_in_loss(cfg):  # the LSE's own terms count in the loss's magnitude
+                out0, second0 = session.forward(session.build(w64.params), w64)
         else:
-            out0 = session.forward(session.build(w64.params), w64)[0]
-            loss0 = loss_and_grad(cfg64, out0, w64.target, w64.undefined)[0]
+            out0, second0 = session.forward(session.build(w64.params), w64)
+        loss0, _, _, magnitude = total_loss(cfg64, w64, out0, second0)
     except CandidateProblem as err:
         return [call_row("finite-diff", "candidate", err)]
     if not math.isfinite(loss0):
@@ -82,12 +85,11 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
     values = _values(cfg, w64)
     shapes = {k: v.shape for k, v in values.items()}
     dirs = directions(cfg, shapes)
-    # The loss's rounding is relative to its terms' magnitudes: from the output already computed.
-    magnitude = loss_magnitude(cfg64, out0, w64.target, w64.undefined)
+    # The loss's rounding is relative to its terms' magnitudes (total_loss's `magnitude`, above).
 
     def loss_at(wp: Workload) -> float:
-        out, _ = session.forward(session.build(wp.params), wp)
-        return loss_and_grad(cfg64, out, wp.target, wp.undefined)[0]
+        out, second = session.forward(session.build(wp.params), wp)
+        return total_loss(cfg64, wp, out, second)[0]
 
     rows, probes = [], []  # probes: (quantity, name, index) of the finite gradients to check
     for name in shapes:

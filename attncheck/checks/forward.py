@@ -13,6 +13,8 @@ from attncheck.compare import compare, rule_for, with_logit_floor
 from attncheck.config import Config
 from attncheck.errors import CandidateProblem
 from attncheck.inputs import weights_rows
+from attncheck.dtypes import np_dtype
+from attncheck.kinds import kind_of
 from attncheck.report import FAIL, SKIPPED, Reason, Report, Row
 
 
@@ -37,13 +39,14 @@ def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bo
     except CandidateProblem as err:
         return run.ended_at("forward", err)
     report.notes.extend(session.notes)
-    # Rows with no allowed key: NaN in torch's standard path (need_weights) is explained by the
-    # masks; on its SDPA path they are zeros, and a candidate's NaN there is as good (no defined value).
-    rows_nan = w.undefined if cfg.need_weights else None
-    report.rows.append(compare("forward", "output", out, t_out, rule, oracle=o_out, nan_ok=rows_nan,
-                               undefined=None if cfg.need_weights else w.undefined))  # fmt: skip
+    report.rows.append(compare_output("forward", cfg, w, out, t_out, rule, o_out))
     returned = {"output": out.dtype}
-    if cfg.need_weights:
+    kind = kind_of(cfg)
+    if kind.second_output == "lse" and kind.returns_pair(cfg):
+        report.rows.extend(lse_rows(cfg, w, weights, t_weights, rule, o_weights))
+        if weights is not None and weights.dtype not in (np.dtype(np.float32), np_dtype(cfg.dtype)):
+            returned["lse"] = weights.dtype  # float32 or the query's dtype are both the contract
+    elif cfg.need_weights:
         w_rows = weights_rows(cfg, masked) if masked.any() else None
         report.rows.append(compare("forward", "attn_weights", weights, t_weights, rule, oracle=o_weights, strict=strict, nan_ok=w_rows))
         returned["attn_weights"] = None if weights is None else weights.dtype
@@ -56,8 +59,45 @@ def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bo
     return run.finish()
 
 
+def compare_output(section: str, cfg: Config, w, out, t_out, rule, o_out) -> Row:
+    """The output against torch's, with the convention for rows that have no allowed key.
+
+    On torch's standard path (need_weights) their NaN is explained by the masks. On its SDPA path
+    they are zeros, and a candidate's NaN there is as good (no defined value), unless the config
+    fixes the convention (module: sdpa's fully_masked_rows: zero, or nan: NaN required there).
+    """
+    undefined = w.undefined
+    if undefined is None or cfg.need_weights:
+        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined)
+    if cfg.fully_masked_rows == "nan":
+        t_out = np.where(undefined, np.nan, t_out).astype(t_out.dtype)
+        o_out = None if o_out is None else np.where(undefined, np.nan, o_out)
+        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined)
+    return compare(section, "output", out, t_out, rule, oracle=o_out, undefined=None if cfg.fully_masked_rows == "zero" else undefined)
+
+
+def lse_rows(cfg: Config, w, lse, t_lse, rule, o_lse) -> list[Row]:
+    """The LSE against torch's: -inf exactly on rows with no allowed key, values on the others."""
+    if lse is None or lse.shape != t_lse.shape or w.lse_undefined is None:
+        return [compare("forward", "lse", lse, t_lse, rule, oracle=o_lse)]
+    empty = w.lse_undefined
+    wrong = empty & ~np.isneginf(lse.astype(np.float64))
+    rows = []
+    if wrong.any():
+        first = tuple(int(i) for i in np.argwhere(wrong)[0])
+        rows.append(Row("forward", "lse", FAIL, reason=Reason.VALUES, mismatched=int(wrong.sum()), numel=int(empty.sum()),
+                        note=f"{int(wrong.sum())} of {int(empty.sum())} rows with no allowed key have an LSE other than -inf "
+                             f"(e.g. {float(lse[first])!r} at {first}): log of an empty sum is -inf"))  # fmt: skip
+    keep = lambda a: None if a is None else np.where(empty, 0, a).astype(a.dtype)  # noqa: E731
+    row = compare("forward", "lse", keep(lse), keep(t_lse), rule, oracle=keep(o_lse))  # the empty rows judged above
+    row.note = "; ".join(filter(None, [row.note, f"{int(empty.sum())} rows with no allowed key: -inf required, and given" if not wrong.any() else ""]))
+    return rows + [row]
+
+
 def fast_path_rows(cfg, w, out, weights, rule, o_out, o_weights, masked) -> list[Row]:
     """torch's inference fast path against the candidate, where torch would take it."""
+    if not kind_of(cfg).has_fast_path:
+        return []
     blocker = torch_side.fast_path_blocker(cfg)
     if blocker is not None:
         return [Row("fast-path", "output", SKIPPED, note=f"torch takes no fast path here: {blocker}")]

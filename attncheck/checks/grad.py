@@ -9,11 +9,12 @@ from attncheck import torch_side
 from attncheck.candidate import Candidate, Session
 from attncheck.checks.calls import dtype_rows, finding_rows, repeat_rows
 from attncheck.checks.finite_diff import finite_difference_rows
+from attncheck.checks.forward import compare_output
 from attncheck.checks.run import CheckRun, oracle_config
 from attncheck.compare import compare, rule_for, with_logit_floor
 from attncheck.config import Config
 from attncheck.errors import CandidateProblem
-from attncheck.inputs import Workload, loss_and_grad, loss_magnitude
+from attncheck.inputs import Workload, lse_magnitude, loss_magnitude, total_loss
 from attncheck.kinds import kind_of
 from attncheck.report import FAIL, NOT_PROVIDED, LossStep, Quantity, Reason, Report, Row
 
@@ -26,7 +27,7 @@ def grad_quantities(cfg: Config, name: str, per_head: bool) -> list[tuple[Quanti
     """
     prefix = kind_of(cfg).attention_prefix
     inner = name[len(prefix) :] if prefix and name.startswith(prefix) else name
-    E, D, H = cfg.embed_dim, cfg.head_dim, cfg.num_heads
+    E, D, H = cfg.embed_dim, cfg.head_dim_eff, cfg.num_heads
     if inner in ("in_proj_weight", "in_proj_bias"):
         blocks = [(p, i * E) for i, p in enumerate("qkv")]
     elif inner in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
@@ -59,9 +60,9 @@ def all_gradients(cfg: Config, grads: dict[str, np.ndarray]) -> dict[str, np.nda
 def run_grad(session: Session, cfg: Config, w: Workload, obj=None):
     """(output, loss, gradients) of one forward and backward; a fresh object unless `obj` is given."""
     obj = session.build(w.params) if obj is None else obj
-    out, _ = session.forward(obj, w)
-    loss, d_out = loss_and_grad(cfg, out, w.target, w.undefined)
-    return out, loss, session.backward(obj, d_out, w)
+    out, second = session.forward(obj, w)
+    loss, d_out, d_second, _ = total_loss(cfg, w, out, second)
+    return out, loss, session.backward(obj, d_out, w, d_second)
 
 
 def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: bool = False, strict: bool = False) -> Report:
@@ -88,12 +89,13 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     report.notes.extend(session.notes)
     o_out, o_loss, o_grads = oracle if grad_rule.needs_oracle else (None, None, None)
     o_grads = None if o_grads is None else all_gradients(cfg, o_grads)
-    rows_nan = w.undefined if cfg.need_weights else None
-    report.rows.append(compare("forward", "output", out, t.output, forward_rule, oracle=o_out, nan_ok=rows_nan,
-                               undefined=None if cfg.need_weights else w.undefined))  # fmt: skip
+    report.rows.append(compare_output("forward", cfg, w, out, t.output, forward_rule, o_out))
+    scale = loss_magnitude(cfg, t.output, w.target, w.undefined)
+    if t.second is not None:
+        scale += lse_magnitude(t.second, w.target_lse, w.lse_undefined)
     report.rows.append(
         compare("forward", "loss", np.array(loss, dtype=out.dtype), np.array(t.loss, dtype=t.output.dtype), forward_rule,
-                oracle=None if o_loss is None else np.array(o_loss), scale=loss_magnitude(cfg, t.output, w.target, w.undefined))
+                oracle=None if o_loss is None else np.array(o_loss), scale=scale)
     )  # fmt: skip
     report.losses.append(LossStep(0, loss, t.loss))
 

@@ -19,7 +19,7 @@ from attncheck.candidate import Candidate, Session, framework_of, make_session, 
 from attncheck.config import Config
 from attncheck.diagnose import diagnose_report
 from attncheck.errors import CandidateProblem, Unsupported
-from attncheck.inputs import Workload, fully_masked, make_workload
+from attncheck.inputs import Workload, make_workload
 from attncheck.kinds import kind_of
 from attncheck.report import FAIL, UNSUPPORTED, Reason, Report, Row
 
@@ -70,7 +70,7 @@ class CheckRun:
         if candidate.isolation_note:
             report.notes.append(candidate.isolation_note)
         w = make_workload(cfg)
-        masked = fully_masked(cfg, w.attn_mask, w.key_padding_mask)
+        masked = kind_of(cfg).fully_masked(cfg, w)
         if masked.any():
             report.notes.append(kind_of(cfg).masking_note(cfg, int(masked.sum()), masked.size))
         return cls(command, cfg, candidate, report, w, masked, start)
@@ -97,6 +97,7 @@ class CheckRun:
 
     def finish(self) -> Report:
         """The report, each failing row with its diagnosis (attncheck.diagnose), timed."""
-        diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask)
+        if kind_of(self.cfg).diagnosable:
+            diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask)
         self.report.seconds = time.perf_counter() - self.start
         return self.report

@@ -2,7 +2,8 @@
 
 A `Config` describes one check: the module (`module`: nn.MultiheadAttention, E embed_dim,
 H num_heads, D = E / H head_dim, kdim, vdim; or nn.TransformerEncoderLayer, E d_model, H nhead,
-F dim_feedforward), its inputs (B batch_size, L tgt_len, S src_len), the masks,
+F dim_feedforward; or `sdpa`, the attention function itself: Hq num_heads, Hkv num_kv_heads,
+E head_dim, Ev head_dim_v, and FlashAttention's options), its inputs (B batch_size, L tgt_len, S src_len), the masks,
 the tolerance rule and the SGD steps. Ranges and the rules that span several keys are checked
 here; how a broken rule is worded for a YAML author is attncheck.config.messages' job.
 """
@@ -37,10 +38,13 @@ _INT_RANGES = {
     "vdim": (1, MAX_DIM),
     "steps": (1, MAX_STEPS),
     "dim_feedforward": (1, MAX_DIM),
+    "num_kv_heads": (1, MAX_DIM),
+    "head_dim": (1, MAX_DIM),
+    "head_dim_v": (1, MAX_DIM),
 }
 _FLOAT_FIELDS = (
     "dropout", "mask_fill", "input_scale", "budget_factor", "budget_floor", "atol", "rtol",
-    "lr", "momentum", "dampening", "weight_decay", "layer_norm_eps", "timeout",
+    "lr", "momentum", "dampening", "weight_decay", "layer_norm_eps", "timeout", "softcap", "scale",
 )
 # field: (bound, whether the bound itself is allowed, the rule as the user reads it)
 _FLOAT_BOUNDS = {
@@ -51,6 +55,8 @@ _FLOAT_BOUNDS = {
     "rtol": (0.0, True, "must be >= 0"),
     "layer_norm_eps": (0.0, False, "must be > 0"),
     "timeout": (0.0, False, "must be > 0 (seconds)"),
+    "softcap": (0.0, True, "must be >= 0 (0 turns it off)"),
+    "scale": (0.0, False, "must be > 0 (null: 1 / sqrt(head_dim))"),
     # torch.optim.SGD's own checks, in its words.
     "lr": (0.0, True, "Invalid learning rate: torch.optim.SGD needs lr >= 0"),
     "momentum": (0.0, True, "Invalid momentum value: torch.optim.SGD needs momentum >= 0"),
@@ -65,7 +71,7 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     name: str | None = None
-    module: Literal["multihead_attention", "transformer_encoder_layer"] = "multihead_attention"
+    module: Literal["multihead_attention", "transformer_encoder_layer", "sdpa"] = "multihead_attention"
     seed: int = 0
     dtype: Literal["float32", "float64", "float16", "bfloat16"] = "float32"
     # The candidate's array library; None: detected from the candidate (attncheck.candidate.detect_framework).
@@ -93,9 +99,20 @@ class Config(BaseModel):
     activation: Literal["relu", "gelu"] = "relu"
     layer_norm_eps: float = 1e-5
     norm_first: bool = False
+    # The attention function's own keys (module: sdpa only), FlashAttention's options by its names
+    num_kv_heads: int | None = None  # Hkv; None: num_heads
+    head_dim: int | None = None  # E of query and key; None: 8
+    head_dim_v: int | None = None  # Ev; None: head_dim
+    causal: Literal["none", "upper_left", "lower_right"] = "none"
+    window_size: list[int] | None = None  # [left, right], -1 = unbounded on that side
+    softcap: float = 0.0
+    alibi: bool = False
+    scale: float | None = None
+    return_lse: bool = False
+    fully_masked_rows: Literal["any", "nan", "zero"] = "any"
 
-    attn_mask: Literal["none", "causal", "random"] = "none"
-    attn_mask_dims: Literal[2, 3] = 2
+    attn_mask: Literal["none", "causal", "random", "full_row"] = "none"
+    attn_mask_dims: Literal[2, 3, 4] = 2
     mask_dtype: Literal["bool", "float"] = "bool"
     key_padding_mask_dtype: Literal["bool", "float"] | None = None
     key_padding_mask: Literal["none", "random", "full_row"] = "none"
@@ -152,9 +169,26 @@ class Config(BaseModel):
         return self.embed_dim if self.vdim is None else self.vdim
 
     @property
-    def head_dim(self) -> int:
-        """D = E / H, the features of one head."""
+    def is_function(self) -> bool:
+        """Whether the module under check is the attention function itself (module: sdpa)."""
+        return self.module == SDPA
+
+    @property
+    def head_dim_eff(self) -> int:
+        """D, the features of one head: head_dim (module: sdpa, default 8), else E / H."""
+        if self.is_function:
+            return 8 if self.head_dim is None else self.head_dim
         return self.embed_dim // self.num_heads
+
+    @property
+    def head_dim_v_eff(self) -> int:
+        """Ev, the value features of one head (module: sdpa): head_dim_v, else head_dim."""
+        return self.head_dim_eff if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def num_kv_heads_eff(self) -> int:
+        """Hkv, the key-value heads (module: sdpa): num_kv_heads, else num_heads."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @property
     def effective_batch(self) -> int:
@@ -220,7 +254,7 @@ class Config(BaseModel):
     @classmethod
     def _layer_needs_no_weights(cls, data):
         """The layer calls its attention with need_weights=False: that is its default."""
-        if isinstance(data, dict) and data.get("module") == TRANSFORMER_ENCODER_LAYER and "need_weights" not in data:
+        if isinstance(data, dict) and data.get("module") in (TRANSFORMER_ENCODER_LAYER, SDPA) and "need_weights" not in data:
             return {**data, "need_weights": False}
         return data
 
@@ -246,8 +280,20 @@ INCONSISTENT = "attncheck_consistency"
 
 MULTIHEAD_ATTENTION = "multihead_attention"
 TRANSFORMER_ENCODER_LAYER = "transformer_encoder_layer"
+SDPA = "sdpa"
 # Keys of one module that mean nothing for the other: set there, they are a config error.
 LAYER_ONLY_KEYS = ("dim_feedforward", "activation", "layer_norm_eps", "norm_first")
+# The attention function's own keys: set for another module, they are a config error.
+SDPA_ONLY_KEYS = ("num_kv_heads", "head_dim", "head_dim_v", "causal", "window_size", "softcap", "alibi", "scale",
+                  "return_lse", "fully_masked_rows")  # fmt: skip
+# Keys of the modules that mean nothing for the function (which has no parameters, no projections,
+# no SGD step): set for module: sdpa, they are a config error.
+MODULE_ONLY_KEYS = (
+    "embed_dim", "kdim", "vdim", "bias", "add_bias_kv", "add_zero_attn", "batch_first", "self_attention",
+    "key_is_value", "unbatched", "key_padding_mask", "key_padding_mask_dtype", "mask_fill", "is_causal",
+    "need_weights", "average_attn_weights", "lr", "momentum", "dampening", "nesterov", "weight_decay",
+    "maximize", "steps", *LAYER_ONLY_KEYS,
+)  # fmt: skip
 # nn.TransformerEncoderLayer's attention is self-attention over `src`, with E-wide keys and
 # values, no bias_k/zero key, and need_weights=False (transformer.py, _sa_block): the keys that
 # would change any of that, and the values that keep it.
@@ -266,6 +312,8 @@ def _consistency_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
     problems: list[tuple[tuple[str, ...], str]] = []
     E, H = cfg.embed_dim, cfg.num_heads
     problems += _module_problems(cfg)
+    if cfg.is_function:
+        return problems + _function_problems(cfg)
 
     if H > E:
         problems.append((("num_heads",), f"must be between 1 and embed_dim ({E}), got {H}"))
@@ -358,6 +406,24 @@ def _consistency_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
 def _module_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
     """Keys set that make no sense for the module under check, each named with the module."""
     problems: list[tuple[tuple[str, ...], str]] = []
+    if cfg.is_function:
+        for key in MODULE_ONLY_KEYS:
+            if key in cfg.model_fields_set and key != "need_weights":
+                problems.append(((key, "module"), f"{show(getattr(cfg, key))} is a key of the modules, not of module: sdpa "
+                                 "(the attention function: no parameters, projections or SGD step); remove it"))  # fmt: skip
+        if cfg.need_weights:
+            problems.append((("need_weights", "module"), "true: the attention function returns no weights (module: sdpa); remove it"))
+        return problems
+    for key in SDPA_ONLY_KEYS:  # at their defaults they say nothing (the default file spells them)
+        if getattr(cfg, key) != Config.model_fields[key].default:
+            problems.append(((key, "module"), f"{show(getattr(cfg, key))} is a key of the attention function, not of module: "
+                             f"{cfg.module}; set module: {SDPA} to check a kernel"))  # fmt: skip
+    if cfg.attn_mask == "full_row":
+        problems.append((("attn_mask", "module"), f"full_row is for module: {SDPA}; nn.MultiheadAttention's fully masked "
+                         "rows come from key_padding_mask: full_row"))  # fmt: skip
+    if cfg.attn_mask_dims == 4:
+        problems.append((("attn_mask_dims", "module"), f"4 is for module: {SDPA} (a (B, Hq, L, S) mask); "
+                         f"{cfg.module} takes 2 ((L, S)) or 3 ((B*H, L, S))"))  # fmt: skip
     if not cfg.is_layer:
         for key in LAYER_ONLY_KEYS:  # at their defaults they say nothing (the default file spells them)
             if getattr(cfg, key) != Config.model_fields[key].default:
@@ -370,6 +436,26 @@ def _module_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
             problems.append(((key, "module"), f"{show(value)} makes no sense for module: {cfg.module}: "
                              "nn.TransformerEncoderLayer runs self-attention over src with E-wide keys and values "
                              f"and returns no attention weights (need_weights=False); remove {key}"))  # fmt: skip
+    return problems
+
+
+def _function_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
+    """The attention function's own rules (module: sdpa)."""
+    problems: list[tuple[tuple[str, ...], str]] = []
+    Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
+    if Hq % Hkv:
+        options = " or ".join(str(d) for d in _nearest_divisors(Hq, Hkv))
+        problems.append((("num_kv_heads", "num_heads"), f"num_heads {Hq} is not a multiple of num_kv_heads {Hkv}: each "
+                         f"key-value head serves Hq / Hkv query heads; try num_kv_heads: {options}"))  # fmt: skip
+    if cfg.window_size is not None:
+        w = cfg.window_size
+        if len(w) != 2 or any(v < -1 for v in w):
+            problems.append((("window_size",), f"must be [left, right], each >= 0 or -1 for unbounded, got {show(w)}"))
+    if cfg.attn_mask_dims == 3:
+        problems.append((("attn_mask_dims",), "must be 2 ((L, S)) or 4 ((B, Hq, L, S)) for module: sdpa, got 3"))
+    if cfg.attn_mask == "causal" and cfg.causal != "none":
+        problems.append((("attn_mask", "causal"), f"causal draws an explicit top-left mask beside causal: {cfg.causal}; "
+                         "use one (causal: upper_left is the same mask, passed as is_causal=True)"))  # fmt: skip
     return problems
 
 

@@ -10,6 +10,7 @@ kind is a new module in this package and a `module` value in the config schema.
 
     multihead_attention        nn.MultiheadAttention        attncheck.kinds.mha
     transformer_encoder_layer  nn.TransformerEncoderLayer   attncheck.kinds.encoder_layer
+    sdpa                       the attention function       attncheck.kinds.sdpa
 
 torch is imported only inside the methods that build or call torch's module (attncheck.torch_side
 calls them), so this package stays importable without it.
@@ -39,6 +40,12 @@ class ModuleKind:
     one_input: str  # the gradient key of one tensor passed as every input (self-attention)
     attention_prefix: str = ""  # the attention's parameters' prefix in state_dict() names
     returns_weights: bool = False  # forward returns (output, weights), not the output alone
+    second_output: str = "attn_weights"  # what the second item of a returned pair is, in reports
+    has_parameters: bool = True  # False: a function; the workload's params are empty
+    has_fast_path: bool = True  # torch has an inference fast path to compare with
+    diagnosable: bool = True  # attncheck.diagnose knows the layouts of its quantities
+    # Commands that do not apply to the kind, with the reason the report gives.
+    unsupported_commands: dict[str, str] = {}
     features: tuple[Feature, ...] = ()  # the capability table's rows: a case is the first it meets
     # The embedded suite `--module NAME` runs with no config: (package file in attncheck/config,
     # its name in messages, the suite's name); None: attncheck's default suite.
@@ -63,13 +70,47 @@ class ModuleKind:
         """The shapes of the torch module's state_dict() for this config, in its order."""
         raise NotImplementedError
 
-    def call_forward(self, cfg: Config, obj: Any, query, key, value, attn_mask, key_padding_mask) -> Any:
-        """Call an object's forward the way the torch module is called (a candidate, or torch's)."""
+    def instantiate(self, cfg: Config, factory: Any, params: dict[str, Any]) -> Any:
+        """The object a candidate's factory builds from (copies of) the parameters."""
+        return factory(params, num_heads=cfg.num_heads, batch_first=cfg.batch_first, **self.options(cfg))
+
+    def forward_of(self, obj: Any) -> Any:
+        """The callable a built object is called through (None: it has none)."""
+        forward = getattr(obj, "forward", None)
+        return forward if callable(forward) else None
+
+    def call_forward(self, cfg: Config, obj: Any, query, key, value, attn_mask, key_padding_mask, **arrays) -> Any:
+        """Call an object's forward the way the torch module is called (a candidate, or torch's);
+        `arrays` are the workload's extra arrays (Workload.extras), as handed to the candidate."""
         raise NotImplementedError
 
-    def split_result(self, result: Any) -> tuple[Any, Any]:
-        """(output, weights) of what forward returned; weights None when the module returns none."""
-        return (result[0], result[1]) if self.returns_weights else (result, None)
+    def returns_pair(self, cfg: Config) -> bool:
+        """Whether forward returns (output, second) rather than the output alone."""
+        return self.returns_weights
+
+    def split_result(self, cfg: Config, result: Any) -> tuple[Any, Any]:
+        """(output, second) of what forward returned; second None when it returns the output alone."""
+        return (result[0], result[1]) if self.returns_pair(cfg) else (result, None)
+
+    def second_in_loss(self, cfg: Config) -> bool:
+        """Whether the second output (the LSE) is part of the loss the gradients are taken of."""
+        return False
+
+    def call_backward(self, cfg: Config, obj: Any, grad_output, grad_second) -> Any:
+        """Call a candidate's own backward; `grad_second` is d(loss)/d(second) where it is in the loss."""
+        return obj.backward(grad_output)
+
+    def output_shape(self, cfg: Config, w: Workload) -> tuple[int, ...]:
+        """The shape the output must have: the first argument's own, for the modules."""
+        return w.query.shape
+
+    def unsupported_case(self, cfg: Config, candidate: Any) -> str | None:
+        """Why a case of the default suite does not apply to this candidate (None: it does)."""
+        return None
+
+    def unsupported_call(self, cfg: Config, raised: str) -> str | None:
+        """Why a call that raised `raised` (e.g. "TypeError: ...") is an unsupported option, not a bug (None: it is a bug)."""
+        return None
 
     # ------------------------------------------------------------------------ gradients
     def candidate_gradients(self, cfg: Config, w: Workload) -> dict[str, tuple[int, ...]]:
@@ -113,6 +154,16 @@ class ModuleKind:
         """Whether a query row with no allowed key leaves output elements with no defined value."""
         return True
 
+    def fully_masked(self, cfg: Config, w: Workload) -> np.ndarray:
+        """(B, H, L) bool: the query rows of each batch element and head whose every key is masked."""
+        from attncheck.inputs import fully_masked
+
+        return fully_masked(cfg, w.attn_mask, w.key_padding_mask)
+
+    def make_workload(self, cfg: Config) -> Workload | None:
+        """The kind's own workload, or None for attncheck.inputs' (parameters, inputs, masks)."""
+        return None
+
     def masking_note(self, cfg: Config, rows: int, total: int) -> str:
         """What the report says when `rows` of `total` query rows have every key masked."""
         raise NotImplementedError
@@ -122,7 +173,7 @@ class ModuleKind:
         """torch's module for the config, with its own initial weights (torch_side loads ours)."""
         raise NotImplementedError
 
-    def call_torch(self, cfg: Config, module: Any, query, key, value, attn_mask, key_padding_mask) -> tuple[Any, Any]:
+    def call_torch(self, cfg: Config, module: Any, query, key, value, attn_mask, key_padding_mask, **arrays) -> tuple[Any, Any]:
         """(output, weights) of torch's module on tensors; weights None when it returns none."""
         raise NotImplementedError
 
@@ -143,8 +194,9 @@ class ModuleKind:
 def _all_kinds() -> dict[str, ModuleKind]:
     from attncheck.kinds.encoder_layer import ENCODER_LAYER
     from attncheck.kinds.mha import MHA
+    from attncheck.kinds.sdpa import SDPA
 
-    return {kind.name: kind for kind in (MHA, ENCODER_LAYER)}
+    return {kind.name: kind for kind in (MHA, ENCODER_LAYER, SDPA)}
 
 
 _KINDS: dict[str, ModuleKind] = {}

@@ -61,7 +61,7 @@ class EncoderLayerKind(ModuleKind):
                 shapes[f"{norm}.bias"] = (E,)
         return shapes
 
-    def call_forward(self, cfg, obj, query, key, value, attn_mask, key_padding_mask) -> Any:
+    def call_forward(self, cfg, obj, query, key, value, attn_mask, key_padding_mask, **arrays) -> Any:
         return obj.forward(query, src_mask=attn_mask, src_key_padding_mask=key_padding_mask, is_causal=cfg.is_causal)
 
     # ------------------------------------------------------------------------ gradients
@@ -98,7 +98,7 @@ class EncoderLayerKind(ModuleKind):
         return torch.nn.TransformerEncoderLayer(nhead=cfg.num_heads, batch_first=cfg.batch_first, dtype=dtype,
                                                 device=cfg.device, **self.options(cfg))  # fmt: skip
 
-    def call_torch(self, cfg, module, query, key, value, attn_mask, key_padding_mask):
+    def call_torch(self, cfg, module, query, key, value, attn_mask, key_padding_mask, **arrays):
         return module(query, src_mask=attn_mask, src_key_padding_mask=key_padding_mask, is_causal=cfg.is_causal), None
 
     def fast_path_blocker(self, cfg) -> str | None:

@@ -93,7 +93,7 @@ class MultiheadAttentionKind(ModuleKind):
     def param_shapes(self, cfg) -> dict[str, tuple[int, ...]]:
         return attention_shapes(cfg)
 
-    def call_forward(self, cfg, obj, query, key, value, attn_mask, key_padding_mask) -> Any:
+    def call_forward(self, cfg, obj, query, key, value, attn_mask, key_padding_mask, **arrays) -> Any:
         return obj.forward(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                            need_weights=cfg.need_weights, average_attn_weights=cfg.average_attn_weights)  # fmt: skip
 
@@ -157,7 +157,7 @@ class MultiheadAttentionKind(ModuleKind):
         return torch.nn.MultiheadAttention(num_heads=cfg.num_heads, batch_first=cfg.batch_first, dtype=dtype,
                                            device=cfg.device, **self.options(cfg))  # fmt: skip
 
-    def call_torch(self, cfg, module, query, key, value, attn_mask, key_padding_mask):
+    def call_torch(self, cfg, module, query, key, value, attn_mask, key_padding_mask, **arrays):
         return module(query, key, value, key_padding_mask=key_padding_mask, need_weights=cfg.need_weights,
                       attn_mask=attn_mask, average_attn_weights=cfg.average_attn_weights, is_causal=cfg.is_causal)  # fmt: skip
 

@@ -1,7 +1,8 @@
 """The NumPy oracle for torch.nn.MultiheadAttention (NumPy only).
 
 mha.py is the module, piece by piece, each backward under its forward; kernel.py is its attention
-core, blocked, cached and threaded. `attncheck.reference:MultiheadAttention` is the SPEC users type.
+core, blocked, cached and threaded; sdpa.py is the attention function itself (module: sdpa),
+with FlashAttention's options. `attncheck.reference:MultiheadAttention` is the SPEC users type.
 HOOKS names the private methods a known-bad implementation may override.
 """
 
@@ -13,6 +14,7 @@ from attncheck.reference.kernel import (
     BlockedAttention,
 )
 from attncheck.reference.mha import HOOKS, MultiheadAttention, Saved
+from attncheck.reference.sdpa import ScaledDotProductAttention
 
 __all__ = [
     "DEFAULT_BLOCK_ELEMENTS",
@@ -23,4 +25,5 @@ __all__ = [
     "BlockedAttention",
     "MultiheadAttention",
     "Saved",
+    "ScaledDotProductAttention",
 ]

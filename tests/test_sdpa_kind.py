@@ -1,0 +1,204 @@
+"""module: sdpa end to end: the config's keys, the default kernel suite, torch's own SDPA as a
+candidate, the declared causal alignment, the conventions for rows with no allowed key and the
+LSE, and unsupported options. The conventions' math is tested in tests/test_sdpa_reference.py."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from attncheck.candidate import Candidate, candidate_from_object
+from attncheck.checks import run_check
+from attncheck.cli import app
+from attncheck.config import config_from_mapping, load_suite
+from attncheck.errors import ConfigError
+from attncheck.inputs import make_workload
+from attncheck.kinds import kind_of
+from attncheck.reference import ScaledDotProductAttention
+
+SDPA = "torch.nn.functional:scaled_dot_product_attention"
+
+
+def _cfg(**keys):
+    return config_from_mapping({"module": "sdpa", "seed": 3, **keys})
+
+
+def _cases():
+    return {case.name: case.config for case in load_suite(None, module="sdpa").cases}
+
+
+# ------------------------------------------------------------------------------------ config
+@pytest.mark.parametrize(
+    "keys, fragment",
+    [
+        ({"num_heads": 6, "num_kv_heads": 4}, "num_heads 6 is not a multiple of num_kv_heads 4"),
+        ({"window_size": [3]}, "must be [left, right]"),
+        ({"window_size": [-2, 0]}, "must be [left, right]"),
+        ({"softcap": -1.0}, "must be >= 0"),
+        ({"scale": 0.0}, "must be > 0"),
+        ({"embed_dim": 16}, "is a key of the modules, not of module: sdpa"),
+        ({"key_padding_mask": "random"}, "is a key of the modules"),
+        ({"attn_mask_dims": 3}, "must be 2 ((L, S)) or 4"),
+        ({"attn_mask": "causal", "causal": "upper_left"}, "use one"),
+    ],
+)
+def test_bad_function_configs_are_refused(keys, fragment):
+    with pytest.raises(ConfigError) as caught:
+        _cfg(**keys)
+    assert fragment in str(caught.value)
+
+
+def test_function_keys_are_refused_for_the_modules():
+    with pytest.raises(ConfigError) as caught:
+        config_from_mapping({"causal": "lower_right"})
+    assert "set module: sdpa" in str(caught.value)
+
+
+def test_workload_shapes_follow_the_contract():
+    cfg = _cfg(batch_size=2, num_heads=6, num_kv_heads=2, tgt_len=3, src_len=7, head_dim=5, head_dim_v=4, alibi=True,
+               return_lse=True, attn_mask="random", attn_mask_dims=4, mask_dtype="float")  # fmt: skip
+    w = make_workload(cfg)
+    assert (w.query.shape, w.key.shape, w.value.shape) == ((2, 6, 3, 5), (2, 2, 7, 5), (2, 2, 7, 4))
+    assert w.attn_mask.shape == (2, 6, 3, 7) and w.attn_mask.dtype == np.float32 and w.params == {}
+    assert w.extras["alibi_slopes"].shape == (6,) and w.extras["alibi_slopes"].dtype == np.float32
+    assert w.target.shape == (2, 6, 3, 4) and w.target_lse.shape == (2, 6, 3)
+
+
+def test_lower_right_with_more_queries_than_keys_leaves_rows_with_no_key():
+    cfg = _cfg(causal="lower_right", tgt_len=7, src_len=3)
+    masked = kind_of(cfg).fully_masked(cfg, make_workload(cfg))
+    assert masked.shape == (2, 4, 7) and masked[0, 0].tolist() == [True] * 4 + [False] * 3
+
+
+# ------------------------------------------------------------------------------ the suite
+def test_the_reference_passes_the_default_kernel_suite():
+    for name, cfg in _cases().items():
+        for command in ("forward", "grad"):
+            report = run_check(command, cfg)
+            assert report.verdict == "pass", (name, command, [(r.quantity, r.note) for r in report.failures])
+
+
+def test_the_default_suite_covers_what_the_issue_lists():
+    cases = _cases().values()
+    ratios = {(c.num_heads, c.num_kv_heads_eff) for c in cases}
+    assert {(6, 2), (6, 1)} <= ratios
+    assert any(c.tgt_len > c.S for c in cases) and any(c.tgt_len < c.S for c in cases) and any(c.tgt_len == 1 for c in cases)
+    windows = {tuple(c.window_size) for c in cases if c.window_size is not None}
+    assert windows == {(-1, 0), (4, 0), (0, 0), (1, 0), (0, 1), (4, 4), (8, 2)}
+    assert {c.causal for c in cases} >= {"upper_left", "lower_right"}
+    assert any(c.softcap for c in cases) and any(c.alibi for c in cases) and any(c.scale for c in cases)
+    assert {c.dtype for c in cases} == {"float32", "float64", "float16", "bfloat16"}
+    assert any(c.return_lse for c in cases) and any(c.attn_mask == "full_row" for c in cases)
+    assert {c.mask_dtype for c in cases if c.attn_mask != "none"} == {"bool", "float"}
+
+
+def test_torch_sdpa_passes_what_it_supports_with_no_config(tmp_path):
+    out = tmp_path / "sdpa.json"
+    result = CliRunner().invoke(app, ["run", "--module", "sdpa", "--impl", SDPA, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    reports = json.loads(out.read_text())["results"]
+    statuses = {(r["name"], r["command"]): r["verdict"] for r in reports}
+    assert all(v in ("pass", "unsupported") for v in statuses.values()), statuses
+    assert not any(r["command"] == "sgd-step" for r in reports)  # run leaves out what a function has no use for
+    # What SDPA has: GQA, both mask kinds, rows with no key, upper-left causal, numerics.
+    for case in ("gqa-6-2", "mqa-6-1", "bool-mask", "float-mask-4d", "fully-masked-rows", "causal-upper-left", "float16-gqa-causal"):
+        assert statuses[case, "forward"] == statuses[case, "grad"] == "pass", case
+    # What it has not: FlashAttention's keywords, and bottom-right alignment when L != S.
+    for case in ("window-4-0", "softcap", "alibi", "lse", "causal-lower-right"):
+        assert statuses[case, "forward"] == "unsupported", case
+
+
+def test_sgd_step_alone_is_unsupported_not_an_error():
+    report = run_check("sgd-step", _cfg())
+    assert report.verdict == "unsupported" and "no parameters" in report.rows[0].note
+
+
+# ------------------------------------------------------------------------------ alignment
+class LowerRight(ScaledDotProductAttention):
+    """The reference fixed to FlashAttention's alignment, whatever it is asked."""
+
+    causal_alignment = "lower_right"
+
+    def __init__(self):
+        super().__init__(causal_alignment="lower_right")
+
+
+def test_the_declared_alignment_picks_the_default_suite_cases():
+    cases = _cases()
+    candidate = candidate_from_object(LowerRight)
+    assert candidate.causal_alignment == "lower_right"
+    assert run_check("forward", cases["causal-lower-right"], candidate, embedded=True).verdict == "pass"
+    skipped = run_check("forward", cases["causal-upper-left"], candidate, embedded=True)
+    assert skipped.verdict == "unsupported" and "declares causal_alignment = 'lower_right'" in skipped.rows[0].note
+    # A config's causal: is the user's claim: checked as written, and this one is wrong there.
+    assert run_check("forward", cases["causal-upper-left"], candidate).verdict == "fail"
+
+
+def test_a_bad_alignment_declaration_is_a_usage_error(tmp_path):
+    path = tmp_path / "bad_alignment.py"
+    path.write_text(textwrap.dedent("""
+        import torch.nn.functional as F
+        def attention(*args, **kwargs):
+            return F.scaled_dot_product_attention(*args, **kwargs)
+        attention.causal_alignment = "bottom_right"
+    """))
+    result = CliRunner().invoke(app, ["forward", "--module", "sdpa", "--impl", f"{path}:attention"])
+    assert result.exit_code == 2 and "causal_alignment" in result.output and "lower_right" in result.output
+
+
+# ------------------------------------------------------------------ conventions of the contract
+class NanRows(ScaledDotProductAttention):
+    """NaN output on rows with no allowed key (a convention the contract accepts)."""
+
+    def __init__(self):
+        super().__init__(fully_masked_rows="nan")
+
+
+class ZeroRows(ScaledDotProductAttention):
+    """Zero output on rows with no allowed key (torch's SDPA's convention)."""
+
+    def __init__(self):
+        super().__init__(fully_masked_rows="zero")
+
+
+@pytest.mark.parametrize("convention, verdicts", [("any", ("pass", "pass")), ("zero", ("pass", "fail")), ("nan", ("fail", "pass"))])
+def test_rows_with_no_key_follow_the_configured_convention(convention, verdicts):
+    cfg = _cfg(attn_mask="full_row", fully_masked_rows=convention)
+    zero = run_check("forward", cfg, Candidate("zero", ZeroRows))
+    nan = run_check("forward", cfg, Candidate("nan", NanRows))
+    assert (zero.verdict, nan.verdict) == verdicts
+
+
+class FiniteLseOnEmptyRows(ScaledDotProductAttention):
+    """LSE 0 instead of -inf where no key is allowed."""
+
+    def forward(self, *args, **kwargs):
+        out, lse = super().forward(*args, **kwargs)
+        return out, np.where(np.isneginf(lse), 0.0, lse).astype(lse.dtype)
+
+
+def test_lse_must_be_minus_inf_on_rows_with_no_key():
+    cfg = _cfg(causal="lower_right", tgt_len=7, src_len=3, return_lse=True)
+    report = run_check("forward", cfg, Candidate("finite-lse", FiniteLseOnEmptyRows))
+    assert report.verdict == "fail"
+    assert any("-inf" in r.note for r in report.failures)
+
+
+def test_an_unknown_keyword_is_unsupported_but_another_type_error_is_a_bug(tmp_path):
+    path = tmp_path / "kernels.py"
+    path.write_text(textwrap.dedent("""
+        import numpy as np
+        def no_window(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+            raise AssertionError("not reached")
+        def broken(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **extras):
+            return len(3)
+    """))
+    cfg = _cfg(window_size=[2, 0])
+    from attncheck.candidate import load_candidate
+
+    assert run_check("forward", cfg, load_candidate(f"{path}:no_window")).verdict == "unsupported"
+    assert run_check("forward", cfg, load_candidate(f"{path}:broken")).verdict == "fail"
