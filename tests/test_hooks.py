@@ -3,7 +3,8 @@
 Overriding a private method the reference has since renamed changes nothing: the mutant silently
 runs the reference's own method, becomes the reference, and the detection table would still
 find it "caught" wherever another of its overrides shows. So each override must name a hook the
-reference declares (attncheck.reference.HOOKS, attncheck.layer_reference.HOOKS) and still has.
+reference declares (attncheck.reference.HOOKS, attncheck.layer_reference.HOOKS,
+attncheck.testing.dense_sdpa.HOOKS for the sdpa kernels) and still has.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from attncheck import layer_reference, reference
 from attncheck.layer_reference import TransformerEncoderLayer
 from attncheck.reference import MultiheadAttention
 from attncheck.sgd import SGD
-from attncheck.testing import wrong_gradients, wrong_impls, wrong_layers, wrong_updates
+from attncheck.testing import dense_sdpa, wrong_gradients, wrong_impls, wrong_kernels, wrong_layers, wrong_updates
+from attncheck.testing.dense_sdpa import DenseSDPA
 
 # Each reference a known-bad implementation subclasses, with the private methods it may override.
-DECLARED = {MultiheadAttention: reference.HOOKS, TransformerEncoderLayer: layer_reference.HOOKS, SGD: ()}
+DECLARED = {MultiheadAttention: reference.HOOKS, TransformerEncoderLayer: layer_reference.HOOKS, SGD: (), DenseSDPA: dense_sdpa.HOOKS}
 
 MUTANTS = [
     cls
-    for module in (wrong_impls, wrong_gradients, wrong_layers, wrong_updates)
+    for module in (wrong_impls, wrong_gradients, wrong_layers, wrong_updates, wrong_kernels)
     for cls in vars(module).values()
     if isinstance(cls, type) and cls.__module__ == module.__name__
 ]
@@ -58,6 +60,7 @@ def undeclared_overrides(cls: type, ref: type, hooks: tuple[str, ...]) -> list[s
 def test_every_mutant_is_seen():
     assert {wrong_impls.SoftmaxDiagonalBackward, wrong_impls.MomentumBufferFromZero, wrong_layers.GeluTanh} <= set(MUTANTS)
     assert set(wrong_impls.MODULES.values()) | set(wrong_impls.OPTIMIZERS.values()) | set(wrong_layers.LAYERS.values()) <= set(MUTANTS)
+    assert set(wrong_kernels.WRONG_KERNELS.values()) <= set(MUTANTS)
 
 
 @pytest.mark.parametrize("cls", MUTANTS, ids=lambda cls: cls.__name__)

@@ -145,6 +145,13 @@ COVERED_ELSEWHERE = {
     "per_head_loop": ["tests/test_impl.py::test_per_head_loop_example_passes",
                       "tests/test_default_suite.py::test_no_config_cli_passes_the_reference_and_the_example"],
 }  # fmt: skip
+# Examples of `module: sdpa` (issue 27), whose documented CLI runs wait for the kind to be wired
+# into the checks: until then their values and gradients against torch are these tests'. When the
+# kind lands, each becomes a Documented entry above and leaves this table.
+AWAITING_THE_SDPA_KIND = {
+    "numpy_flash_attention": ["tests/test_wrong_kernels.py::test_a_correct_kernel_agrees_with_torch"],
+    "jax_sdpa": ["tests/test_jax_sdpa.py::test_the_jax_example_gives_torchs_values_and_gradients"],
+}  # fmt: skip
 WRONG_HALF_CONFIG = """\
 dtype: float16
 need_weights: false
@@ -188,8 +195,8 @@ def test_wrong_half_accumulation_fails_in_half_precision_on_long_rows(cli, tmp_p
 
 def test_every_example_is_run_through_the_cli():
     run_here = {case.impl.split(".py")[0] for case in EXAMPLES} | {"wrong_half_accumulation"}
-    assert set(EXAMPLE_FILES) == run_here | set(COVERED_ELSEWHERE), "an example with no documented CLI run"
-    for tests in COVERED_ELSEWHERE.values():
+    assert set(EXAMPLE_FILES) == run_here | set(COVERED_ELSEWHERE) | set(AWAITING_THE_SDPA_KIND), "an example with no documented CLI run"
+    for tests in [*COVERED_ELSEWHERE.values(), *AWAITING_THE_SDPA_KIND.values()]:
         for test in tests:
             path, name = test.split("::")
             assert f"def {name}(" in (ROOT / path).read_text(), test

@@ -1,0 +1,261 @@
+"""Known-bad kernels of `module: sdpa`: each is the correct dense kernel with one bug kernel writers write.
+
+Each subclasses attncheck.testing.dense_sdpa.DenseSDPA (CORRECT_KERNEL here) and overrides only the
+hook its bug lives in (dense_sdpa.HOOKS; tests/test_hooks.py). Its docstring says the bug and the
+kind of case that exposes it; tests/test_wrong_kernels.py builds the smallest such case by hand for
+each (EXPOSING there) and asserts that the kernel differs on it from the correct one and from
+torch. Usable as `--impl attncheck.testing.wrong_kernels:NAME`.
+
+NumPy only, as the kernels people bring to `module: sdpa` first are. Dimensions as in
+attncheck/testing/dense_sdpa.py: B batch, Hq query heads, Hkv key-value heads, G = Hq // Hkv,
+L target length, S source length, E head dim, Ev value head dim.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attncheck.testing.dense_sdpa import DenseSDPA
+
+CORRECT_KERNEL = DenseSDPA
+
+
+# ------------------------------------------------------------------------------- heads (GQA)
+class GqaHeadModulo(DenseSDPA):
+    """GQA maps query head h to key-value head h % Hkv (interleaved groups) instead of h // G.
+
+    Exposed by GQA with more than one key-value head and more than one query head per group
+    (Hq = 4, Hkv = 2: query head 1 reads head 1 instead of 0). Invisible for Hkv = 1 (MQA) or G = 1.
+    """
+
+    def _kv_heads(self, Hq, Hkv):
+        return np.arange(Hq) % Hkv
+
+
+class GqaGradFromOneHead(DenseSDPA):
+    """dK and dV of a key-value head are assigned from each query head in turn instead of summed:
+    the last query head of the group wins (`dk[kv] = ...` where `+=` was meant).
+
+    The forward is right. Exposed by the key and value gradients under any GQA (G > 1).
+    """
+
+    def _group_sum(self, grads, heads, Hkv):
+        B, _, S, X = grads.shape
+        assigned = np.zeros((B, Hkv, S, X), dtype=grads.dtype)
+        for h, kv in enumerate(heads):
+            assigned[:, kv] = grads[:, h]  # should be +=
+        return assigned
+
+
+# ------------------------------------------------------------------------------------ scores
+class ScaleIgnored(DenseSDPA):
+    """The `scale` argument is ignored: scores are always scaled by 1 / sqrt(E).
+
+    Exposed by any config that passes a scale other than 1 / sqrt(E).
+    """
+
+    def _scale(self, scale, E):
+        return 1.0 / np.sqrt(E)
+
+
+class SoftcapOnUnscaledScores(DenseSDPA):
+    """The softcap is applied to the raw q k^T, and the scale after it: scale * c * tanh(q k^T / c)
+    instead of c * tanh(scale * q k^T / c).
+
+    Exposed by any softcap with a scale other than 1 (the default 1 / sqrt(E) with E > 1).
+    """
+
+    def _softcap(self, s, softcap, scale):
+        if not softcap:
+            return s, None
+        t = np.tanh(s / scale / softcap)  # tanh(q k^T / c)
+        return scale * softcap * t, 1 - t * t  # d/ds of scale * c * tanh(s / (scale * c))
+
+
+class SoftcapAfterMask(DenseSDPA):
+    """The softcap is applied last, after ALiBi and the masks: a masked -inf becomes -softcap, so
+    masked keys get weight exp(-softcap - max) instead of none, and ALiBi and float masks are squashed.
+
+    Exposed by a softcap together with any mask, causal or window that blocks a key of a row that
+    has another key (or with ALiBi).
+    """
+
+    def _logits(self, s, softcap, scale, bias, allowed, additive):
+        logits = s + bias
+        if additive is not None:
+            logits = logits + additive
+        return self._softcap(self._masked(logits, allowed), softcap, scale)  # c * tanh(-inf / c) = -c
+
+
+class SoftcapChainRuleMissing(DenseSDPA):
+    """The backward forgets the softcap's derivative: d(s) = d(capped) instead of d(capped) * (1 - tanh^2).
+
+    The forward is right. Exposed by the query and key gradients under any softcap with scores
+    large enough for tanh to bend (1 - tanh^2 is 1 near 0).
+    """
+
+    def _softcap_grad(self, d_capped, dcap):
+        return d_capped
+
+
+class AlibiWrongSign(DenseSDPA):
+    """ALiBi added with the wrong sign: +slope * |distance|, favouring far keys.
+
+    Exposed by any ALiBi config with S >= 2.
+    """
+
+    def _alibi(self, slopes, L, S, work):
+        bias = super()._alibi(slopes, L, S, work)
+        return -bias
+
+
+class AlibiWithoutOffset(DenseSDPA):
+    """ALiBi's distance taken as |i - j| instead of |i + S - L - j|: top-left aligned where the
+    contract aligns it bottom-right, as FlashAttention does.
+
+    Exposed by ALiBi with L != S; invisible when L == S.
+    """
+
+    def _alibi(self, slopes, L, S, work):
+        if slopes is None:
+            return 0.0
+        slopes = np.asarray(slopes, dtype=work)
+        slopes = slopes[None, :, None, None] if slopes.ndim == 1 else slopes[:, :, None, None]  # (B or 1, Hq, 1, 1)
+        i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+        return -slopes * np.abs(i - j).astype(work)  # (B or 1, Hq, L, S); should be |i + S - L - j|
+
+
+# ------------------------------------------------------------------------------------- masks
+class CausalUpperLeft(DenseSDPA):
+    """Declares causal_alignment = "lower_right" (FlashAttention's) but masks upper-left: key j <= i
+    instead of j <= i + S - L.
+
+    Exposed by causal with L != S; invisible when L == S.
+    """
+
+    causal_alignment = "lower_right"
+
+    def _causal(self, i, j, L, S):
+        return j <= i
+
+
+class WindowRightBoundExclusive(DenseSDPA):
+    """The window's right edge is exclusive: j < i + S - L + right instead of <=, one key short.
+
+    Exposed by any window with a bounded right side (right >= 0), e.g. (-1, 0); with (0, 0), or
+    L = S = 1 and right = 0, every row loses its only key.
+    """
+
+    def _window(self, i, j, L, S, window_size):
+        left, right = window_size
+        inside = super()._window(i, j, L, S, (left, -1))
+        if right >= 0:
+            inside &= j < i + S - L + right  # should be <=
+        return inside
+
+
+class EmptyRowsNotZero(DenseSDPA):
+    """Blocked keys get the dtype's lowest finite value instead of -inf (the `finfo.min` habit): a
+    row whose every key is blocked becomes a uniform average of the values, with a finite lse,
+    instead of zero output and lse -inf.
+
+    Exposed by a query row with no allowed key from a bool mask, causal (lower_right with L > S)
+    or a window; rows with an allowed key are right.
+    """
+
+    def _masked(self, logits, allowed):
+        return np.where(allowed, logits, np.finfo(logits.dtype).min)
+
+
+class CausalBlockLocalKeyIndex(DenseSDPA):
+    """An online softmax over key blocks of `block_k` keys whose causal test uses the key's index
+    within its block (j - j0) instead of its index j: every block after the first lets in keys
+    past the diagonal.
+
+    Exposed by causal with S > block_k (4); invisible when all keys fit in one block.
+    """
+
+    block_k = 4
+
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                *, window_size=None, softcap=0.0, alibi_slopes=None, return_lse=False):  # fmt: skip
+        self._causal_in_blocks = is_causal  # applied by the online softmax below, block by block
+        return super().forward(query, key, value, attn_mask, dropout_p, False, scale, enable_gqa, window_size=window_size,
+                               softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse)  # fmt: skip
+
+    def _softmax(self, logits):
+        B, Hq, L, S = logits.shape
+        i = np.arange(L)[:, None]  # (L, 1)
+        row_max = np.full((B, Hq, L), -np.inf, dtype=logits.dtype)
+        row_sum = np.zeros((B, Hq, L), dtype=logits.dtype)
+        blocks = []
+        for j0 in range(0, S, self.block_k):
+            block = logits[..., j0:j0 + self.block_k]  # (B, Hq, L, block_k)
+            if self._causal_in_blocks:
+                j_local = np.arange(block.shape[-1])[None, :]  # should be j0 + this
+                block = np.where(self._causal(i, j_local, L, S), block, -np.inf)
+            blocks.append(block)
+            new_max = np.maximum(row_max, block.max(axis=-1))
+            shift = np.where(np.isneginf(new_max), 0, new_max)  # (B, Hq, L)
+            row_sum = row_sum * np.exp(row_max - shift) + np.exp(block - shift[..., None]).sum(axis=-1)
+            row_max = new_max
+        masked = np.concatenate(blocks, axis=-1)  # (B, Hq, L, S) the logits as the blocks saw them
+        shift = np.where(np.isneginf(row_max), 0, row_max)[..., None]
+        probs = np.exp(masked - shift) / np.where(row_sum == 0, 1, row_sum)[..., None]
+        return probs, row_max, row_sum
+
+
+# --------------------------------------------------------------------------------------- lse
+class LseLog2(DenseSDPA):
+    """lse returned in base 2 (the exp2 trick's m * log2(e) + log2(l), not converted back): lse / ln 2.
+
+    Exposed by any return_lse config (the output is right).
+    """
+
+    def _lse(self, logits, row_max, row_sum):
+        return super()._lse(logits, row_max, row_sum) / np.log(2)
+
+
+class LseWithoutMax(DenseSDPA):
+    """lse returned as log sum exp(logits - max): the max is not added back.
+
+    Exposed by any return_lse config whose row max is not 0 (the output is right).
+    """
+
+    def _lse(self, logits, row_max, row_sum):
+        with np.errstate(divide="ignore"):
+            return np.where(row_sum > 0, np.log(row_sum), -np.inf)
+
+
+class LseNanOnEmptyRows(DenseSDPA):
+    """lse recomputed from the logits with the unguarded max, m + log sum exp(logits - m): a row
+    with no allowed key gives exp(-inf - (-inf)) = NaN where -inf is due. The output is guarded and right.
+
+    Exposed by return_lse with a query row that has no allowed key.
+    """
+
+    def _lse(self, logits, row_max, row_sum):
+        with np.errstate(invalid="ignore"):
+            return row_max + np.log(np.exp(logits - row_max[..., None]).sum(axis=-1))
+
+
+class LseGradientIgnored(DenseSDPA):
+    """The backward drops grad_lse: d(logits) misses the P * dlse term (lse treated as a constant,
+    as many kernels save it only for their own backward).
+
+    The forward and lse are right. Exposed by the gradients under return_lse with a nonzero grad_lse.
+    """
+
+    def _lse_grad(self, probs, grad_lse):
+        return np.zeros_like(probs)
+
+
+WRONG_KERNELS: dict[str, type[DenseSDPA]] = {
+    cls.__name__: cls
+    for cls in (
+        GqaHeadModulo, GqaGradFromOneHead, ScaleIgnored, SoftcapOnUnscaledScores, SoftcapAfterMask,
+        SoftcapChainRuleMissing, AlibiWrongSign, AlibiWithoutOffset, CausalUpperLeft,
+        WindowRightBoundExclusive, EmptyRowsNotZero, CausalBlockLocalKeyIndex, LseLog2, LseWithoutMax,
+        LseNanOnEmptyRows, LseGradientIgnored,
+    )
+}  # fmt: skip
