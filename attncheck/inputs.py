@@ -296,7 +296,7 @@ def lse_loss_and_grad(lse: np.ndarray, target: np.ndarray, undefined: np.ndarray
     """The LSE's term of the loss, <lse, target> over the rows with an allowed key, and its
     gradient (zero on rows with none, whose LSE is -inf); torch_side.lse_loss_torch computes the same."""
     keep = np.ones(lse.shape, dtype=bool) if undefined is None else ~undefined
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):  # a candidate's LSE may be anything; inf is a finding, not a warning
         terms = np.where(keep, lse.astype(np.float64) * target, 0.0)
     return float(terms.sum()), np.where(keep, target, 0).astype(target.dtype)
 
@@ -304,7 +304,7 @@ def lse_loss_and_grad(lse: np.ndarray, target: np.ndarray, undefined: np.ndarray
 def lse_magnitude(lse: np.ndarray, target: np.ndarray, undefined: np.ndarray | None = None) -> float:
     """The sum of the magnitudes of the LSE term's products: its rounding is relative to this."""
     keep = np.ones(lse.shape, dtype=bool) if undefined is None else ~undefined
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):
         return float(np.abs(np.where(keep, lse.astype(np.float64) * target, 0.0)).sum())
 
 

@@ -303,7 +303,7 @@ class ScaledDotProductAttention:
                 attn_mask = attn_mask.astype(compute, copy=False)
 
         # The R query heads of key-value head k are heads k*R .. k*R+R-1: stacked, a free reshape.
-        q_scaled = query.astype(compute).reshape(B * Hkv, R * L, E) * scale  # (G, M, E)
+        q_scaled = query.astype(compute, copy=False).reshape(B * Hkv, R * L, E) * scale  # (G, M, E), a new array
         kh = key.astype(compute, copy=False).reshape(B * Hkv, S, E)  # (G, S, E)
         vh = value.astype(compute, copy=False).reshape(B * Hkv, S, Ev)  # (G, S, Ev)
         G, M = B * Hkv, R * L

@@ -1,0 +1,64 @@
+"""Every known-bad kernel is caught by the default kernel suite, with no config.
+
+CATCHES names, for each kernel of attncheck/testing/wrong_kernels.py, default-suite cases and
+commands that must fail on it with a real mismatch (measured by running the whole suite on each:
+every listed check fails; the README's kernel table quotes this one). The kernels declare
+FlashAttention's lower_right alignment, so the suite runs them as it runs any candidate with no
+config (`embedded`). A crash of the candidate is no catch. The correct dense kernel passes every
+case it supports.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from attncheck.candidate import candidate_from_object
+from attncheck.checks import run_check
+from attncheck.config import load_suite
+from attncheck.testing.wrong_kernels import CORRECT_KERNEL, WRONG_KERNELS
+
+CATCHES = {
+    "GqaHeadModulo": [("gqa-6-2", "forward"), ("causal-gqa-past-one-block", "grad")],
+    "GqaGradFromOneHead": [("gqa-6-2", "grad"), ("mqa-6-1", "grad")],
+    "ScaleIgnored": [("scale", "forward")],
+    "SoftcapOnUnscaledScores": [("softcap", "forward"), ("softcap-causal-gqa", "grad")],
+    "SoftcapAfterMask": [("softcap-causal-gqa", "forward")],
+    "SoftcapChainRuleMissing": [("softcap", "grad")],
+    "AlibiWrongSign": [("alibi", "forward"), ("alibi-causal", "grad")],
+    "AlibiWithoutOffset": [("alibi", "forward")],
+    "CausalUpperLeft": [("causal-lower-right", "forward"), ("decode-lower-right", "grad")],
+    "WindowRightBoundExclusive": [("window-4-0", "forward"), ("window-0-0", "grad")],
+    "EmptyRowsNotZero": [("fully-masked-rows", "forward"), ("causal-lower-right-long-q", "forward")],
+    "CausalBlockLocalKeyIndex": [("causal-gqa-past-one-block", "forward"), ("causal-lower-right", "grad")],
+    "LseLog2": [("lse", "forward")],
+    "LseWithoutMax": [("lse", "forward"), ("lse-gqa-causal", "grad")],
+    "LseNanOnEmptyRows": [("causal-lower-right-long-q", "forward")],
+    "LseGradientIgnored": [("lse", "grad")],
+}
+
+
+def _cases():
+    return {case.name: case.config for case in load_suite(None, module="sdpa").cases}
+
+
+def test_table_covers_every_wrong_kernel():
+    assert set(CATCHES) == set(WRONG_KERNELS)
+
+
+@pytest.mark.parametrize("name", sorted(CATCHES))
+def test_caught_by_the_default_kernel_suite(name):
+    cases, candidate = _cases(), candidate_from_object(WRONG_KERNELS[name])
+    for case, command in CATCHES[name]:
+        report = run_check(command, cases[case], candidate, embedded=True)
+        assert report.verdict == "fail", (case, command, report.verdict)
+        assert all(r.quantity != "candidate" for r in report.failures), (case, command, [r.note for r in report.failures])
+        assert any(r.mismatched for r in report.failures), (case, command)
+
+
+def test_the_correct_kernel_passes_what_it_supports():
+    candidate = candidate_from_object(CORRECT_KERNEL)
+    for name, cfg in _cases().items():
+        for command in ("forward", "grad"):
+            verdict = run_check(command, cfg, candidate, embedded=True).verdict
+            expected = "unsupported" if cfg.causal == "upper_left" and cfg.tgt_len != cfg.S else "pass"
+            assert verdict == expected, (name, command, verdict)
