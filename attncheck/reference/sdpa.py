@@ -249,7 +249,7 @@ class ScaledDotProductAttention:
         with np.errstate(invalid="ignore", divide="ignore"), threads.large_call(a.large):
             d_q_scaled, d_kh, d_vh = self._attention_backward(a, d_out, d_lse)  # (G, M, E), (G, S, E), (G, S, Ev)
         B, Hq, L = a.B, a.Hkv * a.R, a.L
-        d_query = (d_q_scaled * a.scale).reshape(B, Hq, L, E)  # d(q) = scale d(q_scaled)
+        d_query = np.multiply(d_q_scaled, a.scale, out=d_q_scaled).reshape(B, Hq, L, E)  # d(q) = scale d(q_scaled)
         d_key = d_kh.reshape(B, a.Hkv, -1, E)  # (B, Hkv, S, E), summed over each group's query heads
         d_value = d_vh.reshape(B, a.Hkv, -1, Ev)  # (B, Hkv, S, Ev)
         dq_dtype, dk_dtype, dv_dtype = a.dtypes
@@ -295,12 +295,12 @@ class ScaledDotProductAttention:
             attn_mask = np.asarray(attn_mask)
             if attn_mask.dtype != np.bool_ and not dtypes.is_float(attn_mask.dtype):
                 raise ValueError(f"attn_mask must be bool (True = attend) or float (added to the logits), got {attn_mask.dtype}")
+            if attn_mask.dtype != np.bool_:
+                attn_mask = attn_mask.astype(compute, copy=False)  # before broadcasting: no larger than the caller's
             try:
                 attn_mask = np.broadcast_to(attn_mask, (B, Hq, L, S))  # (B, Hq, L, S), a view
             except ValueError:
                 raise ValueError(f"attn_mask of shape {attn_mask.shape} does not broadcast to (B, Hq, L, S) = {(B, Hq, L, S)}") from None
-            if attn_mask.dtype != np.bool_:
-                attn_mask = attn_mask.astype(compute, copy=False)
 
         # The R query heads of key-value head k are heads k*R .. k*R+R-1: stacked, a free reshape.
         q_scaled = query.astype(compute, copy=False).reshape(B * Hkv, R * L, E) * scale  # (G, M, E), a new array
@@ -389,7 +389,7 @@ class ScaledDotProductAttention:
                 np.exp(p, out=p)
                 p = self._normalized(p, a.row_sum[g0:g1, m0:m1])  # the forward's P, bit for bit
                 d_out_blk = d_out[g0:g1, m0:m1]  # (g, m, Ev)
-                d_vh[g0:g1] += p.transpose(0, 2, 1) @ d_out_blk  # (g, S, Ev): P^T d(out)
+                d_vh[g0:g1] += np.matmul(p.transpose(0, 2, 1), d_out_blk, out=scratch.get("dv", d_vh[g0:g1].shape, p.dtype))  # (g, S, Ev): P^T d(out)
                 dp = np.matmul(d_out_blk, a.vh[g0:g1].transpose(0, 2, 1), out=scratch.get("dp", p.shape, p.dtype))  # (g, m, S)
                 # d(logits) = P * (d(P) - rowsum(d(P) * P) + d(lse)); a row with no allowed key has P = 0.
                 shift = np.sum(np.multiply(dp, p, out=scratch.get("work", p.shape, p.dtype)), axis=-1, keepdims=True)  # (g, m, 1)
@@ -400,7 +400,7 @@ class ScaledDotProductAttention:
                 if t is not None:
                     d_s = softcap_backward(t, d_s)  # (g, m, S), d(s) through the soft cap
                 np.matmul(d_s, a.kh[g0:g1], out=d_q_scaled[g0:g1, m0:m1])  # (g, m, E)
-                d_kh[g0:g1] += d_s.transpose(0, 2, 1) @ a.q_scaled[g0:g1, m0:m1]  # (g, S, E)
+                d_kh[g0:g1] += np.matmul(d_s.transpose(0, 2, 1), a.q_scaled[g0:g1, m0:m1], out=scratch.get("dk", d_kh[g0:g1].shape, p.dtype))  # (g, S, E)
 
         threads.run(_blocks(G, M, S, self.block_elements), task)
         return d_q_scaled, d_kh, d_vh
