@@ -317,7 +317,8 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
     if not many:
         result = run()
     else:
-        head = Text(f"attncheck {' + '.join(plan.commands)}  ", style="bold")
+        ran = [c for c in plan.commands if any(job.command == c for job in plan.jobs)] or list(plan.commands)  # run leaves out what no case has a use for
+        head = Text(f"attncheck {' + '.join(ran)}  ", style="bold")
         head.append(label, style="bold cyan")
         head.append(f"  {cases} cases ({len(plan.skipped)} skipped) · {len(plan.jobs)} checks · workers={workers}")
         console.print(head)
