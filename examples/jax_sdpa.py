@@ -1,6 +1,10 @@
 """A JAX candidate of `module: sdpa`: `jax.nn.dot_product_attention` behind scaled_dot_product_attention's signature.
 
-    attncheck run --module sdpa --framework jax --impl examples/jax_sdpa.py:scaled_dot_product_attention
+    attncheck forward --module sdpa --framework jax --impl examples/jax_sdpa.py:scaled_dot_product_attention  # exit 0
+
+It passes the default kernel suite's forward wherever JAX has the option. `grad` reports it
+unsupported throughout: its finite differences call the function in float64, which it declines
+(below); its gradients agree with torch's in float32 (tests/test_jax_sdpa.py).
 
 attncheck hands JAX arrays (B, H, L, E) and takes the gradients from jax.vjp: there is no
 backward. JAX's layout is (B, T, N, H) (T the query length, N heads, H head dim): the arrays are

@@ -3,9 +3,11 @@
 A candidate of attncheck's `module: sdpa` (scaled_dot_product_attention's signature with
 FlashAttention's extras), with its own backward:
 
-    attncheck run --module sdpa --impl examples/numpy_flash_attention.py:FlashAttention
+    attncheck run --module sdpa --impl examples/numpy_flash_attention.py:FlashAttention  # exit 0
 
-The loops are the GPU kernel's: each (query tile, key tile) pair below is one thread block's step.
+It passes the default kernel suite; the suite's upper-left causal cases are reported as not its
+claim, since it declares FlashAttention's lower-right alignment. The loops are the GPU kernel's:
+each (query tile, key tile) pair below is one thread block's step.
 
 forward   For each tile of `block_q` query rows, an online softmax over the tiles of `block_k` keys
           it can see: running max m, running sum l of exp(logits - m) and an unnormalized output

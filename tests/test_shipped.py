@@ -138,6 +138,11 @@ EXAMPLES = [
                "its docstring: passes the layer's default suite in all three commands", {"pass": 21}),
     Documented("flax_encoder_layer.py:TransformerEncoderLayer", ("run", "--module", "transformer_encoder_layer"), 0,
                "its docstring: the layer's default suite, gradients from jax.vjp", {"pass": 21}, slow=True),
+    Documented("numpy_flash_attention.py:FlashAttention", ("run", "--module", "sdpa"), 0,
+               "its docstring: passes the default kernel suite (its upper-left causal cases are not its claim)"),
+    # JAX compiles every case's call: about 20 s for the kernel suite's forward.
+    Documented("jax_sdpa.py:scaled_dot_product_attention", ("forward", "--module", "sdpa", "--framework", "jax"), 0,
+               "its docstring: passes the default kernel suite's forward where JAX has the option", slow=True),
 ]  # fmt: skip
 
 # Examples whose documented commands run through the CLI in another module, with their verdicts.
@@ -146,13 +151,6 @@ COVERED_ELSEWHERE = {
     # docstring: forward with no config, grad -c causal, sgd-step -c float64, each exit 0
     "per_head_loop": ["tests/test_impl.py::test_per_head_loop_example_passes",
                       "tests/test_default_suite.py::test_no_config_cli_passes_the_reference_and_the_example"],
-}  # fmt: skip
-# Examples of `module: sdpa` (issue 27), whose documented CLI runs wait for the kind to be wired
-# into the checks: until then their values and gradients against torch are these tests'. When the
-# kind lands, each becomes a Documented entry above and leaves this table.
-AWAITING_THE_SDPA_KIND = {
-    "numpy_flash_attention": ["tests/test_wrong_kernels.py::test_a_correct_kernel_agrees_with_torch"],
-    "jax_sdpa": ["tests/test_jax_sdpa.py::test_the_jax_example_gives_torchs_values_and_gradients"],
 }  # fmt: skip
 WRONG_HALF_CONFIG = """\
 dtype: float16
@@ -197,8 +195,8 @@ def test_wrong_half_accumulation_fails_in_half_precision_on_long_rows(cli, tmp_p
 
 def test_every_example_is_run_through_the_cli():
     run_here = {case.impl.split(".py")[0] for case in EXAMPLES} | {"wrong_half_accumulation"}
-    assert set(EXAMPLE_FILES) == run_here | set(COVERED_ELSEWHERE) | set(AWAITING_THE_SDPA_KIND), "an example with no documented CLI run"
-    for tests in [*COVERED_ELSEWHERE.values(), *AWAITING_THE_SDPA_KIND.values()]:
+    assert set(EXAMPLE_FILES) == run_here | set(COVERED_ELSEWHERE), "an example with no documented CLI run"
+    for tests in COVERED_ELSEWHERE.values():
         for test in tests:
             path, name = test.split("::")
             assert f"def {name}(" in (ROOT / path).read_text(), test
