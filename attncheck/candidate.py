@@ -412,7 +412,8 @@ class Session:
         where = _defined_at(method)
         second_name = kind.second_output
         if kind.returns_pair(self.cfg) and not (isinstance(result, tuple) and len(result) == 2):
-            raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, {second_name})", where)
+            pair = "weights" if second_name == "attn_weights" else second_name
+            raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, {pair})", where)
         output, second = kind.split_result(self.cfg, result)
         self._returned(output, obj, (query, key, value), handed_masks, second)
         out = self._as_numpy(output, "forward() returned an output", where)
