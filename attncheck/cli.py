@@ -307,7 +307,7 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
     from rich.console import Group
     from rich.text import Text
 
-    from attncheck.render import make_console, progress_bar, progress_line, render, suite_summary, suite_verdict
+    from attncheck.render import make_console, print_failures, progress_bar, progress_line, render, suite_summary, suite_verdict
     from attncheck.report import PASS, UNSUPPORTED
 
     console = make_console()
@@ -327,19 +327,43 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
                 task = bar.add_task("starting", total=len(plan.jobs))
                 result = run(progress=lambda done, total, job, report: bar.update(task, completed=done, description=f"{job.case} {job.command}"))
         else:
-            result = run(progress=lambda done, total, job, report: console.print(progress_line(done, total, report), soft_wrap=True))
+            result = run(progress=_progress_lines(console, every=view.verbose))
     if not many:
         for report in result.reports:
             render(report, console, tracebacks=view.tracebacks)
         return result
-    for report in result.reports:
-        # failing and inconclusive checks show their tables; an unsupported one is a line of the
-        # capability table, with the candidate's reason
-        if view.verbose or report.verdict not in (PASS, UNSUPPORTED):
+    if view.verbose:  # every check whole, then the summary with a row for every check
+        for report in result.reports:
             render(report, console, tracebacks=view.tracebacks)
-    summary = suite_summary(result, f"summary  {label}", every_check=view.verbose)
-    console.print(Group(*summary, suite_verdict(result)))
+        console.print(Group(*suite_summary(result, f"summary  {label}", every_check=True), suite_verdict(result)))
+        return result
+    # The summary first, then each distinct failure once (an unsupported check is a line of the
+    # capability table, with the candidate's reason), then the verdict.
+    console.print(Group(*suite_summary(result, f"summary  {label}", failing_rows=False)))
+    console.print()
+    print_failures(result.reports, console, tracebacks=view.tracebacks)
+    console.print(suite_verdict(result))
     return result
+
+
+# On a pipe, a suite prints its first check's line (work is under way) and then one line every
+# this many seconds; --verbose prints one per check.
+PROGRESS_EVERY_S = 10.0
+
+
+def _progress_lines(console, *, every: bool):
+    """A progress callback printing plain lines for logs (see PROGRESS_EVERY_S)."""
+    from attncheck.render import progress_line
+
+    last: list[float] = []
+
+    def progress(done, total, job, report) -> None:
+        now = time.monotonic()
+        if every or not last or now - last[0] >= PROGRESS_EVERY_S:
+            console.print(progress_line(done, total, report), soft_wrap=True)
+            last[:] = [now]
+
+    return progress
 
 
 PerHeadOption = Annotated[bool, typer.Option("--per-head", help="grad: add one row per head for the projection blocks.")]

@@ -4,6 +4,7 @@ verdict it prints is the report's, the suite's or a capability's own (attncheck.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from rich.console import Console, Group
@@ -80,12 +81,15 @@ def _mismatch(row: Row) -> str:
 OPTIONAL_COLUMNS = (("max rel",), ("cand err", "torch err"), ("shape",), ("ratio",))
 
 
-def section_tables(report: Report, width: int | None = None) -> list[Table]:
+def section_tables(report: Report, width: int | None = None, *, failing_only: bool = False) -> list[Table]:
     """One table per section (forward, grad, ...), its closeness rule in the title; at most `width`
-    columns wide when given, by dropping OPTIONAL_COLUMNS in order (never by cutting a cell)."""
+    columns wide when given, by dropping OPTIONAL_COLUMNS in order (never by cutting a cell).
+    `failing_only`: the rows that failed or could not be judged, and only their sections."""
     tables = []
     for section in dict.fromkeys(r.section for r in report.rows):
-        rows = [r for r in report.rows if r.section == section]
+        rows = [r for r in report.rows if r.section == section and (not failing_only or r.status in (FAIL, INCONCLUSIVE))]
+        if not rows:
+            continue
         levels = [_section_table(section, rows, dropped=sum(OPTIONAL_COLUMNS[:k], ())) for k in range(len(OPTIONAL_COLUMNS) + 1)]
         if width is None:
             tables.append(levels[0])
@@ -175,16 +179,23 @@ def _verdict_cell(r: Row) -> Text:
     return text
 
 
-def details(report: Report) -> list[Any]:
-    """Each failing row in the one failure shape (report.failure_lines); each other note, one line."""
+def details(report: Report, limit: int | None = None) -> list[Any]:
+    """Each failing row in the one failure shape (report.failure_lines), the first `limit` of them
+    when given (then a line saying how many more); each other note, one line."""
     lines = []
+    failed = 0
     for r in report.rows:
         if r.failed:
+            failed += 1
+            if limit is not None and failed > limit:
+                continue
             head, *rest = failure_lines(r)
             lines.append(Padding(Text(head, style=_STATUS_STYLE[r.status]), (0, 0, 0, 2), expand=False))
             lines += [Padding(Text(line), (0, 0, 0, 4), expand=False) for line in rest]
         elif r.note and not (r.status == PASS and r.rule_kind == "finite-diff"):  # that note only restates the table
             lines.append(Text(f"  {r.section} {r.quantity}: {r.note}", style=_STATUS_STYLE[r.status]))
+    if limit is not None and failed > limit:
+        lines.append(Text(f"  ... and {failed - limit} more failing quantities in this shape (--verbose shows them)", style="dim"))
     return lines
 
 
@@ -240,19 +251,30 @@ def make_console(stream=None) -> Console:
 def render(report: Report, console: Console, *, tracebacks: bool = False) -> None:
     """Print a report: header, table, losses, notes and details, verdict; with `tracebacks`, the
     full traceback of every candidate call that raised."""
-    parts = [header(report), *section_tables(report, console.width)]
+    console.print(Group(*report_parts(report, console.width, tracebacks=tracebacks)))
+    console.print()
+
+
+def report_parts(report: Report, width: int | None, *, tracebacks: bool = False, detailed: int | None = None) -> list[Any]:
+    """A report as renderables: header, tables, losses, notes, the details of its first `detailed`
+    failing rows (all when None), the traceback hint or tracebacks, the verdict. With `detailed`
+    the tables hold only the rows that did not pass, and a line counts the others."""
+    parts: list[Any] = [header(report), *section_tables(report, width, failing_only=detailed is not None)]
+    if detailed is not None:
+        agreeing = sum(r.status is PASS for r in report.rows)
+        if agreeing:
+            parts.append(Text(f"({agreeing} other quantities agree; --verbose shows them)", style="dim"))
     losses = losses_table(report)
     if losses is not None:
         parts.append(losses)
     parts += [Text(f"note: {n}", style="dim") for n in report.notes]
-    parts += details(report)
+    parts += details(report, detailed)
     if tracebacks:
         parts += [Text(r.traceback, style="dim") for r in report.rows if r.traceback]
     elif any(r.traceback for r in report.rows):
         parts.append(Text("(--traceback shows the candidate's full traceback)", style="dim"))
     parts.append(verdict(report))
-    console.print(Group(*parts))
-    console.print()
+    return parts
 
 
 # ------------------------------------------------------------------------------------- suites
@@ -360,10 +382,10 @@ def progress_bar(console: Console) -> Progress:
     return Progress(BarColumn(bar_width=20), MofNCompleteColumn(), _Times(), name, console=console, transient=True, expand=True)
 
 
-def suite_summary(result: SuiteResult, title: str, *, every_check: bool = False) -> list[Any]:
+def suite_summary(result: SuiteResult, title: str, *, every_check: bool = False, failing_rows: bool = True) -> list[Any]:
     """The suite's summary: a line per case (counts per command for a suite of more than
     CASE_LINES_MAX cases), the capability table, a row for each check that did not pass (every
-    check with `every_check`), then the skipped cases grouped by reason."""
+    check with `every_check`; none without `failing_rows`), then the skipped cases grouped by reason."""
     reports = result.reports
     per_case = len(result.cases()) <= CASE_LINES_MAX
     if per_case:
@@ -373,7 +395,7 @@ def suite_summary(result: SuiteResult, title: str, *, every_check: bool = False)
     parts.append(capability_table(capabilities(reports)))
     # An unsupported check is in the capability table, with the candidate's reason.
     shown = reports if every_check else [r for r in reports if r.verdict not in (PASS, UNSUPPORTED)]
-    if shown:
+    if shown and (failing_rows or every_check):
         parts.append(check_rows(shown))
     if result.skipped:
         parts.append(skipped_cases([(c.name, c.skip_reason or "") for c in result.skipped]))
@@ -455,3 +477,79 @@ def suite_verdict(result: SuiteResult) -> Text:
         text.append(f"; {len(result.skipped)} cases skipped", style="dim")
     text.append(f"  [{result.seconds:.2f}s]", style="dim")
     return text
+
+
+# ------------------------------------------------------------------------- distinct failures
+# A failing suite shows each distinct failure once, for the first case that has it. Two checks
+# fail alike when they are of one command and one verdict and the same quantities fail (or go
+# unjudged) for the same reason; a raised message's digits do not count, so "(2, 3, 8)" and
+# "(4, 5, 8)" are one failure. What the default output prints is bounded: a distinct failure
+# at most SCREEN_LINES lines, all of them FAILURE_LINES (past it, one line each); --verbose
+# and the JSON keep every check whole.
+SCREEN_LINES = 25
+FAILURE_LINES = 80
+DETAILED_ROWS = 2  # failing quantities shown in full in a distinct failure's example
+CASES_NAMED = 6  # cases named in a distinct failure's title; the rest are counted
+
+
+def failure_key(report: Report) -> tuple:
+    """What two checks that fail alike share (see above)."""
+    bad = [r for r in report.rows if r.status in (FAIL, INCONCLUSIVE)]
+    return report.command, report.verdict, tuple((r.section, str(r.quantity), r.reason, re.sub(r"\d+", "#", r.raised)) for r in bad)
+
+
+def distinct_failures(reports: list[Report]) -> list[list[Report]]:
+    """The checks that did not pass, grouped by failure_key: each command's commonest failure
+    first (forward's, which explains the others' forward rows, then grad's, then sgd-step's), then
+    the rest in the same order; within one command, the most cases first, then in run order."""
+    groups: dict[tuple, list[Report]] = {}
+    for report in reports:
+        if report.verdict not in (PASS, UNSUPPORTED):
+            groups.setdefault(failure_key(report), []).append(report)
+    commands = list(dict.fromkeys(r.command for r in reports))
+    ordered = sorted(groups.values(), key=lambda group: (commands.index(group[0].command), -len(group)))
+    leads = [group for i, group in enumerate(ordered) if i == 0 or group[0].command != ordered[i - 1][0].command]
+    return leads + [group for group in ordered if not any(group is lead for lead in leads)]
+
+
+def _failure_title(group: list[Report]) -> Text:
+    """`FAIL  grad: in_proj_weight[q], query  ·  3 cases: basic, causal, no-bias`."""
+    first = group[0]
+    bad = [r for r in first.rows if r.status in (FAIL, INCONCLUSIVE)]
+    own = {"sgd-step": "sgd"}.get(first.command, first.command)  # the section named like its command goes without saying
+    names = [str(r.quantity) if r.section == own else f"{r.section} {r.quantity}" for r in bad]
+    what = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    cases = [r.name for r in group]
+    named = ", ".join(cases[:CASES_NAMED]) + (f" and {len(cases) - CASES_NAMED} more" if len(cases) > CASES_NAMED else "")
+    title = Text(first.verdict.label, style=_STATUS_STYLE[first.verdict])
+    title.append(f"  {first.command} in {len(cases)} case{'s' if len(cases) != 1 else ''} ({named}): ", style="bold")
+    title.append(what or "no quantity")
+    return title
+
+
+def print_failures(reports: list[Report], console: Console, *, tracebacks: bool = False) -> None:
+    """Each distinct failure once: a title naming what fails and in which cases, then its first
+    case's report cut to a screen; past FAILURE_LINES, the title alone."""
+    groups = distinct_failures(reports)
+    if not groups:
+        return
+    checks = sum(map(len, groups))
+    console.print(Text(f"{checks} check{'s' if checks != 1 else ''} did not pass: {len(groups)} distinct failure{'s' if len(groups) != 1 else ''}, "
+                       "each shown for its first case while space lasts (--verbose shows every check in full)", style="bold"))  # fmt: skip
+    used, full = 0, True
+    for group in groups:
+        title = _failure_title(group)
+        if full:
+            with console.capture() as capture:
+                console.print(title)
+                console.print(Group(*report_parts(group[0], console.width, tracebacks=tracebacks, detailed=DETAILED_ROWS)))
+            lines = capture.get().splitlines()
+            if len(lines) > SCREEN_LINES:
+                lines = lines[: SCREEN_LINES - 1] + [f"  ... {len(lines) - SCREEN_LINES + 1} more lines (--verbose shows them)"]
+            full = not used or used + len(lines) + 1 <= FAILURE_LINES  # the first always; then while they fit
+        if not full:
+            console.print(title, no_wrap=True, overflow="ellipsis")
+            continue
+        console.print(Text.from_ansi("\n".join(lines)), soft_wrap=True)
+        console.print()
+        used += len(lines) + 1

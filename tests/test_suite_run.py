@@ -100,8 +100,14 @@ def test_summary_shows_every_check_and_details_only_for_failures(suites):
     assert "attncheck forward  add_bias_kv=false,is_causal=false" in verbose
 
 
-def test_plain_progress_lines_when_not_a_terminal(suites):
+def test_progress_on_a_pipe_is_the_first_check_then_a_line_every_few_seconds(suites):
     result = run("run", "-c", suites["failing"], "--only", "forward,grad")
+    lines = [m for m in map(PROGRESS_LINE.match, result.output.splitlines()) if m]
+    assert [int(m.group(1)) for m in lines] == [1]  # the run takes well under PROGRESS_EVERY_S
+
+
+def test_plain_progress_lines_when_not_a_terminal(suites):
+    result = run("run", "-c", suites["failing"], "--only", "forward,grad", "--verbose")
     lines = [m for m in map(PROGRESS_LINE.match, result.output.splitlines()) if m]
     total = (MATRIX_RUNNABLE + 1) * 2
     assert [int(m.group(1)) for m in lines] == list(range(1, total + 1))

@@ -1,0 +1,80 @@
+"""A failing suite's default output is short: the summary first, each distinct failure once (for
+its first case, cut to a screen), the rest a line each; --verbose keeps every check whole."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from typer.testing import CliRunner
+
+from attncheck.cli import app
+from attncheck.config import load_suite
+from attncheck.render import FAILURE_LINES, SCREEN_LINES, distinct_failures, failure_key, make_console, print_failures
+from attncheck.report import FAIL, PASS, Report, Row
+
+runner = CliRunner()
+HEADS_SPLIT = "attncheck.testing.wrong_impls:HeadsSplitTransposed"
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+@pytest.fixture(scope="module")
+def heads_split():
+    """The head-split bug on the default suite, by default and with --verbose."""
+    return run("run", "--impl", HEADS_SPLIT), run("run", "--impl", HEADS_SPLIT, "--verbose")
+
+
+@pytest.mark.slow
+def test_the_head_split_bug_on_the_default_suite_prints_at_most_150_lines(heads_split):
+    short, verbose = heads_split
+    assert short.exit_code == verbose.exit_code == 1
+    lines = short.output.splitlines()
+    assert len(lines) <= 150, len(lines)
+    assert len(verbose.output.splitlines()) > 1000  # what the default leaves out is kept by --verbose
+    # the summary comes first, then the distinct failures, then the verdict
+    summary, failures = short.output.index("summary  default-suite"), short.output.index("distinct failures")
+    assert summary < failures < short.output.index("FAIL  9 of 85 checks pass, 76 fail")
+    # each command's commonest failure is shown for its first case; the same failure elsewhere is not repeated
+    for command in ("forward", "grad", "sgd-step"):
+        assert short.output.count(f"attncheck {command}  basic") == 1
+        assert short.output.count(f"attncheck {command}  heads-3x4") == 0
+        assert f"attncheck {command}  heads-3x4" in verbose.output
+    assert "Diagnosis: everywhere" in short.output
+
+
+def report(name: str, command: str, *rows: tuple[str, str, str]) -> Report:
+    """A report of (section, quantity, status) rows, with a raised message where the status says so."""
+    made = [Row(section, quantity, FAIL if status.startswith("fail") else PASS, raised=status[5:]) for section, quantity, status in rows]
+    return Report(command, name, "x", load_suite(None).cases[0].config, rows=made)
+
+
+def test_failures_of_the_same_quantities_group_across_cases_and_raised_digits_do_not_count():
+    reports = [
+        report("a", "forward", ("forward", "output", "fail")),
+        report("b", "forward", ("forward", "output", "fail")),
+        report("c", "forward", ("forward", "output", "pass"), ("forward", "attn_weights", "fail")),
+        report("d", "grad", ("grad", "input", "fail:ValueError: shape (2, 3, 8)")),
+        report("e", "grad", ("grad", "input", "fail:ValueError: shape (4, 5, 8)")),
+        report("f", "grad", ("grad", "input", "fail:TypeError: no")),
+        report("g", "forward", ("forward", "output", "pass")),
+    ]
+    groups = distinct_failures(reports)
+    assert [[r.name for r in g] for g in groups] == [["a", "b"], ["d", "e"], ["c"], ["f"]]
+    assert failure_key(reports[0]) == failure_key(reports[1]) != failure_key(reports[2])
+
+
+def test_a_distinct_failure_is_cut_to_a_screen_and_the_rest_are_a_line_each():
+    rows = [("grad", f"p{i}", "fail") for i in range(40)]
+    reports = [report(f"case{i}", "grad", *rows[: 20 + i]) for i in range(12)]  # twelve distinct failures
+    stream = io.StringIO()
+    print_failures(reports, make_console(stream))
+    lines = stream.getvalue().splitlines()
+    titles = [line for line in lines if line.startswith("FAIL  grad in 1 case")]
+    assert len(titles) == 12  # every distinct failure is named
+    shown = [line for line in lines if line.startswith("attncheck grad  case")]
+    assert 1 <= len(shown) < 12  # the first few in full
+    assert len(lines) <= 1 + FAILURE_LINES + SCREEN_LINES + (len(titles) - len(shown))
+    assert any("more lines (--verbose shows them)" in line for line in lines)
