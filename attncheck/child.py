@@ -39,6 +39,10 @@ class Child:
 
             self.sessions[sid], self.objects[sid] = make_session(cfg, self.candidate), {}
             return {}
+        if op == "contract":
+            from attncheck.contract import breach
+
+            return {"breach": breach(args[0], self.candidate.factory)}
         if op == "close":
             self.sessions.pop(args[0], None)
             self.objects.pop(args[0], None)

@@ -271,6 +271,17 @@ def load(spec: str, origin: str | None = None) -> Candidate:
                      causal_alignment=alignment)  # fmt: skip
 
 
+def contract_breach(spec: str, cfg) -> str:
+    """attncheck.contract.breach, asked of the candidate's process ("" when its calls bind, or
+    when the process could not say: then the checks will)."""
+    process = process_for(spec)
+    try:
+        reply = process.call(("contract", cfg), "the contract check", timeout_for(cfg), 1 << 16)
+    except CandidateError:
+        return ""
+    return clean(reply.get("breach") or "") if "error" not in reply else ""
+
+
 @atexit.register
 def stop_all() -> None:
     """End every candidate process (and what each started): before output files are written, and at exit."""

@@ -158,6 +158,28 @@ def check_candidates(jobs: list[Job]) -> None:
         import attncheck.checks  # noqa: F401 - the judge's torch, imported while the candidates' processes start
     for spec, origin in wanted:
         _candidate(spec, origin)
+    check_contracts(jobs)
+
+
+def check_contracts(jobs: list[Job]) -> None:
+    """A UsageError before any work when a candidate's constructor or forward cannot take the
+    arguments its kind passes (attncheck.contract): one error, not the same failure in every check."""
+    from attncheck.contract import breach
+    from attncheck.kinds import kind_of
+    from attncheck.remote import contract_breach
+
+    seen = set()
+    for job in jobs:
+        candidate = _candidate(job.impl, job.impl_origin)
+        key = (id(candidate), kind_of(job.config).name)
+        if candidate is None or candidate.builtin or key in seen:
+            continue
+        seen.add(key)
+        why = contract_breach(candidate.spec, job.config) if candidate.remote else breach(job.config, candidate.factory)
+        if why:
+            where = f"{job.impl_origin}: impl {candidate.spec!r}" if job.impl_origin else f"--impl {candidate.spec!r}"
+            raise UsageError(f"{where} does not fit the contract of `module: {kind_of(job.config).name}` (no check was run):\n{why}\n"
+                             "The contract: `attncheck forward --help`; attncheck.adapt turns other conventions into it.")  # fmt: skip
 
 
 def check_devices(jobs: list[Job]) -> None:

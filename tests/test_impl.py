@@ -176,7 +176,7 @@ def test_run_of_a_forward_only_candidate_keeps_what_it_judged(tmp_path):
     """`run` is everything a candidate supports: its forward checks pass, grad and sgd-step are
     listed unsupported with the reason, and the run exits 0."""
     path, _ = write_candidate(tmp_path, FORWARD_ONLY)
-    result = run("run", "--impl", f"{path}:Candidate")
+    result = run("run", "--impl", f"{path}:Candidate", "--verbose")  # a progress line for every check
     assert result.exit_code == 0, result.output
     verdicts = re.findall(r"^\[\d+/\d+\] \S+ (forward|grad|sgd-step) (\w+)", result.output, re.M)
     assert verdicts and {command: {v for c, v in verdicts if c == command} for command, _ in verdicts} == {

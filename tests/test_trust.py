@@ -130,9 +130,13 @@ def test_sys_exit_in_a_suite_is_a_failure_of_each_check(tmp_path):
           - {name: one}
           - {name: two, attn_mask: causal}
         """)
-    result = CliRunner().invoke(app, ["run", "-c", str(suite), "--impl", f"{UNTRUSTED}:ExitsInForward"])
+    result = CliRunner().invoke(app, ["run", "-c", str(suite), "--impl", f"{UNTRUSTED}:ExitsInForward", "--verbose"])
     assert result.exit_code == 1, result.output
     assert result.output.count("SystemExit(0)") >= 6  # each of the 6 checks reports it
+    short = CliRunner().invoke(app, ["run", "-c", str(suite), "--impl", f"{UNTRUSTED}:ExitsInForward"]).output
+    for command in ("forward", "grad", "sgd-step"):  # by default each command's failure once, for both cases
+        assert f"FAIL  {command} in 2 cases (one, two)" in short, short
+    assert "SystemExit(0)" in short
 
 
 def test_error_location_is_in_the_candidates_file_not_numpy(tmp_path):
@@ -227,6 +231,6 @@ def test_unsupported_cases_in_a_suite_are_listed_and_the_rest_judged(tmp_path):
         """)
     result = CliRunner().invoke(app, ["forward", "-c", str(suite), "--impl", f"{UNTRUSTED}:RefusesBiasKv"])
     assert result.exit_code == 0, result.output
-    assert "UNSUPPORTED" in result.output and "add_bias_kv and add_zero_attn are not implemented" in result.output
+    assert "with-bias-kv  unsupported" in result.output and "add_bias_kv and add_zero_attn are not implemented" in result.output
     only = write_config(tmp_path, "name: none\ncases:\n  - {name: a, add_bias_kv: true}\n  - {name: b, add_zero_attn: true}\n", "n.yaml")
     assert CliRunner().invoke(app, ["forward", "-c", str(only), "--impl", f"{UNTRUSTED}:RefusesBiasKv"]).exit_code == 4

@@ -70,19 +70,33 @@ class ModuleKind:
         """The shapes of the torch module's state_dict() for this config, in its order."""
         raise NotImplementedError
 
+    def build_arguments(self, cfg: Config, factory: Any, params: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        """What a candidate's factory is called with, (positional, keywords); None: the factory is
+        itself what is called (a function). The pre-flight binds these to its signature."""
+        return (params,), dict(num_heads=cfg.num_heads, batch_first=cfg.batch_first, **self.options(cfg))
+
     def instantiate(self, cfg: Config, factory: Any, params: dict[str, Any]) -> Any:
         """The object a candidate's factory builds from (copies of) the parameters."""
-        return factory(params, num_heads=cfg.num_heads, batch_first=cfg.batch_first, **self.options(cfg))
+        arguments = self.build_arguments(cfg, factory, params)
+        if arguments is None:
+            return factory
+        args, kwargs = arguments
+        return factory(*args, **kwargs)
 
     def forward_of(self, obj: Any) -> Any:
         """The callable a built object is called through (None: it has none)."""
         forward = getattr(obj, "forward", None)
         return forward if callable(forward) else None
 
-    def call_forward(self, cfg: Config, obj: Any, query, key, value, attn_mask, key_padding_mask, **arrays) -> Any:
-        """Call an object's forward the way the torch module is called (a candidate, or torch's);
+    def forward_arguments(self, cfg: Config, query, key, value, attn_mask, key_padding_mask, **arrays) -> tuple[tuple, dict[str, Any]]:
+        """What forward is called with, (positional, keywords), the way the torch module is called;
         `arrays` are the workload's extra arrays (Workload.extras), as handed to the candidate."""
         raise NotImplementedError
+
+    def call_forward(self, cfg: Config, obj: Any, query, key, value, attn_mask, key_padding_mask, **arrays) -> Any:
+        """Call a built object's forward with forward_arguments."""
+        args, kwargs = self.forward_arguments(cfg, query, key, value, attn_mask, key_padding_mask, **arrays)
+        return self.forward_of(obj)(*args, **kwargs)
 
     def returns_pair(self, cfg: Config) -> bool:
         """Whether forward returns (output, second) rather than the output alone."""

@@ -61,8 +61,8 @@ class EncoderLayerKind(ModuleKind):
                 shapes[f"{norm}.bias"] = (E,)
         return shapes
 
-    def call_forward(self, cfg, obj, query, key, value, attn_mask, key_padding_mask, **arrays) -> Any:
-        return obj.forward(query, src_mask=attn_mask, src_key_padding_mask=key_padding_mask, is_causal=cfg.is_causal)
+    def forward_arguments(self, cfg, query, key, value, attn_mask, key_padding_mask, **arrays) -> tuple[tuple, dict[str, Any]]:
+        return (query,), dict(src_mask=attn_mask, src_key_padding_mask=key_padding_mask, is_causal=cfg.is_causal)
 
     # ------------------------------------------------------------------------ gradients
     def inputs(self, cfg, w) -> dict[str, Any]:

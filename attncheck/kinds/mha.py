@@ -93,9 +93,9 @@ class MultiheadAttentionKind(ModuleKind):
     def param_shapes(self, cfg) -> dict[str, tuple[int, ...]]:
         return attention_shapes(cfg)
 
-    def call_forward(self, cfg, obj, query, key, value, attn_mask, key_padding_mask, **arrays) -> Any:
-        return obj.forward(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                           need_weights=cfg.need_weights, average_attn_weights=cfg.average_attn_weights)  # fmt: skip
+    def forward_arguments(self, cfg, query, key, value, attn_mask, key_padding_mask, **arrays) -> tuple[tuple, dict[str, Any]]:
+        return (query, key, value), dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                                         need_weights=cfg.need_weights, average_attn_weights=cfg.average_attn_weights)  # fmt: skip
 
     # ------------------------------------------------------------------------ gradients
     def inputs(self, cfg, w) -> dict[str, Any]:

@@ -141,25 +141,28 @@ class FunctionKind(ModuleKind):
         with no arguments (forward and backward are its methods); a function is called as it is."""
         if factory is self.reference:
             return factory(causal_alignment=alignment_of(cfg), fully_masked_rows="nan" if cfg.fully_masked_rows == "nan" else "zero")
-        return factory() if isinstance(factory, type) else factory
+        return super().instantiate(cfg, factory, params)
+
+    def build_arguments(self, cfg, factory: Any, params: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        return ((), {}) if isinstance(factory, type) else None
 
     def forward_of(self, obj: Any) -> Any:
         """What is called: a built object's forward(), or the function itself."""
         forward = getattr(obj, "forward", None)
         return forward if callable(forward) else (obj if callable(obj) else None)
 
-    def call_forward(self, cfg, obj, query, key, value, attn_mask, key_padding_mask, **arrays) -> Any:
+    def forward_arguments(self, cfg, query, key, value, attn_mask, key_padding_mask, **arrays) -> tuple[tuple, dict[str, Any]]:
         extras: dict[str, Any] = {}
         if cfg.window_size is not None:
             extras["window_size"] = tuple(cfg.window_size)
         if cfg.softcap > 0:
             extras["softcap"] = cfg.softcap
         if cfg.alibi:
-            extras["alibi_slopes"] = arrays["alibi_slopes"]
+            extras["alibi_slopes"] = arrays.get("alibi_slopes")
         if cfg.return_lse:
             extras["return_lse"] = True
-        return self.forward_of(obj)(query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=cfg.causal != "none",
-                                    scale=cfg.scale, enable_gqa=cfg.num_heads != cfg.num_kv_heads_eff, **extras)  # fmt: skip
+        return (query, key, value), dict(attn_mask=attn_mask, dropout_p=0.0, is_causal=cfg.causal != "none", scale=cfg.scale,
+                                         enable_gqa=cfg.num_heads != cfg.num_kv_heads_eff, **extras)  # fmt: skip
 
     def returns_pair(self, cfg) -> bool:
         return cfg.return_lse

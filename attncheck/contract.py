@@ -1,0 +1,79 @@
+"""The pre-flight contract check: do the calls attncheck makes reach the candidate at all?
+
+Before any check runs, the calls a config's kind makes (ModuleKind.build_arguments, then
+forward_arguments) are bound to the candidate's own signatures, its factory's and its class's
+`forward`. A constructor or forward that cannot take them would fail every check alike, so the
+run stops first with one contract error naming the call attncheck makes and the signature it met.
+Only what signatures say is judged: a factory or method whose signature cannot be read (a builtin,
+a decorator's `*args, **kwargs`), a factory that is a plain function (its object's forward is
+unknown until it is built), or a keyword the kind calls an unsupported option (a FlashAttention
+keyword a kernel does not take) is left to the checks.
+
+`breach` runs where the candidate does: in its own process (attncheck.child), or in the caller's
+for a candidate the Python API could not isolate. It reads signatures and calls nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from attncheck.kinds import kind_of
+
+
+class _Named:
+    """A placeholder argument that prints as its name: `MHA(params, num_heads=2, ...)`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _call_text(name: str, args: tuple, kwargs: dict[str, Any]) -> str:
+    return f"{name}({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])})"
+
+
+def _mismatch(target: Any, args: tuple, kwargs: dict[str, Any], bound_self: bool = False) -> tuple[str, str] | None:
+    """(signature, why) when the arguments cannot bind to target's signature; None when they can
+    or the signature does not say."""
+    try:
+        signature = inspect.signature(target, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*((None,) if bound_self else ()), *args, **kwargs)
+    except TypeError as exc:
+        return str(signature), str(exc)
+    return None
+
+
+def breach(cfg, factory: Any) -> str:
+    """Why the kind's calls cannot reach `factory` (see the module's docstring); "" when they can
+    or its signatures do not say."""
+    kind = kind_of(cfg)
+    name = getattr(factory, "__qualname__", None) or type(factory).__name__
+    built = kind.build_arguments(cfg, factory, _Named("params"))  # type: ignore[arg-type]
+    if built is not None:
+        wrong = _mismatch(factory, *built)
+        if wrong is not None:
+            return f"attncheck builds it as {_call_text(name, *built)}\nbut its signature is {name}{wrong[0]}: {wrong[1]}"
+    forward, bound_self, called = factory, False, name
+    if built is not None:
+        if not isinstance(factory, type):
+            return ""  # a factory function: what it builds is known only once built
+        forward = inspect.getattr_static(factory, "forward", None)
+        if isinstance(forward, staticmethod):
+            forward = forward.__func__
+        elif inspect.isfunction(forward):
+            bound_self = True
+        else:
+            return ""  # no forward (a failing row of every check says so), or one of another kind
+        called = f"{name}(...).forward"
+    args, kwargs = kind.forward_arguments(cfg, _Named("query"), _Named("key"), _Named("value"), None, None)
+    wrong = _mismatch(forward, args, kwargs, bound_self)
+    if wrong is None or kind.unsupported_call(cfg, f"TypeError: {wrong[1]}") is not None:
+        return ""
+    signature = wrong[0].replace("(self, ", "(", 1).replace("(self)", "()", 1) if bound_self else wrong[0]
+    return f"attncheck calls {_call_text(called, args, kwargs)}\nbut its signature is {called}{signature}: {wrong[1]}"

@@ -1,0 +1,90 @@
+"""A constructor or forward that cannot take the calls attncheck makes is one contract error, exit
+2, before any check runs (attncheck.contract); what signatures cannot tell is left to the checks."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from attncheck.cli import app
+from attncheck.config import config_from_mapping, load_config
+from attncheck.contract import breach
+
+runner = CliRunner()
+
+HEAD = "import numpy as np\n"
+FORWARD = "    def forward(self, query, key, value, attn_mask=None, key_padding_mask=None, need_weights=True, average_attn_weights=True):\n        return query, None\n"
+INIT = "    def __init__(self, params, num_heads, batch_first, **options):\n        self.params = params\n"
+
+# (name, the class's body, the words the error must have; "" when the contract holds)
+CASES = [
+    ("constructor-missing", "    def __init__(self, params, n_heads):\n        pass\n" + FORWARD,
+     "MHA(params, num_heads=2, batch_first=True"),
+    ("constructor-no-kdim", "    def __init__(self, params, num_heads, batch_first, embed_dim, bias, dropout):\n        pass\n" + FORWARD,
+     "unexpected keyword argument 'kdim'"),
+    ("forward-own-names", INIT + "    def forward(self, x, mask=None):\n        return x, None\n",
+     "MHA(...).forward(query, key, value, attn_mask=None"),
+    ("forward-no-average", INIT + "    def forward(self, query, key, value, attn_mask=None, key_padding_mask=None, need_weights=True):\n        return query, None\n",
+     "unexpected keyword argument 'average_attn_weights'"),
+    ("holds", INIT + FORWARD, ""),
+    ("holds-with-kwargs", "    def __init__(self, *args, **kwargs):\n        pass\n    def forward(self, *args, **kwargs):\n        return args[0], None\n", ""),
+    ("holds-staticmethod", INIT + "    @staticmethod\n    def forward(query, key, value, **kw):\n        return query, None\n", ""),
+]
+
+
+def candidate(tmp_path, body: str) -> str:
+    path = tmp_path / "mine.py"
+    path.write_text(HEAD + "class MHA:\n" + body)
+    return f"{path}:MHA"
+
+
+@pytest.mark.parametrize("name,body,words", CASES, ids=[c[0] for c in CASES])
+def test_the_contract_is_checked_before_any_check(tmp_path, name, body, words):
+    result = runner.invoke(app, ["forward", "--impl", candidate(tmp_path, body)])
+    if not words:
+        assert result.exit_code == 1, result.output  # the contract holds: the checks run (and fail: it returns its query)
+        assert "does not fit the contract" not in result.output
+        return
+    assert result.exit_code == 2, result.output
+    assert "does not fit the contract of `module: multihead_attention` (no check was run)" in result.output
+    assert words in result.output and "but its signature is" in result.output
+    assert "summary" not in result.output and "FAIL" not in result.output
+    assert result.output.count("error:") == 4  # one error, four lines: what, the call, the signature, the way out
+
+
+def test_a_config_file_places_the_error_at_its_impl(tmp_path):
+    spec = candidate(tmp_path, CASES[0][1])
+    config = tmp_path / "c.yaml"
+    config.write_text(f"impl: {spec.rsplit('/', 1)[1]}\n")
+    result = runner.invoke(app, ["forward", "-c", str(config)])
+    assert result.exit_code == 2 and f"{config}:1: impl" in result.output, result.output
+
+
+def test_a_kernel_without_a_flash_attention_keyword_is_left_to_the_checks():
+    def kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return query
+
+    assert breach(config_from_mapping({"module": "sdpa", "window_size": [2, 0]}), kernel) == ""
+    assert "unexpected keyword argument 'dropout_p'" in breach(config_from_mapping({"module": "sdpa"}), lambda query, key, value, attn_mask=None: query)
+
+
+def test_signatures_that_do_not_say_are_left_to_the_checks():
+    cfg = load_config(None)
+    assert breach(cfg, dict) == ""  # a builtin: no signature to read
+    assert breach(cfg, lambda params, **kw: object()) == ""  # a factory function: its object's forward is unknown
+    assert "missing a required argument" in breach(cfg, lambda params, n_heads: object())
+
+
+def test_the_encoder_layer_contract():
+    cfg = config_from_mapping({"module": "transformer_encoder_layer"})
+
+    class Layer:
+        def __init__(self, params, **options):
+            pass
+
+        def forward(self, src, src_mask=None, src_key_padding_mask=None):
+            return src
+
+    assert "unexpected keyword argument 'is_causal'" in breach(cfg, Layer)
