@@ -28,8 +28,21 @@ FD_RTOL = 1e-6
 # Plus the rounding of the loss itself, divided by 2 eps: a float64 sum carries a few units of
 # 2^-52 of the sum of its terms' magnitudes, which dominates when those terms cancel.
 FD_NOISE_ULPS = 8
+# A float mask's finite values (a fill of -1e4, say) enter the logits: a row whose unmasked keys
+# are all padded is a softmax over numbers of that size, rounded to eps * |fill| each, and the
+# loss's rounding grows with it. Measured (causal float mask beside a bool key padding mask,
+# E=8 H=2 L=4, float64, 10 seeds, fills -1e2..-1e5, the reference and examples/per_head_loop.py):
+# the error reached 0.015 * |fill| * eps * magnitude / eps_step, beside 8 ulps' 2.1e-9 it failed
+# at fills of -1e3 and beyond. The noise counts FD_MASK_ULPS * |fill| more ulps: 65x that.
+FD_MASK_ULPS = 1.0
 
 JOINT_FD = "all (one joint direction)"
+
+
+def _largest_finite_fill(w: Workload) -> float:
+    """The largest finite magnitude a float mask adds to a logit (0 with none): FD_MASK_ULPS."""
+    fills = [np.abs(m[np.isfinite(m)]).max(initial=0.0) for m in (w.attn_mask, w.key_padding_mask) if m is not None and m.dtype != np.bool_]
+    return float(max(fills, default=0.0))
 
 
 def _values(cfg: Config, w: Workload) -> dict[str, np.ndarray]:
@@ -82,6 +95,7 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
         return [Row("finite-diff", "all", INCONCLUSIVE, note=f"the candidate's float64 loss is {loss0}: finite differences are undefined")]
 
     grads = all_gradients(cfg64, grads64)
+    fill = _largest_finite_fill(w64)
     values = _values(cfg, w64)
     shapes = {k: v.shape for k, v in values.items()}
     dirs = directions(cfg, shapes)
@@ -123,7 +137,7 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
         numeric = (f_plus - f_minus) / (2 * unit)
         analytic = sum(float(np.sum(grads[name].astype(np.float64) * moves[name])) for name in moves) / unit
         terms = sum(float(np.sum(np.abs(grads[name]) * np.abs(moves[name]))) for name in moves) / unit
-        noise = FD_NOISE_ULPS * np.finfo(np.float64).eps * magnitude / unit
+        noise = (FD_NOISE_ULPS + FD_MASK_ULPS * fill) * np.finfo(np.float64).eps * magnitude / unit
         allowed = FD_RTOL * terms + noise
         err = abs(numeric - analytic)
         row = Row("finite-diff", quantity, "", shape=shape, numel=numel, mismatched=int(not err <= allowed), judged=1,
