@@ -16,14 +16,22 @@ paired with its inverse for the gradients:
     inputs    io = Layout(query, batch_first, key); io.to_ble <->  io.from_ble, io.attention_weights,
                                                                    io.input_grads, io.self_attention_grads
     masks     additive_mask, keep_mask, masked_mask: merged as torch merges them and broadcast to
-              io.mask_shape(H) = (B, H, L, S) or io.mask_shape() = (B, L, S); is_exactly_causal,
-              fully_masked_rows
+              io.mask_shape(H) = (B, H, L, S) or io.mask_shape() = (B, L, S); attention_mask (L, S)
+              and padding_mask (B, S) apart, for code that takes the two separately; a finite
+              `fill` (-1e9, "min") for code that masks with one; is_exactly_causal, fully_masked_rows.
+              Masks of torch or JAX come back as that library's arrays; dtypes of any of the three.
     refusing  unsupported(...), refuse(options, ...), require_self_attention, require_causal,
               refuse_fully_masked_rows
     backward  mse_target, undo_batch_mean
+    modules   torch_module(factory, names, call=...): a torch nn.Module run with its own parameter
+              names through torch.func.functional_call; sources transposed, interleaved_qkv,
+              concat, mapped; calls mha_call, self_attention(causal)
     kernels   flash_attn_func_candidate(fn): a function with flash_attn_func's signature and
               (B, L, H, E) layout as a `module: sdpa` candidate (scaled_dot_product_attention's
               signature, (B, H, L, E)); it only swaps axes, so NumPy, torch and JAX arrays alike
+
+Every helper but torch_module's runs on NumPy: masks of torch or JAX are read on the host (the
+masks are data, never differentiated) and the result handed back in their library and device.
 
 Every helper asserts the shapes it is given and raises ValueError naming what was expected: an
 adapter's mistake then fails the check at the adapter's own line. Helpers raise
@@ -37,12 +45,15 @@ contract names them: Hq query heads, Hkv key-value heads, E head dim, Ev value h
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from attncheck import masks  # torch's mask rule; NumPy only, as this module is
+from attncheck.dtypes import BFLOAT16, is_float
 
 Array = np.ndarray
 
@@ -98,7 +109,7 @@ def refuse(options: Mapping[str, Any], *names: str, reason: str = "") -> None:
 
 def require_self_attention(query: Array, key: Array, value: Array) -> None:
     """Raise NotImplementedError unless query, key and value are one input (self-attention)."""
-    same = all(x is query or (x.shape == query.shape and np.array_equal(x, query)) for x in (key, value))
+    same = all(x is query or (tuple(x.shape) == tuple(query.shape) and np.array_equal(_host(x), _host(query))) for x in (key, value))
     if not same:
         raise NotImplementedError("cross-attention (key or value differ from query) not supported: self-attention only")
 
@@ -366,6 +377,68 @@ class Layout:
 
 
 # ------------------------------------------------------------------------------------ masks
+# The mask helpers compute on the host in NumPy, whatever library the masks come in: a mask is
+# data, never differentiated. What they return is in the masks' own library (torch or JAX) and,
+# for torch, on the masks' device.
+
+
+def _library(*arrays: Any) -> str:
+    """"torch", "jax" or "numpy": the library of the first array that is not NumPy's (or None)."""
+    for a in arrays:
+        if a is None or isinstance(a, np.ndarray):
+            continue
+        root = type(a).__module__.split(".")[0]
+        if root == "torch":
+            return "torch"
+        if root in ("jax", "jaxlib"):
+            return "jax"
+    return "numpy"
+
+
+def _host(a: Any) -> Array | None:
+    """An array of any library as a NumPy array on the host (a torch tensor detached first; bfloat16
+    tensors, which NumPy cannot read, as float32: every bfloat16 value is a float32)."""
+    if a is None or isinstance(a, np.ndarray):
+        return a
+    if _library(a) == "torch":
+        a = a.detach().cpu()
+        if a.is_floating_point() and str(a.dtype) == "torch.bfloat16":
+            a = a.float()
+        return a.numpy()
+    return np.asarray(a)
+
+
+def numpy_dtype(dtype: Any) -> np.dtype:
+    """Any library's dtype as NumPy's: torch.float32, jnp.float32, np.float32, "float32", bool,
+    torch.bool; bfloat16 (torch's, JAX's or the name) as ml_dtypes.bfloat16."""
+    if type(dtype).__module__.split(".")[0] == "torch":  # torch.dtype: NumPy cannot read it
+        dtype = str(dtype).removeprefix("torch.")
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        return BFLOAT16
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype {dtype!r}: not a dtype NumPy, torch or JAX names") from None
+
+
+def _in_library(result: Array | None, like: Sequence[Any], dtype: np.dtype, asked: Any) -> Any:
+    """A NumPy result in the library of the first non-NumPy array of `like` (torch: on its device),
+    of `dtype` (`asked`, the caller's own dtype object, where that is torch's)."""
+    library = _library(*like)
+    if result is None or library == "numpy":
+        return result
+    if library == "torch":
+        import torch  # already loaded: the masks are its tensors
+
+        device = next(a for a in like if a is not None and _library(a) == "torch").device
+        target = asked if isinstance(asked, torch.dtype) else getattr(torch, dtype.name)
+        readable = result.astype(np.float32) if dtype == BFLOAT16 else result  # torch cannot read ml_dtypes' bfloat16
+        return torch.from_numpy(np.ascontiguousarray(readable)).to(device=device, dtype=target)
+    import jax.numpy as jnp  # already loaded: the masks are its arrays
+
+    return jnp.asarray(result, dtype=dtype)
+
+
 def _mask_shape(shape: Sequence[int], attn_mask: Array | None) -> tuple[int, int, int, int]:
     """(B, H, L, S) of the wanted (B, H, L, S) or (B, L, S); H from a (B*H, L, S) mask in the latter."""
     if len(shape) == 4:
@@ -378,7 +451,8 @@ def _mask_shape(shape: Sequence[int], attn_mask: Array | None) -> tuple[int, int
 
 
 def _merged(attn_mask, key_padding_mask, B: int, H: int, L: int, S: int, dtype) -> Array | None:
-    """attn_mask + key_padding_mask as torch merges them (attncheck.masks), (B, H, L, S) additive (a broadcast view)."""
+    """attn_mask + key_padding_mask (NumPy, on the host) as torch merges them (attncheck.masks),
+    (B, H, L, S) additive (a broadcast view)."""
     try:
         merged = masks.merged(attn_mask, key_padding_mask, B, H, L, S, dtype)
     except TypeError as err:  # a mask neither bool nor float: an adapter's mistake, as a wrong shape is
@@ -395,26 +469,58 @@ def _shaped(mask4: Array, shape: Sequence[int]) -> Array:
     return np.ascontiguousarray(mask4[:, 0])
 
 
-def additive_mask(attn_mask: Array | None, key_padding_mask: Array | None, shape: Sequence[int], dtype: Any) -> Array | None:
+def _filled(additive: Array, fill: float | str, dtype: np.dtype) -> Array:
+    """An additive mask with its -inf (masked) entries replaced by `fill`: a finite number such as
+    -1e9, or "min", the dtype's most negative finite value (what Hugging Face and Flax use)."""
+    if fill == "min":
+        value = float(ml_dtypes.finfo(dtype).min)
+    elif isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= 0:
+        value = float(fill)
+    else:
+        raise ValueError(f"fill {fill!r}: expected -inf, a finite number <= 0 (e.g. -1e9), or 'min'")
+    if math.isinf(value):
+        return additive
+    with np.errstate(over="ignore"):  # the overflow is the finding, said below
+        overflows = math.isinf(float(np.asarray(value).astype(dtype)))
+    if overflows:
+        raise ValueError(f"fill {fill!r} is not finite in {dtype} (torch's masked_fill refuses it too): use fill='min'")
+    return np.where(np.isneginf(additive), np.asarray(value).astype(dtype), additive)
+
+
+def additive_mask(attn_mask: Array | None, key_padding_mask: Array | None, shape: Sequence[int], dtype: Any,
+                  *, fill: float | str = -math.inf) -> Array | None:  # fmt: skip
     """torch's two masks merged into one additive float mask (0 = attend, -inf = masked, other
     values added to the logits), broadcast to `shape`: (B, H, L, S), or (B, L, S) where the mask is
     the same for every head. None when there is no mask.
 
     attn_mask (L, S) or (B*H, L, S) and key_padding_mask (B, S) (or (S,) unbatched) are each bool
     (True = masked) or float (added), and summed as torch sums them, in `dtype` (pass the inputs'
-    dtype: a float64 mask would turn float32 logits into float64).
+    dtype: a float64 mask would turn float32 logits into float64): NumPy's, torch's or JAX's, or
+    its name. Masks of torch or JAX give that library's array (torch: on the masks' device).
+
+    `fill` replaces every masked entry: -inf (torch's), a finite number for code that adds
+    -1e9 where torch adds -inf, or "min", the dtype's most negative finite value (Hugging Face's
+    `torch.finfo(dtype).min`). What matches torch, with need_weights true or false: every query
+    row that may attend to at least one key, exactly (exp(fill + s - max) is 0 in every float
+    dtype, as exp(-inf) is; the same holds for code that does `masked_fill(keep == 0, -1e9)`).
+    What does not: a row whose every key is masked. torch gives it NaN (need_weights=True) or
+    zero weights, so an output of out_proj.bias (need_weights=False); `masked_fill` with a finite
+    value makes its weights uniform (1/S), and adding one leaves the softmax of the row's own
+    logits (the softmax ignores a shift). Declare such rows unsupported with
+    `refuse_fully_masked_rows(..., finite_fill=True)`. -1e9 overflows float16: "min" there.
     """
     B, H, L, S = _mask_shape(shape, attn_mask)
-    merged = _merged(attn_mask, key_padding_mask, B, H, L, S, np.dtype(dtype))
-    return None if merged is None else _shaped(merged, shape)
+    np_dtype = numpy_dtype(dtype)
+    merged = _merged(_host(attn_mask), _host(key_padding_mask), B, H, L, S, np_dtype)
+    if merged is None:
+        return None
+    return _in_library(_filled(_shaped(merged, shape), fill, np_dtype), (attn_mask, key_padding_mask), np_dtype, dtype)
 
 
-def masked_mask(attn_mask: Array | None, key_padding_mask: Array | None, shape: Sequence[int]) -> Array | None:
-    """The merged masks as one bool mask, True = masked (torch's convention), broadcast to `shape`
-    ((B, H, L, S) or (B, L, S)). None when there is no mask. A float mask with finite values other
-    than 0 (an additive bias) has no bool form: NotImplementedError."""
+def _masked_on_host(attn_mask, key_padding_mask, shape: Sequence[int]) -> Array | None:
+    """masked_mask's NumPy result."""
     B, H, L, S = _mask_shape(shape, attn_mask)
-    merged = _merged(attn_mask, key_padding_mask, B, H, L, S, np.float64)
+    merged = _merged(_host(attn_mask), _host(key_padding_mask), B, H, L, S, np.float64)
     if merged is None:
         return None
     masked = np.isneginf(merged)
@@ -423,13 +529,78 @@ def masked_mask(attn_mask: Array | None, key_padding_mask: Array | None, shape: 
     return _shaped(masked, shape)
 
 
+def masked_mask(attn_mask: Array | None, key_padding_mask: Array | None, shape: Sequence[int]) -> Array | None:
+    """The merged masks as one bool mask, True = masked (torch's convention), broadcast to `shape`
+    ((B, H, L, S) or (B, L, S)). None when there is no mask. A float mask with finite values other
+    than 0 (an additive bias) has no bool form: NotImplementedError. torch or JAX masks give that
+    library's bool array."""
+    masked = _masked_on_host(attn_mask, key_padding_mask, shape)
+    return _in_library(masked, (attn_mask, key_padding_mask), np.dtype(bool), bool)
+
+
 def keep_mask(attn_mask: Array | None, key_padding_mask: Array | None, shape: Sequence[int], dtype: Any = bool) -> Array | None:
     """The merged masks as a keep mask, True (or 1) = may attend: the convention of
-    scaled_dot_product_attention and most tutorials. `dtype` bool, or e.g. np.float32 for a 0/1
-    mask. Broadcast to `shape` ((B, H, L, S) or (B, L, S)); None when there is no mask.
-    NotImplementedError as `masked_mask` for float masks with finite values other than 0."""
-    masked = masked_mask(attn_mask, key_padding_mask, shape)
-    return None if masked is None else (~masked).astype(dtype)
+    scaled_dot_product_attention and most tutorials. `dtype` bool, or a float dtype of any library
+    (np.float32, torch.float32, jnp.float32, "float32") for a 0/1 mask. Broadcast to `shape`
+    ((B, H, L, S) or (B, L, S)); None when there is no mask. torch or JAX masks give that
+    library's array. NotImplementedError as `masked_mask` for float masks with finite values other than 0."""
+    masked = _masked_on_host(attn_mask, key_padding_mask, shape)
+    np_dtype = numpy_dtype(dtype)
+    return None if masked is None else _in_library((~masked).astype(np_dtype), (attn_mask, key_padding_mask), np_dtype, dtype)
+
+
+_CONVENTIONS = ("masked", "keep", "additive")
+
+
+def _converted(mask: Array, convention: str, dtype: Any, fill: float | str, what: str) -> Array:
+    """One of torch's masks (bool True = masked, or additive float), on the host, in `convention`."""
+    if convention not in _CONVENTIONS:
+        raise ValueError(f"{what}: convention {convention!r}: choose from {', '.join(_CONVENTIONS)}")
+    try:
+        if convention == "additive":
+            np_dtype = numpy_dtype(dtype if dtype is not None else (np.float32 if mask.dtype == np.bool_ else mask.dtype))
+            return _filled(masks.additive(mask, np_dtype, what).astype(np_dtype), fill, np_dtype)
+        blocked = masks.blocked(mask, what)
+    except TypeError as err:  # neither bool nor float
+        raise ValueError(str(err)) from None
+    if mask.dtype != np.bool_ and np.any(~blocked & (mask != 0)):
+        raise NotImplementedError(f"{what}: a float mask with values other than 0 and -inf (an additive bias) not supported: bool masks only")
+    out = blocked if convention == "masked" else ~blocked
+    return out if dtype is None else out.astype(numpy_dtype(dtype))
+
+
+def attention_mask(attn_mask: Array | None, convention: str = "masked", dtype: Any = None, *, fill: float | str = -math.inf) -> Array | None:
+    """torch's attn_mask alone as one (L, S) mask, for code that takes it apart from the padding
+    mask: `convention` "masked" (bool, True = masked), "keep" (bool, True = may attend; or 0/1 in
+    `dtype`) or "additive" (0 and -inf, or `fill` as in `additive_mask`; in `dtype`, default the
+    mask's own float dtype or float32). A (B*H, L, S) mask has an (L, S) form only when every batch
+    entry and head has the same mask: else NotImplementedError. None when there is none. torch or
+    JAX masks give that library's array."""
+    if attn_mask is None:
+        return None
+    host = _host(attn_mask)
+    if host.ndim == 3:
+        if not np.array_equal(host, np.broadcast_to(host[:1], host.shape)):
+            raise NotImplementedError("an attn_mask per batch entry or head (B*H, L, S) not supported: one (L, S) mask")
+        host = host[0]
+    elif host.ndim != 2:
+        raise ValueError(f"attn_mask: expected shape (L, S) or (B*H, L, S), got {host.shape}")
+    out = _converted(host, convention, dtype, fill, "attn_mask")
+    return _in_library(out, (attn_mask,), out.dtype, dtype)
+
+
+def padding_mask(key_padding_mask: Array | None, convention: str = "masked", dtype: Any = None, *, fill: float | str = -math.inf) -> Array | None:
+    """torch's key_padding_mask alone as a (B, S) mask ((S,) unbatched becomes (1, S), as
+    `Layout.to_ble` makes B = 1), in `convention` as `attention_mask`: for code that takes the
+    padding mask apart (True = a padded key, in "masked"). None when there is none. torch or JAX
+    masks give that library's array."""
+    if key_padding_mask is None:
+        return None
+    host = _host(key_padding_mask)
+    if host.ndim not in (1, 2):
+        raise ValueError(f"key_padding_mask: expected shape (B, S) or (S,), got {host.shape}")
+    out = _converted(host.reshape(-1, host.shape[-1]), convention, dtype, fill, "key_padding_mask")
+    return _in_library(out, (key_padding_mask,), out.dtype, dtype)
 
 
 def is_exactly_causal(attn_mask: Array | None, key_padding_mask: Array | None, shape: Sequence[int]) -> bool:
@@ -439,7 +610,7 @@ def is_exactly_causal(attn_mask: Array | None, key_padding_mask: Array | None, s
     L, S = shape[-2:]
     causal = np.triu(np.ones((L, S), dtype=bool), k=1)  # (L, S), True = masked
     try:
-        masked = masked_mask(attn_mask, key_padding_mask, shape)
+        masked = _masked_on_host(attn_mask, key_padding_mask, shape)
     except NotImplementedError:  # an additive bias
         return False
     return not causal.any() if masked is None else bool((masked == causal).all())
@@ -460,21 +631,28 @@ def fully_masked_rows(mask: Array | None) -> int:
     declare `need_weights=False` unsupported where this is nonzero."""
     if mask is None:
         return 0
-    mask = np.asarray(mask)
-    blocked = np.isneginf(mask) if np.issubdtype(mask.dtype, np.floating) else mask == 0
+    mask = _host(mask)
+    blocked = np.isneginf(mask) if is_float(mask.dtype) else mask == 0
     return int(blocked.all(axis=-1).sum())
 
 
-def refuse_fully_masked_rows(attn_mask: Array | None, key_padding_mask: Array | None, shape: Sequence[int], need_weights: bool) -> None:
+def refuse_fully_masked_rows(attn_mask: Array | None, key_padding_mask: Array | None, shape: Sequence[int], need_weights: bool,
+                             *, finite_fill: bool = False) -> None:  # fmt: skip
     """Raise NotImplementedError where torch and a plain softmax part ways: with need_weights=False,
     rows whose every key is masked get zero weights on torch's SDPA path (its output there is the
     output projection's bias), where `exp(s - max) / sum` gives NaN. With need_weights=True torch
-    gives NaN too, and nothing is refused."""
-    if need_weights:
+    gives NaN too, and nothing is refused, unless `finite_fill`: code that masks with a finite
+    number (-1e9, the dtype's min) gives such rows uniform weights under either setting."""
+    if need_weights and not finite_fill:
         return
     B, H, L, S = _mask_shape(shape, attn_mask)
-    merged = _merged(attn_mask, key_padding_mask, B, H, L, S, np.float64)
+    merged = _merged(_host(attn_mask), _host(key_padding_mask), B, H, L, S, np.float64)
     rows = fully_masked_rows(merged)
+    if rows and finite_fill:
+        raise NotImplementedError(
+            f"{rows} query rows with every key masked not supported: a finite fill gives them finite weights, "
+            f"torch {'NaN' if need_weights else 'zero weights'}"
+        )
     if rows:
         raise NotImplementedError(
             f"{rows} query rows with every key masked, with need_weights=False, not supported: "
@@ -520,6 +698,258 @@ def undo_batch_mean(grads: Mapping[str, Array | None], batch_size: int, *, input
         is_input = name in ("query", "key", "value")
         scaled[name] = g if g is None or (is_input and not inputs) else np.asarray(g) * batch_size
     return scaled
+
+
+# ------------------------------------------------------------------- torch modules as they are
+# attncheck's parameter names, and the q, k, v blocks of the fused ones as the report names them.
+TORCH_NAMES = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+               "out_proj.weight", "out_proj.bias", "bias_k", "bias_v")  # fmt: skip
+_BLOCKS = {f"{fused}[{part}]" for fused in ("in_proj_weight", "in_proj_bias") for part in "qkv"}
+
+
+# Why a config has no such parameter: the option that leaves it out.
+_ABSENT_WHEN = {
+    "in_proj_weight": "kdim/vdim other than embed_dim (separate q, k, v weights)",
+    "in_proj_bias": "bias=False", "out_proj.bias": "bias=False", "bias_k": "add_bias_kv=False", "bias_v": "add_bias_kv=False",
+    **{f"{x}_proj_weight": "kdim = vdim = embed_dim (one fused in_proj_weight)" for x in "qkv"},
+}  # fmt: skip
+
+
+class _Absent(LookupError):
+    """A known attncheck parameter this config does not have (in_proj_bias with bias=False, ...)."""
+
+
+class Source:
+    """Where one of the module's parameters comes from: a torch function of attncheck's tensors.
+
+    Made by `transposed`, `interleaved_qkv`, `concat` and `mapped` (a plain string is an attncheck
+    name as it is). Only differentiable torch ops (slices, cat, reshape, transpose), so autograd
+    carries the module's gradients back to attncheck's parameters.
+    """
+
+    def __init__(self, text: str, take: Callable[[Mapping[str, Any], int, set], Any]):
+        self.text, self._take = text, take
+
+    def take(self, params: Mapping[str, Any], num_heads: int, used: set) -> Any:
+        return self._take(params, num_heads, used)
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _named(params: Mapping[str, Any], name: str, used: set) -> Any:
+    """An attncheck parameter by name, or a q/k/v block: "in_proj_weight[k]" (rows E:2E of the fused
+    weight, or k_proj_weight where kdim/vdim keep them apart; "k_proj_weight" is the same block),
+    "in_proj_bias[v]"."""
+    if name not in TORCH_NAMES and name not in _BLOCKS:
+        raise ValueError(f"names: unknown attncheck parameter {name!r}{_nearest_name(name, [*TORCH_NAMES, *sorted(_BLOCKS)])}")
+    if name in params:
+        used.add(name)
+        return params[name]
+    part = name[-2] if name in _BLOCKS else name[0] if name.endswith("_proj_weight") and name[0] in "qkv" else None
+    fused = "in_proj_bias" if name.startswith("in_proj_bias") else "in_proj_weight"
+    if part is not None and fused in params:  # the block of the fused (3E, ...) tensor, in q, k, v order
+        E = int(params["out_proj.weight"].shape[0])
+        i = "qkv".index(part)
+        used.add(fused)
+        return params[fused][i * E:(i + 1) * E]
+    if part is not None and fused == "in_proj_weight" and f"{part}_proj_weight" in params:
+        used.add(f"{part}_proj_weight")
+        return params[f"{part}_proj_weight"]
+    raise _Absent(name)
+
+
+def _nearest_name(name: str, known: Sequence[str]) -> str:
+    import difflib
+
+    match = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else f" (expected one of {', '.join(known)})"
+
+
+def _take(source: str | Source, params: Mapping[str, Any], num_heads: int, used: set) -> Any:
+    return source.take(params, num_heads, used) if isinstance(source, Source) else _named(params, source, used)
+
+
+def transposed(source: str | Source) -> Source:
+    """A 2-D weight transposed: torch's (out, in) as (in, out), e.g. Hugging Face GPT-2's Conv1D
+    `c_attn.weight` (E, 3E) = transposed("in_proj_weight")."""
+
+    def take(params, num_heads, used):
+        w = _take(source, params, num_heads, used)
+        if w.dim() != 2:
+            raise ValueError(f"transposed({source!r}): expected a 2-D weight, got shape {tuple(w.shape)}")
+        return w.T  # (in, out)
+
+    return Source(f"transposed({source!r})", take)
+
+
+def interleaved_qkv(source: str | Source = "in_proj_weight") -> Source:
+    """A fused q, k, v weight (3E, Ein) or bias (3E,) with its rows interleaved per head:
+    head 0's q, k, v rows, then head 1's, ... ((H, 3, D) on the first axis), as GPT-NeoX's
+    `query_key_value` and others store it; torch's in_proj is (3, H, D): all of q, then k, then v."""
+
+    def take(params, num_heads, used):
+        w = _take(source, params, num_heads, used)
+        rest = tuple(w.shape[1:])
+        if w.shape[0] % (3 * num_heads):
+            raise ValueError(f"interleaved_qkv({source!r}): first axis {w.shape[0]} is not 3 * num_heads * D")
+        D = w.shape[0] // (3 * num_heads)
+        return w.reshape(3, num_heads, D, *rest).transpose(0, 1).reshape(3 * num_heads * D, *rest)  # (3, H, D, ..) -> (H, 3, D, ..)
+
+    return Source(f"interleaved_qkv({source!r})", take)
+
+
+def concat(*sources: str | Source) -> Source:
+    """Tensors joined along the first axis, e.g. a fused key-value weight (2E, E) =
+    concat("in_proj_weight[k]", "in_proj_weight[v]")."""
+
+    def take(params, num_heads, used):
+        import torch
+
+        return torch.cat([_take(s, params, num_heads, used) for s in sources])
+
+    return Source(f"concat({', '.join(map(repr, sources))})", take)
+
+
+def mapped(source: str | Source, fn: Callable[[Any, int], Any], text: str = "fn") -> Source:
+    """Any other layout: `fn(tensor, num_heads)` in differentiable torch ops, e.g. per-head output
+    weights (H, D, E): mapped("out_proj.weight", lambda w, H: w.T.reshape(H, -1, w.shape[0]))."""
+    return Source(f"mapped({source!r}, {text})", lambda params, num_heads, used: fn(_take(source, params, num_heads, used), num_heads))
+
+
+def mha_call(module, query, key, value, **kwargs):
+    """The default `call` of torch_module: the module takes nn.MultiheadAttention(batch_first=True)'s
+    forward, `module(query, key, value, attn_mask=, key_padding_mask=, need_weights=,
+    average_attn_weights=)`, and returns (output, weights)."""
+    return module(query, key, value, **kwargs)
+
+
+def self_attention(causal: bool) -> Callable:
+    """A `call` for a module whose forward takes one input x (B, T, C) and returns y (B, T, C), as
+    nanoGPT's and timm's: cross-attention is unsupported; `causal`: the module masks causally by
+    itself and any mask but exactly causal is unsupported; else it takes no mask at all. No weights."""
+
+    def check(query, key, value, *, attn_mask, key_padding_mask, need_weights, average_attn_weights):
+        require_self_attention(query, key, value)
+        B, T, _ = query.shape
+        if causal:
+            require_causal(attn_mask, key_padding_mask, (B, T, T), reason="the module applies its own causal mask")
+        else:
+            unsupported(attn_mask=attn_mask is not None, key_padding_mask=key_padding_mask is not None, reason="the module takes no mask")
+
+    def call(module, query, key, value, **options):
+        check(query, key, value, **options)
+        return module(query), None
+
+    call.check = check  # torch_module runs it before functional_call: a refusal then names no torch frame
+    return call
+
+
+def torch_module(factory: Callable[..., Any], names: Mapping[str, str | Source] | None = None, *, prefix: str = "",
+                 call: Callable[..., Any] = mha_call, refusing: Sequence[str] = ("add_zero_attn", "dropout")) -> type:  # fmt: skip
+    """A candidate class from a torch nn.Module as it is: its own parameter names, layouts and forward.
+
+        # examples/nanogpt_attention.py (CausalSelfAttention: nanoGPT's model.py, as it is)
+        MultiheadAttention = adapt.torch_module(
+            lambda embed_dim, num_heads, bias, **_: CausalSelfAttention(GPTConfig(n_embd=embed_dim, n_head=num_heads, bias=bias, dropout=0.0)),
+            names={"c_attn.weight": "in_proj_weight", "c_attn.bias": "in_proj_bias",  # (3E, E): q, k, v rows, as torch's
+                   "c_proj.weight": "out_proj.weight", "c_proj.bias": "out_proj.bias"},
+            call=adapt.self_attention(causal=True))   # forward(x), its own causal mask
+
+    factory(embed_dim=, num_heads=, kdim=, vdim=, bias=, add_bias_kv=, add_zero_attn=, dropout=)
+      builds the module (take what it needs, `**_` the rest); it is moved to the parameters'
+      device and dtype and put in eval mode.
+    names maps each of the module's parameters (prefix + name, as its `named_parameters()` names
+      them) to its source: an attncheck name ("out_proj.bias", "in_proj_weight", the blocks
+      "in_proj_weight[q]" or "q_proj_weight", "in_proj_bias[k]") or a layout conversion of one:
+      transposed(...), interleaved_qkv(...), concat(...), mapped(...). Default: attncheck's own
+      names as the config has them (a module with nn.MultiheadAttention's names, under `prefix`).
+    call(module, query, key, value, *, attn_mask, key_padding_mask, need_weights, average_attn_weights)
+      runs it on batch-first (B, N, E) inputs (unbatched ones as B = 1; the caller's layout is
+      restored here) and torch's masks as attncheck hands them; it returns the output, or
+      (output, weights) with weights (B, L, S) averaged or (B, H, L, S). Default `mha_call`;
+      `self_attention(causal)` for forward(x).
+    refusing: options no parameter reveals, declared unsupported (`refuse`'s names); pass () for
+      a module whose factory implements add_zero_attn.
+
+    Each forward derives the module's tensors from the handed ones (slices, cat, transpose) and
+    runs the module through `torch.func.functional_call` with them, so the module's own
+    initial values are never used and autograd's gradients are attncheck's. Checked when built:
+    every parameter of the module has a source (ValueError naming those without), every name is
+    one of the module's, shapes agree; an attncheck parameter no source uses (bias_k with
+    add_bias_kv, say), or a module parameter whose source this config lacks (in_proj_bias with
+    bias=False), is NotImplementedError: unsupported.
+    """
+    import torch
+
+    names = None if names is None else dict(names)
+
+    class _Runner(torch.nn.Module):
+        """The module and its call, as one module for functional_call to run."""
+
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, query, key, value, options):
+            return call(self.module, query, key, value, **options)
+
+    class TorchModule(torch.nn.Module):
+        def __init__(self, params, *, num_heads, batch_first, **options):
+            super().__init__()
+            refuse(options, *refusing, reason="torch_module(refusing=...): no parameter shows it")
+            self.params, self.num_heads, self.batch_first = params, num_heads, batch_first
+            some = params["out_proj.weight"]
+            module = factory(num_heads=num_heads, **options)
+            self.runner = _Runner(module.to(device=some.device, dtype=some.dtype).eval())
+            self._tensors()  # a wrong mapping fails here, when built
+
+        def _tensors(self) -> dict[str, Any]:
+            """The module's tensors, keyed as functional_call wants them, from attncheck's."""
+            module = self.runner.module
+            own = dict(module.named_parameters())
+            held = {**dict(module.named_buffers()), **own}
+            used: set = set()
+            tensors = {}
+            for name, source in (names or {n: n for n in self.params}).items():  # default: attncheck's names as they are
+                full = prefix + name
+                try:
+                    t = _take(source, self.params, self.num_heads, used)
+                except _Absent as absent:
+                    if full in own:
+                        raise NotImplementedError(f"{_ABSENT_WHEN[str(absent).split('[')[0]]} not supported: this config has no "
+                                                  f"{absent}, but the module has {full}") from None  # fmt: skip
+                    continue  # neither has it: the factory built the module without (bias=False)
+                if full not in held:
+                    raise ValueError(f"names: the module has no parameter {full!r}{_nearest_name(full, list(held))}")
+                if tuple(t.shape) != tuple(held[full].shape):
+                    raise ValueError(f"{full}: the module's is {tuple(held[full].shape)}, {source!r} gives {tuple(t.shape)}")
+                tensors["module." + full] = t
+            unmapped = [n for n in own if "module." + n not in tensors]
+            if unmapped:
+                raise ValueError(f"names: no source for the module's {', '.join(unmapped)}: it would run with its own initial values")
+            unused = [n for n in self.params if n not in used]
+            if unused:
+                raise NotImplementedError(f"{', '.join(unused)} not supported: no parameter of the module is mapped from it")
+            return tensors
+
+        def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, need_weights=True, average_attn_weights=True):
+            io = Layout(query, self.batch_first, key)
+            q = io.to_ble(query)  # (B, L, E); one tensor stays one (self-attention), so `key is query` holds
+            k = q if key is query else io.to_ble(key)  # (B, S, Ek)
+            v = k if value is key else q if value is query else io.to_ble(value)  # (B, S, Ev)
+            options = dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                           average_attn_weights=average_attn_weights)  # fmt: skip
+            if callable(getattr(call, "check", None)):
+                call.check(q, k, v, **options)
+            result = torch.func.functional_call(self.runner, self._tensors(), (q, k, v, options))
+            out, weights = result if isinstance(result, tuple) else (result, None)
+            if weights is None or not need_weights:
+                return io.from_ble(out), None
+            return io.from_ble(out), weights[0] if io.unbatched else weights
+
+    TorchModule.__name__ = TorchModule.__qualname__ = f"torch_module({getattr(factory, '__name__', 'factory')})"
+    return TorchModule
 
 
 # ---------------------------------------------------------------------------------- kernels

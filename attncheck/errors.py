@@ -85,6 +85,7 @@ class CandidateProblem(AttncheckError):
     def __init__(self, message: str, location: str | None = None, traceback: str = "", raised: str = ""):
         # Everything here may be the candidate's own words: made safe to print once, here.
         message, location, raised = clean(message, lines=False), location and clean(location, lines=False), clean(raised, lines=False)
+        self.message = message  # without the location
         self.location = location
         self.traceback = clean(traceback)  # the candidate's exception as Python prints it (`--traceback`); "" if none
         self.raised = raised  # what the candidate raised, in its own words; "" if it raised nothing

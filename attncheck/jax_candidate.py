@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from attncheck.candidate import FrameworkSession, _defined_at, _guard
+from attncheck.candidate import FrameworkSession, _defined_at
 from attncheck.errors import UsageError
 from attncheck.kinds import kind_of
 
@@ -91,4 +91,4 @@ class JaxSession(FrameworkSession):
                 cotangent = jnp.asarray(grad_output, dtype=out.dtype)
             return dict(pullback(cotangent)[0])
 
-        return _guard("jax.vjp through building and calling the candidate", vjp), where
+        return self._guard("jax.vjp through building and calling the candidate", vjp), where

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from attncheck import torch_side
-from attncheck.candidate import FrameworkSession, _defined_at, _guard
+from attncheck.candidate import FrameworkSession, _defined_at, framework_hint, returned_by
 from attncheck.dtypes import is_float
 from attncheck.errors import CandidateError
 from attncheck.kinds import kind_of
@@ -84,9 +84,10 @@ class TorchSession(FrameworkSession):
         where = _defined_at(kind.forward_of(obj))
         out = self._output
         if not isinstance(out, torch.Tensor) or out.grad_fn is None:
+            hint = framework_hint(self.cfg, self.candidate, returned_by(out, "torch"))
             raise CandidateError(
                 "forward() returned an output autograd cannot differentiate (no grad_fn: computed under no_grad, "
-                "detached, or not a tensor): give the object a backward(grad_output), or keep the graph", where)  # fmt: skip
+                "detached, or not a tensor): give the object a backward(grad_output), or keep the graph" + (f"; {hint}" if hint else ""), where)  # fmt: skip
         outputs = [out]
         cotangents = [torch_side.tensor(np.ascontiguousarray(grad_output), out.device).to(out.dtype)]
         second = self._second
@@ -99,7 +100,7 @@ class TorchSession(FrameworkSession):
         # parameter of the same state_dict() name (a module may copy the values into its own).
         sources = [(name, leaf) for name, leaf in {**params, **self._inputs}.items()]
         sources += [(name, p) for name, p in own.items() if name in params and p is not params[name] and p.requires_grad]
-        found = _guard("autograd through forward()", torch.autograd.grad, outputs, [t for _, t in sources],
+        found = self._guard("autograd through forward()", torch.autograd.grad, outputs, [t for _, t in sources],
                        grad_outputs=cotangents, allow_unused=True)  # fmt: skip
         grads: dict[str, torch.Tensor | None] = {name: None for name in {**params, **self._inputs}}
         for (name, _), g in zip(sources, found):

@@ -140,6 +140,11 @@ EXAMPLES = [
                "its docstring: the layer's default suite, gradients from jax.vjp", {"pass": 21}, slow=True),
     Documented("numpy_flash_attention.py:FlashAttention", ("run", "--module", "sdpa"), 0,
                "its docstring: passes the default kernel suite (its upper-left causal cases are not its claim)"),
+    Documented("nanogpt_attention.py:MultiheadAttention", ("grad", "-c", "configs/causal.yaml"), 0, "its docstring: '# exit 0'"),
+    Documented("nanogpt_attention.py:MultiheadAttention", ("forward", "-c", "configs/default.yaml"), 4,
+               "its docstring: any mask but the causal one is unsupported (default.yaml has none)"),
+    Documented("nanogpt_attention.py:MultiheadAttention", ("run",), 0,
+               "its docstring: the default suite, 9 of 85 checks pass, 76 unsupported", {"pass": 9, "unsupported": 76}),
     # JAX compiles every case's call: about 20 s for the kernel suite's forward.
     Documented("jax_sdpa.py:scaled_dot_product_attention", ("forward", "--module", "sdpa", "--framework", "jax"), 0,
                "its docstring: passes the default kernel suite's forward where JAX has the option", slow=True),
