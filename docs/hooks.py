@@ -1,0 +1,1 @@
+"""mkdocs hook: fill the reference pages' `<!-- generated: NAME -->` markers from the code."""
