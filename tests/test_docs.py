@@ -1,15 +1,39 @@
-"""The tolerance prose in the default config and the README says what the code's tables say."""
+"""The numbers the documentation states are the code's: tolerance tables, suite sizes, exit codes,
+and the README's five-minute adapter, which must run and give the verdict the README prints.
+
+The prose lives in the site under docs/ (docs/explanation/budget.md holds the tolerance rules) and
+in the README; both are read with their line breaks folded, as a reader reads them.
+"""
 
 from __future__ import annotations
 
+import json
 import re
+from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from attncheck.compare import BUDGET_FACTOR, BUDGET_FLOOR, FIXED
-from attncheck.config import default_config_text
+from attncheck.config import default_config_text, load_suite
 
 ROOT = Path(__file__).resolve().parent.parent
-README = " ".join((ROOT / "README.md").read_text().split())  # prose with its line breaks folded
+DOCS = ROOT / "docs"
+README_TEXT = (ROOT / "README.md").read_text()
+MAX_README_LINES = 200
+
+
+def folded(text: str) -> str:
+    """Prose with its line breaks folded."""
+    return " ".join(text.split())
+
+
+def page(name: str) -> str:
+    return folded((DOCS / name).read_text())
+
+
+README = folded(README_TEXT)
+BUDGET = page("explanation/budget.md")
 
 
 def number(x: float) -> str:
@@ -22,6 +46,11 @@ def comment_of(key: str) -> str:
     return line.split("#", 1)[1]
 
 
+def code_blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+
+
+# ------------------------------------------------------------------------------- tolerances
 def test_default_config_states_the_budget_tables():
     factors = ", ".join(f"{number(v)} {kind}" for kind, v in BUDGET_FACTOR.items())
     floors = ", ".join(f"{number(v)} {dtype}" for dtype, v in BUDGET_FLOOR.items())
@@ -29,16 +58,107 @@ def test_default_config_states_the_budget_tables():
     assert comment_of("budget_floor").endswith(f"null: {floors}"), comment_of("budget_floor")
 
 
-def test_readme_states_the_budget_tables():
+def test_budget_page_states_the_budget_tables():
     f = BUDGET_FACTOR
-    assert f"`factor` is {number(f['forward'])} for forward values, {number(f['grad'])} for gradients" in README
-    assert f"and {number(f['sgd'])} for weights after SGD" in README
+    assert f"`factor` is {number(f['forward'])} for forward values, {number(f['grad'])} for gradients" in BUDGET
+    assert f"and {number(f['sgd'])} for weights after SGD" in BUDGET
     floors = " and ".join(f"{number(v)} in {dtype}" for dtype, v in BUDGET_FLOOR.items())
-    assert f"`floor` is {floors}" in README, floors
+    assert f"`floor` is {floors}" in BUDGET, floors
 
 
-def test_readme_states_the_fixed_table_for_float32_forward():
+def test_budget_page_states_the_fixed_table_for_float32_forward():
     atol, rtol = FIXED["forward", "float32"]
-    assert f"forward float32: {number(atol)} / {number(rtol)}" in README
+    assert f"forward float32: {number(atol)} / {number(rtol)}" in BUDGET
     grad_atol, _ = FIXED["grad", "float32"]
-    assert grad_atol == 10 * atol and "gradients 10x looser" in README
+    assert grad_atol == 10 * atol and "gradients 10x looser" in BUDGET
+
+
+def test_the_readme_reports_the_budget_rules_gradient_factor():
+    assert f"grad  ({number(BUDGET_FACTOR['grad'])}x torch + {BUDGET_FLOOR['float32']:.0e})" in README_TEXT
+
+
+# ------------------------------------------------------------------------- the default suites
+def checks_of(suite) -> int:
+    """Checks a no-config `attncheck run` makes: each case once per command it is for."""
+    all_commands = 3 if suite.cases[0].config.module != "sdpa" else 2  # sgd-step does not apply to a kernel
+    return sum(all_commands if case.commands is None else len(case.commands) for case in suite.cases)
+
+
+def test_the_default_suites_size_is_what_the_prose_says():
+    suite = load_suite(None)
+    cases, checks = len(suite.cases), checks_of(suite)
+    assert f"{cases} cases (0 skipped) · {checks} checks" in page("tutorials/first-check.md")
+    assert f"(a case of any suite may list the commands it is for): {checks} checks." in page("reference/default-suites.md")
+    assert f"on the default suite's {cases} cases" in README
+    assert f"runs all three commands over its {cases} cases" in page("development/performance.md")
+    for measured in re.findall(r"passes \d+ of (\d+) checks", page("how-to/torch-modules.md") + page("how-to/jax.md")):
+        assert int(measured) == checks
+
+
+def test_the_default_suite_table_names_every_case():
+    documented = set(re.findall(r"^\| `([a-z0-9-]+)` \|", (DOCS / "reference/default-suites.md").read_text(), flags=re.M))
+    assert documented == {case.name for case in load_suite(None).cases}
+
+
+def test_the_kernel_suites_size_is_what_the_prose_says():
+    suite = load_suite(None, module="sdpa")
+    kernels = page("how-to/kernels.md")
+    assert f"(`configs/default_sdpa_suite.yaml`, {len(suite.cases)} cases;" in kernels
+    assert f"passes 32 of {checks_of(suite)} checks" in kernels
+
+
+def test_the_known_bad_count_is_the_corpus():
+    from attncheck.testing.detection import DEFAULT_SUITE_CATCHES
+
+    count = len({entry[0] for entry in DEFAULT_SUITE_CATCHES})
+    assert f"holds {count} deliberately wrong implementations" in page("development/detection.md")
+    assert f"**{count} of {count}** (100%)" in page("development/detection.md")
+
+
+# ------------------------------------------------------------------------------- exit codes
+def test_the_readme_lists_every_exit_code():
+    from attncheck import cli
+
+    codes = {value for name, value in vars(cli).items() if name.startswith("EXIT_")}
+    table = set(int(c) for c in re.findall(r"^\| (\d+) \|", README_TEXT, flags=re.M))
+    assert table == codes
+
+
+# ------------------------------------------------------------------------------- the README
+def test_the_readme_is_short():
+    assert len(README_TEXT.splitlines()) <= MAX_README_LINES
+
+
+def test_the_readme_quickstart_is_what_bin_has():
+    block = code_blocks(README_TEXT, "bash")[0]
+    assert [line.split("#")[0].strip() for line in block.splitlines()] == ["bin/attncheck forward", "bin/test"]
+    assert (ROOT / "bin" / "attncheck").read_text().rstrip().endswith('exec "$root/.venv/bin/attncheck" "$@"')
+    assert "-m pytest" in (ROOT / "bin" / "test").read_text()
+
+
+def tutorial_file() -> str:
+    """The whole mine.py of the first-check tutorial: the user's class and its adapter."""
+    return next(b for b in code_blocks((DOCS / "tutorials/first-check.md").read_text(), "python") if "class MHA:" in b)
+
+
+def test_the_readme_adapter_is_the_tutorials():
+    readme = next(b for b in code_blocks(README_TEXT, "python") if "class MHA:" in b)
+    assert readme.split("class MHA:")[1] == tutorial_file().split("class MHA:")[1]
+
+
+@pytest.mark.slow
+def test_the_five_minute_adapter_gives_the_verdict_the_readme_prints(tmp_path, capsys):
+    from attncheck.cli import main
+
+    (tmp_path / "mine.py").write_text(tutorial_file())
+    out = tmp_path / "report.json"
+    with pytest.raises(SystemExit) as ended:
+        main(["run", "--impl", f"{tmp_path}/mine.py:MHA", "--json", str(out)])
+    capsys.readouterr()
+    assert ended.value.code == 0
+    verdicts = Counter(report["verdict"] for report in json.loads(out.read_text())["results"])
+    stated = re.search(r"`PASS  (\d+) of (\d+) checks pass, (\d+) unsupported`", README_TEXT)
+    assert stated, "the README states the verdict"
+    passed, total, unsupported = map(int, stated.groups())
+    assert (verdicts["pass"], sum(verdicts.values()), verdicts["unsupported"]) == (passed, total, unsupported)
+    assert f"PASS  {passed} of {total} checks pass, {unsupported} unsupported" in (DOCS / "tutorials/first-check.md").read_text()

@@ -91,8 +91,8 @@ def test_input_gradients_left_out_are_not_provided():
     assert {r.section for r in report.rows if r.quantity == "input" and r.status == "not provided"} == {"grad", "finite-diff"}
 
 
-def test_the_readme_shows_the_per_head_adapter_as_it_is():
-    readme = (ROOT / "README.md").read_text()
-    shown = readme.split("The adapter of `examples/per_head_lists.py`, whole:\n\n```python\n")[1].split("```")[0]
+def test_the_adapters_page_shows_the_per_head_adapter_as_it_is():
+    page = (ROOT / "docs" / "how-to" / "adapters.md").read_text()
+    shown = page.split("The adapter of `examples/per_head_lists.py`, whole:\n\n```python\n")[1].split("```")[0]
     source = (ROOT / "examples" / "per_head_lists.py").read_text().split("attncheck's adapter\n")[1]
     assert shown.strip() == source.replace("  # fmt: skip", "").strip()

@@ -274,7 +274,7 @@ def test_each_commands_help_has_the_contract_exit_codes_suites_and_an_example(co
 
 
 def test_the_memory_limit_variable_is_documented():
-    assert "ATTNCHECK_MEMORY_LIMIT_MB" in (ROOT / "README.md").read_text()
+    assert "`ATTNCHECK_MEMORY_LIMIT_MB`" in (ROOT / "docs" / "reference" / "environment.md").read_text()
 
 
 def test_first_run_setup_says_what_it_is_doing(tmp_path):

@@ -1,0 +1,257 @@
+"""mkdocs hook: fill the reference pages' `<!-- generated: NAME -->` markers from the code at build time.
+
+    cli             each command's options, from the typer app (attncheck.cli.app) through click
+    config-keys     every key of the pydantic `Config` model: type or allowed values, default, and
+                    the comment the key carries in attncheck/config/default.yaml
+    default-suites  the cases of the embedded default suites, from their YAML files
+    exit-codes      the EXIT_* constants of attncheck/cli.py
+    adapt           the public functions and classes of attncheck.adapt, from their docstrings
+
+A marker the hook does not know, a config key without a comment in default.yaml, or an exit code
+without a meaning here fails the build, so `mkdocs build --strict` notices when code and pages part.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import re
+import sys
+import typing
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MARKER = re.compile(r"<!-- generated: ([a-z-]+) -->")
+CONFIG_DIR = ROOT / "attncheck" / "config"
+
+# What each exit code means, keyed by its constant in attncheck/cli.py.
+EXIT_MEANINGS = {
+    "EXIT_OK": "every compared quantity agrees (and at least one was judged)",
+    "EXIT_MISMATCH": "a mismatch, or a candidate that raised or returned something unusable",
+    "EXIT_USAGE": "bad usage or config: one line per problem, naming file, line, key and allowed values "
+    "(also a SPEC that cannot be loaded, a candidate that dies at import, a check too big for memory)",
+    "EXIT_BUG": "an internal error (a bug in attncheck): traceback plus a request to report it",
+    "EXIT_INCONCLUSIVE": "nothing proven: inconclusive (something could not be judged, torch's own values NaN or inf "
+    "where no mask explains it, or nothing was) or unsupported (the candidate declared every check it was "
+    "asked for unsupported); never a pass",
+    "EXIT_INTERRUPTED": "interrupted (Ctrl-C); no output file is left behind",
+}
+
+
+def cell(text: object) -> str:
+    """Text for one Markdown table cell: one line, pipes escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def yaml_text(value: object) -> str:
+    """A value as YAML writes it: null, true, false, numbers and strings as they are."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def code(value: object) -> str:
+    return f"`{yaml_text(value)}`"
+
+
+# -------------------------------------------------------------------------------------- cli
+def option_value(param) -> str:
+    """What an option takes: a flag, its choices, or its metavar (or type) in capitals."""
+    if param.is_flag:
+        return "flag"
+    choices = getattr(getattr(param, "type", None), "choices", None)
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if choices is None and isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        choices = [member.value for member in annotation]
+    if choices:
+        return " \\| ".join(f"`{c}`" for c in choices)
+    element = (typing.get_args(annotation) or (annotation,))[0]
+    name = param.metavar or getattr(getattr(param, "type", None), "name", None) or getattr(element, "__name__", "VALUE")
+    return f"`{name.upper()}`" + (" (repeatable)" if param.multiple else "")
+
+
+def cli() -> str:
+    import typer.main
+
+    from attncheck.cli import app
+
+    # typer builds click objects (its own copy of click in recent releases), so they are read by
+    # their attributes rather than checked against click's classes
+    group = typer.main.get_command(app)
+    ctx = group.context_class(group, info_name="attncheck")
+    out = []
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        out += [f"## attncheck {name}", "", command.help.strip(), "", "| option | value | default | meaning |", "|---|---|---|---|"]
+        for param in command.params:
+            if getattr(param, "param_type_name", None) != "option":
+                continue
+            names = ", ".join(f"`{n}`" for n in (*param.opts, *param.secondary_opts))
+            value = option_value(param)
+            default = "" if param.default in (None, False, ()) or param.show_default is False else code(param.default)
+            out.append(f"| {names} | {value} | {default} | {cell(param.help or '')} |")
+        out.append("")
+    out += ["## attncheck --version", "", "Prints the version and exits.", ""]
+    epilog = group.get_command(ctx, "forward").epilog
+    if epilog:
+        out += ["## What every command's --help adds", "", "(Shown here for `forward`.)", "", "```text", epilog.replace("\b\n", "").rstrip(), "```", ""]
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- config keys
+def default_yaml_comments() -> dict[str, str]:
+    """Each key's comment in default.yaml; a key without one shares the comment of the key above it."""
+    comments, last = {}, ""
+    for line in (CONFIG_DIR / "default.yaml").read_text().splitlines():
+        match = re.match(r"([a-z_]+):[^#]*(?:#\s*(.*))?$", line)
+        if not match:
+            continue
+        key, comment = match.groups()
+        comments[key] = comment if comment else f"(with the key above) {last}"
+        last = comment or last
+    return comments
+
+
+def allowed(annotation: object) -> str:
+    """A field's type as a reader wants it: its Literal values, or the type's name; `null` if optional."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return ", ".join(code(v) for v in typing.get_args(annotation))
+    parts = []
+    for arg in typing.get_args(annotation) or (annotation,):
+        if typing.get_origin(arg) is typing.Literal:
+            parts += [code(v) for v in typing.get_args(arg)]
+        elif arg is type(None):
+            parts.append("`null`")
+        else:
+            parts.append(str(arg) if typing.get_origin(arg) else arg.__name__)
+    return ", ".join(parts)
+
+
+def config_keys() -> str:
+    from attncheck.config.schema import Config
+
+    comments = default_yaml_comments()
+    missing = [k for k in Config.model_fields if k not in comments and k != "name"]
+    if missing:
+        raise ValueError(f"config keys without a comment in attncheck/config/default.yaml: {', '.join(missing)}")
+    out = ["| key | values | default | meaning |", "|---|---|---|---|"]
+    for key, field in Config.model_fields.items():
+        meaning = "label shown in reports (default: the file's stem)" if key == "name" else comments[key]
+        out.append(f"| `{key}` | {cell(allowed(field.annotation))} | {code(field.default)} | {cell(meaning)} |")
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------- default suites
+SUITES = (
+    ("default_suite.yaml", "multihead_attention", "`nn.MultiheadAttention`: what every command checks with no `--config`"),
+    ("default_layer_suite.yaml", "transformer_encoder_layer", "`nn.TransformerEncoderLayer`: `--module transformer_encoder_layer` with no `--config`"),
+    ("default_sdpa_suite.yaml", "sdpa", "the attention function: `--module sdpa` with no `--config`"),
+)
+
+
+def default_suites() -> str:
+    import yaml
+
+    from attncheck.config import load_suite
+
+    out = []
+    for filename, module, what in SUITES:
+        text = (CONFIG_DIR / filename).read_text()
+        data = yaml.safe_load(text)
+        comments = dict(re.findall(r"-\s*name:\s*([\w.-]+)[^#\n]*#\s*(.*)", text))
+        cases = load_suite(None, module=module).cases
+        defaults = ", ".join(f"`{k}: {yaml_text(v)}`" for k, v in (data.get("defaults") or {}).items())
+        out += [f"### `{data['name']}` ({len(cases)} cases)", "", f"{what}. File: `configs/{filename}`, embedded as "
+                f"`attncheck/config/{filename}`. Defaults of every case: {defaults or 'none'}.", "",
+                "| case | sets | commands | comment |", "|---|---|---|---|"]  # fmt: skip
+        written = {c["name"]: c for c in data.get("cases", [])}
+        for case in cases:
+            entry = written.get(case.name, {})
+            sets = ", ".join(f"`{k}: {yaml_text(v)}`" for k, v in entry.items() if k not in ("name", "commands"))
+            commands = ", ".join(case.commands) if case.commands else "all"
+            out.append(f"| `{case.name}` | {cell(sets) or '(the defaults)'} | {commands} | {cell(comments.get(case.name, ''))} |")
+        out.append("")
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------- exit codes
+def exit_codes() -> str:
+    from attncheck import cli as cli_module
+
+    constants = {name: value for name, value in vars(cli_module).items() if name.startswith("EXIT_") and isinstance(value, int)}
+    unknown = sorted(set(constants) - set(EXIT_MEANINGS))
+    if unknown:
+        raise ValueError(f"exit codes without a meaning in docs/hooks.py: {', '.join(unknown)}")
+    rows = sorted((value, name) for name, value in constants.items())
+    return "\n".join(["| code | constant | meaning |", "|---|---|---|"] + [f"| {v} | `{n}` | {cell(EXIT_MEANINGS[n])} |" for v, n in rows]) + "\n"
+
+
+# ------------------------------------------------------------------------------------ adapt
+class _Written(str):
+    """An annotation kept as the source wrote it: the module's annotations are strings
+    (`from __future__ import annotations`), which a signature would show quoted."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def signature_of(obj: object) -> str:
+    """The signature as written in the source."""
+    sig = inspect.signature(obj)
+    written = lambda a: _Written(a) if isinstance(a, str) else a  # noqa: E731
+    params = [p.replace(annotation=written(p.annotation)) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params, return_annotation=written(sig.return_annotation)))
+
+
+def prose(text: str) -> str:
+    """Docstring text as Markdown: code spans kept, asterisks and underscores outside them escaped."""
+    pieces = text.split("`")
+    return "`".join(p if i % 2 else re.sub(r"([*_])", r"\\\1", p) for i, p in enumerate(pieces))
+
+
+def docstring(obj: object) -> list[str]:
+    """A docstring as its first paragraph (prose) and the rest verbatim (it holds aligned code)."""
+    doc = inspect.getdoc(obj) or ""
+    first, _, rest = doc.partition("\n\n")
+    out = [prose(" ".join(first.split())), ""]
+    if rest.strip():
+        out += ["```text", rest.rstrip(), "```", ""]
+    return out
+
+
+def adapt() -> str:
+    from attncheck import adapt as module
+
+    out = ["## Overview", "", "```text", inspect.getdoc(module).rstrip(), "```", ""]
+    public = [(n, o) for n, o in vars(module).items() if not n.startswith("_") and getattr(o, "__module__", None) == module.__name__
+              and (inspect.isfunction(o) or inspect.isclass(o))]  # fmt: skip
+    for name, obj in public:
+        signature = signature_of(obj)
+        out += [f"## `{name}`", "", "```python", f"{'class ' if inspect.isclass(obj) else ''}adapt.{name}{signature}", "```", "", *docstring(obj)]
+        if inspect.isclass(obj):
+            for method_name, method in vars(obj).items():
+                if method_name.startswith("_") or not inspect.isfunction(method):
+                    continue
+                out += [f"### `{name}.{method_name}`", "", "```python", f"{method_name}{signature_of(method)}", "```", "", *docstring(method)]
+    constants = [f"`{n}` = `{v!r}`" for n, v in vars(module).items() if n.isupper() and not n.startswith("_")]
+    if constants:
+        out += ["## Constants", "", *(f"- {c}" for c in constants), ""]
+    return "\n".join(out)
+
+
+GENERATORS = {"cli": cli, "config-keys": config_keys, "default-suites": default_suites, "exit-codes": exit_codes, "adapt": adapt}
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    def fill(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in GENERATORS:
+            raise ValueError(f"{page.file.src_path}: unknown generated section {name!r}; known: {', '.join(GENERATORS)}")
+        return GENERATORS[name]()
+
+    return MARKER.sub(fill, markdown)
