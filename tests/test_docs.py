@@ -162,3 +162,12 @@ def test_the_five_minute_adapter_gives_the_verdict_the_readme_prints(tmp_path, c
     passed, total, unsupported = map(int, stated.groups())
     assert (verdicts["pass"], sum(verdicts.values()), verdicts["unsupported"]) == (passed, total, unsupported)
     assert f"PASS  {passed} of {total} checks pass, {unsupported} unsupported" in (DOCS / "tutorials/first-check.md").read_text()
+
+
+def test_the_suites_page_states_the_short_output_limits():
+    from attncheck.cli import PROGRESS_EVERY_S
+    from attncheck.render import FAILURE_LINES, SCREEN_LINES
+
+    page = folded((DOCS / "how-to" / "suites.md").read_text())
+    assert f"then one line every {PROGRESS_EVERY_S:g} s" in page
+    assert f"cut to {SCREEN_LINES} lines" in page and f"once {FAILURE_LINES} lines are used" in page
