@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from attncheck import torch_side
-from attncheck.candidate import FrameworkSession, _defined_at, framework_hint, returned_by
+from attncheck.candidate import FrameworkSession, _defined_at
+from attncheck.frameworks import framework_hint, returned_by
 from attncheck.dtypes import is_float
 from attncheck.errors import CandidateError
 from attncheck.kinds import kind_of

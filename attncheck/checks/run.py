@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from attncheck import torch_side
-from attncheck.candidate import Candidate, Session, framework_of, make_session, reference_for
+from attncheck.candidate import Candidate, Session, make_session, reference_for
 from attncheck.config import Config
 from attncheck.diagnose import diagnose_report
 from attncheck.errors import CandidateProblem, Unsupported
+from attncheck.frameworks import framework_of
 from attncheck.inputs import Workload, make_workload
 from attncheck.kinds import kind_of
 from attncheck.report import FAIL, UNSUPPORTED, Reason, Report, Row

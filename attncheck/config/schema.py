@@ -74,7 +74,7 @@ class Config(BaseModel):
     module: Literal["multihead_attention", "transformer_encoder_layer", "sdpa"] = "multihead_attention"
     seed: int = 0
     dtype: Literal["float32", "float64", "float16", "bfloat16"] = "float32"
-    # The candidate's array library; None: detected from the candidate (attncheck.candidate.detect_framework).
+    # The candidate's array library; None: detected from the candidate (attncheck.frameworks.detect_framework).
     framework: Literal["numpy", "torch", "jax"] | None = None
     # Where torch (and a torch candidate) runs; cuda needs a GPU, else exit 2.
     device: Literal["cpu", "cuda"] = "cpu"
