@@ -5,7 +5,7 @@
                     the comment the key carries in attncheck/config/default.yaml
     default-suites  the cases of the embedded default suites, from their YAML files
     exit-codes      the EXIT_* constants of attncheck/cli.py
-    adapt           the public functions and classes of attncheck.adapt, from their docstrings
+    adapt           the public functions and classes of attncheck.adapt (its __all__), from their docstrings
 
 A marker the hook does not know, a config key without a comment in default.yaml, or an exit code
 without a meaning here fails the build, so `mkdocs build --strict` notices when code and pages part.
@@ -228,8 +228,8 @@ def adapt() -> str:
     from attncheck import adapt as module
 
     out = ["## Overview", "", "```text", inspect.getdoc(module).rstrip(), "```", ""]
-    public = [(n, o) for n, o in vars(module).items() if not n.startswith("_") and getattr(o, "__module__", None) == module.__name__
-              and (inspect.isfunction(o) or inspect.isclass(o))]  # fmt: skip
+    exported = [(n, getattr(module, n)) for n in module.__all__]  # the package's API, defined in its submodules
+    public = [(n, o) for n, o in exported if inspect.isfunction(o) or inspect.isclass(o)]
     for name, obj in public:
         signature = signature_of(obj)
         out += [f"## `{name}`", "", "```python", f"{'class ' if inspect.isclass(obj) else ''}adapt.{name}{signature}", "```", "", *docstring(obj)]
@@ -238,7 +238,7 @@ def adapt() -> str:
                 if method_name.startswith("_") or not inspect.isfunction(method):
                     continue
                 out += [f"### `{name}.{method_name}`", "", "```python", f"{method_name}{signature_of(method)}", "```", "", *docstring(method)]
-    constants = [f"`{n}` = `{v!r}`" for n, v in vars(module).items() if n.isupper() and not n.startswith("_")]
+    constants = [f"`{n}` = `{v!r}`" for n, v in exported if n.isupper()]
     if constants:
         out += ["## Constants", "", *(f"- {c}" for c in constants), ""]
     return "\n".join(out)

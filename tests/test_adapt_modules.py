@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import attncheck
 from attncheck import adapt
+from attncheck.adapt import torch_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -372,7 +373,7 @@ def test_layout_sources_against_torchs_blocks():
     inter = adapt.interleaved_qkv("in_proj_weight").take(params, H, used)  # (3E, E): head 0's q, k, v rows, then head 1's
     for h in range(H):
         for i, part in enumerate("qkv"):
-            block = adapt._named(params, f"in_proj_weight[{part}]", used)  # (E, E)
+            block = torch_modules._named(params, f"in_proj_weight[{part}]", used)  # (E, E)
             assert torch.equal(inter[(3 * h + i) * D:(3 * h + i + 1) * D], block[h * D:(h + 1) * D]), (h, part)
     bias = adapt.interleaved_qkv("in_proj_bias").take(params, H, used)  # (3E,)
     assert torch.equal(bias[D:2 * D], params["in_proj_bias"][E:E + D])  # head 0's k
@@ -381,9 +382,9 @@ def test_layout_sources_against_torchs_blocks():
     per_head_out = adapt.mapped("out_proj.weight", lambda w, H: w.T.reshape(H, -1, w.shape[0])).take(params, H, used)  # (H, D, E)
     assert torch.equal(per_head_out[1], params["out_proj.weight"].T[D:])
     separate = {"q_proj_weight": w[:E], "k_proj_weight": w[E:2 * E], "out_proj.weight": w[:E]}  # kdim/vdim: no fused weight
-    assert torch.equal(adapt._named(separate, "in_proj_weight[k]", set()), w[E:2 * E])
-    with pytest.raises(adapt._Absent):
-        adapt._named(separate, "in_proj_bias[q]", set())
+    assert torch.equal(torch_modules._named(separate, "in_proj_weight[k]", set()), w[E:2 * E])
+    with pytest.raises(torch_modules._Absent):
+        torch_modules._named(separate, "in_proj_bias[q]", set())
 
 
 def test_gradients_flow_through_the_layouts_to_attnchecks_tensors():

@@ -90,8 +90,9 @@ def test_the_adapt_reference_has_every_public_helper(site):
 
     text = html_of(site, "reference/adapt")
     prose = " ".join(html.unescape(re.sub(r"<[^>]+>", "", text)).split())  # the page's text, tags removed
-    for name, obj in vars(adapt).items():
-        if not name.startswith("_") and getattr(obj, "__module__", None) == adapt.__name__ and callable(obj):
+    for name in adapt.__all__:
+        obj = getattr(adapt, name)
+        if callable(obj):
             assert f'<h2 id="{name.lower()}"' in text, name
             first_paragraph = " ".join(inspect.getdoc(obj).split("\n\n")[0].replace("`", "").split())
             assert first_paragraph in prose, name

@@ -181,3 +181,14 @@ def test_numpy_side_needs_no_cli_libraries(loaded, module):
     if module != "attncheck.cli":
         assert not {"typer", "rich"} & loaded, f"{module} loads typer or rich"
     assert "torch" not in loaded
+
+
+MAX_MODULE_LINES = 600  # issue 24: a module past this is split along its seams (a package's modules each count alone)
+
+
+def test_no_module_is_longer_than_the_limit():
+    sources = sorted(PACKAGE_ROOT.rglob("*.py"))
+    assert PACKAGE_ROOT / "adapt" / "__init__.py" in sources  # packages' modules are counted too
+    lines = {str(path.relative_to(PACKAGE_ROOT)): len(path.read_text().splitlines()) for path in sources}
+    too_long = {name: n for name, n in lines.items() if n > MAX_MODULE_LINES}
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines (split them along a seam): {too_long}"
