@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from attncheck.dtypes import is_float
-
 
 def _checked(what: str, mask) -> np.ndarray:
     """The mask as an array, if it is bool or float (torch takes no other)."""
     mask = np.asarray(mask)
-    if mask.dtype != np.bool_ and not is_float(mask.dtype):  # bfloat16 (ml_dtypes) is no np.floating
+    if mask.dtype != np.bool_ and mask.dtype.kind != "f" and mask.dtype.name != "bfloat16":  # ml_dtypes' bfloat16 has kind "V"
         raise TypeError(f"{what}: expected a bool or float mask, got {mask.dtype}")
     return mask
 

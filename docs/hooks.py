@@ -32,7 +32,8 @@ EXIT_MEANINGS = {
     "EXIT_OK": "every compared quantity agrees (and at least one was judged)",
     "EXIT_MISMATCH": "a mismatch, or a candidate that raised or returned something unusable",
     "EXIT_USAGE": "bad usage or config: one line per problem, naming file, line, key and allowed values "
-    "(also a SPEC that cannot be loaded, a candidate that dies at import, a check too big for memory)",
+    "(also a SPEC that cannot be loaded, a candidate that dies at import or whose signatures do not fit the contract, "
+    "a check too big for memory); nothing is run",
     "EXIT_BUG": "an internal error (a bug in attncheck): traceback plus a request to report it",
     "EXIT_INCONCLUSIVE": "nothing proven: inconclusive (something could not be judged, torch's own values NaN or inf "
     "where no mask explains it, or nothing was) or unsupported (the candidate declared every check it was "
@@ -204,7 +205,8 @@ def signature_of(obj: object) -> str:
     """The signature as written in the source."""
     sig = inspect.signature(obj)
     written = lambda a: _Written(a) if isinstance(a, str) else a  # noqa: E731
-    params = [p.replace(annotation=written(p.annotation)) for p in sig.parameters.values()]
+    named = lambda d: _Written(d.__name__) if d is not inspect.Parameter.empty and inspect.isfunction(d) else d  # noqa: E731 - `mha_call`, not `<function ... at 0x...>`
+    params = [p.replace(annotation=written(p.annotation), default=named(p.default)) for p in sig.parameters.values()]
     return str(sig.replace(parameters=params, return_annotation=written(sig.return_annotation)))
 
 
