@@ -21,7 +21,6 @@ being appended hold stale finite values, as a reused cache does. Forward only: n
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
