@@ -350,9 +350,9 @@ class RemoteSession:
         reply = self._call("build", f"{self.candidate.spec}(...)", params, arrays=[])
         return Handle(_int(reply.get("handle")), self.process.generation)
 
-    def forward(self, obj: Handle, w) -> tuple[np.ndarray, np.ndarray | None]:
+    def forward(self, obj: Handle, w, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         self._alive(obj, "forward()")
-        reply = self._call("forward", "forward()", obj.number, w, arrays=[w.query, w.key, w.value])
+        reply = self._call("forward", "forward()", obj.number, w, layout, arrays=[w.query, w.key, w.value])
         return _array(reply.get("output"), "forward() returned an output"), _optional(reply.get("weights"), "forward() returned weights")
 
     def backward(self, obj: Handle, grad_output: np.ndarray, w, grad_second: np.ndarray | None = None) -> dict[str, np.ndarray]:
