@@ -315,6 +315,9 @@ class Session:
         self.findings: list[str] = []  # contract breaches: failing rows
         self.notes: list[str] = []  # what the report should say about the calls, e.g. conversions
         self._handed: list[tuple[str, np.ndarray, np.ndarray]] = []  # (what, original, the candidate's copy)
+        # The arrays the contract lets forward() write in place (ModuleKind.written_arguments), as
+        # the last call left them: the kind's forward_rows judge them.
+        self.written: dict[str, np.ndarray] = {}
 
     def _hand(self, what: str, original: np.ndarray | None, grad_of: str | None = None, layout: str | None = None) -> Any:
         """A copy of `original` for the candidate, remembered for the in-place check.
@@ -373,11 +376,15 @@ class Session:
                   for name, a in kind.inputs(self.cfg, w).items()}  # fmt: skip
         query, key, value = kind.arguments(self.cfg, handed)
         handed_masks = tuple(self._hand(f"its `{name}` argument", a) for name, a in zip(kind.mask_arguments, (w.attn_mask, w.key_padding_mask)))
-        handed_extras = {name: self._hand(f"its `{name}` argument", a) for name, a in w.extras.items()}
+        writable = kind.written_arguments(self.cfg)
+        handed_extras = {name: self._copy_for_candidate(a, None) if name in writable else self._hand(f"its `{name}` argument", a)
+                         for name, a in w.extras.items()}  # fmt: skip
         self.last_extras = handed_extras
         result = self._call_guarded("forward()", kind.call_forward, self.cfg, obj, query, key, value, *handed_masks, **handed_extras)
         self._check_handed("forward()")
         where = _defined_at(method)
+        self.written = {name: self._as_numpy(handed_extras[name], f"its `{name}` argument after forward()", where)
+                        for name in writable if name in handed_extras}  # fmt: skip
         second_name = kind.second_output
         if kind.returns_pair(self.cfg) and not (isinstance(result, tuple) and len(result) == 2):
             pair = "weights" if second_name == "attn_weights" else second_name

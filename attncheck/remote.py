@@ -312,6 +312,7 @@ class RemoteSession:
         self.sid = next(_SESSIONS)
         self.opened_in = 0  # the process generation this session was opened in
         self.timeout = timeout_for(cfg)
+        self.written: dict[str, np.ndarray] = {}  # as Session.written, from the candidate's process
 
     def _call(self, op: str, what: str, *args, arrays: list[np.ndarray | None]) -> dict[str, Any]:
         self.process.ensure()
@@ -352,7 +353,11 @@ class RemoteSession:
 
     def forward(self, obj: Handle, w, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         self._alive(obj, "forward()")
-        reply = self._call("forward", "forward()", obj.number, w, layout, arrays=[w.query, w.key, w.value])
+        reply = self._call("forward", "forward()", obj.number, w, layout, arrays=[w.query, w.key, w.value, *w.extras.values()])
+        written = reply.get("written") or {}
+        if not isinstance(written, dict):
+            raise CandidateError("the candidate's process answered forward() with written arrays that are not a mapping")
+        self.written = {str(k): _array(v, f"forward() left `{k}`") for k, v in written.items()}
         return _array(reply.get("output"), "forward() returned an output"), _optional(reply.get("weights"), "forward() returned weights")
 
     def backward(self, obj: Handle, grad_output: np.ndarray, w, grad_second: np.ndarray | None = None) -> dict[str, np.ndarray]:

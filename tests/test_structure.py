@@ -24,7 +24,7 @@ import pytest
 import attncheck
 
 # torch_side is the judge's torch; the checks import it to run, torch_candidate hands tensors to a torch candidate.
-IMPORTS_TORCH = {"attncheck.torch_side", "attncheck.torch_candidate", "attncheck.torch_sdpa"}
+IMPORTS_TORCH = {"attncheck.torch_side", "attncheck.torch_candidate", "attncheck.torch_sdpa", "attncheck.torch_kvcache"}
 IMPORTS_TORCH |= {m.name for m in pkgutil.walk_packages(attncheck.__path__, "attncheck.") if m.name.startswith("attncheck.checks")}
 # hypothesis is a test extra: only this module may import it.
 IMPORTS_HYPOTHESIS = {"attncheck.testing.strategies"}

@@ -54,6 +54,7 @@ def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bo
         returned["attn_weights"] = None if weights is None else weights.dtype
     elif weights is not None:
         report.rows.append(Row("forward", "attn_weights", FAIL, reason=Reason.CONTRACT, note="need_weights is false: expected None"))
+    report.rows.extend(kind.forward_rows(cfg, w, session, obj, out, t_out, rule))
     report.rows.extend(fast_path_rows(cfg, w, out, weights, rule, o_out, o_weights, masked))
     report.rows.extend(dtype_rows("forward", cfg, returned))
     report.rows.extend(repeat_rows(report, "forward", session, obj, cfg, w, backward=False))

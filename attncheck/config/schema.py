@@ -43,6 +43,9 @@ _INT_RANGES = {
     "num_kv_heads": (1, MAX_DIM),
     "head_dim": (1, MAX_DIM),
     "head_dim_v": (1, MAX_DIM),
+    "new_tokens": (0, MAX_LEN),
+    "page_size": (1, MAX_LEN),
+    "num_splits": (0, MAX_DIM),
 }
 _FLOAT_FIELDS = (
     "dropout", "mask_fill", "input_scale", "budget_factor", "budget_floor", "atol", "rtol",
@@ -73,7 +76,7 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     name: str | None = None
-    module: Literal["multihead_attention", "transformer_encoder_layer", "sdpa"] = "multihead_attention"
+    module: Literal["multihead_attention", "transformer_encoder_layer", "sdpa", "sdpa_kvcache"] = "multihead_attention"
     seed: int = 0
     dtype: Literal["float32", "float64", "float16", "bfloat16"] = "float32"
     # The candidate's array library; None: detected from the candidate (attncheck.frameworks.detect_framework).
@@ -112,6 +115,12 @@ class Config(BaseModel):
     scale: float | None = None
     return_lse: bool = False
     fully_masked_rows: Literal["any", "nan", "zero"] = "any"
+    # The decode kernel's own keys (module: sdpa_kvcache only), flash_attn_with_kvcache's arguments
+    cache_seqlens: list[int] | Literal["random"] = "random"  # tokens already in each sequence's cache
+    new_tokens: int = 0  # Lnew, the keys and values appended in place; 0 = none (k=None, v=None)
+    page_size: int | None = None  # a paged cache of pages this long, reached through block_table; None: contiguous
+    num_splits: int = 0  # passed as num_splits: 0 = the kernel's heuristic, 1 = no split, n = n splits of the keys
+    rotary: Literal["none", "interleaved", "half"] = "none"  # RoPE on q and the new k: GPT-J pairs or GPT-NeoX halves
 
     attn_mask: Literal["none", "causal", "random", "full_row"] = "none"
     attn_mask_dims: Literal[2, 3, 4] = 2
@@ -180,7 +189,7 @@ class Config(BaseModel):
     @property
     def is_function(self) -> bool:
         """Whether the module under check is the attention function itself (module: sdpa)."""
-        return self.module == SDPA
+        return self.module in (SDPA, SDPA_KVCACHE)
 
     @property
     def head_dim_eff(self) -> int:
@@ -279,7 +288,7 @@ class Config(BaseModel):
     @classmethod
     def _layer_needs_no_weights(cls, data):
         """The layer calls its attention with need_weights=False: that is its default."""
-        if isinstance(data, dict) and data.get("module") in (TRANSFORMER_ENCODER_LAYER, SDPA) and "need_weights" not in data:
+        if isinstance(data, dict) and data.get("module") in (TRANSFORMER_ENCODER_LAYER, SDPA, SDPA_KVCACHE) and "need_weights" not in data:
             return {**data, "need_weights": False}
         return data
 
@@ -306,6 +315,9 @@ INCONSISTENT = "attncheck_consistency"
 MULTIHEAD_ATTENTION = "multihead_attention"
 TRANSFORMER_ENCODER_LAYER = "transformer_encoder_layer"
 SDPA = "sdpa"
+SDPA_KVCACHE = "sdpa_kvcache"
+# The decode kernel's own keys: set for another module, they are a config error.
+KVCACHE_ONLY_KEYS = ("cache_seqlens", "new_tokens", "page_size", "num_splits", "rotary")
 # Keys of one module that mean nothing for the other: set there, they are a config error.
 LAYER_ONLY_KEYS = ("dim_feedforward", "activation", "layer_norm_eps", "norm_first")
 # The attention function's own keys: set for another module, they are a config error.
@@ -434,11 +446,14 @@ def _module_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
     if cfg.is_function:
         for key in MODULE_ONLY_KEYS:
             if key in cfg.model_fields_set and key != "need_weights":
-                problems.append(((key, "module"), f"{show(getattr(cfg, key))} is a key of the modules, not of module: sdpa "
+                problems.append(((key, "module"), f"{show(getattr(cfg, key))} is a key of the modules, not of module: {cfg.module} "
                                  "(the attention function: no parameters, projections or SGD step); remove it"))  # fmt: skip
         if cfg.need_weights:
-            problems.append((("need_weights", "module"), "true: the attention function returns no weights (module: sdpa); remove it"))
+            problems.append((("need_weights", "module"), f"true: the attention function returns no weights (module: {cfg.module}); remove it"))
+        if cfg.module != SDPA_KVCACHE:
+            problems += _not_kvcache_problems(cfg)
         return problems
+    problems += _not_kvcache_problems(cfg)
     for key in SDPA_ONLY_KEYS:  # at their defaults they say nothing (the default file spells them)
         if getattr(cfg, key) != Config.model_fields[key].default:
             problems.append(((key, "module"), f"{show(getattr(cfg, key))} is a key of the attention function, not of module: "
@@ -464,6 +479,13 @@ def _module_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
     return problems
 
 
+def _not_kvcache_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
+    """The decode kernel's keys set for another module (at their defaults they say nothing)."""
+    return [((key, "module"), f"{show(getattr(cfg, key))} is a key of the decode kernel, not of module: {cfg.module}; "
+             f"set module: {SDPA_KVCACHE} to check flash_attn_with_kvcache")  # fmt: skip
+            for key in KVCACHE_ONLY_KEYS if getattr(cfg, key) != Config.model_fields[key].default]
+
+
 def _function_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
     """The attention function's own rules (module: sdpa)."""
     problems: list[tuple[tuple[str, ...], str]] = []
@@ -481,6 +503,10 @@ def _function_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
     if cfg.attn_mask == "causal" and cfg.causal != "none":
         problems.append((("attn_mask", "causal"), f"causal draws an explicit top-left mask beside causal: {cfg.causal}; "
                          "use one (causal: upper_left is the same mask, passed as is_causal=True)"))  # fmt: skip
+    if cfg.module == SDPA_KVCACHE:
+        from attncheck.config.kvcache_rules import kvcache_problems
+
+        problems += kvcache_problems(cfg)
     return problems
 
 

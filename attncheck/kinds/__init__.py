@@ -11,6 +11,7 @@ kind is a new module in this package and a `module` value in the config schema.
     multihead_attention        nn.MultiheadAttention        attncheck.kinds.mha
     transformer_encoder_layer  nn.TransformerEncoderLayer   attncheck.kinds.encoder_layer
     sdpa                       the attention function       attncheck.kinds.sdpa
+    sdpa_kvcache               flash_attn_with_kvcache      attncheck.kinds.sdpa_kvcache
 
 torch is imported only inside the methods that build or call torch's module (attncheck.torch_side
 calls them), so this package stays importable without it.
@@ -117,6 +118,15 @@ class ModuleKind:
     def output_shape(self, cfg: Config, w: Workload) -> tuple[int, ...]:
         """The shape the output must have: the first argument's own, for the modules."""
         return w.query.shape
+
+    def written_arguments(self, cfg: Config) -> tuple[str, ...]:
+        """The extra arrays (Workload.extras) the contract has the candidate write into in place:
+        handed unguarded, and returned after the call (Session.written) for `forward_rows` to judge."""
+        return ()
+
+    def forward_rows(self, cfg: Config, w: Workload, session: Any, obj: Any, out: np.ndarray, t_out: np.ndarray, rule: Any) -> list:
+        """The forward check's rows of the kind's own (the caches a decode kernel appends to); none by default."""
+        return []
 
     def unsupported_case(self, cfg: Config, candidate: Any) -> str | None:
         """Why a case of the default suite does not apply to this candidate (None: it does)."""
@@ -241,8 +251,9 @@ def _all_kinds() -> dict[str, ModuleKind]:
     from attncheck.kinds.encoder_layer import ENCODER_LAYER
     from attncheck.kinds.mha import MHA
     from attncheck.kinds.sdpa import SDPA
+    from attncheck.kinds.sdpa_kvcache import KVCACHE
 
-    return {kind.name: kind for kind in (MHA, ENCODER_LAYER, SDPA)}
+    return {kind.name: kind for kind in (MHA, ENCODER_LAYER, SDPA, KVCACHE)}
 
 
 _KINDS: dict[str, ModuleKind] = {}

@@ -1,0 +1,259 @@
+"""The decode kernel as a kind (`module: sdpa_kvcache`): FlashAttention's flash_attn_with_kvcache,
+called exactly as FlashAttention's own Python interface is.
+
+    out = fn(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+             return_softmax_lse=False)
+
+Dimensions: B batch, Lq query tokens (tgt_len), Lnew new tokens, S_max slots per sequence (src_len),
+P page size, N cache rows (B contiguous, num_blocks paged), Hq, Hkv heads, E, Ev features.
+q (B, Lq, Hq, E); k_cache (N, S_max or P, Hkv, E); k, v (B, Lnew, Hkv, E/Ev); cache_seqlens (B,)
+and block_table (B, S_max / P) int32; out (B, Lq, Hq, Ev), softmax_lse (B, Hq, Lq).
+
+The new k, v are written into the caches in place: the one write the contract allows. The caches
+are handed as copies the session does not guard (ModuleKind.written_arguments) and come back after
+the call; `forward_rows` compares the appended slots with torch's and the oracle's, and fails any
+other slot that changed. Slots no sequence may read hold NaN (the poisoning probe): past c_b + Lnew
+and on pages no block_table row points to; an output NaN they explain is named as such. The slots
+being appended hold stale finite values, as a reused cache does. Forward only: no gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from attncheck.kinds import ModuleKind
+from attncheck.kinds.sdpa import FunctionKind
+
+# Stream ids of the seed for the kind's own arrays (attncheck.inputs numbers the others 0-5, sdpa 6-7).
+_ALIBI, _TARGET_LSE, _LENGTHS, _PAGES, _CACHE = 6, 7, 8, 9, 10
+SPARE_PAGES = 2  # pages no sequence owns: NaN, a kernel that reads them is named
+CACHES = ("k_cache", "v_cache")
+
+
+def lengths_of(cfg) -> np.ndarray:
+    """cache_seqlens (B,) int32: the config's list, or drawn from the seed (at least one key each)."""
+    from attncheck.inputs import rng
+
+    if isinstance(cfg.cache_seqlens, list):
+        return np.asarray(cfg.cache_seqlens, dtype=np.int32)
+    low = 0 if cfg.new_tokens else 1
+    return rng(cfg.seed, _LENGTHS).integers(low, cfg.S - cfg.new_tokens + 1, size=cfg.batch_size).astype(np.int32)
+
+
+def slot_states(cfg, lengths: np.ndarray, block_table: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(cached, appended, unused_page) bool (N, S_max or P): slots of the cache holding a sequence's
+    tokens, receiving its new ones, or on a page nobody owns. The rest is past c_b + Lnew."""
+    from attncheck.reference.kvcache import slots
+
+    P = cfg.S if block_table is None else cfg.page_size
+    N = cfg.batch_size if block_table is None else block_table.size + SPARE_PAGES
+    cached, appended = np.zeros((N, P), dtype=bool), np.zeros((N, P), dtype=bool)
+    for b, c in enumerate(lengths):
+        cached[slots(np.arange(c), b, block_table, P)] = True
+        appended[slots(c + np.arange(cfg.new_tokens), b, block_table, P)] = True
+    unused = np.zeros((N, P), dtype=bool)
+    if block_table is not None:
+        unused[np.setdiff1d(np.arange(N), block_table.ravel())] = True
+    return cached, appended, unused
+
+
+def empty_rows(cfg, lengths: np.ndarray) -> np.ndarray:
+    """(B, Hq, Lq) bool: query rows with no allowed key (a window or causal past a short sequence)."""
+    from attncheck.reference.sdpa import causal_allowed, window_allowed
+
+    Lq = cfg.tgt_len
+    rows = []
+    for c in lengths:
+        S = int(c) + cfg.new_tokens
+        ok = np.ones((Lq, S), dtype=bool)
+        if cfg.causal == "lower_right":
+            ok &= causal_allowed(Lq, S, "lower_right")
+        if cfg.window_size is not None and tuple(cfg.window_size) != (-1, -1):
+            ok &= window_allowed(Lq, S, *cfg.window_size)
+        rows.append(~ok.any(axis=-1))
+    return np.broadcast_to(np.stack(rows)[:, None, :], (cfg.batch_size, cfg.num_heads, Lq)).copy()
+
+
+class KvCacheKind(FunctionKind):
+    name = "sdpa_kvcache"
+    torch_name = "flash_attn_with_kvcache"
+    reference_spec = "attncheck.reference.kvcache:flash_attn_with_kvcache"
+    first_argument = "q"
+    one_input = "q"
+    all_input_keys = ("q", "k", "v")
+    unsupported_commands = {
+        "grad": "flash_attn_with_kvcache is a forward-only decode kernel (FlashAttention gives it no backward): "
+                "grad does not apply to module: sdpa_kvcache",
+        "sgd-step": "the decode kernel has no parameters and no backward: sgd-step does not apply to module: sdpa_kvcache",
+    }  # fmt: skip
+    features = (
+        ("paged", lambda c: c.page_size is not None),
+        ("rotary", lambda c: c.rotary != "none"),
+        ("split-KV", lambda c: c.num_splits != 0),
+        ("LSE", lambda c: c.return_lse),
+        ("softcap", lambda c: c.softcap > 0),
+        ("ALiBi", lambda c: c.alibi),
+        ("windows", lambda c: c.window_size is not None),
+        ("causal", lambda c: c.causal != "none"),
+        ("GQA", lambda c: c.num_kv_heads_eff != c.num_heads),
+        ("append", lambda c: c.new_tokens > 0),
+        ("decode", lambda c: True),
+    )
+    default_suite = ("default_sdpa_kvcache_suite.yaml", "<default decode-kernel suite>", "default-decode-kernel-suite")
+
+    def describe(self, cfg) -> tuple[str, str]:
+        shape = (f"B={cfg.batch_size} Lq={cfg.tgt_len} S_max={cfg.S} Lnew={cfg.new_tokens} Hq={cfg.num_heads} "
+                 f"Hkv={cfg.num_kv_heads_eff} E={cfg.head_dim_eff}")  # fmt: skip
+        what = ["decode kernel", "paged P=%d" % cfg.page_size if cfg.page_size else "contiguous cache"]
+        what += [f"rotary {cfg.rotary}"] if cfg.rotary != "none" else []
+        what += [f"num_splits {cfg.num_splits}"] if cfg.num_splits else []
+        what += [f"causal {cfg.causal}"] if cfg.causal != "none" else []
+        what += [f"window ({cfg.window_size[0]}, {cfg.window_size[1]})"] if cfg.window_size is not None else []
+        what += [f"softcap {cfg.softcap:g}"] if cfg.softcap > 0 else []
+        what += ["ALiBi"] if cfg.alibi else []
+        what += ["LSE"] if cfg.return_lse else []
+        return shape, " · ".join(what + [f"torch: plain torch in {cfg.dtype}, per sequence"])
+
+    @property
+    def reference(self):
+        from attncheck.reference.kvcache import flash_attn_with_kvcache
+
+        return flash_attn_with_kvcache
+
+    def instantiate(self, cfg, factory: Any, params: dict[str, Any]) -> Any:
+        return ModuleKind.instantiate(self, cfg, factory, params)
+
+    def written_arguments(self, cfg) -> tuple[str, ...]:
+        return CACHES
+
+    def forward_arguments(self, cfg, query, key, value, attn_mask, key_padding_mask, **arrays) -> tuple[tuple, dict[str, Any]]:
+        kwargs: dict[str, Any] = dict(k=key, v=value)
+        if cfg.rotary != "none":
+            kwargs.update(rotary_cos=arrays["rotary_cos"], rotary_sin=arrays["rotary_sin"])
+        kwargs["cache_seqlens"] = arrays["cache_seqlens"]
+        if cfg.page_size is not None:
+            kwargs["block_table"] = arrays["block_table"]
+        kwargs.update(softmax_scale=cfg.scale, causal=cfg.causal == "lower_right")
+        if cfg.window_size is not None:
+            kwargs["window_size"] = tuple(cfg.window_size)
+        if cfg.softcap > 0:
+            kwargs["softcap"] = cfg.softcap
+        if cfg.rotary != "none":
+            kwargs["rotary_interleaved"] = cfg.rotary == "interleaved"
+        if cfg.alibi:
+            kwargs["alibi_slopes"] = arrays["alibi_slopes"]
+        if cfg.num_splits:
+            kwargs["num_splits"] = cfg.num_splits
+        if cfg.return_lse:
+            kwargs["return_softmax_lse"] = True
+        return (query, arrays["k_cache"], arrays["v_cache"]), kwargs
+
+    def unsupported_call(self, cfg, raised: str) -> str | None:
+        used = {"rotary_cos": cfg.rotary != "none", "block_table": cfg.page_size is not None, "window_size": cfg.window_size is not None,
+                "softcap": cfg.softcap > 0, "alibi_slopes": cfg.alibi, "num_splits": cfg.num_splits != 0,
+                "return_softmax_lse": cfg.return_lse}  # fmt: skip
+        for name, on in used.items():
+            if on and raised.startswith("TypeError") and f"'{name}'" in raised and "keyword" in raised:
+                return f"the function takes no `{name}` keyword ({raised})"
+        return None
+
+    def unsupported_case(self, cfg, candidate) -> str | None:
+        return None
+
+    def output_shape(self, cfg, w) -> tuple[int, ...]:
+        return (cfg.batch_size, cfg.tgt_len, cfg.num_heads, cfg.head_dim_v_eff)
+
+    # ------------------------------------------------------------------------ inputs
+    def inputs(self, cfg, w) -> dict[str, Any]:
+        return {"q": w.query, **({"k": w.key, "v": w.value} if cfg.new_tokens else {})}
+
+    def arguments(self, cfg, named: dict[str, Any]) -> tuple[Any, Any, Any]:
+        return named["q"], named.get("k"), named.get("v")
+
+    def candidate_gradients(self, cfg, w) -> dict[str, tuple[int, ...]]:
+        return {name: a.shape for name, a in self.inputs(cfg, w).items()}
+
+    def input_gradients(self, cfg, grads) -> tuple[dict[str, Any], str]:
+        return {name: grads.get(name) for name in ("q", "k", "v")}, ""
+
+    def fully_masked(self, cfg, w) -> np.ndarray:
+        return empty_rows(cfg, w.extras["cache_seqlens"])
+
+    # ------------------------------------------------------------------------ the workload
+    def make_workload(self, cfg) -> Any:
+        from attncheck.dtypes import np_dtype
+        from attncheck.inputs import _INPUTS, _TARGET, Workload, lse_dtype, rng
+
+        dtype = np_dtype(cfg.dtype)
+        B, Lq, Hq, Hkv, S_max, Lnew = cfg.batch_size, cfg.tgt_len, cfg.num_heads, cfg.num_kv_heads_eff, cfg.S, cfg.new_tokens
+        E, Ev = cfg.head_dim_eff, cfg.head_dim_v_eff
+        gen = rng(cfg.seed, _INPUTS)
+        q = (gen.standard_normal((B, Lq, Hq, E)) * cfg.input_scale).astype(dtype)
+        k = (gen.standard_normal((B, Lnew, Hkv, E)) * cfg.input_scale).astype(dtype)
+        v = gen.standard_normal((B, Lnew, Hkv, Ev)).astype(dtype)
+        lengths = lengths_of(cfg)
+        block_table = None
+        if cfg.page_size is not None:  # each sequence's pages at shuffled physical blocks, spare pages unowned
+            per_seq = S_max // cfg.page_size
+            block_table = rng(cfg.seed, _PAGES).permutation(B * per_seq + SPARE_PAGES)[: B * per_seq].reshape(B, per_seq).astype(np.int32)
+        cached, appended, unused = slot_states(cfg, lengths, block_table)
+        gen = rng(cfg.seed, _CACHE)
+        extras: dict[str, np.ndarray] = {}
+        for name, X in (("k_cache", E), ("v_cache", Ev)):
+            scale = cfg.input_scale if name == "k_cache" else 1.0
+            values = gen.standard_normal(cached.shape + (Hkv, X)) * scale  # (N, P, Hkv, X); stale values where appended
+            extras[name] = np.where((cached | appended)[..., None, None], values, np.nan).astype(dtype)
+        extras["cache_seqlens"] = lengths
+        if block_table is not None:
+            extras["block_table"] = block_table
+        if cfg.rotary != "none":  # RoPE's tables over every position a sequence may reach
+            inv_freq = 10000.0 ** (-np.arange(0, E, 2) / E)  # (E/2,)
+            angles = np.arange(S_max)[:, None] * inv_freq[None, :]  # (S_max, E/2)
+            extras["rotary_cos"], extras["rotary_sin"] = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+        if cfg.alibi:
+            extras["alibi_slopes"] = rng(cfg.seed, _ALIBI).uniform(0.05, 1.0, size=(Hq,)).astype(np.float32)
+        target = rng(cfg.seed, _TARGET).standard_normal((B, Lq, Hq, Ev)).astype(dtype)
+        target_lse = rng(cfg.seed, _TARGET_LSE).standard_normal((B, Hq, Lq)).astype(lse_dtype(dtype)) if cfg.return_lse else None
+        empty = empty_rows(cfg, lengths)  # (B, Hq, Lq)
+        undefined = np.broadcast_to(empty.transpose(0, 2, 1)[..., None], (B, Lq, Hq, Ev)) if empty.any() else None
+        return Workload(params={}, query=q, key=k, value=v, attn_mask=None, key_padding_mask=None, target=target,
+                        undefined=undefined, extras=extras, target_lse=target_lse, lse_undefined=empty if empty.any() else None)  # fmt: skip
+
+    # ------------------------------------------------------------------------ torch's side
+    def call_torch(self, cfg, module, query, key, value, attn_mask, key_padding_mask, **arrays):
+        out, lse, _, _ = self._torch(cfg, query, key, value, arrays)
+        return out, lse
+
+    def _torch(self, cfg, q, k, v, arrays):
+        from attncheck.torch_kvcache import torch_kvcache
+
+        return torch_kvcache(q, arrays["k_cache"], arrays["v_cache"], k if cfg.new_tokens else None, v if cfg.new_tokens else None,
+                             rotary_cos=arrays.get("rotary_cos"), rotary_sin=arrays.get("rotary_sin"),
+                             cache_seqlens=arrays["cache_seqlens"], block_table=arrays.get("block_table"),
+                             causal=cfg.causal == "lower_right", window_size=cfg.window_size, softcap=cfg.softcap,
+                             alibi_slopes=arrays.get("alibi_slopes"), scale=cfg.scale, interleaved=cfg.rotary == "interleaved",
+                             return_lse=cfg.return_lse)  # fmt: skip
+
+    def torch_caches(self, cfg, w) -> dict[str, np.ndarray]:
+        """torch's k_cache and v_cache after the append, in the config's dtype."""
+        from attncheck import torch_side
+
+        arrays = {name: torch_side.tensor(a, cfg.device) for name, a in w.extras.items()}
+        q, k, v = (torch_side.tensor(a, cfg.device) for a in (w.query, w.key, w.value))
+        _, _, k_cache, v_cache = self._torch(cfg, q, k, v, arrays)
+        return {"k_cache": torch_side.numpy(k_cache), "v_cache": torch_side.numpy(v_cache)}
+
+    # ------------------------------------------------------------------------ the kind's own rows
+    def forward_rows(self, cfg, w, session, obj, out, t_out, rule) -> list:
+        """The caches after the append, and the poisoning probe (see the module's docstring)."""
+        from attncheck.kinds.kvcache_rows import cache_rows, poisoning_rows
+
+        rows = cache_rows(self, cfg, w, dict(getattr(session, "written", {})), rule)
+        return rows + poisoning_rows(self, cfg, w, session, obj, out, t_out)
+
+
+KVCACHE = KvCacheKind()

@@ -1,0 +1,192 @@
+"""module: sdpa_kvcache, the decode kernel: its config rules, the in-place append as the one write the
+contract allows, the NaN-poisoning probe, and the known-bad corpus caught by the default suite.
+
+CATCHES names, for each kernel of attncheck/testing/wrong_kvcache.py, default-suite cases whose
+forward must fail on it with a real mismatch, and the row that must fail; measured by running the
+whole suite on each. A crash of the candidate is no catch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from attncheck.candidate import candidate_from_object, load_candidate
+from attncheck.checks import run_check
+from attncheck.cli import app
+from attncheck.config import Config, load_suite
+from attncheck.testing.dense_kvcache import DecodeKernel
+from attncheck.testing.wrong_kvcache import CORRECT_KVCACHE, WRONG_KVCACHE
+
+EXAMPLE = "examples/numpy_flash_decode.py:flash_attn_with_kvcache"
+CATCHES = {
+    "AppendOneSlotLate": [("decode-append", "k_cache[appended]"), ("paged-16", "contract")],
+    "BlockTableIgnored": [("paged-16", "output"), ("splits-3-paged", "k_cache[appended]")],
+    "RotaryOnWholeCache": [("rotary-interleaved", "output"), ("rotary-half", "output")],
+    "SplitMaxDropped": [("splits-5", "output"), ("splits-5", "lse"), ("decode", "output")],
+    "ReadsPastSeqlen": [("decode", "poisoning"), ("paged-64-gqa", "poisoning")],
+}
+
+
+def _cases() -> dict[str, Config]:
+    return {case.name: case.config for case in load_suite(None, module="sdpa_kvcache").cases}
+
+
+def _cfg(**kw) -> Config:
+    return Config(**{"module": "sdpa_kvcache", "batch_size": 2, "tgt_len": 2, "src_len": 64, "new_tokens": 2, **kw})
+
+
+# ------------------------------------------------------------------------------ the corpus
+def test_table_covers_every_wrong_kernel():
+    assert set(CATCHES) == set(WRONG_KVCACHE)
+
+
+@pytest.mark.parametrize("name", sorted(CATCHES))
+def test_caught_by_the_default_decode_suite(name):
+    cases, candidate = _cases(), candidate_from_object(WRONG_KVCACHE[name])
+    for case, quantity in CATCHES[name]:
+        report = run_check("forward", cases[case], candidate, embedded=True)
+        assert report.verdict == "fail", (case, report.verdict)
+        assert all(r.quantity != "candidate" for r in report.failures), (case, [r.note for r in report.failures])
+        assert any(r.quantity == quantity and r.mismatched for r in report.failures), (case, [(r.quantity, r.note) for r in report.failures])
+
+
+def test_the_correct_kernel_and_the_reference_pass_every_case():
+    for candidate in (candidate_from_object(CORRECT_KVCACHE), None):
+        for name, cfg in _cases().items():
+            assert run_check("forward", cfg, candidate, embedded=True).verdict == "pass", name
+
+
+def test_the_example_passes_the_default_suite_in_its_own_process(tmp_path):
+    result = CliRunner().invoke(app, ["forward", "--module", "sdpa_kvcache", "--impl", EXAMPLE])
+    assert result.exit_code == 0, result.output
+    assert "18 of 18 checks pass" in result.output
+
+
+def test_the_default_suite_covers_the_decode_features():
+    cases = list(_cases().values())
+    assert 12 <= len(cases) <= 20
+    assert {c.rotary for c in cases} == {"none", "interleaved", "half"}
+    assert {c.num_splits for c in cases} >= {0, 1} and any(c.num_splits > 1 for c in cases)
+    assert {c.dtype for c in cases} >= {"float16", "bfloat16"}
+    assert any(c.page_size for c in cases) and any(c.new_tokens == 0 for c in cases) and any(c.tgt_len == 1 for c in cases)
+    assert all(c.S >= 100 for c in cases)
+
+
+# ------------------------------------------------------------------------------ the contract
+def test_grad_and_sgd_step_are_unsupported_with_the_reason():
+    for command in ("grad", "sgd-step"):
+        report = run_check(command, _cfg())
+        assert report.verdict == "unsupported", command
+        assert "sdpa_kvcache" in report.rows[0].note
+
+
+class WritesQuery(DecodeKernel):
+    def forward(self, q, *args, **kwargs):
+        out = super().forward(q, *args, **kwargs)
+        q[...] = 0
+        return out
+
+
+class ClearsTheCache(DecodeKernel):
+    def forward(self, q, k_cache, v_cache, *args, **kwargs):
+        out = super().forward(q, k_cache, v_cache, *args, **kwargs)
+        k_cache[np.isnan(k_cache)] = 0  # the slots past the sequence: not the kernel's to write
+        return out
+
+
+class WritesBlockTable(DecodeKernel):
+    def forward(self, *args, block_table=None, **kwargs):
+        out = super().forward(*args, block_table=block_table, **kwargs)
+        block_table[...] = 0
+        return out
+
+
+class NoAppend(DecodeKernel):
+    def _append_positions(self, c, Lnew):
+        return np.arange(0)  # attends over stale slots and leaves the cache as it was
+
+
+@pytest.mark.parametrize(("impl", "expected"), [
+    (WritesQuery, "modified its `q` argument in place"),
+    (ClearsTheCache, "wrote `k_cache` outside the appended slots"),
+    (WritesBlockTable, "modified its `block_table` argument in place"),
+])  # fmt: skip
+def test_writes_other_than_the_append_are_contract_failures(impl, expected):
+    report = run_check("forward", _cfg(page_size=16), candidate_from_object(impl))
+    notes = [r.note for r in report.failures if r.quantity == "contract"]
+    assert report.verdict == "fail" and any(expected in n for n in notes), notes
+    assert not [r for r in report.failures if r.quantity in ("k_cache[appended]", "output")]  # the values themselves are right
+
+
+def test_a_kernel_that_does_not_append_fails_the_appended_slots():
+    report = run_check("forward", _cfg(), candidate_from_object(NoAppend))
+    failed = {r.quantity for r in report.failures}
+    assert {"k_cache[appended]", "v_cache[appended]"} <= failed
+
+
+# ------------------------------------------------------------------------------ poisoning
+class ReadsSparePage(DecodeKernel):
+    def _slot(self, block_table, b, p, P):
+        if block_table is not None and p == 0:
+            spare = np.setdiff1d(np.arange(block_table.size + 2), block_table.ravel())
+            return int(spare[0]), 0  # a spare page, owned by no sequence
+        return super()._slot(block_table, b, p, P)
+
+
+@pytest.mark.parametrize(("impl", "where"), [
+    (WRONG_KVCACHE["ReadsPastSeqlen"], "the cache past cache_seqlens + new tokens is NaN: the kernel reads past the sequence"),
+    (ReadsSparePage, "an unused page (no block_table entry points to it) is NaN"),
+])  # fmt: skip
+def test_poisoned_slots_reaching_the_output_are_named(impl, where):
+    report = run_check("forward", _cfg(page_size=16, cache_seqlens=[10, 40]), candidate_from_object(impl))
+    poisoning = [r for r in report.failures if r.quantity == "poisoning"]
+    assert poisoning and where in poisoning[0].note, [r.note for r in report.failures]
+
+
+def test_a_nan_the_poisoned_slots_do_not_explain_is_not_blamed_on_them():
+    class NanEverywhere(DecodeKernel):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs) * np.nan
+
+    report = run_check("forward", _cfg(), candidate_from_object(NanEverywhere))
+    assert report.verdict == "fail" and not [r for r in report.failures if r.quantity == "poisoning"]
+
+
+def test_the_poisoned_slots_are_nan_and_the_rest_finite():
+    from attncheck.inputs import make_workload
+    from attncheck.kinds.sdpa_kvcache import slot_states
+
+    cfg = _cfg(page_size=16, cache_seqlens=[10, 40])
+    w = make_workload(cfg)
+    cached, new, unused = slot_states(cfg, w.extras["cache_seqlens"], w.extras["block_table"])
+    nan = np.isnan(w.extras["k_cache"]).all(axis=(2, 3))
+    assert (nan == ~(cached | new)).all() and nan[unused].all() and unused.sum() == 2 * 16
+
+
+# ------------------------------------------------------------------------------ the config
+@pytest.mark.parametrize(("keys", "message"), [
+    (dict(causal="upper_left"), "causal: must be none or lower_right"),
+    (dict(cache_seqlens=[1, 2, 3]), "cache_seqlens: has 3 lengths for batch_size 2"),
+    (dict(cache_seqlens=[1, 63]), "cache_seqlens: each length must be between 0 and src_len - new_tokens"),
+    (dict(page_size=24), "page_size: 24 does not divide src_len 64"),
+    (dict(rotary="half", new_tokens=0, cache_seqlens=[3, 4]), "rotary: half rotates the new k"),
+    (dict(rotary="interleaved", head_dim=5), "rotary: interleaved rotates pairs of features"),
+    (dict(new_tokens=65), "new_tokens: 65 new tokens do not fit"),
+])  # fmt: skip
+def test_config_rules_are_named_with_their_keys(keys, message):
+    with pytest.raises(ValueError, match=None) as err:
+        _cfg(**keys)
+    assert message in str(err.value)
+
+
+def test_decode_keys_are_refused_for_other_modules():
+    with pytest.raises(ValueError) as err:
+        Config(module="sdpa", num_splits=2)
+    assert "num_splits: 2 is a key of the decode kernel, not of module: sdpa" in str(err.value)
+
+
+def test_the_reference_spec_loads_and_runs_in_the_judge():
+    candidate = load_candidate("attncheck.reference.kvcache:flash_attn_with_kvcache")
+    assert candidate.builtin and run_check("forward", _cfg(rotary="interleaved", causal="lower_right"), candidate).verdict == "pass"
