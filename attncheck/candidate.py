@@ -319,14 +319,16 @@ class Session:
         # the last call left them: the kind's forward_rows judge them.
         self.written: dict[str, np.ndarray] = {}
 
-    def _hand(self, what: str, original: np.ndarray | None, grad_of: str | None = None) -> Any:
+    def _hand(self, what: str, original: np.ndarray | None, grad_of: str | None = None, layout: str | None = None) -> Any:
         """A copy of `original` for the candidate, remembered for the in-place check.
 
         `grad_of` names the gradient key of a parameter or input: a framework session that
-        differentiates the candidate itself (torch, JAX) differentiates with respect to it."""
+        differentiates the candidate itself (torch, JAX) differentiates with respect to it.
+        `layout` (one of LAYOUTS) hands the copy as a view in that memory layout, made here, in
+        the candidate's process; None: a contiguous copy."""
         if original is None:
             return None
-        copy = self._copy_for_candidate(original, grad_of)
+        copy = self._copy_for_candidate(original, grad_of, layout)
         self._handed.append((what, original, copy))
         return copy
 
@@ -342,8 +344,8 @@ class Session:
         self._handed = [h for h in self._handed if h[0].startswith("parameter")]
 
     # How arrays reach the candidate: NumPy copies here; framework sessions override these three.
-    def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None) -> Any:
-        return original.copy()
+    def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None, layout: str | None = None) -> Any:
+        return original.copy() if layout is None else laid_out(original, layout)
 
     def _unchanged(self, original: np.ndarray, copy: Any) -> bool:
         return bool(np.array_equal(original, copy, equal_nan=True))
@@ -361,15 +363,17 @@ class Session:
         self._check_handed(f"{self.candidate.spec}(...)")
         return obj
 
-    def forward(self, obj: Any, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
-        """The candidate's (output, weights), after checking it returned an output torch's shape."""
+    def forward(self, obj: Any, w: Workload, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The candidate's (output, weights), after checking it returned an output torch's shape;
+        the inputs handed in `layout` (LAYOUTS) where one is given."""
         kind = kind_of(self.cfg)
         method = kind.forward_of(obj)
         if method is None:
             raise CandidateError(f"{self.candidate.spec} built a {type(obj).__name__} with no forward() method")
         # One array passed as query, key and value stays one array (self-attention), so a candidate
         # may test `key is query`; likewise key and value (encoder-decoder attention).
-        handed = {name: self._hand(f"its `{kind.argument_of(name)}` argument", a, grad_of=name) for name, a in kind.inputs(self.cfg, w).items()}
+        handed = {name: self._hand(f"its `{kind.argument_of(name)}` argument", a, grad_of=name, layout=layout)
+                  for name, a in kind.inputs(self.cfg, w).items()}  # fmt: skip
         query, key, value = kind.arguments(self.cfg, handed)
         handed_masks = tuple(self._hand(f"its `{name}` argument", a) for name, a in zip(kind.mask_arguments, (w.attn_mask, w.key_padding_mask)))
         writable = kind.written_arguments(self.cfg)
@@ -463,6 +467,38 @@ class Session:
             if note not in self.notes:
                 self.notes.append(note)
         return array
+
+
+# The memory layouts the strides probe hands inputs in (attncheck.checks.probes), each a view onto
+# a buffer of its own whose other elements are NaN, so that a kernel reading them shows it.
+PAD = 3  # the elements before an offset view and after each padded row
+LAYOUTS = {
+    "transposed": "stored in reverse axis order (Fortran order)",
+    "swapped": "stored with the two axes before the last swapped ((B, L, H, E) memory viewed as (B, H, L, E))",
+    "offset": f"viewed {PAD} elements into a larger buffer",
+    "padded": f"stored with the last dimension padded by {PAD} elements, sliced off",
+}
+
+
+def laid_out(array: np.ndarray, layout: str) -> np.ndarray:
+    """`array`'s values in a view of another memory layout (LAYOUTS), made in the caller's process."""
+    fill = np.nan if is_float(array.dtype) else 0
+    if layout == "transposed":
+        return np.asfortranarray(array)
+    if layout == "swapped":
+        if array.ndim < 3:
+            return np.asfortranarray(array)
+        return np.swapaxes(np.swapaxes(array, -3, -2).copy(), -3, -2)
+    if layout == "offset":
+        buffer = np.full(array.size + PAD, fill, dtype=array.dtype)
+        view = buffer[PAD:].reshape(array.shape)
+    elif layout == "padded":
+        buffer = np.full((*array.shape[:-1], array.shape[-1] + PAD), fill, dtype=array.dtype)
+        view = buffer[..., : array.shape[-1]]
+    else:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    view[...] = array
+    return view
 
 
 # Objects whose handed parameters a framework session remembers: a check calls the latest two

@@ -61,7 +61,7 @@ class Child:
         if obj is None:
             raise LookupError(f"object {rest[0]} is gone")
         if op == "forward":
-            out, weights = session.forward(obj, rest[1])
+            out, weights = session.forward(obj, rest[1], rest[2])  # the inputs' layout: None, or a name of candidate.LAYOUTS
             return self.with_findings(session, {"output": out, "weights": weights, "written": session.written})
         if op == "backward":
             return self.with_findings(session, {"grads": session.backward(obj, rest[1], rest[2], rest[3])})

@@ -38,7 +38,8 @@ class JaxSession(FrameworkSession):
         super().__init__(cfg, candidate)
         self._call: tuple[Any, dict[str, Any], tuple[Any, Any], dict[str, Any]] | None = None  # (obj, inputs by key, masks, extras)
 
-    def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None) -> Any:
+    def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None, layout: str | None = None) -> Any:
+        # JAX arrays have no strides: a layout changes nothing (the strides probe skips JAX).
         array = jnp.asarray(original)
         if grad_of is not None:
             self._leaves[grad_of] = array
@@ -57,9 +58,9 @@ class JaxSession(FrameworkSession):
     def _restore(self, copy: Any, original: np.ndarray) -> None:
         pass  # JAX arrays cannot change in place
 
-    def forward(self, obj, w):
+    def forward(self, obj, w, layout=None):
         self._leaves, self._call = {}, None
-        return super().forward(obj, w)
+        return super().forward(obj, w, layout)
 
     def _returned(self, output: Any, obj: Any, inputs: tuple, masks: tuple, second: Any = None) -> None:
         self._call = (obj, self._leaves, masks, self.last_extras)

@@ -351,9 +351,9 @@ class RemoteSession:
         reply = self._call("build", f"{self.candidate.spec}(...)", params, arrays=[])
         return Handle(_int(reply.get("handle")), self.process.generation)
 
-    def forward(self, obj: Handle, w) -> tuple[np.ndarray, np.ndarray | None]:
+    def forward(self, obj: Handle, w, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         self._alive(obj, "forward()")
-        reply = self._call("forward", "forward()", obj.number, w, arrays=[w.query, w.key, w.value, *w.extras.values()])
+        reply = self._call("forward", "forward()", obj.number, w, layout, arrays=[w.query, w.key, w.value, *w.extras.values()])
         written = reply.get("written") or {}
         if not isinstance(written, dict):
             raise CandidateError("the candidate's process answered forward() with written arrays that are not a mapping")

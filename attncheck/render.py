@@ -328,7 +328,9 @@ def capability_table(features: list[Capability]) -> Table:
     table.add_column("supported", overflow="fold")
     table.add_column("verdict")
     for cap in features:
-        if not cap.unsupported:
+        if cap.reported:
+            supported = Text(f"reported, not judged: {', '.join(cap.reported)}", style=_STATUS_STYLE[INFO])
+        elif not cap.unsupported:
             supported = Text("all")
         else:
             n = len(cap.checks)

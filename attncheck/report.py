@@ -401,6 +401,7 @@ class Capability:
     unsupported: tuple[tuple[str, str, str], ...]  # (case, command, the candidate's reason)
     verdict: Status
     checks: tuple[tuple[str, str], ...] = ()  # every (case, command) of the feature
+    reported: tuple[str, ...] = ()  # a probe's: the cases whose row reported a difference (INFO) rather than judged one
 
 
 def capabilities(reports: list[Report]) -> list[Capability]:
@@ -423,4 +424,26 @@ def capabilities(reports: list[Report]) -> list[Capability]:
         verdict = aggregate((r.verdict for r in group), unsupported="ignore")
         checks = tuple((r.name, r.command) for r in group)
         table.append(Capability(name, tuple(dict.fromkeys(r.name for r in group)), unsupported, verdict, checks))
+    return table + probe_capabilities(reports)
+
+
+# The section of the probes' rows (attncheck.checks.probes), each probe's rows named by `parameter`.
+PROBE_SECTION = "probe"
+
+
+def probe_capabilities(reports: list[Report]) -> list[Capability]:
+    """One capability per probe the reports ran (`probe: strides`): its cases, and the `aggregate`
+    of its rows; a difference a row only reports (INFO) judges nothing, and is listed."""
+    rows: dict[str, list[tuple[Report, Row]]] = {}
+    for report in reports:
+        for row in report.rows:
+            if row.section == PROBE_SECTION:
+                rows.setdefault(str(row.parameter), []).append((report, row))
+    table = []
+    for probe, found in rows.items():
+        cases = tuple(dict.fromkeys(r.name for r, _ in found))
+        checks = tuple(dict.fromkeys((r.name, r.command) for r, _ in found))
+        reported = tuple(dict.fromkeys(r.name for r, row in found if row.status is INFO))
+        verdict = aggregate((row.status for _, row in found), unsupported="ignore")
+        table.append(Capability(f"probe: {probe}", cases, (), verdict, checks, reported))
     return table

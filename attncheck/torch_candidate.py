@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from attncheck import torch_side
-from attncheck.candidate import FrameworkSession, _defined_at
+from attncheck.candidate import PAD, FrameworkSession, _defined_at
 from attncheck.frameworks import framework_hint, returned_by
 from attncheck.dtypes import is_float
 from attncheck.errors import CandidateError
@@ -29,6 +29,26 @@ from attncheck.kinds import kind_of
 def _exact(a: np.ndarray) -> np.ndarray:
     """Floats (bfloat16 included) as float64, which holds each value exactly; others as they are."""
     return a.astype(np.float64) if is_float(a.dtype) else a
+
+
+def _laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The tensor's values in a view of another memory layout (attncheck.candidate.LAYOUTS): a
+    leaf of its own, as a contiguous copy would be."""
+    with torch.no_grad():
+        if layout == "transposed" or (layout == "swapped" and t.dim() < 3):
+            dims = tuple(reversed(range(t.dim())))
+            return t.permute(dims).contiguous().permute(dims)
+        if layout == "swapped":
+            return t.transpose(-3, -2).contiguous().transpose(-3, -2)
+        fill = float("nan") if t.is_floating_point() else 0
+        if layout == "offset":
+            buffer = torch.full((t.numel() + PAD,), fill, dtype=t.dtype, device=t.device)
+            view = buffer[PAD:].view(t.shape)
+        else:  # padded
+            buffer = torch.full((*t.shape[:-1], t.shape[-1] + PAD), fill, dtype=t.dtype, device=t.device)
+            view = buffer[..., : t.shape[-1]]
+        view.copy_(t)
+        return view
 
 
 class TorchSession(FrameworkSession):
@@ -45,8 +65,10 @@ class TorchSession(FrameworkSession):
         self._second: Any = None  # the LSE, where the kind puts it in the loss
 
     # -------------------------------------------------------------------- handing tensors in
-    def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None) -> torch.Tensor:
+    def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None, layout: str | None = None) -> torch.Tensor:
         t = torch_side.tensor(original, self.device)
+        if layout is not None:
+            t = _laid_out(t, layout)
         if grad_of is not None and t.is_floating_point():
             t.requires_grad_(True)
             self._leaves[grad_of] = t
@@ -59,9 +81,9 @@ class TorchSession(FrameworkSession):
         with torch.no_grad():
             copy.copy_(torch_side.tensor(original, copy.device))
 
-    def forward(self, obj, w):
+    def forward(self, obj, w, layout=None):
         self._leaves, self._output = {}, None
-        result = super().forward(obj, w)
+        result = super().forward(obj, w, layout)
         self._inputs = self._leaves
         return result
 

@@ -7,6 +7,7 @@ import numpy as np
 
 from attncheck import torch_side
 from attncheck.candidate import Candidate
+from attncheck.checks import probes
 from attncheck.checks.calls import dtype_rows, finding_rows, repeat_rows
 from attncheck.checks.run import CheckRun
 from attncheck.compare import compare, rule_for, with_logit_floor
@@ -39,7 +40,8 @@ def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bo
     except CandidateProblem as err:
         return run.ended_at("forward", err)
     report.notes.extend(session.notes)
-    report.rows.append(compare_output("forward", cfg, w, out, t_out, rule, o_out))
+    output_row = compare_output("forward", cfg, w, out, t_out, rule, o_out)
+    report.rows.append(output_row)
     returned = {"output": out.dtype}
     kind = kind_of(cfg)
     if kind.second_output == "lse" and kind.returns_pair(cfg):
@@ -56,6 +58,10 @@ def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bo
     report.rows.extend(fast_path_rows(cfg, w, out, weights, rule, o_out, o_weights, masked))
     report.rows.extend(dtype_rows("forward", cfg, returned))
     report.rows.extend(repeat_rows(report, "forward", session, obj, cfg, w, backward=False))
+    if cfg.probes_run:
+        within = lambda name, a: compare_output(probes.SECTION, cfg, w, a, t_out, rule, o_out)  # noqa: E731
+        probing = probes.Probing(run, session, {"output": out}, within, probes.budget_of(output_row, rule, t_out))
+        report.rows.extend(probes.forward_probes(probing, w, t_out, rule, o_out, compare_output))
     report.rows.extend(finding_rows("forward", session))
     return run.finish()
 

@@ -7,6 +7,7 @@ import numpy as np
 
 from attncheck import torch_side
 from attncheck.candidate import Candidate, Session
+from attncheck.checks import probes
 from attncheck.checks.calls import dtype_rows, finding_rows, repeat_rows
 from attncheck.checks.finite_diff import finite_difference_rows
 from attncheck.checks.forward import compare_output
@@ -119,6 +120,22 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
         report.notes.append(note)
     report.rows.extend(dtype_rows("grad", cfg, {"output": out.dtype, **{k: v.dtype for k, v in grads.items()}}))
     report.rows.extend(repeat_rows(report, "grad", session, obj, cfg, w, backward=True))
+    if cfg.probes_run:
+
+        def within(name: str, a: np.ndarray) -> Row:
+            """A result of the determinism probe's second run, judged as the first run's."""
+            if name == "output":
+                return compare_output(probes.SECTION, cfg, w, a, t.output, forward_rule, o_out)
+            o = None if o_grads is None else o_grads.get(name)
+            return compare(probes.SECTION, name, a, t.grads[name], grad_rule, oracle=o, scale=grad_scale,
+                           nan_ok=run.grads_nan_explained, candidate_nan_ok=spread)  # fmt: skip
+
+        def again() -> dict[str, np.ndarray | None]:
+            out2, _, grads2 = run_grad(session, cfg, w)
+            return {"output": out2, **{k: v for k, v in all_gradients(cfg, grads2).items() if k in t.grads}}
+
+        first = {"output": out, **{k: v for k, v in cand.items() if k in t.grads}}
+        report.rows.extend(probes.grad_probes(probes.Probing(run, session, first, within, 0.0), again))
     del obj  # nor the candidate's, through the float64 finite differences
     report.rows.extend(finding_rows("grad", session))
     report.rows.extend(finite_difference_rows(cfg, run.candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict,

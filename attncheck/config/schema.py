@@ -24,6 +24,8 @@ MAX_BATCH = 65_536
 MAX_LEN = 1_000_000  # tgt_len, src_len
 MAX_STEPS = 100_000
 MAX_SEED = 2**63 - 1
+# The probes, in the order a report lists them (attncheck.checks.probes).
+PROBES = ("determinism", "batch_invariance", "strides", "options")
 # A check whose calls compute more attention logits than this is large (Config.is_large).
 LARGE_LOGITS = 1 << 22
 
@@ -147,6 +149,13 @@ class Config(BaseModel):
     maximize: bool = False
     steps: int = 1
 
+    # The probes a check runs besides its comparisons (attncheck.checks.probes): a list of PROBES'
+    # names, or "all". A difference between two runs or a batch element alone is reported, not
+    # failed, unless `deterministic` or `batch_invariant` promises there is none (which runs that probe).
+    probes: list[Literal["determinism", "batch_invariance", "strides", "options"]] | Literal["all"] = []
+    deterministic: bool = False
+    batch_invariant: bool = False
+
     impl: str | None = None
     # Seconds one call into the candidate may take; None: a minute, plus a second per million
     # attention logits (attncheck.remote.timeout_for).
@@ -217,6 +226,15 @@ class Config(BaseModel):
         return self.logits > LARGE_LOGITS
 
     @property
+    def probes_run(self) -> tuple[str, ...]:
+        """The probes a check runs, in PROBES' order: those `probes` names, and those a promise
+        (`deterministic`, `batch_invariant`) needs."""
+        named = set(PROBES) if self.probes == "all" else set(self.probes)
+        named |= {"determinism"} if self.deterministic else set()
+        named |= {"batch_invariance"} if self.batch_invariant else set()
+        return tuple(p for p in PROBES if p in named)
+
+    @property
     def key_padding_mask_dtype_eff(self) -> str:
         """The key padding mask's dtype: its own setting, else mask_dtype."""
         return self.key_padding_mask_dtype or self.mask_dtype
@@ -247,6 +265,13 @@ class Config(BaseModel):
     def _named(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():
             raise _value_error("must be a non-empty string")
+        return value
+
+    @field_validator("probes")
+    @classmethod
+    def _probes_once(cls, value):
+        if isinstance(value, list) and len(set(value)) != len(value):
+            raise _value_error(f"names a probe twice: {show(value)}")
         return value
 
     @field_validator("dropout")

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
+if TYPE_CHECKING:
     from attncheck.config import Config
     from attncheck.inputs import Workload
 
@@ -204,6 +204,38 @@ class ModuleKind:
     def fast_path_blocker(self, cfg: Config) -> str | None:
         """Why torch would not take its inference fast path for this config (None: it would)."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------------ probes
+    def batch_element(self, cfg: Config, w: Workload, b: int) -> tuple[Config, Workload] | None:
+        """Batch element `b` alone, for the batch-invariance probe: its config (batch_size 1) and
+        its workload; None where the inputs have no batch dimension to split.
+
+        For the modules: inputs (B, L, E) batch_first, else (L, B, E); key_padding_mask (B, S);
+        a 3-d attn_mask (B * H, L, S), a 2-d one shared."""
+        from dataclasses import replace
+
+        if cfg.unbatched:
+            return None
+        axis, H = (0 if cfg.batch_first else 1), cfg.num_heads
+        pick = lambda a: None if a is None else np.take(a, [b], axis=axis)  # noqa: E731
+        query = pick(w.query)
+        key = query if w.key is w.query else pick(w.key)
+        value = key if w.value is w.key else pick(w.value)
+        attn_mask = w.attn_mask if w.attn_mask is None or w.attn_mask.ndim == 2 else w.attn_mask[b * H : (b + 1) * H]
+        padding = None if w.key_padding_mask is None else w.key_padding_mask[b : b + 1]
+        alone = replace(w, query=query, key=key, value=value, attn_mask=attn_mask, key_padding_mask=padding, target=pick(w.target),
+                        undefined=pick(w.undefined))  # fmt: skip
+        return cfg.model_copy(update={"batch_size": 1}), alone
+
+    def output_element(self, cfg: Config, out: np.ndarray, b: int) -> np.ndarray:
+        """Batch element `b` of an output, its batch axis kept (length 1): as `batch_element`'s call returns it."""
+        return np.take(out, [b], axis=0 if cfg.batch_first else 1)
+
+    def option_switches(self, cfg: Config) -> list[tuple[str, dict[str, Any]]]:
+        """The options the config turns on that change the answer, for the every-option-matters
+        probe: each by the name a failure gives it ("softcap"), with the config keys that turn it
+        off (the inputs staying the same). None for the modules: their options change the parameters."""
+        return []
 
     # ------------------------------------------------------------------------ suites and memory
     def feature_of(self, cfg: Config) -> str:

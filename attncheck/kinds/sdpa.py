@@ -267,6 +267,32 @@ class FunctionKind(ModuleKind):
                         target=target, undefined=undefined, extras=extras, target_lse=target_lse,
                         lse_undefined=empty.copy() if empty.any() else None)  # fmt: skip
 
+    # ------------------------------------------------------------------------ probes
+    def batch_element(self, cfg, w, b: int) -> tuple[Any, Any] | None:
+        """Batch element `b` alone: query, key, value (B, ...) cut to (1, ...), a (B, Hq, L, S) mask
+        too; an (L, S) mask and the slopes (Hq,) are shared."""
+        from dataclasses import replace
+
+        one = lambda a: None if a is None else a[b : b + 1]  # noqa: E731
+        attn_mask = w.attn_mask if w.attn_mask is None or w.attn_mask.ndim == 2 else one(w.attn_mask)
+        alone = replace(w, query=one(w.query), key=one(w.key), value=one(w.value), attn_mask=attn_mask, target=one(w.target),
+                        undefined=one(w.undefined), target_lse=one(w.target_lse), lse_undefined=one(w.lse_undefined))  # fmt: skip
+        return cfg.model_copy(update={"batch_size": 1}), alone
+
+    def output_element(self, cfg, out: np.ndarray, b: int) -> np.ndarray:
+        return out[b : b + 1]
+
+    def option_switches(self, cfg) -> list[tuple[str, dict[str, Any]]]:
+        """softcap, the window, ALiBi, a scale other than 1/sqrt(E), the causal mask and an explicit
+        mask: each turned off alone (the inputs are drawn from streams of their own, so they stay)."""
+        switches = [("softcap", cfg.softcap > 0, {"softcap": 0.0}),
+                    ("window", cfg.window_size is not None, {"window_size": None}),
+                    ("ALiBi", cfg.alibi, {"alibi": False}),
+                    ("scale", cfg.scale is not None and cfg.scale != 1 / np.sqrt(cfg.head_dim_eff), {"scale": None}),
+                    ("causal", cfg.causal != "none", {"causal": "none"}),
+                    ("attn_mask", cfg.attn_mask != "none", {"attn_mask": "none"})]  # fmt: skip
+        return [(name, off) for name, on, off in switches if on]
+
     # ------------------------------------------------------------------------ torch's side
     def build_torch(self, cfg, dtype):
         import torch

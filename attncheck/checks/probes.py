@@ -1,0 +1,272 @@
+"""The probes: what no single comparison shows, each a row of its own in section "probe".
+
+A config's `probes` (Config.probes_run) names the probes a check runs; the default suites run
+them on designated cases. Each costs calls of the candidate beyond the check's own, all made
+through its session (in its own process: the judge never calls candidate code):
+
+    determinism       the same call again (forward; forward and backward under grad): the same
+                      bits, or the row reports how far apart the two runs are. INFO, unless the
+                      config promises `deterministic: true`: then a difference fails.
+    batch_invariance  the last batch element alone: the bits it gives inside the batch, or the row
+                      reports the difference (INFO; `batch_invariant: true` makes it a failure).
+    strides           the inputs handed as views of other memory layouts (candidate.LAYOUTS), one
+                      call each: within the budget, as the contiguous call is judged.
+    options           each option the case sets (the kind's `option_switches`), turned off alone:
+                      the oracle's answer must change by more than OPTION_MARGIN budgets for the
+                      case to tell (else an INFO row says it cannot), and the candidate's answer
+                      must change by more than one budget, or it "ignores" the option.
+
+Either way a result outside the budget fails: a second call, a batch element or a layout that
+gives a wrong answer is a wrong answer. The verdicts come from the row statuses alone
+(attncheck.report.aggregate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from attncheck.candidate import LAYOUTS, PAD, Session, laid_out, reference_for
+from attncheck.checks.run import CheckRun, oracle_config, session_for
+from attncheck.compare import Fixed, Rule
+from attncheck.errors import CandidateProblem, Unsupported
+from attncheck.frameworks import framework_of
+from attncheck.inputs import make_workload
+from attncheck.kinds import kind_of
+from attncheck.report import FAIL, INFO, PASS, PROBE_SECTION, SKIPPED, Reason, Row
+
+SECTION = PROBE_SECTION
+# A case tells an option on from off when the oracle's two answers differ by more than this many
+# budgets: a correct candidate's two answers may each lie a budget from the oracle's, so at three
+# budgets apart they still differ by more than the one budget a candidate that ignores the option
+# is allowed (never "ignores softcap" for a correct candidate).
+OPTION_MARGIN = 3.0
+
+Within = Callable[[str, np.ndarray], Row]  # the check's own judgement of a quantity, as a row
+
+
+@dataclass
+class Probing:
+    """What the probes of one check compare with: the check's run and session, the candidate's
+    results of the check's own call, and the check's judgement of each quantity within the budget."""
+
+    run: CheckRun
+    session: Session
+    first: dict[str, np.ndarray | None]  # the check's own results: "output", and gradients under grad
+    within: Within  # (quantity, the candidate's array) -> the check's comparison row
+    budget: float  # the error the check allows its output, as one number
+
+    @property
+    def cfg(self):
+        return self.run.cfg
+
+
+def budget_of(row: Row, rule: Rule, expected: np.ndarray) -> float:
+    """One number for the error a compared output may have: the budget the row computed, or for
+    the fixed rule atol + rtol * max|torch|."""
+    if isinstance(rule, Fixed) or row.allowed is None:
+        e = np.asarray(expected, dtype=np.float64)
+        return rule.atol + rule.rtol * float(np.abs(e[np.isfinite(e)]).max(initial=0.0)) if isinstance(rule, Fixed) else 0.0
+    return float(row.allowed)
+
+
+def _row(probe: str, label: str, status, note: str, **fields) -> Row:
+    return Row(SECTION, label, status, parameter=probe, note=note, **fields)
+
+
+def _as_probe(probe: str, label: str, judged: Row, note: str) -> Row:
+    """A comparison row of the check's own kind, renamed for the probe (its arrays dropped: the
+    diagnosis reads the check's own rows)."""
+    row = replace(judged, section=SECTION, quantity=label, parameter=probe, block=None, head=None, evidence=None)
+    row.note = "; ".join(filter(None, [note, judged.note]))
+    return row
+
+
+def _call_failed(probe: str, label: str, what: str, err: CandidateProblem) -> Row:
+    """A probe's call that raised: a declared gap is reported (it judges nothing), a crash fails."""
+    if isinstance(err, Unsupported):
+        return _row(probe, label, INFO, f"{what}: the candidate declared it unsupported ({err.raised or err}); not probed")
+    return _row(probe, label, FAIL, f"{what} raised: {err}", reason=Reason.CALL, raised=err.raised, traceback=err.traceback)
+
+
+def _bits_apart(a: np.ndarray | None, b: np.ndarray | None) -> tuple[int, float] | None:
+    """(elements that differ, their largest difference) between two results; None when the bits agree."""
+    if a is None or b is None:
+        return None if (a is None) == (b is None) else (1, float("inf"))
+    a64, b64 = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a64.shape != b64.shape:
+        return int(a64.size), float("inf")
+    same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))
+    if same.all():
+        return None
+    with np.errstate(invalid="ignore"):
+        diff = np.where(same, 0.0, np.abs(a64 - b64))
+    return int((~same).sum()), float(np.nan_to_num(diff, nan=np.inf).max())
+
+
+def _second_row(probe: str, label: str, p: Probing, second: dict[str, np.ndarray | None], what: str,
+                promise: tuple[bool, str] | None) -> Row:
+    """The probe's results `second` against the check's own (`p.first`), quantity by quantity.
+
+    Outside the budget where the check's own result is inside: FAIL. Where the check's own result is
+    itself outside, the probe judges nothing (INFO: the check's row fails already). Otherwise the
+    bits: the same, PASS; apart, PASS for a layout (the budget is its promise), and for a `promise`
+    (promised, its config key) INFO, or FAIL where the config promises the same bits."""
+    for name, value in second.items():
+        if p.within(name, p.first.get(name)).failed:
+            return _row(probe, label, INFO, f"{what}: the check's own {name} is outside the budget, so this probe judges nothing")
+        judged = p.within(name, value)
+        if judged.failed:
+            return _as_probe(probe, label, judged, f"{what}: {name} outside the budget, where the check's own call is inside")
+    apart = {name: d for name in second if (d := _bits_apart(p.first.get(name), second[name])) is not None}
+    if not apart:
+        return _row(probe, label, PASS, f"{what}: the same bits ({', '.join(second)})")
+    told = ", ".join(f"{name} differs by {diff:.3g} at {k} elements" for name, (k, diff) in apart.items())
+    if promise is None:
+        return _row(probe, label, PASS, f"{what}: within the budget ({told} from the check's own call)")
+    promised, key = promise
+    if promised:
+        return _row(probe, label, FAIL, f"{what}: {told}; `{key}: true` promises the same bits", reason=Reason.CONTRACT)
+    return _row(probe, label, INFO, f"{what}: {told}, within the budget (`{key}: true` makes a difference a failure)")
+
+
+# ------------------------------------------------------------------------------- determinism
+def determinism(p: Probing, second: Callable[[], dict[str, np.ndarray | None]]) -> Row:
+    """The check's call made again on a fresh object: `second` returns its results, keyed as `p.first`."""
+    try:
+        results = second()
+    except CandidateProblem as err:
+        return _call_failed("determinism", "determinism", "the same call again", err)
+    return _second_row("determinism", "determinism", p, results, "the same call twice", (p.cfg.deterministic, "deterministic"))
+
+
+# ---------------------------------------------------------------------------- batch invariance
+def batch_invariance(p: Probing, w, within_element: Callable[[int, np.ndarray], Row]) -> Row:
+    """The last batch element alone against the same element inside the batch."""
+    cfg, kind = p.cfg, kind_of(p.cfg)
+    alone = kind.batch_element(cfg, w, cfg.batch_size - 1) if cfg.batch_size > 1 else None
+    if alone is None:
+        why = "one batch element" if cfg.batch_size <= 1 or cfg.unbatched else f"{kind.name} has no batch to split"
+        return _row("batch_invariance", "batch_invariance", SKIPPED, f"{why}: nothing to compare")
+    b = cfg.batch_size - 1
+    cfg_b, w_b = alone
+    session = session_for(cfg_b, p.run.candidate)
+    try:
+        out_b, _ = session.forward(session.build(w_b.params), w_b)
+    except CandidateProblem as err:
+        return _call_failed("batch_invariance", "batch_invariance", f"batch element {b} alone", err)
+    element = Probing(p.run, p.session, {"output": kind.output_element(cfg, p.first["output"], b)},
+                      lambda name, a: within_element(b, a), p.budget)  # fmt: skip
+    return _second_row("batch_invariance", "batch_invariance", element, {"output": out_b},
+                       f"batch element {b} alone and inside the batch of {cfg.batch_size}", (cfg.batch_invariant, "batch_invariant"))
+
+
+# ------------------------------------------------------------------------------------- strides
+def strides_text(cfg, w, layout: str) -> str:
+    """The strides (in elements) each input is handed with in `layout`, as the judge computes them
+    on an empty array of the same shape: the layouts are NumPy's and torch's alike."""
+    parts = []
+    for name, a in kind_of(cfg).inputs(cfg, w).items():
+        view = laid_out(np.zeros(a.shape, dtype=np.float32), layout)
+        strides = tuple(s // view.itemsize for s in view.strides)
+        parts.append(f"{name} {strides}" + (f" at offset {PAD}" if layout == "offset" else ""))
+    return ", ".join(parts)
+
+
+def strides(p: Probing, w) -> list[Row]:
+    """One call per layout of candidate.LAYOUTS, each judged as the check's own call."""
+    if framework_of(p.cfg, p.run.candidate) == "jax":
+        return [_row("strides", "strides", SKIPPED, "JAX arrays have no strides: nothing to probe")]
+    rows = []
+    for layout, words in LAYOUTS.items():
+        label, what = f"strides: {layout}", f"inputs {words}, strides {strides_text(p.cfg, w, layout)}"
+        try:
+            out, _ = p.session.forward(p.session.build(w.params), w, layout)
+        except CandidateProblem as err:
+            rows.append(_call_failed("strides", label, what, err))
+            continue
+        rows.append(_second_row("strides", label, p, {"output": out}, what, None))
+    return rows
+
+
+# ------------------------------------------------------------------------------------- options
+def _largest_difference(a: np.ndarray, b: np.ndarray, defined: np.ndarray | None) -> float:
+    """max |a - b| over the elements both define (NaN where the candidate gives it is left out)."""
+    a64, b64 = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    keep = np.isfinite(a64) & np.isfinite(b64) & (True if defined is None else defined)
+    return float(np.abs(np.where(keep, a64 - b64, 0.0)).max(initial=0.0))
+
+
+def options(p: Probing, w, o_out: np.ndarray | None) -> list[Row]:
+    """For each option the case sets: does the oracle tell it, and does the candidate?"""
+    cfg, kind, rows = p.cfg, kind_of(p.cfg), []
+    for name, off in kind.option_switches(cfg):
+        label = f"options: {name}"
+        cfg_off = cfg.model_copy(update=off)
+        w_off = make_workload(cfg_off)
+        if not all(np.array_equal(a, b) for a, b in zip(kind.inputs(cfg, w).values(), kind.inputs(cfg_off, w_off).values())):
+            rows.append(_row("options", label, SKIPPED, f"turning {name} off draws other inputs: nothing to compare"))
+            continue
+        defined = None
+        for undefined in (w.undefined, w_off.undefined):
+            if undefined is not None:
+                defined = ~undefined if defined is None else defined & ~undefined
+        o_on = _oracle(cfg, w) if o_out is None else o_out
+        o_off = _oracle(cfg_off, w_off)
+        told = _largest_difference(o_on, o_off, defined)
+        if told <= OPTION_MARGIN * p.budget:
+            rows.append(_row("options", label, INFO, f"this case cannot tell {name} on from off: the oracle's outputs differ by "
+                             f"{told:.3g}, within {OPTION_MARGIN:g} budgets ({p.budget:.3g} each); not checked here"))  # fmt: skip
+            continue
+        session = session_for(cfg_off, p.run.candidate)
+        try:
+            out_off, _ = session.forward(session.build(w_off.params), w_off)
+        except CandidateProblem as err:
+            rows.append(_call_failed("options", label, f"the same call with {name} off", err))
+            continue
+        moved = _largest_difference(p.first["output"], out_off, defined)
+        if moved <= p.budget:
+            rows.append(_row("options", label, FAIL, f"ignores {name}: its outputs with {name} and without are the same, {moved:.3g} apart, "
+                             f"within the budget ({p.budget:.3g}), where the oracle's differ by {told:.3g}",
+                             reason=Reason.VALUES))  # fmt: skip
+        else:
+            rows.append(_row("options", label, PASS, f"{name} changes the output by {moved:.3g} (the oracle's: {told:.3g}; "
+                             f"budget {p.budget:.3g})"))  # fmt: skip
+    return rows
+
+
+def _oracle(cfg, w) -> np.ndarray:
+    """The float64 oracle's output for a config and its workload."""
+    oracle = Session(oracle_config(cfg), reference_for(cfg))
+    w64 = w.astype(np.float64)
+    return oracle.forward(oracle.build(w64.params), w64)[0]
+
+
+# ----------------------------------------------------------------------------------- the checks
+def forward_probes(p: Probing, w, t_out: np.ndarray, rule: Rule, o_out: np.ndarray | None, compare_output) -> list[Row]:
+    """The probes the config names, for the forward check: each forward-only."""
+    named, rows = p.cfg.probes_run, []
+    if "determinism" in named:
+        rows.append(determinism(p, lambda: {"output": p.session.forward(p.session.build(w.params), w)[0]}))
+    if "batch_invariance" in named:
+        kind = kind_of(p.cfg)
+
+        def within_element(b: int, out_b: np.ndarray) -> Row:
+            cfg_b, w_b = kind.batch_element(p.cfg, w, b)
+            o_b = None if o_out is None else kind.output_element(p.cfg, o_out, b)
+            return compare_output(SECTION, cfg_b, w_b, out_b, kind.output_element(p.cfg, t_out, b), rule, o_b)
+
+        rows.append(batch_invariance(p, w, within_element))
+    if "strides" in named:
+        rows.extend(strides(p, w))
+    if "options" in named:
+        rows.extend(options(p, w, o_out))
+    return rows
+
+
+def grad_probes(p: Probing, second: Callable[[], dict[str, np.ndarray | None]]) -> list[Row]:
+    """The probes the config names, for the grad check: determinism of forward and backward (the
+    others are the forward check's: they probe the forward call)."""
+    return [determinism(p, second)] if "determinism" in p.cfg.probes_run else []

@@ -1,0 +1,167 @@
+"""The probes (attncheck.checks.probes): each known-bad kernel of attncheck.testing.wrong_probes is
+caught by its probe (or reported, for determinism and batch invariance without the config's
+promise), and the correct kernel passes every probe of the default kernel suite.
+
+CAUGHT names, for each kernel, a default-suite case, the probe rows (by label) that must end in a
+status, and config keys set on top of the case.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attncheck
+from attncheck.candidate import LAYOUTS, candidate_from_object, laid_out
+from attncheck.checks import run_check
+from attncheck.config import Config, load_suite
+from attncheck.report import FAIL, INFO, PASS, SKIPPED, capabilities
+from attncheck.testing.wrong_probes import CORRECT_KERNEL, WRONG_PROBES
+
+STRIDES = [f"strides: {layout}" for layout in LAYOUTS]
+# kernel -> (case, command, extra keys, {probe row label: status}, the check's verdict, words a failing row says)
+CAUGHT = {
+    "NoisyLastBit": [("plain", "forward", {}, {"determinism": INFO}, PASS, ""),
+                     ("plain", "forward", {"deterministic": True}, {"determinism": FAIL}, FAIL, "promises the same bits"),
+                     ("gqa-6-2", "grad", {"deterministic": True}, {"determinism": FAIL}, FAIL, "promises the same bits")],
+    "BatchSplitSum": [("plain", "forward", {}, {"batch_invariance": INFO, "determinism": PASS}, PASS, ""),
+                      ("plain", "forward", {"batch_invariant": True}, {"batch_invariance": FAIL}, FAIL, "promises the same bits")],
+    "ContiguityAssumed": [("plain", "forward", {}, dict.fromkeys(STRIDES, FAIL), FAIL, "strides query (")],
+    "SoftcapIgnored": [("softcap", "forward", {}, {"options: softcap": FAIL}, FAIL, "ignores softcap")],
+    "WindowIgnored": [("window-4-0", "forward", {}, {"options: window": FAIL}, FAIL, "ignores window")],
+    "ScaleIgnored": [("scale", "forward", {}, {"options: scale": FAIL}, FAIL, "ignores scale")],
+}  # fmt: skip
+
+
+def _cases() -> dict[str, Config]:
+    return {case.name: case.config for case in load_suite(None, module="sdpa").cases}
+
+
+def _probe_rows(report) -> dict[str, object]:
+    return {str(r.quantity): r for r in report.rows if r.section == "probe"}
+
+
+def test_the_table_covers_the_corpus():
+    assert set(CAUGHT) == set(WRONG_PROBES)
+
+
+@pytest.mark.parametrize("name", sorted(CAUGHT))
+def test_each_wrong_kernel_is_caught_by_its_probe(name):
+    cases, candidate = _cases(), candidate_from_object(WRONG_PROBES[name])
+    for case, command, keys, expected, verdict, words in CAUGHT[name]:
+        cfg = cases[case].model_copy(update=keys)
+        report = run_check(command, cfg, candidate, embedded=True)
+        rows = _probe_rows(report)
+        assert {label: rows[label].status for label in expected} == expected, (case, command, keys, [r.note for r in rows.values()])
+        assert report.verdict == verdict, (case, command, keys)
+        failing = [rows[label] for label, status in expected.items() if status is FAIL]
+        assert all(words in r.note for r in failing), [r.note for r in failing]
+
+
+def test_the_flaws_no_comparison_shows_pass_every_comparison():
+    """Without the probes the first three kernels pass: only a probe shows them."""
+    cfg = _cases()["plain"].model_copy(update={"probes": []})
+    for name in ("NoisyLastBit", "BatchSplitSum", "ContiguityAssumed"):
+        for command in ("forward", "grad"):
+            assert run_check(command, cfg, candidate_from_object(WRONG_PROBES[name]), embedded=True).passed, (name, command)
+
+
+def test_the_correct_kernel_passes_every_probe_of_the_default_suite():
+    candidate = candidate_from_object(CORRECT_KERNEL)
+    for name, cfg in _cases().items():
+        if cfg.causal == "upper_left" and cfg.tgt_len != cfg.S:
+            continue  # not its alignment: unsupported before any probe
+        for command in ("forward", "grad"):
+            report = run_check(command, cfg, candidate, embedded=True)
+            rows = _probe_rows(report)
+            assert rows and report.passed, (name, command, [r.note for r in report.failures])
+            assert rows["determinism"].status is PASS, (name, command)
+            if command == "forward":
+                assert rows["batch_invariance"].status is (PASS if cfg.batch_size > 1 else SKIPPED), name
+                assert all(rows[label].status is PASS for label in STRIDES), name
+
+
+def test_a_case_that_cannot_tell_an_option_says_so():
+    """L = 1 under bottom-right causal: the one query sees every key, causal or not."""
+    report = run_check("forward", _cases()["decode-lower-right"], candidate_from_object(CORRECT_KERNEL), embedded=True)
+    row = _probe_rows(report)["options: causal"]
+    assert row.status is INFO and "cannot tell causal" in row.note
+    assert report.passed
+
+
+def test_every_option_of_a_case_is_probed_and_the_oracle_tells_each():
+    cfg = Config(module="sdpa", softcap=5.0, input_scale=3.0, window_size=[1, -1], scale=0.3, alibi=True, causal="lower_right",
+                 attn_mask="random", probes=["options"])  # fmt: skip
+    rows = _probe_rows(run_check("forward", cfg))
+    assert {label: r.status for label, r in rows.items()} == {
+        f"options: {name}": PASS for name in ("softcap", "window", "ALiBi", "scale", "causal", "attn_mask")}
+
+
+def test_no_probe_runs_unless_the_config_asks():
+    assert not _probe_rows(run_check("forward", Config(module="sdpa")))
+    assert set(_probe_rows(run_check("forward", Config(module="sdpa", deterministic=True)))) == {"determinism"}
+
+
+def test_the_capability_table_lists_each_probe_with_its_verdict():
+    cases = _cases()
+    candidate = candidate_from_object(WRONG_PROBES["BatchSplitSum"])
+    reports = [run_check("forward", cases[name], candidate, embedded=True) for name in ("plain", "softcap")]
+    probes = {c.feature: c for c in capabilities(reports) if c.feature.startswith("probe: ")}
+    assert set(probes) == {"probe: determinism", "probe: batch_invariance", "probe: strides", "probe: options"}
+    assert probes["probe: batch_invariance"].reported == ("plain", "softcap")
+    assert probes["probe: strides"].verdict is PASS and probes["probe: strides"].cases == ("plain", "softcap")
+
+
+def test_views_are_made_in_the_candidates_own_process():
+    """A candidate handed to the API runs in its own process; its probe calls get the views there."""
+    cfg = dict(module="sdpa", probes=["strides"], batch_size=2, tgt_len=5, src_len=7)
+    report = attncheck.check(cfg, "forward", impl=WRONG_PROBES["ContiguityAssumed"])
+    assert not any("not isolated" in note for note in report.notes)
+    assert [str(r.quantity) for r in report.failures] == STRIDES
+    assert attncheck.check(cfg, "forward", impl=CORRECT_KERNEL).passed
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_layout_keeps_the_values_and_changes_the_memory(layout):
+    a = np.arange(2 * 3 * 5 * 4, dtype=np.float32).reshape(2, 3, 5, 4)
+    view = laid_out(a, layout)
+    assert np.array_equal(view, a) and view.dtype == a.dtype
+    assert not (view.flags.c_contiguous and view.base is None)
+
+
+def test_torch_views_and_a_torch_kernel_that_assumes_contiguity():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+
+    class AsStrided:
+        """Reads each input through torch.as_strided with contiguous strides from the storage's start."""
+
+        def __call__(self, query, key, value, **kwargs):
+            flat = lambda t: torch.as_strided(t, t.shape, torch.empty(t.shape).stride(), 0)  # noqa: E731
+            return F.scaled_dot_product_attention(flat(query), flat(key), flat(value), **kwargs)
+
+    cfg = Config(module="sdpa", framework="torch", probes=["strides"], tgt_len=5, src_len=7)
+    assert run_check("forward", cfg, candidate_from_object(F.scaled_dot_product_attention)).passed
+    report = run_check("forward", cfg, candidate_from_object(AsStrided()))
+    assert [str(r.quantity) for r in report.failures] == STRIDES
+    assert all("strides query (" in r.note for r in report.failures)
+
+
+def test_multihead_attention_gets_the_probes_that_apply():
+    for cfg in (Config(probes="all"), Config(probes="all", batch_first=False, self_attention=False, src_len=7, attn_mask_dims=3,
+                                              attn_mask="random", key_padding_mask="random")):  # fmt: skip
+        for command in ("forward", "grad"):
+            report = run_check(command, cfg)
+            rows = _probe_rows(report)
+            assert report.passed and rows, (command, [r.note for r in report.failures])
+            assert not any(label.startswith("options") for label in rows)  # the modules' options change their parameters
+            assert all(r.status is PASS for r in rows.values()), [(label, r.note) for label, r in rows.items()]
+
+
+def test_the_config_keys():
+    assert Config(probes="all").probes_run == ("determinism", "batch_invariance", "strides", "options")
+    assert Config(batch_invariant=True, probes=["strides"]).probes_run == ("batch_invariance", "strides")
+    with pytest.raises(ValueError, match="names a probe twice"):
+        Config(probes=["strides", "strides"])
+    with pytest.raises(ValueError):
+        Config(probes=["stride"])
