@@ -462,7 +462,7 @@ def _torch_unusable(exc: BaseException) -> bool:
 
 
 def _torch_requirement() -> str:
-    """The torch range in attncheck's installed metadata (`torch<2.15,>=2.5`): the hint cannot drift from pyproject.toml."""
+    """The torch range in attncheck's installed metadata (`torch<2.15,>=2.6`): the hint cannot drift from pyproject.toml."""
     import importlib.metadata
     import re
 

@@ -132,3 +132,17 @@ def test_other_import_errors_stay_bugs():
     assert not _torch_unusable(raised(ImportError("cannot import name 'x' from 'attncheck.y'")))
     assert not _torch_unusable(raised(OSError("disk full")))
     assert not _torch_unusable(raised(ValueError("not an import")))
+
+
+def test_bin_test_oldest_pins_every_floor():
+    """bin/test-oldest runs the suite on each dependency's floor: its pins and pyproject.toml's floors agree."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    line = re.search(r"^OLDEST=\((.*)\)$", (ROOT / "bin" / "test-oldest").read_text(), re.M).group(1)
+    pinned = {name.lower(): Version(version) for name, version in (pin.split("==") for pin in line.split())}
+    floors = {}
+    for text in PROJECT["dependencies"]:
+        requirement = Requirement(text)
+        floors[requirement.name.lower()] = next(Version(s.version) for s in requirement.specifier if s.operator == ">=")
+    assert pinned == floors
