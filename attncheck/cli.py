@@ -121,7 +121,7 @@ PlotOption = Annotated[
     Optional[Path],
     typer.Option("--plot", help="Draw |candidate - reference| / allowed for each failing quantity: PATH.png or PATH.svg "
                  "(one file per quantity, PATH itself when there is one), PATH.pdf (one page per quantity), "
-                 "or a directory (PNG files). Needs matplotlib: pip install 'attncheck[plot]'.", show_default=False),
+                 "or a directory (PNG files). Needs matplotlib (pip install matplotlib).", show_default=False),
 ]  # fmt: skip
 PlotAllOption = Annotated[bool, typer.Option("--plot-all", help="With --plot: draw every compared quantity, not only failing ones.")]
 ModuleOption = Annotated[
@@ -448,16 +448,54 @@ def main(argv: list[str] | None = None) -> None:
         show = getattr(e, "show", None)
         show() if show else typer.echo(f"error: {e.format_message()}", err=True)
         code = EXIT_USAGE
-    except Exception:
-        traceback.print_exc()
-        typer.echo(
-            "attncheck: internal error (a bug in attncheck, not in your config). "
-            "Please report it with the command and config that triggered it.",
-            err=True,
-        )
-        code = EXIT_BUG
+    except Exception as exc:
+        if _torch_unusable(exc):
+            typer.echo(f"error: attncheck needs torch, which cannot be imported here: {exc}", err=True)
+            typer.echo(f"error: install it into attncheck's environment: pip install '{_torch_requirement()}' "
+                       "(from a checkout, bin/setup does it)", err=True)  # fmt: skip
+            code = EXIT_USAGE
+        else:
+            traceback.print_exc()
+            typer.echo(
+                "attncheck: internal error (a bug in attncheck, not in your config). "
+                "Please report it with the command and config that triggered it.",
+                err=True,
+            )
+            code = EXIT_BUG
     _flush_quietly()
     sys.exit(code if isinstance(code, int) else EXIT_OK)
+
+
+def _torch_unusable(exc: BaseException) -> bool:
+    """Whether `exc` is torch failing to import: not installed, or installed but broken (a shared
+    library that will not load raises ImportError or OSError from inside torch's own package)."""
+    import importlib.util
+    import os
+
+    if not isinstance(exc, (ImportError, OSError)):
+        return False
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").partition(".")[0] == "torch":
+        return True
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):  # ValueError: a torch module left in sys.modules without a spec
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    package_dirs = tuple(os.path.join(path, "") for path in spec.submodule_search_locations)
+    return any(frame.filename.startswith(package_dirs) for frame in traceback.extract_tb(exc.__traceback__))
+
+
+def _torch_requirement() -> str:
+    """The torch range in attncheck's installed metadata (`torch<2.15,>=2.6`): the hint cannot drift from pyproject.toml."""
+    import importlib.metadata
+    import re
+
+    try:
+        requires = importlib.metadata.requires("attncheck") or []
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        requires = []
+    return next((r.partition(";")[0].strip() for r in requires if re.match(r"torch\b(?![-_.])", r)), "torch")
 
 
 def _flush_quietly() -> None:

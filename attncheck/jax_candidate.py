@@ -1,6 +1,6 @@
 """JAX candidates: a Session that hands JAX arrays and differentiates with `jax.vjp`.
 
-Imported only when a JAX candidate is checked (`pip install attncheck[jax]`). Every parameter,
+Imported only when a JAX candidate is checked (the `jax` extra: `ATTNCHECK_EXTRAS=test,jax bin/setup`). Every parameter,
 input and mask the candidate receives is a JAX array of the config's dtype (bfloat16 natively).
 A candidate with no `backward` gets its gradients from `jax.vjp` of the function
 `(parameters, inputs) -> factory(parameters, ...).forward(inputs, ...)[0]`: the candidate is built
@@ -26,7 +26,8 @@ try:
     import jax
     import jax.numpy as jnp
 except ImportError as exc:  # the extra is not installed
-    raise UsageError(f"a JAX candidate needs JAX: pip install 'attncheck[jax]' ({exc})") from None
+    raise UsageError(f"a JAX candidate needs JAX: pip install jax into attncheck's environment "
+                     f"(in a checkout: ATTNCHECK_EXTRAS=test,jax bin/setup, which adds Flax too) ({exc})") from None
 
 jax.config.update("jax_enable_x64", True)
 

@@ -1,6 +1,6 @@
 """Heatmaps of where a quantity's error lies: |candidate - reference| / allowed (`--plot`).
 
-matplotlib is an optional extra (`pip install attncheck[plot]`), imported only here and only
+matplotlib is an optional extra (the `plot` extra; `test` includes it), imported only here and only
 when a plot is asked for; the figures are drawn off-screen (Agg), so no display is needed.
 
 One figure per quantity: attention weights as one panel per head over (query, key), outputs
@@ -37,7 +37,8 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'attncheck[plot]' (or pip install matplotlib)") from None
+        raise UsageError("--plot needs matplotlib: pip install matplotlib into attncheck's environment "
+                         "(in a checkout: .venv/bin/pip install -e '.[plot]')") from None
 
 
 def plot_target(path: Path) -> None:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("jax", reason="JAX is not installed: pip install 'attncheck[jax]'")
-pytest.importorskip("flax", reason="Flax is not installed: pip install 'attncheck[jax]'")
+pytest.importorskip("jax", reason="JAX is not installed: ATTNCHECK_EXTRAS=test,jax bin/setup")
+pytest.importorskip("flax", reason="Flax is not installed: ATTNCHECK_EXTRAS=test,jax bin/setup")
 
 pytestmark = pytest.mark.slow  # JAX traces and compiles every candidate call: seconds per check
 

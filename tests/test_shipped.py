@@ -12,7 +12,9 @@ run through the CLI in another test module is listed in COVERED_ELSEWHERE instea
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,7 +179,22 @@ def _example_id(case: Documented) -> str:
     return f"{case.impl.split('.py')[0]}:{'_'.join(case.args).replace('configs/', '')}"
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c.slow else []) for c in EXAMPLES], ids=_example_id)
+# JAX is an extra (ATTNCHECK_EXTRAS=test,jax): without it, an example that imports jax or flax cannot run.
+HAS_JAX = all(importlib.util.find_spec(name) for name in ("jax", "flax"))
+NO_JAX = pytest.mark.skip(reason="JAX is not installed: ATTNCHECK_EXTRAS=test,jax bin/setup")
+
+
+def _marks(case: Documented) -> list[pytest.MarkDecorator]:
+    """slow where the case says so; skipped when it imports JAX or Flax and they are not installed."""
+    source = (ROOT / "examples" / case.impl.partition(":")[0]).read_text()
+    needs_jax = re.search(r"^\s*(import|from)\s+(jax|flax)\b", source, re.M) is not None
+    marks = [pytest.mark.slow] if case.slow else []
+    if needs_jax and not HAS_JAX:
+        marks.append(NO_JAX)
+    return marks
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=_marks(c)) for c in EXAMPLES], ids=_example_id)
 def test_every_example_gives_its_documented_verdict(cli, case):
     code, data, printed = cli(*case.args, "--impl", f"examples/{case.impl}")
     assert code == case.exit_code, (case.source, printed[-3000:])

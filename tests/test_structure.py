@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
 import os
 import pkgutil
 import subprocess
@@ -56,7 +57,7 @@ def loaded(request) -> _Loaded:
     found = _Loaded()
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         wanted = sorted({item.callspec.params["module"] for item in request.session.items
-                         if item.module is request.module and "loaded" in item.fixturenames})  # fmt: skip
+                         if item.module is request.module and "loaded" in item.fixturenames} - WITHOUT_JAX)  # fmt: skip
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             found.update(zip(wanted, pool.map(loaded_after_import, wanted)))
     return found
@@ -154,7 +155,12 @@ def test_the_listed_modules_import_torch(module):
     assert not reaches(module, "hypothesis"), f"{module} imports hypothesis, a test extra"
 
 
-@pytest.mark.parametrize("module", sorted(set(MODULES) - IMPORTS_TORCH))
+# JAX is an extra (ATTNCHECK_EXTRAS=test,jax): without it, the modules that import it cannot be imported to be asked.
+WITHOUT_JAX = set() if importlib.util.find_spec("jax") else {m for m in MODULES if reaches(m, "jax")}
+NO_JAX = pytest.mark.skip(reason="JAX is not installed: ATTNCHECK_EXTRAS=test,jax bin/setup")
+
+
+@pytest.mark.parametrize("module", [pytest.param(m, marks=NO_JAX) if m in WITHOUT_JAX else m for m in sorted(set(MODULES) - IMPORTS_TORCH)])
 def test_only_the_torch_side_loads_torch(loaded, module):
     loaded = loaded[module]
     assert "torch" not in loaded, f"importing {module} loads torch: route the torch call through attncheck.torch_side"
