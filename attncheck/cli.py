@@ -412,7 +412,7 @@ def sgd_step(
     module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run("sgd-step", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module))  # fmt: skip
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings))  # fmt: skip
 
 
 @_command("run", "Run forward, grad and sgd-step for every case of a config or suite: the one command for CI.")

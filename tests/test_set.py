@@ -28,6 +28,16 @@ def test_set_changes_the_config_of_a_single_check(tmp_path):
     assert code == 0 and (config["attn_mask"], config["need_weights"], config["seed"], config["budget_floor"]) == ("causal", False, 7, 1e-5)
 
 
+@pytest.mark.parametrize("command", ["forward", "grad", "sgd-step", "run"])
+def test_set_works_on_every_command(tmp_path, command):
+    out = tmp_path / "r.json"
+    code, output = run(command, "-c", CONFIG, "--set", "seed=11", "--set", "steps=2", "--set", "timeout=50", "--json", out)
+    data = json.loads(out.read_text())
+    configs = [r["config"] for r in data.get("results", [data])]
+    assert code == 0, output
+    assert {(c["seed"], c["steps"], c["timeout"]) for c in configs} == {(11, 2, 50)}
+
+
 def test_set_reaches_every_case_of_the_default_suite(tmp_path):
     out = tmp_path / "r.json"
     code, _ = run("forward", "--set", "dtype=float64", "--json", out)
