@@ -42,6 +42,7 @@ class Module(str, enum.Enum):
     multihead_attention = "multihead_attention"
     transformer_encoder_layer = "transformer_encoder_layer"
     sdpa = "sdpa"
+    sdpa_varlen = "sdpa_varlen"
 
 
 class Tolerance(str, enum.Enum):
@@ -125,8 +126,8 @@ PlotOption = Annotated[
 PlotAllOption = Annotated[bool, typer.Option("--plot-all", help="With --plot: draw every compared quantity, not only failing ones.")]
 ModuleOption = Annotated[
     Optional[Module],
-    typer.Option("--module", help="What to check against: multihead_attention, transformer_encoder_layer, or sdpa (the attention function "
-                 "itself, F.scaled_dot_product_attention's signature). "
+    typer.Option("--module", help="What to check against: multihead_attention, transformer_encoder_layer, sdpa (the attention function "
+                 "itself, F.scaled_dot_product_attention's signature) or sdpa_varlen (packed sequences, flash_attn_varlen_func's). "
                  "Without --config, the embedded default suite of that module runs; with one, every case must check it.",
                  show_default=False),
 ]  # fmt: skip
