@@ -77,7 +77,7 @@ def test_every_shipped_config_gives_its_documented_verdict(cli, name):
     assert "Traceback" not in printed
     reports = reports_of(data)
     # run: every command the module has a use for (a function has no sgd-step)
-    has_sgd = not all(r["config"]["module"] == "sdpa" for r in reports)
+    has_sgd = not all(r["config"]["module"] in ("sdpa", "sdpa_varlen") for r in reports)
     assert reports and {r["command"] for r in reports} == {"forward", "grad", *(["sgd-step"] if has_sgd else [])}
     assert [problem for r in reports for problem in unexplained(r)] == []
     if verdicts is None:
@@ -140,6 +140,10 @@ EXAMPLES = [
                "its docstring: the layer's default suite, gradients from jax.vjp", {"pass": 21}, slow=True),
     Documented("numpy_flash_attention.py:FlashAttention", ("run", "--module", "sdpa"), 0,
                "its docstring: passes the default kernel suite (its upper-left causal cases are not its claim)"),
+    Documented("numpy_flash_attention_varlen.py:FlashAttentionVarlen", ("run", "--module", "sdpa_varlen"), 0,
+               "its docstring; kernels page 'Packed sequences': passes all 48 checks", {"pass": 48}),
+    Documented("torch_sdpa_varlen.py:flash_attn_varlen_func", ("run", "--module", "sdpa_varlen"), 0,
+               "its docstring; kernels page 'Packed sequences': passes 38, softcap and the LSE unsupported", {"pass": 38, "unsupported": 10}),
     Documented("nanogpt_attention.py:MultiheadAttention", ("grad", "-c", "configs/causal.yaml"), 0, "its docstring: '# exit 0'"),
     Documented("nanogpt_attention.py:MultiheadAttention", ("forward", "-c", "configs/default.yaml"), 4,
                "its docstring: any mask but the causal one is unsupported (default.yaml has none)"),
