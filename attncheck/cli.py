@@ -42,6 +42,7 @@ class Module(str, enum.Enum):
     multihead_attention = "multihead_attention"
     transformer_encoder_layer = "transformer_encoder_layer"
     sdpa = "sdpa"
+    sdpa_varlen = "sdpa_varlen"
     sdpa_kvcache = "sdpa_kvcache"
 
 
@@ -127,7 +128,8 @@ PlotAllOption = Annotated[bool, typer.Option("--plot-all", help="With --plot: dr
 ModuleOption = Annotated[
     Optional[Module],
     typer.Option("--module", help="What to check against: multihead_attention, transformer_encoder_layer, sdpa (the attention function "
-                 "itself, F.scaled_dot_product_attention's signature) or sdpa_kvcache (a decode kernel, flash_attn_with_kvcache's). "
+                 "itself, F.scaled_dot_product_attention's signature), sdpa_varlen (packed sequences, flash_attn_varlen_func's) "
+                 "or sdpa_kvcache (a decode kernel, flash_attn_with_kvcache's). "
                  "Without --config, the embedded default suite of that module runs; with one, every case must check it.",
                  show_default=False),
 ]  # fmt: skip

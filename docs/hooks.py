@@ -152,6 +152,8 @@ SUITES = (
     ("default_suite.yaml", "multihead_attention", "`nn.MultiheadAttention`: what every command checks with no `--config`"),
     ("default_layer_suite.yaml", "transformer_encoder_layer", "`nn.TransformerEncoderLayer`: `--module transformer_encoder_layer` with no `--config`"),
     ("default_sdpa_suite.yaml", "sdpa", "the attention function: `--module sdpa` with no `--config`"),
+    ("default_sdpa_varlen_suite.yaml", "sdpa_varlen", "packed sequences: `--module sdpa_varlen` with no `--config`"),
+    ("default_sdpa_kvcache_suite.yaml", "sdpa_kvcache", "a decode kernel with a KV cache: `--module sdpa_kvcache` with no `--config`"),
 )
 
 

@@ -74,9 +74,10 @@ def test_the_config_reference_has_every_key_with_its_default(site):
 
 def test_the_default_suites_page_has_every_case_of_every_suite(site):
     from attncheck.config import load_suite
+    from attncheck.kinds import kinds
 
     text = html_of(site, "reference/default-suites")
-    for module in ("multihead_attention", "transformer_encoder_layer", "sdpa"):
+    for module in kinds():  # every kind has a default suite, and the page lists it
         suite = load_suite(None, module=module)
         assert f"({len(suite.cases)} cases)" in text, module
         for case in suite.cases:

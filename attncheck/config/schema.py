@@ -46,6 +46,7 @@ _INT_RANGES = {
     "new_tokens": (0, MAX_LEN),
     "page_size": (1, MAX_LEN),
     "num_splits": (0, MAX_DIM),
+    "num_seqs": (1, MAX_BATCH),
 }
 _FLOAT_FIELDS = (
     "dropout", "mask_fill", "input_scale", "budget_factor", "budget_floor", "atol", "rtol",
@@ -76,7 +77,7 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     name: str | None = None
-    module: Literal["multihead_attention", "transformer_encoder_layer", "sdpa", "sdpa_kvcache"] = "multihead_attention"
+    module: Literal["multihead_attention", "transformer_encoder_layer", "sdpa", "sdpa_varlen", "sdpa_kvcache"] = "multihead_attention"
     seed: int = 0
     dtype: Literal["float32", "float64", "float16", "bfloat16"] = "float32"
     # The candidate's array library; None: detected from the candidate (attncheck.frameworks.detect_framework).
@@ -121,6 +122,11 @@ class Config(BaseModel):
     page_size: int | None = None  # a paged cache of pages this long, reached through block_table; None: contiguous
     num_splits: int = 0  # passed as num_splits: 0 = the kernel's heuristic, 1 = no split, n = n splits of the keys
     rotary: Literal["none", "interleaved", "half"] = "none"  # RoPE on q and the new k: GPT-J pairs or GPT-NeoX halves
+    # Packed sequences (module: sdpa_varlen only): each sequence's query and key lengths, or random
+    # lengths (at most tgt_len and src_len) for num_seqs sequences; null: random
+    seqlens_q: list[int] | Literal["random"] | None = None
+    seqlens_k: list[int] | Literal["random"] | None = None  # None: seqlens_q's
+    num_seqs: int | None = None  # with random lengths; None: 3
 
     attn_mask: Literal["none", "causal", "random", "full_row"] = "none"
     attn_mask_dims: Literal[2, 3, 4] = 2
@@ -188,8 +194,8 @@ class Config(BaseModel):
 
     @property
     def is_function(self) -> bool:
-        """Whether the module under check is the attention function itself (module: sdpa)."""
-        return self.module in (SDPA, SDPA_KVCACHE)
+        """Whether the module under check is the attention function itself (module: sdpa, sdpa_varlen, sdpa_kvcache)."""
+        return self.module in (SDPA, SDPA_VARLEN, SDPA_KVCACHE)
 
     @property
     def head_dim_eff(self) -> int:
@@ -215,7 +221,13 @@ class Config(BaseModel):
 
     @property
     def logits(self) -> int:
-        """B * H * L * S: how many attention logits one call computes, the measure of its cost."""
+        """B * H * L * S: how many attention logits one call computes, the measure of its cost
+        (packed sequences: H * the sum of Lq * Lk, at most num_seqs * L * S for random lengths)."""
+        if self.module == SDPA_VARLEN:
+            if isinstance(self.seqlens_q, list):
+                lengths_k = self.seqlens_k if isinstance(self.seqlens_k, list) else self.seqlens_q
+                return self.num_heads * sum(lq * lk for lq, lk in zip(self.seqlens_q, lengths_k))
+            return self.num_heads * (self.num_seqs or DEFAULT_NUM_SEQS) * self.tgt_len * self.S
         return self.effective_batch * self.num_heads * self.tgt_len * self.S
 
     @property
@@ -288,7 +300,7 @@ class Config(BaseModel):
     @classmethod
     def _layer_needs_no_weights(cls, data):
         """The layer calls its attention with need_weights=False: that is its default."""
-        if isinstance(data, dict) and data.get("module") in (TRANSFORMER_ENCODER_LAYER, SDPA, SDPA_KVCACHE) and "need_weights" not in data:
+        if isinstance(data, dict) and data.get("module") in (TRANSFORMER_ENCODER_LAYER, SDPA, SDPA_VARLEN, SDPA_KVCACHE) and "need_weights" not in data:
             return {**data, "need_weights": False}
         return data
 
@@ -318,6 +330,10 @@ SDPA = "sdpa"
 SDPA_KVCACHE = "sdpa_kvcache"
 # The decode kernel's own keys: set for another module, they are a config error.
 KVCACHE_ONLY_KEYS = ("cache_seqlens", "new_tokens", "page_size", "num_splits", "rotary")
+SDPA_VARLEN = "sdpa_varlen"
+DEFAULT_NUM_SEQS = 3  # random sequence lengths with num_seqs unset
+# Packed sequences' own keys (module: sdpa_varlen): set for another module, they are a config error.
+VARLEN_ONLY_KEYS = ("seqlens_q", "seqlens_k", "num_seqs")
 # Keys of one module that mean nothing for the other: set there, they are a config error.
 LAYER_ONLY_KEYS = ("dim_feedforward", "activation", "layer_norm_eps", "norm_first")
 # The attention function's own keys: set for another module, they are a config error.
@@ -452,8 +468,9 @@ def _module_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
             problems.append((("need_weights", "module"), f"true: the attention function returns no weights (module: {cfg.module}); remove it"))
         if cfg.module != SDPA_KVCACHE:
             problems += _not_kvcache_problems(cfg)
-        return problems
+        return problems + _varlen_only_problems(cfg)
     problems += _not_kvcache_problems(cfg)
+    problems += _varlen_only_problems(cfg)
     for key in SDPA_ONLY_KEYS:  # at their defaults they say nothing (the default file spells them)
         if getattr(cfg, key) != Config.model_fields[key].default:
             problems.append(((key, "module"), f"{show(getattr(cfg, key))} is a key of the attention function, not of module: "
@@ -507,7 +524,20 @@ def _function_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
         from attncheck.config.kvcache_rules import kvcache_problems
 
         problems += kvcache_problems(cfg)
+    if cfg.module == SDPA_VARLEN:
+        from attncheck.config.varlen import varlen_problems
+
+        problems += varlen_problems(cfg)
     return problems
+
+
+def _varlen_only_problems(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
+    """Packed sequences' keys set for a module that has none."""
+    if cfg.module == SDPA_VARLEN:
+        return []
+    return [((key, "module"), f"{show(getattr(cfg, key))} is a key of packed sequences, not of module: {cfg.module}; "
+             f"set module: {SDPA_VARLEN} to check a flash_attn_varlen_func kernel")  # fmt: skip
+            for key in VARLEN_ONLY_KEYS if getattr(cfg, key) != Config.model_fields[key].default]
 
 
 def _nearest_divisors(n: int, near: int) -> list[int]:

@@ -11,6 +11,7 @@ kind is a new module in this package and a `module` value in the config schema.
     multihead_attention        nn.MultiheadAttention        attncheck.kinds.mha
     transformer_encoder_layer  nn.TransformerEncoderLayer   attncheck.kinds.encoder_layer
     sdpa                       the attention function       attncheck.kinds.sdpa
+    sdpa_varlen                flash_attn_varlen_func       attncheck.kinds.sdpa_varlen
     sdpa_kvcache               flash_attn_with_kvcache      attncheck.kinds.sdpa_kvcache
 
 torch is imported only inside the methods that build or call torch's module (attncheck.torch_side
@@ -252,8 +253,9 @@ def _all_kinds() -> dict[str, ModuleKind]:
     from attncheck.kinds.mha import MHA
     from attncheck.kinds.sdpa import SDPA
     from attncheck.kinds.sdpa_kvcache import KVCACHE
+    from attncheck.kinds.sdpa_varlen import VARLEN
 
-    return {kind.name: kind for kind in (MHA, ENCODER_LAYER, SDPA, KVCACHE)}
+    return {kind.name: kind for kind in (MHA, ENCODER_LAYER, SDPA, VARLEN, KVCACHE)}
 
 
 _KINDS: dict[str, ModuleKind] = {}

@@ -1,0 +1,131 @@
+"""Known-bad kernels of `module: sdpa_varlen`: each is the correct packed kernel with one bug in how
+it walks the sequences, the bugs varlen kernels ship with.
+
+DenseVarlen (CORRECT_KERNEL) runs attncheck.testing.dense_sdpa.DenseSDPA on each sequence alone (a
+batch of one, FlashAttention's lower_right causal); a known-bad kernel overrides one of its hooks
+(HOOKS): which packed rows and keys a sequence reads, and the per-sequence kernel. Its docstring
+says the bug and the kind of case that exposes it; tests/test_sdpa_varlen.py names the default-suite
+case that catches each. Like a GPU grid, whose blocks run in any order, DenseVarlen runs the last
+sequence first: a write past a sequence's own rows is not hidden by the next sequence writing them.
+Usable as `--impl attncheck.testing.wrong_varlen:NAME`.
+
+Dimensions: N sequences, Tq total query rows, Tk total keys, Hq query heads, Hkv key-value heads,
+E head dim, Ev value head dim; Lq, Lk one sequence's lengths.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attncheck.testing.dense_sdpa import DenseSDPA
+
+# The methods a known-bad kernel may override.
+HOOKS = ("_rows", "_keys", "_kernel")
+
+
+class DenseVarlen:
+    """flash_attn_varlen_func computed densely, sequence by sequence: forward(...) -> out or
+    (out, softmax_lse, None); backward(grad_out, grad_lse) -> {"q", "k", "v"}."""
+
+    def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_attn_probs=False):  # fmt: skip
+        Tq, Hq, _ = q.shape
+        Tk, Hkv, Ev = v.shape
+        cu_q, cu_k = np.asarray(cu_seqlens_q).tolist(), np.asarray(cu_seqlens_k).tolist()
+        slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
+        window = None if tuple(window_size) == (-1, -1) else tuple(window_size)
+        out = np.zeros((Tq, Hq, Ev), dtype=q.dtype)  # (Tq, Hq, Ev)
+        lse = np.full((Hq, Tq), -np.inf, dtype=np.float64 if q.dtype == np.float64 else np.float32)  # (Hq, Tq)
+        self.runs, self.shapes = [], (q, k, v)
+        for s in reversed(range(len(cu_q) - 1)):  # a GPU grid's blocks run in any order
+            q0, q1 = self._rows(cu_q, s, Tq)
+            k0, k1 = self._keys(cu_k, s, max_seqlen_k, Tk)
+            if q1 <= q0 or k1 <= k0:
+                continue
+            kernel = self._kernel()
+            seq_out, seq_lse = kernel.forward(
+                q[q0:q1].transpose(1, 0, 2)[None], k[k0:k1].transpose(1, 0, 2)[None], v[k0:k1].transpose(1, 0, 2)[None],
+                is_causal=causal, scale=softmax_scale, enable_gqa=Hq != Hkv, window_size=window, softcap=softcap,
+                alibi_slopes=None if slopes is None else (slopes if slopes.ndim == 1 else slopes[s]), return_lse=True,
+            )  # fmt: skip  # (1, Hq, Lq, Ev), (1, Hq, Lq)
+            out[q0:q1] = seq_out[0].transpose(1, 0, 2)  # (Lq, Hq, Ev)
+            lse[:, q0:q1] = seq_lse[0]  # (Hq, Lq)
+            self.runs.append((q0, q1, k0, k1, kernel))
+        return (out, lse, None) if return_attn_probs else out
+
+    def backward(self, grad_out, grad_lse=None):
+        q, k, v = self.shapes
+        d_q, d_k, d_v = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+        for q0, q1, k0, k1, kernel in self.runs:
+            seq_grad_lse = None if grad_lse is None else np.asarray(grad_lse)[None, :, q0:q1]  # (1, Hq, Lq)
+            grads = kernel.backward(np.asarray(grad_out)[q0:q1].transpose(1, 0, 2)[None], seq_grad_lse)
+            d_q[q0:q1] = grads["query"][0].transpose(1, 0, 2)  # (Lq, Hq, E)
+            d_k[k0:k1] += grads["key"][0].transpose(1, 0, 2)  # (Lk, Hkv, E); += : a buggy kernel's ranges may overlap
+            d_v[k0:k1] += grads["value"][0].transpose(1, 0, 2)  # (Lk, Hkv, Ev)
+        return {"q": d_q, "k": d_k, "v": d_v}
+
+    # ------------------------------------------------------------------------------- hooks
+    def _rows(self, cu_q: list[int], s: int, Tq: int) -> tuple[int, int]:
+        """The packed query rows of sequence s."""
+        return cu_q[s], cu_q[s + 1]
+
+    def _keys(self, cu_k: list[int], s: int, max_seqlen_k: int, Tk: int) -> tuple[int, int]:
+        """The packed keys of sequence s."""
+        return cu_k[s], cu_k[s + 1]
+
+    def _kernel(self) -> DenseSDPA:
+        """The kernel one sequence runs through, as a batch of one."""
+        return DenseSDPA()
+
+
+CORRECT_KERNEL = DenseVarlen
+
+
+class CuSeqlensOffByOne(DenseVarlen):
+    """A sequence's key count is taken as cu_seqlens_k[s+1] - cu_seqlens_k[s] - 1 (an exclusive end
+    read as inclusive): every sequence loses its last key, and a 1-key sequence has none.
+
+    Exposed by any case: each row's softmax misses a key (and a length-1 sequence's row sees nothing).
+    """
+
+    def _keys(self, cu_k, s, max_seqlen_k, Tk):
+        return cu_k[s], cu_k[s + 1] - 1
+
+
+class KeysBleedIntoNext(DenseVarlen):
+    """Each sequence reads max_seqlen_k keys from its start (a padded batch's habit): a shorter
+    sequence's queries also see the next sequence's keys.
+
+    Exposed by any two sequences of different key lengths, the shorter not last.
+    """
+
+    def _keys(self, cu_k, s, max_seqlen_k, Tk):
+        return cu_k[s], min(cu_k[s] + max_seqlen_k, Tk)
+
+
+class CausalTopLeftPerSequence(DenseVarlen):
+    """Causal is top-left aligned in each sequence (query i sees keys j <= i, SDPA's is_causal)
+    instead of FlashAttention's bottom-right (j <= i + Lk - Lq).
+
+    Exposed by causal with Lq != Lk in some sequence.
+    """
+
+    def _kernel(self):
+        kernel = DenseSDPA()
+        kernel.causal_alignment = "upper_left"
+        return kernel
+
+
+class EmptySequenceWritesGarbage(DenseVarlen):
+    """A sequence with no queries still runs one row, at its start cu_seqlens_q[s]: the next
+    sequence's first row, overwritten with attention over the empty sequence's own keys.
+
+    Exposed by a zero-length query sequence with keys, followed by another sequence.
+    """
+
+    def _rows(self, cu_q, s, Tq):
+        q0, q1 = cu_q[s], cu_q[s + 1]
+        return (q0, min(q0 + 1, Tq)) if q1 == q0 else (q0, q1)
+
+
+WRONG_KERNELS = {cls.__name__: cls for cls in (CuSeqlensOffByOne, KeysBleedIntoNext, CausalTopLeftPerSequence, EmptySequenceWritesGarbage)}

@@ -1,0 +1,192 @@
+"""module: sdpa_varlen end to end: the oracle against a dense computation of each sequence alone, the
+config's keys and their messages, the default suite on the reference and the examples, and the
+known-bad corpus of attncheck/testing/wrong_varlen.py caught with no config (CATCHES)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from attncheck.candidate import candidate_from_object
+from attncheck.checks import run_check
+from attncheck.cli import app
+from attncheck.config import config_from_mapping, load_suite
+from attncheck.errors import ConfigError
+from attncheck.kinds.sdpa_varlen import cumulative
+from attncheck.reference.sdpa_varlen import VarlenAttention
+from attncheck.testing.wrong_varlen import CORRECT_KERNEL, WRONG_KERNELS
+
+# Default-suite cases and commands that fail on each known-bad kernel with a real mismatch.
+CATCHES = {
+    "CuSeqlensOffByOne": [("plain", "forward"), ("decode", "grad")],
+    "KeysBleedIntoNext": [("plain", "forward"), ("equal-lengths", "grad")],
+    "CausalTopLeftPerSequence": [("causal", "forward"), ("decode", "grad")],
+    "EmptySequenceWritesGarbage": [("plain", "forward"), ("lse", "grad")],
+}
+# (query lengths, key lengths, options) the oracle is checked on against the dense computation.
+ORACLE_CASES = [
+    ([13, 0, 1, 20, 7], [29, 6, 1, 20, 3], {}),
+    ([13, 0, 1, 20, 7], [29, 6, 1, 20, 3], {"causal": True}),
+    ([5, 4, 6], [9, 0, 6], {"causal": True, "window_size": (2, 1)}),
+    ([9, 3], [4, 11], {"window_size": (1, 1), "softcap": 2.0}),
+    ([6, 8], [10, 8], {"alibi": True, "causal": True}),
+]
+# Configs refused, with a fragment of the message.
+BAD_CONFIGS = [
+    ({"seqlens_q": [3, -1]}, "each length must be between 0 and"),
+    ({"seqlens_q": [3, 4], "seqlens_k": [3]}, "one length per sequence: seqlens_q has 2, seqlens_k 1"),
+    ({"seqlens_q": [0, 0]}, "at least one sequence needs both queries and keys"),
+    ({"seqlens_q": [3, 0], "seqlens_k": [0, 5]}, "at least one sequence needs both queries and keys"),
+    ({"seqlens_q": [3], "seqlens_k": "random"}, "lists or random for both"),
+    ({"seqlens_q": [3], "num_seqs": 4}, "counts random sequences"),
+    ({"seqlens_q": [3], "tgt_len": 4}, "bounds random lengths only"),
+    ({"seqlens_q": [3], "batch_size": 2}, "no batch dimension"),
+    ({"seqlens_q": [3], "attn_mask": "random"}, "takes no attention mask"),
+    ({"seqlens_q": [3], "causal": "upper_left"}, "use causal: lower_right"),
+    ({"seqlens_q": [3], "embed_dim": 16}, "is a key of the modules, not of module: sdpa_varlen"),
+    ({"num_seqs": 0}, "must be between 1 and"),
+]
+
+
+def _cfg(**keys):
+    return config_from_mapping({"module": "sdpa_varlen", "seed": 3, **keys})
+
+
+def _cases():
+    return {case.name: case.config for case in load_suite(None, module="sdpa_varlen").cases}
+
+
+# ------------------------------------------------------------------------------------ the oracle
+def _dense_sequence(q, k, v, causal, window, softcap, slopes):
+    """One sequence's out (Lq, Hq, Ev) and lse (Hq, Lq) in float64 torch, every key at once."""
+    Lq, Hq, E = q.shape
+    Lk, Hkv, _ = k.shape
+    heads = torch.arange(Hq) // (Hq // Hkv)
+    s = torch.einsum("lhe,she->hls", q, k[:, heads]) / np.sqrt(E)  # (Hq, Lq, Lk)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    offset = torch.arange(Lk)[None, :] - (torch.arange(Lq)[:, None] + Lk - Lq)  # (Lq, Lk)
+    if slopes is not None:
+        s = s - torch.as_tensor(slopes, dtype=torch.float64)[:, None, None] * offset.abs()
+    allowed = torch.ones(Lq, Lk, dtype=torch.bool)
+    if causal:
+        allowed &= offset <= 0
+    if window is not None:
+        allowed &= (offset >= -window[0]) & (offset <= window[1])
+    s = s.masked_fill(~allowed, -torch.inf)
+    empty = ~allowed.any(-1)  # (Lq,)
+    p = torch.softmax(s.masked_fill(empty[:, None], 0), -1).masked_fill(empty[:, None], 0)
+    lse = torch.logsumexp(s.masked_fill(empty[:, None], 0), -1).masked_fill(empty, -torch.inf)
+    return torch.einsum("hls,shv->lhv", p, v[:, heads]), lse
+
+
+@pytest.mark.parametrize("lengths_q, lengths_k, options", ORACLE_CASES)
+def test_the_oracle_is_each_sequence_alone(lengths_q, lengths_k, options):
+    gen = np.random.default_rng(0)
+    Hq, Hkv, E, Ev = 4, 2, 8, 6
+    q = gen.standard_normal((sum(lengths_q), Hq, E))
+    k = gen.standard_normal((sum(lengths_k), Hkv, E))
+    v = gen.standard_normal((sum(lengths_k), Hkv, Ev))
+    slopes = gen.uniform(0.1, 1.0, (len(lengths_q), Hq)) if options.get("alibi") else None
+    causal, window, softcap = options.get("causal", False), options.get("window_size"), options.get("softcap", 0.0)
+    cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
+    target, target_lse = gen.standard_normal((sum(lengths_q), Hq, Ev)), gen.standard_normal((Hq, sum(lengths_q)))
+
+    oracle = VarlenAttention()
+    out, lse = oracle.forward(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal, window_size=window or (-1, -1),
+                              softcap=softcap, alibi_slopes=slopes, return_attn_probs=True)  # fmt: skip
+    grads = oracle.backward(target, target_lse)
+
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    outs, lses = [], []
+    for s in range(len(lengths_q)):
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        if k1 == k0:
+            outs.append(torch.zeros(q1 - q0, Hq, Ev, dtype=torch.float64))
+            lses.append(torch.full((Hq, q1 - q0), -torch.inf, dtype=torch.float64))
+            continue
+        o, l = _dense_sequence(tq[q0:q1], tk[k0:k1], tv[k0:k1], causal, window, softcap, None if slopes is None else slopes[s])
+        outs.append(o)
+        lses.append(l)
+    t_out, t_lse = torch.cat(outs), torch.cat(lses, dim=1)
+    keep = torch.isfinite(t_lse)
+    ((t_out * torch.tensor(target)).sum() + torch.where(keep, t_lse * torch.tensor(target_lse), 0).sum()).backward()
+
+    np.testing.assert_allclose(out, t_out.detach().numpy(), rtol=1e-12, atol=1e-12, err_msg="forward: out")
+    np.testing.assert_array_equal(np.isneginf(lse), ~keep.numpy(), err_msg="forward: rows with no key have lse -inf")
+    np.testing.assert_allclose(lse[keep.numpy()], t_lse.detach().numpy()[keep.numpy()], rtol=1e-12, err_msg="forward: lse")
+    for name, t in (("q", tq), ("k", tk), ("v", tv)):
+        np.testing.assert_allclose(grads[name], t.grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=f"grad: {name}")
+
+
+def test_the_oracle_refuses_a_max_seqlen_below_the_longest_sequence():
+    q, k = np.zeros((5, 2, 4)), np.zeros((5, 2, 4))
+    with pytest.raises(ValueError, match="below the longest sequence"):
+        VarlenAttention().forward(q, k, k, cumulative([2, 3]), cumulative([2, 3]), 2, 3)
+
+
+# ------------------------------------------------------------------------------------ config
+@pytest.mark.parametrize("keys, fragment", BAD_CONFIGS)
+def test_bad_varlen_configs_are_refused(keys, fragment):
+    with pytest.raises(ConfigError) as caught:
+        _cfg(**keys)
+    assert fragment in str(caught.value)
+
+
+@pytest.mark.parametrize("module", ["sdpa", "multihead_attention"])
+def test_varlen_keys_are_refused_for_the_other_modules(module):
+    with pytest.raises(ConfigError) as caught:
+        config_from_mapping({"module": module, "seqlens_q": [3, 4]})
+    assert "set module: sdpa_varlen" in str(caught.value)
+
+
+def test_random_lengths_follow_the_seed_and_bounds():
+    from attncheck.kinds.sdpa_varlen import seqlens
+
+    cfg = _cfg(seqlens_q="random", seqlens_k="random", num_seqs=7, tgt_len=9, src_len=4)
+    lengths_q, lengths_k = seqlens(cfg)
+    assert (len(lengths_q), len(lengths_k)) == (7, 7)
+    assert max(lengths_q) <= 9 and max(lengths_k) <= 4
+    assert seqlens(cfg) == (lengths_q, lengths_k)
+    assert seqlens(cfg.model_copy(update={"seed": 4})) != (lengths_q, lengths_k)
+
+
+# ------------------------------------------------------------------------------------ the CLI
+@pytest.mark.parametrize("impl", [None, "examples/numpy_flash_attention_varlen.py:FlashAttentionVarlen",
+                                  "examples/torch_sdpa_varlen.py:flash_attn_varlen_func"])  # fmt: skip
+def test_the_default_varlen_suite_passes_the_reference_and_the_examples(impl):
+    result = CliRunner().invoke(app, ["run", "--module", "sdpa_varlen", *([] if impl is None else ["--impl", impl])])
+    assert result.exit_code == 0, result.output
+
+
+def test_the_torch_example_declares_softcap_and_the_lse_unsupported():
+    from examples.torch_sdpa_varlen import flash_attn_varlen_func
+
+    cases = _cases()
+    candidate = candidate_from_object(flash_attn_varlen_func)
+    assert run_check("forward", cases["softcap"], candidate, embedded=True).verdict == "unsupported"
+    assert run_check("grad", cases["causal"], candidate, embedded=True).verdict == "pass"
+
+
+# ------------------------------------------------------------------------------------ the corpus
+def test_table_covers_every_wrong_kernel():
+    assert set(CATCHES) == set(WRONG_KERNELS)
+
+
+@pytest.mark.parametrize("name", sorted(CATCHES))
+def test_caught_by_the_default_varlen_suite(name):
+    cases, candidate = _cases(), candidate_from_object(WRONG_KERNELS[name])
+    for case, command in CATCHES[name]:
+        report = run_check(command, cases[case], candidate, embedded=True)
+        assert report.verdict == "fail", (case, command, report.verdict)
+        assert all(r.quantity != "candidate" for r in report.failures), (case, command, [r.note for r in report.failures])
+        assert any(r.mismatched for r in report.failures), (case, command)
+
+
+def test_the_correct_varlen_kernel_passes_every_case():
+    candidate = candidate_from_object(CORRECT_KERNEL)
+    for name, cfg in _cases().items():
+        for command in ("forward", "grad"):
+            assert run_check(command, cfg, candidate, embedded=True).verdict == "pass", (name, command)
