@@ -474,7 +474,7 @@ class Session:
 PAD = 3  # the elements before an offset view and after each padded row
 LAYOUTS = {
     "transposed": "stored in reverse axis order (Fortran order)",
-    "swapped": "stored with the two axes before the last swapped ((B, L, H, E) memory viewed as (B, H, L, E))",
+    "swapped": "stored with the two axes before the last swapped ((B, L, H, E) memory viewed as (B, H, L, E); packed (H, T, E) as (T, H, E))",
     "offset": f"viewed {PAD} elements into a larger buffer",
     "padded": f"stored with the last dimension padded by {PAD} elements, sliced off",
 }

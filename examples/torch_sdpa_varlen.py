@@ -7,7 +7,8 @@ attncheck hands it torch tensors (q (Tq, Hq, E), k (Tk, Hkv, E), v (Tk, Hkv, Ev)
 and takes the gradients from autograd: there is no backward. Causal, the window and ALiBi are one
 float bias per sequence, bottom-right aligned (query i sees keys j <= i + Lk - Lq). SDPA has no soft
 cap and returns no LSE: softcap and return_attn_probs raise NotImplementedError (unsupported).
-A row with no allowed key, and a sequence with no keys, output zero.
+A row with no allowed key, and a sequence with no keys, output zero; so do the rows of a q longer
+than the sequences (FlashAttention's out is shaped like q).
 
 Dimensions: Tq total query rows, Tk total keys, Hq query heads, Hkv key-value heads, E head dim,
 Ev value head dim; Lq, Lk one sequence's lengths.
@@ -60,4 +61,5 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if bias is not None:
             out = out.masked_fill(empty[None], 0)
         outs.append(out[0].transpose(0, 1))  # (Lq, Hq, Ev)
+    outs.append(q.new_zeros(q.shape[0] - cu_q[-1], Hq, Ev))  # rows past the last sequence: out is shaped like q
     return torch.cat(outs, dim=0)  # (Tq, Hq, Ev)

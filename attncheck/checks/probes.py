@@ -7,8 +7,9 @@ through its session (in its own process: the judge never calls candidate code):
     determinism       the same call again (forward; forward and backward under grad): the same
                       bits, or the row reports how far apart the two runs are. INFO, unless the
                       config promises `deterministic: true`: then a difference fails.
-    batch_invariance  the last batch element alone: the bits it gives inside the batch, or the row
-                      reports the difference (INFO; `batch_invariant: true` makes it a failure).
+    batch_invariance  one batch element alone (the kind's `probed_element`: the last; for packed
+                      sequences the last with queries and keys): the bits it gives inside the batch,
+                      or the row reports the difference (INFO; `batch_invariant: true` makes it a failure).
     strides           the inputs handed as views of other memory layouts (candidate.LAYOUTS), one
                       call each: within the budget, as the contiguous call is judged.
     options           each option the case sets (the kind's `option_switches`), turned off alone:
@@ -146,21 +147,22 @@ def determinism(p: Probing, second: Callable[[], dict[str, np.ndarray | None]]) 
 def batch_invariance(p: Probing, w, within_element: Callable[[int, np.ndarray], Row]) -> Row:
     """The last batch element alone against the same element inside the batch."""
     cfg, kind = p.cfg, kind_of(p.cfg)
-    alone = kind.batch_element(cfg, w, cfg.batch_size - 1) if cfg.batch_size > 1 else None
+    element, (noun, whole) = kind.probed_element(cfg, w), kind.element_words
+    alone = None if element is None else kind.batch_element(cfg, w, element[0])
     if alone is None:
-        why = "one batch element" if cfg.batch_size <= 1 or cfg.unbatched else f"{kind.name} has no batch to split"
+        why = f"one {noun}" if element is None else f"{kind.name} has no batch to split"
         return _row("batch_invariance", "batch_invariance", SKIPPED, f"{why}: nothing to compare")
-    b = cfg.batch_size - 1
+    b, count = element
     cfg_b, w_b = alone
     session = session_for(cfg_b, p.run.candidate)
     try:
         out_b, _ = session.forward(session.build(w_b.params), w_b)
     except CandidateProblem as err:
-        return _call_failed("batch_invariance", "batch_invariance", f"batch element {b} alone", err)
+        return _call_failed("batch_invariance", "batch_invariance", f"{noun} {b} alone", err)
     element = Probing(p.run, p.session, {"output": kind.output_element(cfg, p.first["output"], b)},
                       lambda name, a: within_element(b, a), p.budget)  # fmt: skip
     return _second_row("batch_invariance", "batch_invariance", element, {"output": out_b},
-                       f"batch element {b} alone and inside the batch of {cfg.batch_size}", (cfg.batch_invariant, "batch_invariant"))
+                       f"{noun} {b} alone and inside the {whole} of {count}", (cfg.batch_invariant, "batch_invariant"))
 
 
 # ------------------------------------------------------------------------------------- strides

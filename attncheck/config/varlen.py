@@ -26,9 +26,6 @@ def varlen_problems(cfg: Config) -> Problems:
     from attncheck.config.schema import MAX_BATCH, MAX_LEN
 
     problems: Problems = []
-    beyond = [probe for probe in cfg.probes_run if probe != "determinism"]
-    if beyond:  # they split a batch, re-lay q, k, v or switch options of (B, H, L, E) inputs: not built for packed sequences
-        problems.append((("probes",), f"{', '.join(beyond)} cannot probe module: sdpa_varlen yet; it takes determinism"))
     q, k = cfg.seqlens_q, cfg.seqlens_k
     for key, lengths in (("seqlens_q", q), ("seqlens_k", k)):
         if isinstance(lengths, list):

@@ -207,6 +207,16 @@ class ModuleKind:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------ probes
+    # The batch-invariance probe's words for one element of a batch and for the whole.
+    element_words: tuple[str, str] = ("batch element", "batch")
+
+    def probed_element(self, cfg: Config, w: Workload) -> tuple[int, int] | None:
+        """(b, count): the element the batch-invariance probe takes alone (`batch_element`) and how
+        many the inputs hold; None where there is one element only. The modules: the last."""
+        if cfg.unbatched or cfg.batch_size <= 1:
+            return None
+        return cfg.batch_size - 1, cfg.batch_size
+
     def batch_element(self, cfg: Config, w: Workload, b: int) -> tuple[Config, Workload] | None:
         """Batch element `b` alone, for the batch-invariance probe: its config (batch_size 1) and
         its workload; None where the inputs have no batch dimension to split.

@@ -204,6 +204,42 @@ class VarlenKind(FunctionKind):
         return Workload(params={}, query=q, key=k, value=v, attn_mask=None, key_padding_mask=None, target=target,
                         undefined=undefined, extras=extras, target_lse=target_lse, lse_undefined=lse_undefined)  # fmt: skip
 
+    # ------------------------------------------------------------------------ probes
+    element_words = ("sequence", "pack")
+
+    def probed_element(self, cfg, w) -> tuple[int, int] | None:
+        """The last sequence with both queries and keys, of a pack of two or more."""
+        pairs = list(zip(_pairs(w.extras["cu_seqlens_q"]), _pairs(w.extras["cu_seqlens_k"])))
+        if len(pairs) < 2:
+            return None
+        return max(s for s, ((_, _, Lq), (_, _, Lk)) in enumerate(pairs) if Lq and Lk), len(pairs)
+
+    def batch_element(self, cfg, w, b: int) -> tuple[Any, Any] | None:
+        """Sequence `b` alone: its rows of q (Lq, Hq, E) and keys of k, v (Lk, Hkv, X), its own
+        cu_seqlens [0, Lq] and [0, Lk], its row of the slopes (1, Hq); the targets cut alike."""
+        from dataclasses import replace
+
+        (q0, q1, Lq), (k0, k1, Lk) = _pairs(w.extras["cu_seqlens_q"])[b], _pairs(w.extras["cu_seqlens_k"])[b]
+        rows = lambda a: None if a is None else a[q0:q1]  # noqa: E731
+        extras = {"cu_seqlens_q": cumulative([Lq]), "cu_seqlens_k": cumulative([Lk])}
+        if "alibi_slopes" in w.extras:
+            extras["alibi_slopes"] = w.extras["alibi_slopes"][b : b + 1]  # (1, Hq)
+        lse_cut = lambda a: None if a is None else a[:, q0:q1]  # noqa: E731  # (Hq, Lq)
+        alone = replace(w, query=w.query[q0:q1], key=w.key[k0:k1], value=w.value[k0:k1], target=rows(w.target), undefined=rows(w.undefined),
+                        extras=extras, target_lse=lse_cut(w.target_lse), lse_undefined=lse_cut(w.lse_undefined))  # fmt: skip
+        return cfg.model_copy(update={"seqlens_q": [Lq], "seqlens_k": [Lk], "num_seqs": None}), alone
+
+    def output_element(self, cfg, out: np.ndarray, b: int) -> np.ndarray:
+        """Sequence `b`'s rows of a packed output (Tq, Hq, Ev), as its call alone returns them."""
+        q0, q1, _ = _pairs(cumulative(seqlens(cfg)[0]))[b]
+        return out[q0:q1]
+
+    def forward_rows(self, cfg, w, session, obj, out, t_out, rule) -> list:
+        """The poisoning probe: q, k, v handed with NaN rows past the last sequence (varlen_rows)."""
+        from attncheck.kinds.varlen_rows import poisoning_rows
+
+        return poisoning_rows(self, cfg, w, session, obj, out, t_out, rule)
+
     # ------------------------------------------------------------------------ torch's side
     def call_torch(self, cfg, module, query, key, value, attn_mask, key_padding_mask, **arrays):
         """torch's attention of module: sdpa on each sequence alone, (out (Tq, Hq, Ev), lse (Hq, Tq) or None)."""

@@ -13,9 +13,13 @@ Usable as `--impl attncheck.testing.wrong_probes:NAME`.
     ScaleIgnored        scores always scaled by 1 / sqrt(E) (attncheck.testing.wrong_kernels')
 
 The first three give answers within the budget on every contiguous call: no comparison shows
-them. The last three fail their case's comparison too; the probe names why. NumPy only.
+them. The last three fail their case's comparison too; the probe names why.
+
+WRONG_VARLEN_PROBES are the same flaws in a packed-sequence kernel (`module: sdpa_varlen`, the
+correct one attncheck.testing.wrong_varlen's DenseVarlen, VARLEN_CORRECT_KERNEL here): Varlen<name>,
+with VarlenPackSplitSum's result depending on how many sequences the pack holds. NumPy only.
 Dimensions as in dense_sdpa: B batch, Hq query heads, L target length, S source length, Ev value
-head dim.
+head dim; packed: Tq query rows.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import numpy as np
 
 from attncheck.testing.dense_sdpa import DenseSDPA
 from attncheck.testing.wrong_kernels import ScaleIgnored
+from attncheck.testing.wrong_varlen import DenseVarlen
+
+VARLEN_CORRECT_KERNEL = DenseVarlen
 
 CORRECT_KERNEL = DenseSDPA
 
@@ -55,14 +62,22 @@ class BatchSplitSum(DenseSDPA):
 
     def forward(self, query, key, value, *args, **kwargs):
         result = super().forward(query, key, value, *args, **kwargs)
-        if np.shape(query)[0] == 1:
-            return result
-        a = self._saved
-        half = a.v.shape[2] // 2
-        out = (np.einsum("bhls,bhse->bhle", a.probs[..., :half], a.v[:, :, :half])
-               + np.einsum("bhls,bhse->bhle", a.probs[..., half:], a.v[:, :, half:]))  # (B, Hq, L, Ev)  # fmt: skip
-        out = out.astype(np.dtype(query.dtype))
-        return (out, *result[1:]) if isinstance(result, tuple) else out
+        return result if np.shape(query)[0] == 1 else _split_sum(self, result, query)
+
+
+def _split_sum(kernel: DenseSDPA, result, query):
+    """`result` of kernel's last forward with out = P v summed in two halves of the keys."""
+    a = kernel._saved
+    half = a.v.shape[2] // 2
+    out = (np.einsum("bhls,bhse->bhle", a.probs[..., :half], a.v[:, :, :half])
+           + np.einsum("bhls,bhse->bhle", a.probs[..., half:], a.v[:, :, half:]))  # (B, Hq, L, Ev)  # fmt: skip
+    out = out.astype(np.dtype(query.dtype))
+    return (out, *result[1:]) if isinstance(result, tuple) else out
+
+
+class _SplitSum(DenseSDPA):
+    def forward(self, query, key, value, *args, **kwargs):
+        return _split_sum(self, super().forward(query, key, value, *args, **kwargs), query)
 
 
 def _as_c_ordered(a: np.ndarray) -> np.ndarray:
@@ -99,5 +114,50 @@ class WindowIgnored(DenseSDPA):
         return np.ones(np.broadcast_shapes(i.shape, j.shape), dtype=bool)
 
 
+# ------------------------------------------------------------------------------- packed sequences
+class VarlenPackSplitSum(DenseVarlen):
+    """Pack-variant: with more than one sequence in the pack, each sequence's P v is summed in two
+    halves of its keys, so a sequence's bits depend on what else is packed with it. Within the
+    budget; the batch-invariance probe reports it (fails it under `batch_invariant: true`)."""
+
+    def forward(self, q, k, v, cu_seqlens_q, *args, **kwargs):
+        self._packed = len(np.asarray(cu_seqlens_q)) > 2
+        return super().forward(q, k, v, cu_seqlens_q, *args, **kwargs)
+
+    def _kernel(self):
+        return _SplitSum() if self._packed else DenseSDPA()
+
+
+class VarlenContiguityAssumed(DenseVarlen):
+    """Reads q, k and v from their buffers' start in C order; cu_seqlens as handed. The strides
+    probe fails it."""
+
+    def forward(self, q, k, v, *args, **kwargs):
+        return super().forward(_as_c_ordered(q), _as_c_ordered(k), _as_c_ordered(v), *args, **kwargs)
+
+
+class VarlenSoftcapIgnored(DenseVarlen):
+    """Each sequence through SoftcapIgnored: softcap accepted and left out. The options probe says "ignores softcap"."""
+
+    def _kernel(self):
+        return SoftcapIgnored()
+
+
+class VarlenWindowIgnored(DenseVarlen):
+    """Each sequence through WindowIgnored: every query sees every key. The options probe says "ignores window"."""
+
+    def _kernel(self):
+        return WindowIgnored()
+
+
+class VarlenScaleIgnored(DenseVarlen):
+    """Each sequence through ScaleIgnored: scores scaled by 1 / sqrt(E). The options probe says "ignores scale"."""
+
+    def _kernel(self):
+        return ScaleIgnored()
+
+
 # Every known-bad kernel of this corpus, by name.
 WRONG_PROBES = {cls.__name__: cls for cls in (NoisyLastBit, BatchSplitSum, ContiguityAssumed, SoftcapIgnored, WindowIgnored, ScaleIgnored)}
+WRONG_VARLEN_PROBES = {cls.__name__: cls for cls in (VarlenPackSplitSum, VarlenContiguityAssumed, VarlenSoftcapIgnored,
+                                                     VarlenWindowIgnored, VarlenScaleIgnored)}  # fmt: skip

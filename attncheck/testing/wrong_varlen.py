@@ -128,4 +128,17 @@ class EmptySequenceWritesGarbage(DenseVarlen):
         return (q0, min(q0 + 1, Tq)) if q1 == q0 else (q0, q1)
 
 
-WRONG_KERNELS = {cls.__name__: cls for cls in (CuSeqlensOffByOne, KeysBleedIntoNext, CausalTopLeftPerSequence, EmptySequenceWritesGarbage)}
+class ReadsPastLastSequence(DenseVarlen):
+    """The last sequence's keys run to the end of the buffer, k.shape[0], not cu_seqlens_k[-1] (the
+    kernel takes the buffer's length for total_k).
+
+    Right whenever the buffers hold the sequences exactly, as every comparison hands them; the
+    poisoning probe's longer buffers put NaN there, and it reaches the last sequence's rows.
+    """
+
+    def _keys(self, cu_k, s, max_seqlen_k, Tk):
+        return cu_k[s], Tk if s == len(cu_k) - 2 else cu_k[s + 1]
+
+
+WRONG_KERNELS = {cls.__name__: cls for cls in (CuSeqlensOffByOne, KeysBleedIntoNext, CausalTopLeftPerSequence, EmptySequenceWritesGarbage,
+                                               ReadsPastLastSequence)}  # fmt: skip
