@@ -24,6 +24,7 @@ CATCHES = {
     "KeysBleedIntoNext": [("plain", "forward"), ("equal-lengths", "grad")],
     "CausalTopLeftPerSequence": [("causal", "forward"), ("decode", "grad")],
     "EmptySequenceWritesGarbage": [("plain", "forward"), ("lse", "grad")],
+    "ReadsPastLastSequence": [("plain", "forward"), ("random-lengths", "forward")],  # the poisoning probe: forward only
 }
 # (query lengths, key lengths, options) the oracle is checked on against the dense computation.
 ORACLE_CASES = [
