@@ -6,7 +6,7 @@ FlashAttention's flash_attn_varlen_func takes buffers longer than the sequences:
 at 0 and pack the sequences contiguously, so the rows past cu_seqlens_q[-1] and cu_seqlens_k[-1]
 belong to no sequence and must not be read. The probe calls the candidate again with POISON_ROWS
 NaN rows appended to q, k and v; its output has q's length, and only the sequences' rows are
-judged. A NaN there, where torch has a number, is named by calling again with one region zeroed
+judged. A NaN there, where torch and the call with exact buffers have numbers, is named by calling again with one region zeroed
 (the keys and values first, then the query rows): the region whose zeroing removes it is where the
 kernel reads. Without NaN, the sequences' rows are judged as the check's own output is.
 
@@ -57,7 +57,7 @@ def poisoning_rows(kind, cfg, w, session, obj, out: np.ndarray, t_out: np.ndarra
     except CandidateProblem as err:
         return [_row(FAIL, f"{what}: {err}", reason=Reason.CALL, raised=err.raised, traceback=err.traceback)]
     real = again[:Tq]  # (Tq, Hq, Ev): the rows past the last sequence have no defined value
-    nan = _nan(real) & ~_nan(t_out)
+    nan = _nan(real) & ~_nan(out) & ~_nan(t_out)  # NaN the call with exact buffers gives is the output row's to judge
     if w.undefined is not None:
         nan &= ~w.undefined
     if nan.any():
