@@ -214,7 +214,9 @@ def _short(k: float) -> str:
 def _patterns(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, layout: Layout, cfg: Config) -> list[str]:
     """The first relation between candidate and expected that fits, in words; [] if none does."""
     finite = np.isfinite(c) & np.isfinite(x)
-    scale = float(np.abs(x[finite]).max()) if finite.any() else 0.0
+    if finite.sum() < 2:  # one number (a scalar loss) is some multiple of any other: no relation is evidence
+        return []
+    scale = float(np.abs(x[finite]).max())
     if scale == 0.0:
         return []
     if _fits(c, -x, allowed, scale):

@@ -180,14 +180,17 @@ def _verdict_cell(r: Row) -> Text:
 
 
 def details(report: Report, limit: int | None = None) -> list[Any]:
-    """Each failing row in the one failure shape (report.failure_lines), the first `limit` of them
-    when given (then a line saying how many more); each other note, one line."""
+    """Each failing row in the one failure shape (report.failure_lines), `limit` of them when given
+    (then a line saying how many more): those whose diagnosis points somewhere first, since "everywhere"
+    or none says least; each other note, one line."""
     lines = []
-    failed = 0
+    failing = [r for r in report.rows if r.failed]
+    pointed = sorted(failing, key=lambda r: not r.diagnosis or r.diagnosis.startswith("everywhere"))  # stable: run order within
+    shown = {id(r) for r in pointed[:limit]} if limit is not None else {id(r) for r in failing}
+    failed = len(failing)
     for r in report.rows:
         if r.failed:
-            failed += 1
-            if limit is not None and failed > limit:
+            if id(r) not in shown:
                 continue
             head, *rest = failure_lines(r)
             lines.append(Padding(Text(head, style=_STATUS_STYLE[r.status]), (0, 0, 0, 2), expand=False))
@@ -256,11 +259,15 @@ def render(report: Report, console: Console, *, tracebacks: bool = False) -> Non
 
 
 def report_parts(report: Report, width: int | None, *, tracebacks: bool = False, detailed: int | None = None) -> list[Any]:
-    """A report as renderables: header, tables, losses, notes, the details of its first `detailed`
-    failing rows (all when None), the traceback hint or tracebacks, the verdict. With `detailed`
-    the tables hold only the rows that did not pass, and a line counts the others."""
-    parts: list[Any] = [header(report), *section_tables(report, width, failing_only=detailed is not None)]
-    if detailed is not None:
+    """A report as renderables: header, tables, losses, notes, the details of the failing rows,
+    the traceback hint or tracebacks, the verdict. With `detailed` (a distinct failure's example,
+    cut to a screen) the details of `detailed` rows come right after the header, where a cut
+    cannot reach them, and the tables hold only the rows that did not pass, a line counting the others."""
+    tables = section_tables(report, width, failing_only=detailed is not None)
+    if detailed is None:
+        parts: list[Any] = [header(report), *tables]
+    else:
+        parts = [header(report), *details(report, detailed), *tables]
         agreeing = sum(r.status is PASS for r in report.rows)
         if agreeing:
             parts.append(Text(f"({agreeing} other quantities agree; --verbose shows them)", style="dim"))
@@ -268,7 +275,8 @@ def report_parts(report: Report, width: int | None, *, tracebacks: bool = False,
     if losses is not None:
         parts.append(losses)
     parts += [Text(f"note: {n}", style="dim") for n in report.notes]
-    parts += details(report, detailed)
+    if detailed is None:
+        parts += details(report)
     if tracebacks:
         parts += [Text(r.traceback, style="dim") for r in report.rows if r.traceback]
     elif any(r.traceback for r in report.rows):

@@ -78,3 +78,14 @@ def test_a_distinct_failure_is_cut_to_a_screen_and_the_rest_are_a_line_each():
     assert 1 <= len(shown) < 12  # the first few in full
     assert len(lines) <= 1 + FAILURE_LINES + SCREEN_LINES + (len(titles) - len(shown))
     assert any("more lines (--verbose shows them)" in line for line in lines)
+
+
+def test_a_distinct_failure_shows_first_the_rows_whose_diagnosis_points_somewhere():
+    """A wrong softmax backward: its forward agrees, its gradients fail 'everywhere' against torch, and
+    only the finite-difference rows say the backward does not differentiate its forward. Those come
+    first in the example, before the tables, where cutting it to a screen cannot drop them."""
+    short = run("run", "--impl", "attncheck.testing.wrong_impls:SoftmaxDiagonalBackward").output
+    example = short[short.index("FAIL  grad in"):]
+    first = example.index("Diagnosis:")
+    assert example[first:].startswith("Diagnosis: <grad, u> / finite difference"), example[:2000]
+    assert example.index("the backward does not") < example.index("grad  (4x torch")  # the details before the tables
