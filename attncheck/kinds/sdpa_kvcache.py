@@ -17,6 +17,10 @@ the call; `forward_rows` compares the appended slots with torch's and the oracle
 other slot that changed. Slots no sequence may read hold NaN (the poisoning probe): past c_b + Lnew
 and on pages no block_table row points to; an output NaN they explain is named as such. The slots
 being appended hold stale finite values, as a reused cache does. Forward only: no gradients.
+
+The probes (attncheck.checks.probes) through the kind's hooks: a sequence alone (batch_element) and
+num_splits varied (invariance_switches); the caches handed as strided views and judged after the
+append (written_layout, written_rows); each option turned off, rotary's layout switched (option_switches).
 """
 
 from __future__ import annotations
