@@ -377,7 +377,8 @@ class Session:
         query, key, value = kind.arguments(self.cfg, handed)
         handed_masks = tuple(self._hand(f"its `{name}` argument", a) for name, a in zip(kind.mask_arguments, (w.attn_mask, w.key_padding_mask)))
         writable = kind.written_arguments(self.cfg)
-        handed_extras = {name: self._copy_for_candidate(a, None) if name in writable else self._hand(f"its `{name}` argument", a)
+        in_place = None if layout is None else kind.written_layout(self.cfg, layout)  # the layout of the arrays written
+        handed_extras = {name: self._copy_for_candidate(a, None, in_place) if name in writable else self._hand(f"its `{name}` argument", a)
                          for name, a in w.extras.items()}  # fmt: skip
         self.last_extras = handed_extras
         result = self._call_guarded("forward()", kind.call_forward, self.cfg, obj, query, key, value, *handed_masks, **handed_extras)

@@ -190,10 +190,3 @@ def test_decode_keys_are_refused_for_other_modules():
 def test_the_reference_spec_loads_and_runs_in_the_judge():
     candidate = load_candidate("attncheck.reference.kvcache:flash_attn_with_kvcache")
     assert candidate.builtin and run_check("forward", _cfg(rotary="interleaved", causal="lower_right"), candidate).verdict == "pass"
-
-
-def test_determinism_probes_a_decode_kernel_and_the_probes_not_built_for_it_are_refused():
-    ok = CliRunner().invoke(app, ["forward", "--module", "sdpa_kvcache", "--set", "deterministic=true"])
-    assert ok.exit_code == 0, ok.output
-    refused = CliRunner().invoke(app, ["forward", "--module", "sdpa_kvcache", "--set", "probes=all"])
-    assert refused.exit_code == 2 and "batch_invariance, strides, options cannot probe module: sdpa_kvcache" in refused.output

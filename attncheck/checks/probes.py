@@ -9,9 +9,13 @@ through its session (in its own process: the judge never calls candidate code):
                       config promises `deterministic: true`: then a difference fails.
     batch_invariance  one batch element alone (the kind's `probed_element`: the last; for packed
                       sequences the last with queries and keys): the bits it gives inside the batch,
-                      or the row reports the difference (INFO; `batch_invariant: true` makes it a failure).
+                      or the row reports the difference (INFO; `batch_invariant: true` makes it a
+                      failure); and the case with each of the kind's invariance switches (a decode
+                      kernel's num_splits), judged alike.
     strides           the inputs handed as views of other memory layouts (candidate.LAYOUTS), one
-                      call each: within the budget, as the contiguous call is judged.
+                      call each: within the budget, as the contiguous call is judged; the arrays
+                      the call writes in place (a decode kernel's caches) in the kind's layout
+                      for them, judged by the kind's written_rows.
     options           each option the case sets (the kind's `option_switches`), turned off alone:
                       the oracle's answer must change by more than OPTION_MARGIN budgets for the
                       case to tell (else an INFO row says it cannot), and the candidate's answer
@@ -165,23 +169,44 @@ def batch_invariance(p: Probing, w, within_element: Callable[[int, np.ndarray], 
                        f"{noun} {b} alone and inside the {whole} of {count}", (cfg.batch_invariant, "batch_invariant"))
 
 
+def invariance_switches(p: Probing, w) -> list[Row]:
+    """The case again with each of the kind's invariance switches (num_splits varied): the bits it
+    gives with the case's own keys, or the row reports the difference (as batch invariance)."""
+    rows, cfg = [], p.cfg
+    for name, keys in kind_of(cfg).invariance_switches(cfg):
+        label, what = f"batch_invariance: {name}", f"{name} and the case's {', '.join(f'{k} {getattr(cfg, k)}' for k in keys)}"
+        session = session_for(cfg.model_copy(update=keys), p.run.candidate)
+        try:
+            out, _ = session.forward(session.build(w.params), w)
+        except CandidateProblem as err:
+            rows.append(_call_failed("batch_invariance", label, f"the same call with {name}", err))
+            continue
+        rows.append(_second_row("batch_invariance", label, p, {"output": out}, what, (cfg.batch_invariant, "batch_invariant")))
+    return rows
+
+
 # ------------------------------------------------------------------------------------- strides
 def strides_text(cfg, w, layout: str) -> str:
-    """The strides (in elements) each input is handed with in `layout`, as the judge computes them
-    on an empty array of the same shape: the layouts are NumPy's and torch's alike."""
-    parts = []
-    for name, a in kind_of(cfg).inputs(cfg, w).items():
-        view = laid_out(np.zeros(a.shape, dtype=np.float32), layout)
+    """The strides (in elements) each input is handed with in `layout`, and each array the call
+    writes (the kind's written_layout), as the judge computes them on an empty array of the same
+    shape: the layouts are NumPy's and torch's alike."""
+    kind, parts = kind_of(cfg), []
+    written = kind.written_layout(cfg, layout)
+    arrays = [(name, a, layout) for name, a in kind.inputs(cfg, w).items()]
+    arrays += [(name, w.extras[name], written) for name in kind.written_arguments(cfg) if written is not None and name in w.extras]
+    for name, a, how in arrays:
+        view = laid_out(np.zeros(a.shape, dtype=np.float32), how)
         strides = tuple(s // view.itemsize for s in view.strides)
-        parts.append(f"{name} {strides}" + (f" at offset {PAD}" if layout == "offset" else ""))
+        parts.append(f"{name} {strides}" + (f" at offset {PAD}" if how == "offset" else ""))
     return ", ".join(parts)
 
 
-def strides(p: Probing, w) -> list[Row]:
-    """One call per layout of candidate.LAYOUTS, each judged as the check's own call."""
+def strides(p: Probing, w, rule: Rule | None = None) -> list[Row]:
+    """One call per layout of candidate.LAYOUTS, each judged as the check's own call, and what it
+    wrote in place (the kind's written_rows, under `rule`) as the check's own call's is."""
     if framework_of(p.cfg, p.run.candidate) == "jax":
         return [_row("strides", "strides", SKIPPED, "JAX arrays have no strides: nothing to probe")]
-    rows = []
+    rows, kind = [], kind_of(p.cfg)
     for layout, words in LAYOUTS.items():
         label, what = f"strides: {layout}", f"inputs {words}, strides {strides_text(p.cfg, w, layout)}"
         try:
@@ -189,7 +214,11 @@ def strides(p: Probing, w) -> list[Row]:
         except CandidateProblem as err:
             rows.append(_call_failed("strides", label, what, err))
             continue
-        rows.append(_second_row("strides", label, p, {"output": out}, what, None))
+        row = _second_row("strides", label, p, {"output": out}, what, None)
+        wrong = [] if row.failed or rule is None else [r for r in kind.written_rows(p.cfg, w, dict(p.session.written), rule) if r.failed]
+        if wrong:
+            row = _as_probe("strides", label, wrong[0], f"{what}: {wrong[0].quantity} wrong, where the check's own call is right")
+        rows.append(row)
     return rows
 
 
@@ -261,8 +290,9 @@ def forward_probes(p: Probing, w, t_out: np.ndarray, rule: Rule, o_out: np.ndarr
             return compare_output(SECTION, cfg_b, w_b, out_b, kind.output_element(p.cfg, t_out, b), rule, o_b)
 
         rows.append(batch_invariance(p, w, within_element))
+        rows.extend(invariance_switches(p, w))
     if "strides" in named:
-        rows.extend(strides(p, w))
+        rows.extend(strides(p, w, rule))
     if "options" in named:
         rows.extend(options(p, w, o_out))
     return rows

@@ -17,10 +17,6 @@ def kvcache_problems(cfg) -> list[tuple[tuple[str, ...], str]]:
     if cfg.causal == "upper_left":
         problems.append((("causal",), "must be none or lower_right for module: sdpa_kvcache: flash_attn_with_kvcache's "
                          "causal=True is bottom-right aligned (the last query meets the last key)"))  # fmt: skip
-    beyond = [probe for probe in cfg.probes_run if probe != "determinism"]
-    if beyond:  # the others split the batch, re-lay q, k, v or switch options: not built for a cache (its probe is the NaN poisoning)
-        problems.append((("probes",), f"{', '.join(beyond)} cannot probe module: sdpa_kvcache yet; it takes determinism "
-                         "(its cache past cache_seqlens is always NaN-poisoned)"))  # fmt: skip
     if cfg.attn_mask != "none":
         problems.append((("attn_mask", "module"), f"{cfg.attn_mask}: flash_attn_with_kvcache takes no mask; use causal or window_size"))
     if Lnew > S_max:

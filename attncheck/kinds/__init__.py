@@ -125,6 +125,15 @@ class ModuleKind:
         handed unguarded, and returned after the call (Session.written) for `forward_rows` to judge."""
         return ()
 
+    def written_layout(self, cfg: Config, layout: str) -> str | None:
+        """The memory layout (candidate.LAYOUTS) the written arrays are handed in when the strides
+        probe hands the inputs in `layout`; None: contiguous copies, as the check's own call."""
+        return None
+
+    def written_rows(self, cfg: Config, w: Workload, written: dict[str, np.ndarray], rule: Any) -> list:
+        """The rows judging what a call left in the written arrays (Session.written); none by default."""
+        return []
+
     def forward_rows(self, cfg: Config, w: Workload, session: Any, obj: Any, out: np.ndarray, t_out: np.ndarray, rule: Any) -> list:
         """The forward check's rows of the kind's own (the caches a decode kernel appends to); none by default."""
         return []
@@ -246,6 +255,12 @@ class ModuleKind:
         """The options the config turns on that change the answer, for the every-option-matters
         probe: each by the name a failure gives it ("softcap"), with the config keys that turn it
         off (the inputs staying the same). None for the modules: their options change the parameters."""
+        return []
+
+    def invariance_switches(self, cfg: Config) -> list[tuple[str, dict[str, Any]]]:
+        """Config changes that promise the same bits, for the batch-invariance probe: each by the name
+        its row gives it ("num_splits 1"), with the config keys that make it (the inputs staying the
+        same). None for the other kinds."""
         return []
 
     # ------------------------------------------------------------------------ suites and memory

@@ -17,6 +17,10 @@ the call; `forward_rows` compares the appended slots with torch's and the oracle
 other slot that changed. Slots no sequence may read hold NaN (the poisoning probe): past c_b + Lnew
 and on pages no block_table row points to; an output NaN they explain is named as such. The slots
 being appended hold stale finite values, as a reused cache does. Forward only: no gradients.
+
+The probes (attncheck.checks.probes) through the kind's hooks: a sequence alone (batch_element) and
+num_splits varied (invariance_switches); the caches handed as strided views and judged after the
+append (written_layout, written_rows); each option turned off, rotary's layout switched (option_switches).
 """
 
 from __future__ import annotations
@@ -247,12 +251,59 @@ class KvCacheKind(FunctionKind):
         _, _, k_cache, v_cache = self._torch(cfg, q, k, v, arrays)
         return {"k_cache": torch_side.numpy(k_cache), "v_cache": torch_side.numpy(v_cache)}
 
+    # ------------------------------------------------------------------------ probes
+    def batch_element(self, cfg, w, b: int) -> tuple[Any, Any] | None:
+        """Sequence `b` alone: q, k, v (B, ...) cut to (1, ...) with its cache_seqlens; a contiguous
+        cache cut to its row, a paged one handed whole (the same pool of pages) with its block_table
+        row. The rotary tables and the slopes are shared."""
+        from dataclasses import replace
+
+        one = lambda a: None if a is None else a[b : b + 1]  # noqa: E731
+        extras = {**w.extras, "cache_seqlens": one(w.extras["cache_seqlens"])}
+        if "block_table" in extras:
+            extras["block_table"] = one(w.extras["block_table"])
+        else:
+            extras.update({name: one(w.extras[name]) for name in CACHES})
+        alone = replace(w, query=one(w.query), key=one(w.key), value=one(w.value), target=one(w.target), undefined=one(w.undefined),
+                        target_lse=one(w.target_lse), lse_undefined=one(w.lse_undefined), extras=extras)  # fmt: skip
+        return cfg.model_copy(update={"batch_size": 1, "cache_seqlens": [int(w.extras["cache_seqlens"][b])]}), alone
+
+    def invariance_switches(self, cfg) -> list[tuple[str, dict[str, Any]]]:
+        """num_splits 1 (one pass over the keys) against the case's num_splits; 0 (the kernel's own
+        choice) where the case's is 1. A split-KV combine sums in another order: the bits may move."""
+        other = 0 if cfg.num_splits == 1 else 1
+        return [(f"num_splits {other}", {"num_splits": other})]
+
+    def written_layout(self, cfg, layout: str) -> str | None:
+        """The caches in the layouts that keep their last dimension contiguous (swapped, offset,
+        padded): flash_attn_with_kvcache requires k_cache.stride(-1) == 1, and appends through the
+        view it is handed (a cache is often a slice of a larger buffer). Transposed: contiguous."""
+        return None if layout == "transposed" else layout
+
+    def written_rows(self, cfg, w, written, rule) -> list:
+        from attncheck.kinds.kvcache_rows import cache_rows
+
+        return cache_rows(self, cfg, w, written, rule)
+
+    def option_switches(self, cfg) -> list[tuple[str, dict[str, Any]]]:
+        """softcap, the window, ALiBi, a scale other than 1/sqrt(E), causal and rotary each turned
+        off alone, and rotary's layout switched (rotary_interleaved); the inputs stay the same."""
+        other = "half" if cfg.rotary == "interleaved" else "interleaved"
+        switches = [("softcap", cfg.softcap > 0, {"softcap": 0.0}),
+                    ("window", cfg.window_size is not None, {"window_size": None}),
+                    ("ALiBi", cfg.alibi, {"alibi": False}),
+                    ("scale", cfg.scale is not None and cfg.scale != 1 / np.sqrt(cfg.head_dim_eff), {"scale": None}),
+                    ("causal", cfg.causal != "none", {"causal": "none"}),
+                    ("rotary", cfg.rotary != "none", {"rotary": "none"}),
+                    ("rotary_interleaved", cfg.rotary != "none", {"rotary": other})]  # fmt: skip
+        return [(name, off) for name, on, off in switches if on]
+
     # ------------------------------------------------------------------------ the kind's own rows
     def forward_rows(self, cfg, w, session, obj, out, t_out, rule) -> list:
         """The caches after the append, and the poisoning probe (see the module's docstring)."""
-        from attncheck.kinds.kvcache_rows import cache_rows, poisoning_rows
+        from attncheck.kinds.kvcache_rows import poisoning_rows
 
-        rows = cache_rows(self, cfg, w, dict(getattr(session, "written", {})), rule)
+        rows = self.written_rows(cfg, w, dict(getattr(session, "written", {})), rule)
         return rows + poisoning_rows(self, cfg, w, session, obj, out, t_out)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from attncheck.reference.kvcache import rope, rotary_positions
 
 SPLIT_KEYS = 64  # num_splits=0: chunks of this many keys (the kernel's own heuristic)
-HOOKS = ("_append_positions", "_slot", "_rotate_cached", "_combine", "_keys_read")
+HOOKS = ("_append_positions", "_slot", "_rotate_cached", "_combine", "_keys_read", "_num_splits", "_partial")
 
 
 class DecodeKernel:
@@ -72,7 +72,7 @@ class DecodeKernel:
                 if alibi_slopes is not None:
                     s = s - float(alibi_slopes[h]) * np.abs(offset)
                 s = np.where(allowed, s, -np.inf)
-                n = num_splits if num_splits > 0 else max(1, -(-S // SPLIT_KEYS))
+                n = self._num_splits(S, B, num_splits)
                 parts = [self._partial(s[:, a:z], vb[a:z, kv]) for a, z in _chunks(S, n)]
                 out[b, :, h], lse[b, h] = self._combine(parts)
         out = out.astype(q.dtype)
@@ -109,6 +109,10 @@ class DecodeKernel:
     def _keys_read(self, c: int, Lnew: int) -> int:
         """How many keys sequence b attends over: its cached ones and the new ones."""
         return c + Lnew
+
+    def _num_splits(self, S: int, B: int, num_splits: int) -> int:
+        """How many splits a sequence's S keys are cut into: num_splits, or 0: ranges of SPLIT_KEYS."""
+        return num_splits if num_splits > 0 else max(1, -(-S // SPLIT_KEYS))
 
     def _combine(self, parts) -> tuple[np.ndarray, np.ndarray]:
         """(out (Lq, Ev), lse (Lq,)) from the splits: rescale each by exp(m_i - M)."""

@@ -3,7 +3,8 @@ bug decode-kernel writers write (NumPy only).
 
 Each subclasses attncheck.testing.dense_kvcache.DecodeKernel (CORRECT_KVCACHE here) and overrides
 only the hook its bug lives in; its docstring says the bug and what exposes it.
-tests/test_sdpa_kvcache.py names the default-suite case that catches each, with no config.
+tests/test_sdpa_kvcache.py names the default-suite case that catches each of WRONG_KVCACHE, with no
+config; tests/test_kvcache_probes.py the probe row that shows each of KVCACHE_PROBES.
 Usable as `--impl attncheck.testing.wrong_kvcache:NAME`.
 """
 
@@ -71,5 +72,57 @@ class ReadsPastSeqlen(DecodeKernel):
     def _keys_read(self, c, Lnew):
         return c + Lnew + 1
 
+
+# ------------------------------------------------------------------------------------ the probes
+# Kernels only a probe shows (or shows besides a comparison): tests/test_kvcache_probes.py names the
+# probe row each ends in, with no config or with the config's promise.
+
+
+class SplitsFromBatchSize(DecodeKernel):
+    """num_splits=0 picks the split count from the batch size (8 // B splits: more splits for fewer
+    sequences, to fill the GPU, as FlashAttention's heuristic does), and keeps each split's partial
+    output in float32 as the GPU kernel's accumulator does: a sequence alone is summed in another
+    order than inside the batch. Every answer is within the budget.
+
+    Reported by the batch-invariance probe (a failure under `batch_invariant: true`)."""
+
+    def _num_splits(self, S, B, num_splits):
+        return num_splits if num_splits > 0 else max(1, 8 // B)
+
+    def _partial(self, s, v):
+        m, l, o = super()._partial(s, v)
+        return m, l, o.astype(np.float32)
+
+
+class CacheMadeContiguous(DecodeKernel):
+    """Makes the caches contiguous before appending (np.ascontiguousarray, torch's .contiguous()):
+    a cache handed as a strided view (a slice of a larger buffer) is copied, the new tokens go into
+    the copy, and the caller's cache never sees them. The output is right.
+
+    Failed by the strides probe in the layouts that are not contiguous (swapped, padded), naming the
+    caches' strides."""
+
+    def forward(self, q, k_cache, v_cache, *args, **kwargs):
+        return super().forward(q, np.ascontiguousarray(k_cache), np.ascontiguousarray(v_cache), *args, **kwargs)
+
+
+class SoftcapIgnoredKv(DecodeKernel):
+    """Accepts `softcap` and computes without it. The softcap case fails; the options probe says
+    "ignores softcap"."""
+
+    def forward(self, *args, softcap=0.0, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+class RotaryLayoutIgnored(DecodeKernel):
+    """Accepts `rotary_interleaved` and always rotates interleaved pairs (GPT-J's layout). Right on
+    every interleaved case; the options probe says "ignores rotary_interleaved" there (and the
+    half-layout cases fail their comparisons)."""
+
+    def forward(self, *args, rotary_interleaved=True, **kwargs):
+        return super().forward(*args, rotary_interleaved=True, **kwargs)
+
+
+KVCACHE_PROBES = {cls.__name__: cls for cls in (SplitsFromBatchSize, CacheMadeContiguous, SoftcapIgnoredKv, RotaryLayoutIgnored)}
 
 WRONG_KVCACHE = {cls.__name__: cls for cls in (AppendOneSlotLate, BlockTableIgnored, RotaryOnWholeCache, SplitMaxDropped, ReadsPastSeqlen)}
