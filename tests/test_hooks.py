@@ -4,7 +4,8 @@ Overriding a private method the reference has since renamed changes nothing: the
 runs the reference's own method, becomes the reference, and the detection table would still
 find it "caught" wherever another of its overrides shows. So each override must name a hook the
 reference declares (attncheck.reference.HOOKS, attncheck.layer_reference.HOOKS,
-attncheck.testing.dense_sdpa.HOOKS for the sdpa kernels) and still has.
+attncheck.testing.dense_sdpa.HOOKS for the sdpa kernels, wrong_varlen.HOOKS and dense_kvcache.HOOKS
+for the packed and decode kernels) and still has.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ from attncheck import layer_reference, reference
 from attncheck.layer_reference import TransformerEncoderLayer
 from attncheck.reference import MultiheadAttention
 from attncheck.sgd import SGD
-from attncheck.testing import dense_sdpa, wrong_gradients, wrong_impls, wrong_kernels, wrong_layers, wrong_probes, wrong_updates
+from attncheck.testing import (dense_kvcache, dense_sdpa, wrong_gradients, wrong_impls, wrong_kernels, wrong_kvcache, wrong_layers, wrong_probes,
+                               wrong_updates, wrong_varlen)  # fmt: skip
+from attncheck.testing.dense_kvcache import DecodeKernel
 from attncheck.testing.dense_sdpa import DenseSDPA
+from attncheck.testing.wrong_varlen import DenseVarlen
 
 # Each reference a known-bad implementation subclasses, with the private methods it may override.
-DECLARED = {MultiheadAttention: reference.HOOKS, TransformerEncoderLayer: layer_reference.HOOKS, SGD: (), DenseSDPA: dense_sdpa.HOOKS}
+DECLARED = {MultiheadAttention: reference.HOOKS, TransformerEncoderLayer: layer_reference.HOOKS, SGD: (), DenseSDPA: dense_sdpa.HOOKS,
+            DenseVarlen: wrong_varlen.HOOKS, DecodeKernel: dense_kvcache.HOOKS}
 
 MUTANTS = [
     cls
-    for module in (wrong_impls, wrong_gradients, wrong_layers, wrong_updates, wrong_kernels, wrong_probes)
+    for module in (wrong_impls, wrong_gradients, wrong_layers, wrong_updates, wrong_kernels, wrong_probes, wrong_varlen, wrong_kvcache)
     for cls in vars(module).values()
     if isinstance(cls, type) and cls.__module__ == module.__name__
 ]
