@@ -17,7 +17,7 @@ from attncheck import layer_reference, reference
 from attncheck.layer_reference import TransformerEncoderLayer
 from attncheck.reference import MultiheadAttention
 from attncheck.sgd import SGD
-from attncheck.testing import dense_sdpa, wrong_gradients, wrong_impls, wrong_kernels, wrong_layers, wrong_probes, wrong_updates
+from attncheck.testing import dense_sdpa, wrong_diagnoses, wrong_gradients, wrong_impls, wrong_kernels, wrong_layers, wrong_probes, wrong_updates
 from attncheck.testing.dense_sdpa import DenseSDPA
 
 # Each reference a known-bad implementation subclasses, with the private methods it may override.
@@ -25,7 +25,7 @@ DECLARED = {MultiheadAttention: reference.HOOKS, TransformerEncoderLayer: layer_
 
 MUTANTS = [
     cls
-    for module in (wrong_impls, wrong_gradients, wrong_layers, wrong_updates, wrong_kernels, wrong_probes)
+    for module in (wrong_impls, wrong_gradients, wrong_diagnoses, wrong_layers, wrong_updates, wrong_kernels, wrong_probes)
     for cls in vars(module).values()
     if isinstance(cls, type) and cls.__module__ == module.__name__
 ]

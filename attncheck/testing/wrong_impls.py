@@ -566,58 +566,10 @@ MODULES = {
 }  # fmt: skip
 
 
-# ------------------------------------------------------------------------- diagnosis corpus
-# Bugs whose diagnosis was once wrong or generic (issue 29): each has the diagnosis that names it,
-# or, where the arrays cannot tell, none that names another cause (tests/test_diagnose.py).
-class HeadsSplitByReshape(MultiheadAttention):
-    """Heads split with a plain reshape, (B, N, E) -> (B, H, N, D), instead of reshape (B, N, H, D)
-    and transpose: head h gets the flat features h*N*D ... (h+1)*N*D - 1, which mix positions and
-    heads. Merged back by the inverse plain reshape, so the forward and backward are consistent
-    with each other. Invisible when H == 1 or N == 1."""
-
-    def _split_heads(self, x):
-        B, N, _ = x.shape
-        return x.reshape(B * self.H, N, self.D)  # (G, N, D): no transpose
-
-    def _merge_heads(self, x, B):
-        _, N, _ = x.shape
-        return x.reshape(B, N, self.E)  # (B, N, E)
 
 
-# The dropout probability the module below leaves on.
-DROPOUT = 0.25
-
-
-class DropoutLeftOn(MultiheadAttention):
-    """Dropout left on (training mode): each attention probability is zeroed with probability
-    0.25 and the rest scaled by 1 / 0.75, the same mask on every call of one block shape."""
-
-    @staticmethod
-    def _normalize(p, total, safe):
-        p = MultiheadAttention._normalize(p, total, safe)
-        keep = np.random.default_rng(0).random(p.shape) >= DROPOUT
-        p *= keep / p.dtype.type(1 - DROPOUT)
-        return p
-
-
-class WeightsAveragedOverBatch(MultiheadAttention):
-    """The returned attention weights are averaged over the batch axis as well as the heads, one
-    (L, S) map repeated for every batch entry; the output is right. Invisible when B == 1."""
-
-    def forward(self, *args, **kwargs):
-        out, weights = super().forward(*args, **kwargs)
-        if weights is not None and weights.ndim >= 3:
-            weights = np.broadcast_to(weights.mean(axis=0, keepdims=True), weights.shape).copy()
-        return out, weights
-
-
-class Mask3dIgnored(MultiheadAttention):
-    """A per-head (B*H, L, S) attn_mask is ignored; a 2-D one is applied."""
-
-    def forward(self, query, key, value, *, attn_mask=None, **kwargs):
-        if attn_mask is not None and attn_mask.ndim == 3:
-            attn_mask = None
-        return super().forward(query, key, value, attn_mask=attn_mask, **kwargs)
-
+# Bugs the diagnosis once named wrongly or generically (issue 29) live beside these (wrong_diagnoses).
+from attncheck.testing.wrong_diagnoses import (DropoutLeftOn, HeadsSplitByReshape, Mask3dIgnored,  # noqa: E402
+                                               WeightsAveragedOverBatch)  # fmt: skip
 
 MODULES.update({cls.__name__: cls for cls in (HeadsSplitByReshape, DropoutLeftOn, WeightsAveragedOverBatch, Mask3dIgnored)})
