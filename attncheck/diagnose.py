@@ -197,13 +197,14 @@ class Suspects:
         base = kind_of(cfg).reference
         if cfg.num_heads > 1 and all(callable(getattr(base, name, None)) for name in ("_split_heads", "_merge_heads")):
             self.suspects += [Suspect(words, detail, methods) for words, detail, methods in HEAD_SPLITS]
-        for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+        # each mask by the workload's field and forward()'s keyword for it
+        for field_name, name, mask in zip(("attn_mask", "key_padding_mask"), kind_of(cfg).mask_arguments, (attn_mask, key_padding_mask)):
             if mask is None:
                 continue
             shape = str(tuple(mask.shape))
-            self.suspects.append(Suspect(f"the {name} {shape} is ignored: the candidate equals attention without it", masks={name: None}))
+            self.suspects.append(Suspect(f"the {name} {shape} is ignored: the candidate equals attention without it", masks={field_name: None}))
             if mask.dtype == np.bool_:
-                self.suspects.append(Suspect(f"the bool {name} is read inverted (True = allowed)", masks={name: ~mask}))
+                self.suspects.append(Suspect(f"the bool {name} is read inverted (True = allowed)", masks={field_name: ~mask}))
 
     def _results(self) -> list[tuple[Suspect, tuple | None]]:
         """Each suspect with its recomputed (output, weights), or None where that run raised."""
