@@ -2,15 +2,23 @@
 
 For each failing row that carries its arrays (compare.Evidence), in words:
 
+suspect  a bug the arrays alone cannot show, verified by recomputing it: the float64 oracle run
+         again as that bug runs (heads split with a plain reshape or a transposed one, a mask
+         ignored or inverted), and the candidate found equal to that result (Suspect);
 pattern  a relation between the candidate and the expected value that holds to within FIT_RTOL:
-         a constant factor (named when it is sqrt(D), D, H, B, L, S or E), a sign flip, a
-         transpose, heads permuted (which permutation), a shift by one position, or attention
-         logits scaled by a factor (per-head weights);
+         a constant factor (named when it is sqrt(D), D, H, B, L, S or E; "one of" them, and
+         said to be ambiguous, when several are equal), a sign flip, a transpose, heads permuted
+         (which permutation), a shift by one position, an average over the batch, dropout (some
+         weights zeroed, the rest scaled up), or attention logits scaled by a factor;
 where    the heads, query rows, key columns or positions the error is confined to; masked or
          unmasked positions (and which mask), the diagonal band (a causal mask off by one), the
          appended bias_k or zero-attention column, the first or last key.
 
-A diagnosis is a hint for the reader, not a verdict: it never changes a row's status.
+A diagnosis is a hint for the reader, not a verdict: it never changes a row's status. It is never
+confidently wrong: a suspect or pattern is printed only when the candidate's arrays fit it and do
+not fit the expected value itself (else the error is too small to tell one relation from another,
+and the diagnosis says so); when a pattern explains the error, no mask is blamed for it; a mask is
+named only when the config has that mask; several suspects that fit are named as ambiguous.
 Dimensions as in attncheck/reference/mha.py: B batch, L target length, S source length, E embed
 dim, H heads, D head dim.
 """
@@ -19,7 +27,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,6 +47,8 @@ FIT_RTOL = 1e-3
 NAME_RTOL = 2e-3
 # Index lists longer than this are summarized as a count.
 MAX_LISTED = 6
+# A factor is a pattern only this far from 1: nearer, "candidate = 1 x expected" names nothing.
+MIN_FACTOR_GAP = 0.01
 
 
 @dataclass(frozen=True)
@@ -49,16 +60,18 @@ class Layout:
     weights: bool = False  # attention weights: masks and the diagonal apply
 
 
-def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None) -> None:
+def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None,
+                    rerun: Rerun | None = None) -> None:
     """Fill in `diagnosis` for every failing row of a report that has its arrays; the masks are
-    the ones the check handed both sides."""
+    the ones the check handed both sides, `rerun` the check's way to recompute a suspected bug."""
     masks = None  # built once, for the first failing attention weights: (B, H, L, S) booleans
+    suspects = Suspects(cfg, attn_mask, key_padding_mask, rerun)
     for row in report.rows:
         if row.status is not FAIL or row.evidence is None:
             continue
         if masks is None and row.parameter == "attn_weights":
             masks = Masks.from_arrays(cfg, attn_mask, key_padding_mask)
-        patterns, where = _diagnosis(row, cfg, masks)
+        patterns, where = _diagnosis(row, cfg, masks, suspects)
         # A pattern already says what the candidate holds; else it may hold another quantity's value.
         swapped = "" if patterns else _swapped_with(row, report.rows)
         row.diagnosis = "; ".join(filter(None, [swapped, *patterns, *where]))
@@ -67,6 +80,7 @@ def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, k
 def _swapped_with(row: Row, rows: list[Row]) -> str:
     """'candidate = expected `value`' when a failing row holds another quantity's expected value."""
     c = np.asarray(row.evidence.candidate, dtype=np.float64)
+    own = np.asarray(row.evidence.reference, dtype=np.float64)
     for other in rows:
         if other is row or other.evidence is None or other.section != row.section:
             continue
@@ -75,7 +89,8 @@ def _swapped_with(row: Row, rows: list[Row]) -> str:
             continue
         allowed = np.broadcast_to(np.asarray(other.evidence.allowed, dtype=np.float64), x.shape)
         scale = float(np.abs(x[np.isfinite(x)]).max())
-        if scale > 0 and _fits(c, x, allowed, scale):
+        # the other quantity's value must fit, and not be this one's own (then nothing tells them apart)
+        if scale > 0 and _fits(c, x, allowed, scale) and not (own.shape == x.shape and _fits(own, x, allowed, scale)):
             return f"candidate = expected {other.quantity}: swapped with {other.quantity}?"
     return ""
 
@@ -86,7 +101,7 @@ def diagnose(row: Row, cfg: Config, masks: Masks | None = None) -> str:
     return "; ".join(patterns + where)
 
 
-def _diagnosis(row: Row, cfg: Config, masks: Masks | None) -> tuple[list[str], list[str]]:
+def _diagnosis(row: Row, cfg: Config, masks: Masks | None, suspects: Suspects | None = None) -> tuple[list[str], list[str]]:
     """(patterns, where): the exact relation the candidate holds to the expected value, if one
     fits, and where the error lies."""
     ev = row.evidence
@@ -97,13 +112,134 @@ def _diagnosis(row: Row, cfg: Config, masks: Masks | None) -> tuple[list[str], l
     if row.section == "finite-diff":
         return [], list(filter(None, [_finite_difference(float(c), float(x), cfg)]))
     layout = layout_of(row, cfg, x.ndim)
-    findings = _patterns(c, x, allowed, layout, cfg)
+    small = _too_small(c, x, allowed)
+    findings = [] if small else (suspects.matching(row, c, x, allowed) if suspects else []) or _patterns(c, x, allowed, layout, cfg)
     if layout.weights and masks is None:
         masks = Masks.of(cfg)
-    where = _where(c, x, allowed, layout, cfg, masks)
-    if not where and not findings and layout.axes:
+    # A pattern explains the error: the masks are not blamed for it.
+    where = _where(c, x, allowed, layout, cfg, None if findings else masks)
+    if small:
+        where.append(small)
+    elif not where and not findings and layout.axes:
         where = ["everywhere: no head, row or column is spared"]
     return findings, where
+
+
+def _too_small(c: np.ndarray, x: np.ndarray, allowed: np.ndarray) -> str:
+    """Words saying the error is below what a pattern can be told from, when the candidate fits the
+    expected value itself to within FIT_RTOL; "" otherwise."""
+    finite = np.isfinite(c) & np.isfinite(x)
+    if finite.sum() < 2 or not np.array_equal(np.isnan(c), np.isnan(x)):
+        return ""
+    scale = float(np.abs(x[finite]).max())
+    if scale == 0.0 or not _fits(c, x, allowed, scale):
+        return ""
+    worst = float(np.abs(c - x)[finite].max()) / scale
+    return f"small: the error is at most {worst:.1e} of max|expected|, below the {FIT_RTOL:.0e} at which a pattern can be told"
+
+
+# ---------------------------------------------------------------------------------- suspects
+# What another implementation of one step would give, on the check's own workload: the float64
+# oracle's (output, weights) from another module or with other masks (CheckRun.rerun).
+Rerun = Callable[..., "tuple[np.ndarray, np.ndarray | None] | None"]
+
+
+def _split_by_reshape(self, x: np.ndarray) -> np.ndarray:
+    """(B, N, E) -> (G, N, D) with a plain reshape: head h reads the flat features h*N*D onward."""
+    B, N, _ = x.shape
+    return x.reshape(B * self.H, N, self.D)
+
+
+def _merge_by_reshape(self, x: np.ndarray, B: int) -> np.ndarray:
+    """(G, N, D) -> (B, N, E) with a plain reshape, the inverse of _split_by_reshape."""
+    _, N, _ = x.shape
+    return x.reshape(B, N, self.E)
+
+
+def _split_strided(self, x: np.ndarray) -> np.ndarray:
+    """(B, N, E) -> (G, N, D) through (B, N, D, H): head h gets features h, h+H, h+2H, ..."""
+    B, N, _ = x.shape
+    return x.reshape(B, N, self.D, self.H).transpose(0, 3, 1, 2).reshape(B * self.H, N, self.D)
+
+
+def _merge_strided(self, x: np.ndarray, B: int) -> np.ndarray:
+    """(G, N, D) -> (B, N, E), the inverse of _split_strided."""
+    _, N, _ = x.shape
+    return x.reshape(B, self.H, N, self.D).transpose(0, 2, 3, 1).reshape(B, N, self.E)
+
+
+SPLIT_WORDS = "heads split with a plain reshape (no transpose): (B, L, E) -> (B, H, L, D) gives head h the flat features h*L*D onward, mixing positions and heads"
+HEAD_SPLITS = (  # (words, detail, methods)
+    (SPLIT_WORDS, "merged back with a plain reshape", {"_split_heads": _split_by_reshape, "_merge_heads": _merge_by_reshape}),
+    (SPLIT_WORDS, "merged back with the transpose", {"_split_heads": _split_by_reshape}),
+    ("heads split through (B, L, D, H) instead of (B, L, H, D): head h gets features h, h+H, h+2H, ...", "",
+     {"_split_heads": _split_strided, "_merge_heads": _merge_strided}),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A bug recomputed: the oracle run by `methods` overriding the reference's, or with other masks."""
+
+    words: str  # the bug
+    detail: str = ""  # which variant of it: named only when no other variant of the bug fits too
+    methods: dict = field(default_factory=dict)  # reference hooks replaced (attncheck.reference.HOOKS)
+    masks: dict = field(default_factory=dict)  # attn_mask / key_padding_mask replaced
+
+
+class Suspects:
+    """The suspects that apply to a config, each recomputed once, when a failing output or weights asks."""
+
+    def __init__(self, cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None, rerun: Rerun | None):
+        self.cfg, self.rerun = cfg, rerun
+        self.results: list[tuple[Suspect, tuple | None]] | None = None
+        self.suspects: list[Suspect] = []
+        base = kind_of(cfg).reference
+        if cfg.num_heads > 1 and all(callable(getattr(base, name, None)) for name in ("_split_heads", "_merge_heads")):
+            self.suspects += [Suspect(words, detail, methods) for words, detail, methods in HEAD_SPLITS]
+        # each mask by the workload's field and forward()'s keyword for it
+        for field_name, name, mask in zip(("attn_mask", "key_padding_mask"), kind_of(cfg).mask_arguments, (attn_mask, key_padding_mask)):
+            if mask is None:
+                continue
+            shape = str(tuple(mask.shape))
+            self.suspects.append(Suspect(f"the {name} {shape} is ignored: the candidate equals attention without it", masks={field_name: None}))
+            if mask.dtype == np.bool_:
+                self.suspects.append(Suspect(f"the bool {name} is read inverted (True = allowed)", masks={field_name: ~mask}))
+
+    def _results(self) -> list[tuple[Suspect, tuple | None]]:
+        """Each suspect with its recomputed (output, weights), or None where that run raised."""
+        if self.results is None:
+            base = kind_of(self.cfg).reference
+            self.results = []
+            for suspect in self.suspects:
+                factory = type(f"{base.__name__}Suspect", (base,), dict(suspect.methods)) if suspect.methods else base
+                self.results.append((suspect, self.rerun(factory, **suspect.masks)))
+        return self.results
+
+    def matching(self, row: Row, c: np.ndarray, x: np.ndarray, allowed: np.ndarray) -> list[str]:
+        """The suspects whose recomputed quantity the candidate equals and the expected value does
+        not; more than one is named as ambiguous."""
+        prefix = kind_of(self.cfg).attention_prefix
+        name = (row.parameter or "").removeprefix(prefix) if prefix else (row.parameter or "")
+        which = {"output": 0, "attn_weights": 1}.get(name)
+        finite = np.isfinite(x)
+        if which is None or self.rerun is None or not self.suspects or not finite.any():
+            return []
+        scale = float(np.abs(x[finite]).max())
+        fitting = []
+        for suspect, result in self._results():
+            v = None if result is None else result[which]
+            if v is None or np.shape(v) != c.shape:
+                continue
+            v = np.asarray(v, dtype=np.float64)
+            if _fits(c, v, allowed, scale) and not _fits(v, x, allowed, scale) and np.array_equal(np.isnan(c), np.isnan(v)):
+                fitting.append(suspect)
+        bugs = list(dict.fromkeys(s.words for s in fitting))  # variants of one bug (the weights never see the merge) are one
+        if len(bugs) > 1:
+            return ["ambiguous, the candidate equals what each of these gives: " + " | ".join(bugs)]
+        if len(fitting) == 1 and fitting[0].detail:
+            return [f"{fitting[0].words}; {fitting[0].detail}"]
+        return bugs
 
 
 # ----------------------------------------------------------------------------------- layouts
@@ -200,10 +336,19 @@ def factor_meaning(k: float, cfg: Config) -> str:
     return " = ".join(matches)
 
 
+def _named(k: float, cfg: Config) -> str:
+    """'2 = sqrt(D)' for a factor one dimension names; '2 is one of sqrt(D), H, B (ambiguous: this
+    config has them equal)' for one several name; '' for none."""
+    names = factor_meaning(k, cfg).split(" = ") if factor_meaning(k, cfg) else []
+    if len(names) > 1:
+        return f"{_short(k)} is one of {', '.join(names)} (ambiguous: this config has them equal)"
+    return f"{_short(k)} = {names[0]}" if names else ""
+
+
 def _factor_words(k: float, cfg: Config, what: str = "expected") -> str:
-    meaning = factor_meaning(k, cfg)
+    named = _named(k, cfg)
     values = f"D={cfg.head_dim_eff}, H={cfg.num_heads}, B={cfg.effective_batch}, L={cfg.tgt_len}, S={cfg.S}"
-    why = f" ({_short(k)} = {meaning}; {values}): a missing or extra scale" if meaning else ": a missing or extra scale"
+    why = f" ({named}; {values}): a missing or extra scale" if named else ": a missing or extra scale"
     return f"candidate = {_short(k)} x {what}{why}"
 
 
@@ -222,8 +367,11 @@ def _patterns(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, layout: Layout,
     if _fits(c, -x, allowed, scale):
         return ["candidate = -expected: a sign flip"]
     k = float(np.sum(c[finite] * x[finite]) / np.sum(x[finite] ** 2))
-    if math.isfinite(k) and abs(k - 1) > FIT_RTOL and k != 0 and _fits(c, k * x, allowed, scale):
+    if math.isfinite(k) and abs(k - 1) > MIN_FACTOR_GAP and k != 0 and _fits(c, k * x, allowed, scale):
         return [_factor_words(k, cfg)]
+    averaged = _batch_average(c, x, allowed, layout, scale)
+    if averaged:
+        return [averaged]
     if x.ndim >= 2 and x.shape[-1] == x.shape[-2] and _fits(c, np.swapaxes(x, -1, -2), allowed, scale):
         last = layout.axes[-2:] if len(layout.axes) == x.ndim else ("rows", "columns")
         return [f"candidate = expected transposed ({' and '.join(last)} swapped)"]
@@ -233,11 +381,45 @@ def _patterns(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, layout: Layout,
     shifted = _shift(c, x, allowed, layout, scale)
     if shifted:
         return [shifted]
+    dropped = _dropout(c, x, allowed, layout, cfg, scale) if layout.weights else ""
+    if dropped:
+        return [dropped]
     if layout.weights and "head" in layout.axes:
         scaled = _logit_scale(c, x)
         if scaled is not None:
             return [_factor_words(scaled, cfg, "expected in the attention logits")]
     return []
+
+
+def _batch_average(c, x, allowed, layout, scale) -> str:
+    """'averaged over the batch' when every batch entry holds the mean of the expected entries."""
+    if "batch" not in layout.axes or len(layout.axes) != x.ndim:
+        return ""
+    axis = layout.axes.index("batch")
+    if x.shape[axis] < 2:
+        return ""
+    mean = np.broadcast_to(np.nanmean(x, axis=axis, keepdims=True), x.shape)
+    if not _fits(c, mean, allowed, scale):
+        return ""
+    return f"candidate = expected averaged over the batch: every batch entry holds the mean of all {x.shape[axis]}"
+
+
+def _dropout(c, x, allowed, layout, cfg, scale) -> str:
+    """'dropout left on' when some weights are zero where the expected are not and every other
+    weight is the expected one times a common k > 1 (1 / (1 - p)). Per-head weights only: an
+    average over heads mixes each head's dropped and kept weights."""
+    if "head" not in layout.axes and cfg.num_heads > 1:
+        return ""
+    finite = np.isfinite(c) & np.isfinite(x)
+    zeroed = finite & (c == 0) & (np.abs(x) > np.maximum(allowed, FIT_RTOL * scale))
+    kept = finite & (c != 0)
+    if not zeroed.any() or kept.sum() < 2:
+        return ""
+    k = float(np.sum(c[kept] * x[kept]) / np.sum(x[kept] ** 2))
+    if not (math.isfinite(k) and k > 1 + MIN_FACTOR_GAP) or not _fits(c, np.where(c == 0, 0.0, k * x), allowed, scale):
+        return ""
+    return (f"candidate = expected with {int(zeroed.sum())} of {int(finite.sum())} weights zeroed and the rest x {_short(k)}: "
+            f"dropout left on (p = 1 - 1/{_short(k)} = {1 - 1 / k:.3g})")
 
 
 def _head_blocks(a: np.ndarray, layout: Layout, cfg: Config) -> list[np.ndarray] | None:
@@ -308,9 +490,9 @@ def _finite_difference(analytic: float, numeric: float, cfg: Config) -> str:
     k = analytic / numeric
     if math.isclose(k, -1.0, rel_tol=FIT_RTOL):
         return "<grad, u> = -(finite difference): the gradient has the wrong sign"
-    meaning = factor_meaning(k, cfg)
-    if meaning:
-        return f"<grad, u> = {_short(k)} x the finite difference ({_short(k)} = {meaning}): the backward misses or adds a scale its forward does not have"
+    named = _named(k, cfg)
+    if named:
+        return f"<grad, u> = {_short(k)} x the finite difference ({named}): the backward misses or adds a scale its forward does not have"
     return (f"<grad, u> / finite difference = {_short(k)} along a random u (no dimension of the config): "
             "the backward does not differentiate the candidate's own forward")
 
@@ -337,6 +519,8 @@ def _where(c, x, allowed, layout: Layout, cfg: Config, masks: Masks | None) -> l
     findings = []
     if (nan_c & ~nan_x).any():
         findings.append(f"NaN in {int((nan_c & ~nan_x).sum())} places where torch has a number")
+    if (nan_x & ~nan_c).any():
+        findings.append(f"a number in {int((nan_x & ~nan_c).sum())} places where torch has NaN")
     blocks = _head_blocks(bad, layout, cfg)
     if blocks is not None:
         heads = [h for h, b in enumerate(blocks) if b.any()]
@@ -370,7 +554,8 @@ def _where_in_weights(c: np.ndarray, x: np.ndarray, err: np.ndarray, bad: np.nda
     if masked.any() and (~masked).any():
         which = " and ".join(n for n, m in (("attn_mask", attn), ("key_padding_mask", kpm)) if (bad & m).any())
         if not (bad & ~masked).any():
-            findings.append(f"only at positions torch masks ({which}): the candidate gives them weight")
+            weighted = ": the candidate gives them weight" if (c[bad] > 0).all() else ""
+            findings.append(f"only at positions torch masks ({which}){weighted}")
         elif not (bad & masked).any():
             findings.append("only at unmasked positions; the masked ones agree")
         else:
@@ -384,11 +569,28 @@ def _where_in_weights(c: np.ndarray, x: np.ndarray, err: np.ndarray, bad: np.nda
     for column, name in masks.padded:
         if bad[..., column].any() and not np.delete(bad, column, axis=-1).any():
             findings.append(f"only in the appended {name} column (key {column})")
-    # Where one side gives zero weight and the other does not: the two masks differ there.
-    differ = np.argwhere(((c == 0) != (x == 0))[..., :S] & np.isfinite(c[..., :S]) & np.isfinite(x[..., :S]))
-    offsets = set((differ[:, -1] - differ[:, -2]).tolist())
-    if len(offsets) == 1 and abs(next(iter(offsets))) <= 1 and min(bad.shape[-2], S) > 2:
-        d = next(iter(offsets))
-        diagonal = "key = query" + (f" {'+' if d > 0 else '-'} {abs(d)}" if d else "")
-        findings.append(f"the candidate's mask differs from torch's exactly on the diagonal {diagonal}: a causal mask off by one")
+    off_by = _causal_off_by_one(c, x, attn[..., :S])
+    if off_by:
+        findings.append(off_by)
     return findings
+
+
+def _causal_off_by_one(c: np.ndarray, x: np.ndarray, attn: np.ndarray) -> str:
+    """'a causal mask off by one' when torch's attn_mask is the causal one (key > query masked)
+    and the candidate's zero weights differ from torch's on one whole diagonal next to or on its
+    edge, and nowhere else. Zeros alone are no mask: a weight underflows to 0, dropout zeroes
+    some; only a config's causal mask and a whole diagonal make them one."""
+    L, S = attn.shape[-2:]
+    if min(L, S) < 3 or not np.array_equal(attn, np.broadcast_to(np.triu(np.ones((L, S), dtype=bool), k=1), attn.shape)):
+        return ""
+    ok = np.isfinite(c) & np.isfinite(x)
+    differ = ((c == 0) != (x == 0)) & ok
+    if not differ.any():
+        return ""
+    query, key = np.indices((L, S))
+    for d in (-1, 0, 1):
+        band = np.broadcast_to(key - query == d, differ.shape)
+        if np.array_equal(differ, band & ok) and (band & ok).sum() >= min(L, S) - 1:
+            diagonal = "key = query" + (f" {'+' if d > 0 else '-'} {abs(d)}" if d else "")
+            return f"the candidate's mask differs from torch's exactly on the diagonal {diagonal}: a causal mask off by one"
+    return ""

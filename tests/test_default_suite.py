@@ -25,7 +25,7 @@ from attncheck.kinds.mha import MHA
 from attncheck.render import suite_summary, suite_verdict
 from attncheck.report import FAIL, UNSUPPORTED, Reason, Report, Row, SuiteResult, capabilities
 from attncheck.suite import prepare
-from attncheck.testing import detection, wrong_gradients, wrong_impls, wrong_updates
+from attncheck.testing import detection, wrong_diagnoses, wrong_gradients, wrong_impls, wrong_updates
 from attncheck.testing.detection import DEFAULT_SUITE_CATCHES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ def test_caught_by_its_case(catch):
 
 def test_the_corpus_covers_every_class_once():
     """Every class in wrong_impls is listed, caught by one default-suite case, and named by no other table."""
-    defined = {name for module in (wrong_impls, wrong_gradients, wrong_updates) for name, obj in vars(module).items()
+    defined = {name for module in (wrong_impls, wrong_gradients, wrong_updates, wrong_diagnoses) for name, obj in vars(module).items()
                if isinstance(obj, type) and obj.__module__ == module.__name__ and not name.startswith("_")}  # fmt: skip
     assert set(wrong_impls.MODULES) | set(wrong_impls.OPTIMIZERS) == defined
     names = [c.impl for c in DEFAULT_SUITE_CATCHES]

@@ -18,8 +18,8 @@ from attncheck import layer_reference, reference
 from attncheck.layer_reference import TransformerEncoderLayer
 from attncheck.reference import MultiheadAttention
 from attncheck.sgd import SGD
-from attncheck.testing import (dense_kvcache, dense_sdpa, wrong_gradients, wrong_impls, wrong_kernels, wrong_kvcache, wrong_layers, wrong_probes,
-                               wrong_updates, wrong_varlen)  # fmt: skip
+from attncheck.testing import (dense_kvcache, dense_sdpa, wrong_diagnoses, wrong_gradients, wrong_impls, wrong_kernels, wrong_kvcache, wrong_layers,
+                               wrong_probes, wrong_updates, wrong_varlen)  # fmt: skip
 from attncheck.testing.dense_kvcache import DecodeKernel
 from attncheck.testing.dense_sdpa import DenseSDPA
 from attncheck.testing.wrong_varlen import DenseVarlen
@@ -30,7 +30,8 @@ DECLARED = {MultiheadAttention: reference.HOOKS, TransformerEncoderLayer: layer_
 
 MUTANTS = [
     cls
-    for module in (wrong_impls, wrong_gradients, wrong_layers, wrong_updates, wrong_kernels, wrong_probes, wrong_varlen, wrong_kvcache)
+    for module in (wrong_impls, wrong_gradients, wrong_diagnoses, wrong_layers, wrong_updates, wrong_kernels, wrong_probes, wrong_varlen,
+                   wrong_kvcache)  # fmt: skip
     for cls in vars(module).values()
     if isinstance(cls, type) and cls.__module__ == module.__name__
 ]

@@ -9,6 +9,7 @@ that into a row (`call_row`), a failure or a declared gap.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -87,6 +88,17 @@ class CheckRun:
         """The float64 oracle: the config's module's NumPy reference, run in float64."""
         return Session(oracle_config(self.cfg), reference_for(self.cfg))
 
+    def rerun(self, factory, **masks) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The float64 oracle's (output, weights) on this workload, computed by another module or
+        with other masks (keywords `attn_mask`, `key_padding_mask`): what a suspected bug gives,
+        for the diagnosis to verify against the candidate's arrays. None if that module raised."""
+        w64 = dataclasses.replace(self.w.astype(np.float64), **masks)
+        session = Session(oracle_config(self.cfg), Candidate(f"{self.candidate.spec} (diagnosis)", factory, builtin=True))
+        try:
+            return session.forward(session.build(w64.params), w64)
+        except CandidateProblem:
+            return None
+
     def session(self) -> Session:
         """The candidate's session, in the config's dtype."""
         return session_for(self.cfg, self.candidate)
@@ -99,6 +111,6 @@ class CheckRun:
     def finish(self) -> Report:
         """The report, each failing row with its diagnosis (attncheck.diagnose), timed."""
         if kind_of(self.cfg).diagnosable:
-            diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask)
+            diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun)
         self.report.seconds = time.perf_counter() - self.start
         return self.report

@@ -153,6 +153,11 @@ DEFAULT_SUITE_CATCHES = [
     # inputs and compares each array it handed over with its original
     SuiteCatch("KeyValueProjectionCached", "basic", "forward", {"forward": ("repeat call",)}),
     SuiteCatch("MaskSanitizedInPlace", "float-mask-3d", "forward", {"forward": ("contract",)}),
+    # diagnosis corpus (tests/test_diagnose.py): bugs once diagnosed wrongly or generically
+    SuiteCatch("HeadsSplitByReshape", "basic", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("DropoutLeftOn", "basic", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("WeightsAveragedOverBatch", "key-padding", "forward", {"forward": ("attn_weights",), "fast-path": ("attn_weights",)}),
+    SuiteCatch("Mask3dIgnored", "bool-mask-3d", "forward", BOTH_FORWARD_PATHS),
 ]  # fmt: skip
 
 
