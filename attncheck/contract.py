@@ -63,7 +63,9 @@ def breach(cfg, factory: Any) -> str:
     if built is not None:
         if not isinstance(factory, type):
             return ""  # a factory function: what it builds is known only once built
-        forward = inspect.getattr_static(factory, "forward", None)
+        if "forward" not in vars(factory):
+            return ""  # inherited (nn.Module's stub, say): the object may set its own in __init__, known only once built
+        forward = vars(factory)["forward"]
         if isinstance(forward, staticmethod):
             forward = forward.__func__
         elif inspect.isfunction(forward):

@@ -554,9 +554,9 @@ def print_failures(reports: list[Report], console: Console, *, tracebacks: bool 
                 console.print(title)
                 console.print(Group(*report_parts(group[0], console.width, tracebacks=tracebacks, detailed=DETAILED_ROWS)))
             lines = capture.get().splitlines()
-            if len(lines) > SCREEN_LINES:
+            if len(lines) > SCREEN_LINES and not tracebacks:  # --traceback asks for them whole
                 lines = lines[: SCREEN_LINES - 1] + [f"  ... {len(lines) - SCREEN_LINES + 1} more lines (--verbose shows them)"]
-            full = not used or used + len(lines) + 1 <= FAILURE_LINES  # the first always; then while they fit
+            full = not used or used + len(lines) + 1 <= FAILURE_LINES or tracebacks  # the first always; then while they fit
         if not full:
             console.print(title, no_wrap=True, overflow="ellipsis")
             continue

@@ -88,3 +88,26 @@ def test_the_encoder_layer_contract():
             return src
 
     assert "unexpected keyword argument 'is_causal'" in breach(cfg, Layer)
+
+
+def test_a_forward_set_on_the_object_is_left_to_the_checks(tmp_path):
+    """An nn.Module that picks its forward in __init__ (torch.compile, say): the class has only
+    nn.Module's stub, which takes no keywords; the object's own forward is known once built."""
+    path = tmp_path / "picked.py"
+    path.write_text(textwrap.dedent("""\
+        import torch
+        from attncheck.reference import MultiheadAttention as Reference
+
+
+        class Picked(torch.nn.Module):
+            def __init__(self, params, **options):
+                super().__init__()
+                self.impl = Reference({k: v.detach().numpy() for k, v in params.items()}, **options)
+                self.forward = self.run
+
+            def run(self, query, key, value, **kw):
+                out, w = self.impl.forward(query.detach().numpy(), key.detach().numpy(), value.detach().numpy(), **kw)
+                return torch.as_tensor(out), None if w is None else torch.as_tensor(w)
+        """))
+    result = runner.invoke(app, ["forward", "--impl", f"{path}:Picked", "-c", "configs/default.yaml"])
+    assert "does not fit the contract" not in result.output, result.output

@@ -67,7 +67,9 @@ def test_a_flag_given_too_wins_over_set(tmp_path):
     ("attn_mask=[", "--set 'attn_mask=[': the value is not YAML"),
     ("num_heads=5", "num_heads: embed_dim 16 is not divisible by num_heads 5"),
     ("attn_mask=sometimes", "attn_mask"),
+    ("probes=bogus", "probes: got 'bogus'; allowed: all, or a list of determinism, batch_invariance, strides, options"),
 ])  # fmt: skip
 def test_a_bad_setting_is_one_clear_usage_error(setting, message):
     code, output = run("forward", "-c", CONFIG, "--set", setting)
     assert code == 2 and message in output and "Traceback" not in output, output
+    assert len([line for line in output.splitlines() if line.startswith("error:")]) == 1, output  # one message, not one per union member

@@ -89,3 +89,14 @@ def test_a_distinct_failure_shows_first_the_rows_whose_diagnosis_points_somewher
     first = example.index("Diagnosis:")
     assert example[first:].startswith("Diagnosis: <grad, u> / finite difference"), example[:2000]
     assert example.index("the backward does not") < example.index("grad  (4x torch")  # the details before the tables
+
+
+def test_traceback_asks_for_every_distinct_failure_whole(tmp_path):
+    path = tmp_path / "deep.py"
+    path.write_text("class MHA:\n    def __init__(self, params, **kw):\n        pass\n\n"
+                    "    def forward(self, query, key, value, **kw):\n        def f(n):\n            if n == 0:\n"
+                    "                raise ValueError('boom deep')\n            return f(n - 1)\n        return f(15)\n")
+    short = run("run", "--impl", f"{path}:MHA").output
+    assert "--traceback shows the candidate's full traceback" in short
+    whole = run("run", "--impl", f"{path}:MHA", "--traceback").output
+    assert "ValueError: boom deep" in whole and "more lines (--verbose shows them)" not in whole  # the innermost frame and the line kept

@@ -17,9 +17,10 @@ through its session (in its own process: the judge never calls candidate code):
                       the call writes in place (a decode kernel's caches) in the kind's layout
                       for them, judged by the kind's written_rows.
     options           each option the case sets (the kind's `option_switches`), turned off alone:
-                      the oracle's answer must change by more than OPTION_MARGIN budgets for the
-                      case to tell (else an INFO row says it cannot), and the candidate's answer
-                      must change by more than one budget, or it "ignores" the option.
+                      the oracle's answer must change by more than a correct candidate's two
+                      answers may lie from it plus one budget (each case's own budget, see
+                      _reach) for the case to tell (else an INFO row says it cannot), and the
+                      candidate's answer must change by more than one budget, or it "ignores" it.
 
 Either way a result outside the budget fails: a second call, a batch element or a layout that
 gives a wrong answer is a wrong answer. The verdicts come from the row statuses alone
@@ -43,11 +44,13 @@ from attncheck.kinds import kind_of
 from attncheck.report import FAIL, INFO, PASS, PROBE_SECTION, SKIPPED, Reason, Row
 
 SECTION = PROBE_SECTION
-# A case tells an option on from off when the oracle's two answers differ by more than this many
-# budgets: a correct candidate's two answers may each lie a budget from the oracle's, so at three
-# budgets apart they still differ by more than the one budget a candidate that ignores the option
-# is allowed (never "ignores softcap" for a correct candidate).
-OPTION_MARGIN = 3.0
+# A case tells an option on from off when the oracle's two answers differ by more than a correct
+# candidate's two answers can lie from them (B_on' and B_off', each case's own budget: the two
+# differ, turning a window off adds keys and torch's error with them) plus the one budget B_on a
+# candidate that ignores the option is allowed: told > B_on + B_on' + B_off'. Then a correct
+# candidate's outputs are more than B_on apart and it is never called "ignores softcap".
+# (B' is the budget under the budget rule, which bounds |candidate - oracle|; under the fixed rule,
+# which bounds |candidate - torch|, torch's own distance from the oracle is added.)
 
 Within = Callable[[str, np.ndarray], Row]  # the check's own judgement of a quantity, as a row
 
@@ -230,8 +233,23 @@ def _largest_difference(a: np.ndarray, b: np.ndarray, defined: np.ndarray | None
     return float(np.abs(np.where(keep, a64 - b64, 0.0)).max(initial=0.0))
 
 
-def options(p: Probing, w, o_out: np.ndarray | None) -> list[Row]:
+def _budget(rule: Rule, t: np.ndarray, o: np.ndarray, defined: np.ndarray | None) -> float:
+    """One case's budget from torch's output and the oracle's, as the check computes it."""
+    keep = np.isfinite(t) & np.isfinite(o) & (True if defined is None else defined)
+    if isinstance(rule, Fixed):
+        return rule.atol + rule.rtol * float(np.abs(t[keep]).max(initial=0.0))
+    return rule.factor * _largest_difference(t, o, defined) + rule.floor * float(np.abs(o[keep]).max(initial=0.0))
+
+
+def _reach(rule: Rule, budget: float, t: np.ndarray, o: np.ndarray, defined: np.ndarray | None) -> float:
+    """How far from the oracle a correct candidate's output may lie: the budget (B' above)."""
+    return budget + (_largest_difference(t, o, defined) if isinstance(rule, Fixed) else 0.0)
+
+
+def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Rule) -> list[Row]:
     """For each option the case sets: does the oracle tell it, and does the candidate?"""
+    from attncheck import torch_side
+
     cfg, kind, rows = p.cfg, kind_of(p.cfg), []
     for name, off in kind.option_switches(cfg):
         label = f"options: {name}"
@@ -247,9 +265,12 @@ def options(p: Probing, w, o_out: np.ndarray | None) -> list[Row]:
         o_on = _oracle(cfg, w) if o_out is None else o_out
         o_off = _oracle(cfg_off, w_off)
         told = _largest_difference(o_on, o_off, defined)
-        if told <= OPTION_MARGIN * p.budget:
+        t_off, _ = torch_side.forward(cfg_off, w_off)
+        needed = p.budget + _reach(rule, p.budget, t_out, o_on, defined) + _reach(rule, _budget(rule, t_off, o_off, defined), t_off, o_off, defined)
+        if not told > needed:
             rows.append(_row("options", label, INFO, f"this case cannot tell {name} on from off: the oracle's outputs differ by "
-                             f"{told:.3g}, within {OPTION_MARGIN:g} budgets ({p.budget:.3g} each); not checked here"))  # fmt: skip
+                             f"{told:.3g}, not more than the {needed:.3g} a correct candidate's two outputs may lie from them "
+                             f"and apart (its budget {p.budget:.3g}); not checked here"))  # fmt: skip
             continue
         session = session_for(cfg_off, p.run.candidate)
         try:
@@ -294,7 +315,7 @@ def forward_probes(p: Probing, w, t_out: np.ndarray, rule: Rule, o_out: np.ndarr
     if "strides" in named:
         rows.extend(strides(p, w, rule))
     if "options" in named:
-        rows.extend(options(p, w, o_out))
+        rows.extend(options(p, w, o_out, t_out, rule))
     return rows
 
 

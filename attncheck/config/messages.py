@@ -54,8 +54,20 @@ def validate(
     try:
         return Config.model_validate(data), []
     except ValidationError as error:
-        findings = [finding for e in error.errors(include_url=False) for finding in _explain(e, extra_keys)]
+        findings = _first_per_key([finding for e in error.errors(include_url=False) for finding in _explain(e, extra_keys)])
     return None, findings + _consistency_beyond(data, findings)
+
+
+def _first_per_key(findings: list[Finding]) -> list[Finding]:
+    """One per-key finding per key: a union type (`probes`: a list or `all`) fails once per member."""
+    seen: set[tuple[str, ...]] = set()
+    kept = []
+    for finding in findings:
+        if len(finding.keys) == 1 and finding.keys in seen:
+            continue
+        seen.add(finding.keys)
+        kept.append(finding)
+    return kept
 
 
 def _consistency_beyond(data: Mapping[str, Any], findings: list[Finding]) -> list[Finding]:

@@ -279,6 +279,14 @@ class Config(BaseModel):
             raise _value_error("must be a non-empty string")
         return value
 
+    @field_validator("probes", mode="before")
+    @classmethod
+    def _probes_named(cls, value):
+        """One message for a name that is neither a list nor `all` (not one per member of the union)."""
+        if isinstance(value, str) and value != "all":
+            raise _value_error(f"got {show(value)}; allowed: all, or a list of {', '.join(PROBES)}")
+        return value
+
     @field_validator("probes")
     @classmethod
     def _probes_once(cls, value):
