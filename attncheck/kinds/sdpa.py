@@ -52,23 +52,23 @@ def torch_path(cfg) -> str:
     return "F.scaled_dot_product_attention (math backend)"
 
 
+def sequence_allowed(cfg, L: int, S: int) -> np.ndarray:
+    """(L, S) bool: the keys each query of one sequence of L queries and S keys may see under the
+    config's causal mask and window, by the oracle's own rules (attncheck.reference.sdpa)."""
+    from attncheck.reference.sdpa import causal_allowed, window_allowed
+
+    ok = np.ones((L, S), dtype=bool)
+    if cfg.causal != "none":
+        ok &= causal_allowed(L, S, cfg.causal)
+    if cfg.window_size is not None:
+        ok &= window_allowed(L, S, *cfg.window_size)
+    return ok
+
+
 def allowed(cfg, attn_mask: np.ndarray | None) -> np.ndarray:
     """(1 or B, 1 or Hq, L, S) bool: the keys each query may see, from the causal alignment, the
     window and the explicit mask (True = attend in a bool mask, -inf = never in a float one)."""
-    L, S = cfg.tgt_len, cfg.S
-    i, j = np.arange(L)[:, None], np.arange(S)[None, :]
-    ok = np.ones((L, S), dtype=bool)
-    if cfg.causal == "upper_left":
-        ok &= j <= i
-    elif cfg.causal == "lower_right":
-        ok &= j <= i + S - L
-    if cfg.window_size is not None:
-        left, right = cfg.window_size
-        if left >= 0:
-            ok &= j >= i + S - L - left
-        if right >= 0:
-            ok &= j <= i + S - L + right
-    ok = ok[None, None]
+    ok = sequence_allowed(cfg, cfg.tgt_len, cfg.S)[None, None]
     if attn_mask is not None:
         mask = attn_mask if attn_mask.dtype == np.bool_ else np.asarray(attn_mask, dtype=np.float64) != -np.inf
         ok = ok & (mask if mask.ndim == 4 else mask[None, None])

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from attncheck.kinds import ModuleKind
-from attncheck.kinds.sdpa import FunctionKind
+from attncheck.kinds.sdpa import FunctionKind, sequence_allowed
 
 # Stream ids of the seed for the kind's own arrays (attncheck.inputs numbers the others 0-5, sdpa 6-7).
 _ALIBI, _TARGET_LSE, _LENGTHS, _PAGES, _CACHE = 6, 7, 8, 9, 10
@@ -67,18 +67,8 @@ def slot_states(cfg, lengths: np.ndarray, block_table: np.ndarray | None) -> tup
 
 def empty_rows(cfg, lengths: np.ndarray) -> np.ndarray:
     """(B, Hq, Lq) bool: query rows with no allowed key (a window or causal past a short sequence)."""
-    from attncheck.reference.sdpa import causal_allowed, window_allowed
-
     Lq = cfg.tgt_len
-    rows = []
-    for c in lengths:
-        S = int(c) + cfg.new_tokens
-        ok = np.ones((Lq, S), dtype=bool)
-        if cfg.causal == "lower_right":
-            ok &= causal_allowed(Lq, S, "lower_right")
-        if cfg.window_size is not None and tuple(cfg.window_size) != (-1, -1):
-            ok &= window_allowed(Lq, S, *cfg.window_size)
-        rows.append(~ok.any(axis=-1))
+    rows = [~sequence_allowed(cfg, Lq, int(c) + cfg.new_tokens).any(axis=-1) for c in lengths]  # causal is lower_right here
     return np.broadcast_to(np.stack(rows)[:, None, :], (cfg.batch_size, cfg.num_heads, Lq)).copy()
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from attncheck.kinds.sdpa import FunctionKind
+from attncheck.kinds.sdpa import FunctionKind, sequence_allowed
 
 # Stream ids of the seed (attncheck.inputs numbers 0-5, the sdpa kind 6-7: ALiBi and the LSE's target).
 _ALIBI, _TARGET_LSE, _SEQLENS = 6, 7, 8
@@ -62,18 +62,10 @@ def _pairs(cu) -> list[tuple[int, int, int]]:
 
 def empty_rows(cfg, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray) -> np.ndarray:
     """(Tq,) bool: the query rows with no allowed key (in every head alike), sequence by sequence."""
-    from attncheck.reference.sdpa import causal_allowed, window_allowed
-
     empty = np.zeros(int(cu_seqlens_q[-1]), dtype=bool)
     for (q0, q1, Lq), (_, _, Lk) in zip(_pairs(cu_seqlens_q), _pairs(cu_seqlens_k)):
-        if Lq == 0:
-            continue
-        ok = np.ones((Lq, Lk), dtype=bool)  # (Lq, Lk)
-        if cfg.causal != "none":
-            ok &= causal_allowed(Lq, Lk, "lower_right")
-        if cfg.window_size is not None:
-            ok &= window_allowed(Lq, Lk, *cfg.window_size)
-        empty[q0:q1] = ~ok.any(axis=-1)
+        if Lq:
+            empty[q0:q1] = ~sequence_allowed(cfg, Lq, Lk).any(axis=-1)  # causal is lower_right here (config/varlen.py)
     return empty
 
 
