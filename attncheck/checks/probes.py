@@ -36,7 +36,7 @@ import numpy as np
 
 from attncheck.candidate import LAYOUTS, PAD, Session, laid_out, reference_for
 from attncheck.checks.run import CheckRun, oracle_config, session_for
-from attncheck.compare import Fixed, Rule
+from attncheck.compare import Fixed, Rule, measure
 from attncheck.errors import CandidateProblem, Unsupported
 from attncheck.frameworks import framework_of
 from attncheck.inputs import make_workload
@@ -233,12 +233,9 @@ def _largest_difference(a: np.ndarray, b: np.ndarray, defined: np.ndarray | None
     return float(np.abs(np.where(keep, a64 - b64, 0.0)).max(initial=0.0))
 
 
-def _budget(rule: Rule, t: np.ndarray, o: np.ndarray, defined: np.ndarray | None) -> float:
-    """One case's budget from torch's output and the oracle's, as the check computes it."""
-    keep = np.isfinite(t) & np.isfinite(o) & (True if defined is None else defined)
-    if isinstance(rule, Fixed):
-        return rule.atol + rule.rtol * float(np.abs(t[keep]).max(initial=0.0))
-    return rule.factor * _largest_difference(t, o, defined) + rule.floor * float(np.abs(o[keep]).max(initial=0.0))
+def _budget(rule: Rule, t: np.ndarray, o: np.ndarray) -> float:
+    """One case's budget from torch's output and the oracle's, as the check's own row computes it."""
+    return budget_of(measure(SECTION, "output", t, t, rule, oracle=o), rule, t)
 
 
 def _reach(rule: Rule, budget: float, t: np.ndarray, o: np.ndarray, defined: np.ndarray | None) -> float:
@@ -266,7 +263,7 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
         o_off = _oracle(cfg_off, w_off)
         told = _largest_difference(o_on, o_off, defined)
         t_off, _ = torch_side.forward(cfg_off, w_off)
-        needed = p.budget + _reach(rule, p.budget, t_out, o_on, defined) + _reach(rule, _budget(rule, t_off, o_off, defined), t_off, o_off, defined)
+        needed = p.budget + _reach(rule, p.budget, t_out, o_on, defined) + _reach(rule, _budget(rule, t_off, o_off), t_off, o_off, defined)
         if not told > needed:
             rows.append(_row("options", label, INFO, f"this case cannot tell {name} on from off: the oracle's outputs differ by "
                              f"{told:.3g}, not more than the {needed:.3g} a correct candidate's two outputs may lie from them "
