@@ -310,8 +310,7 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
     from rich.console import Group
     from rich.text import Text
 
-    from attncheck.render import make_console, print_failures, progress_bar, progress_line, render, suite_summary, suite_verdict
-    from attncheck.report import PASS, UNSUPPORTED
+    from attncheck.render import make_console, print_failures, progress_bar, render, suite_summary, suite_verdict
 
     console = make_console()
     if not cases:

@@ -186,8 +186,7 @@ def details(report: Report, limit: int | None = None) -> list[Any]:
     lines = []
     failing = [r for r in report.rows if r.failed]
     pointed = sorted(failing, key=lambda r: not r.diagnosis or r.diagnosis.startswith("everywhere"))  # stable: run order within
-    shown = {id(r) for r in pointed[:limit]} if limit is not None else {id(r) for r in failing}
-    failed = len(failing)
+    shown = {id(r) for r in pointed[:limit]}  # all of them when limit is None
     for r in report.rows:
         if r.failed:
             if id(r) not in shown:
@@ -197,8 +196,8 @@ def details(report: Report, limit: int | None = None) -> list[Any]:
             lines += [Padding(Text(line), (0, 0, 0, 4), expand=False) for line in rest]
         elif r.note and not (r.status == PASS and r.rule_kind == "finite-diff"):  # that note only restates the table
             lines.append(Text(f"  {r.section} {r.quantity}: {r.note}", style=_STATUS_STYLE[r.status]))
-    if limit is not None and failed > limit:
-        lines.append(Text(f"  ... and {failed - limit} more failing quantities in this shape (--verbose shows them)", style="dim"))
+    if limit is not None and len(failing) > limit:
+        lines.append(Text(f"  ... and {len(failing) - limit} more failing quantities in this shape (--verbose shows them)", style="dim"))
     return lines
 
 
@@ -523,7 +522,7 @@ def distinct_failures(reports: list[Report]) -> list[list[Report]]:
 
 
 def _failure_title(group: list[Report]) -> Text:
-    """`FAIL  grad: in_proj_weight[q], query  ·  3 cases: basic, causal, no-bias`."""
+    """`FAIL  grad in 3 cases (basic, causal, no-bias): in_proj_weight[q], query`."""
     first = group[0]
     bad = [r for r in first.rows if r.status in (FAIL, INCONCLUSIVE)]
     own = {"sgd-step": "sgd"}.get(first.command, first.command)  # the section named like its command goes without saying
