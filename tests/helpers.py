@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import signal
 
-from attncheck.report import INCONCLUSIVE, PASS, Report
+from attncheck.candidate import candidate_from_object
+from attncheck.checks import run_check
+from attncheck.config import Config
+from attncheck.report import FAIL, INCONCLUSIVE, PASS, Report
 
 
 def assert_agrees(report: Report) -> None:
@@ -26,3 +29,32 @@ def sigint_as_at_a_terminal() -> None:
     ignored when pytest itself runs as a background job (`bin/test &` in a script), where Python
     would then never raise KeyboardInterrupt. Passed as Popen's preexec_fn."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def assert_caught_by_comparisons(kernel: type, cases: dict[str, Config], catches: list[tuple[str, str]]) -> None:
+    """A known-bad kernel fails each (case, command) of its CATCHES entry by its values: not by a
+    call that raised, and with mismatched elements to show."""
+    candidate = candidate_from_object(kernel)
+    for case, command in catches:
+        report = run_check(command, cases[case], candidate, embedded=True)
+        assert report.verdict == "fail", (case, command, report.verdict)
+        assert all(r.quantity != "candidate" for r in report.failures), (case, command, [r.note for r in report.failures])
+        assert any(r.mismatched for r in report.failures), (case, command)
+
+
+def probe_rows(report: Report) -> dict[str, object]:
+    """A report's probe rows by their labels (`strides: swapped`, `options: softcap`, ...)."""
+    return {str(r.quantity): r for r in report.rows if r.section == "probe"}
+
+
+def assert_shown_by_probes(kernel: type, cases: dict[str, Config], entries: list[tuple]) -> None:
+    """A probe kernel's forward checks, for each (case, keys, {probe label: status}, verdict, words
+    every failing probe row says) of its CAUGHT entry."""
+    candidate = candidate_from_object(kernel)
+    for case, keys, expected, verdict, words in entries:
+        report = run_check("forward", cases[case].model_copy(update=keys), candidate, embedded=True)
+        rows = probe_rows(report)
+        assert {label: rows[label].status for label in expected} == expected, (case, keys, [r.note for r in rows.values()])
+        assert report.verdict == verdict, (case, keys)
+        failing = [rows[label] for label, status in expected.items() if status is FAIL]
+        assert all(words in r.note for r in failing), [r.note for r in failing]

@@ -18,6 +18,8 @@ from attncheck.config import Config, load_suite
 from attncheck.report import FAIL, INFO, PASS
 from attncheck.testing.wrong_kvcache import CORRECT_KVCACHE, KVCACHE_PROBES
 
+from tests.helpers import assert_shown_by_probes, probe_rows
+
 STRIDES = [f"strides: {layout}" for layout in LAYOUTS]
 INVARIANCE = ("batch_invariance", "batch_invariance: num_splits 1")
 # kernel -> (case, extra keys, {probe row label: status}, the check's verdict, words a failing row says)
@@ -36,10 +38,6 @@ def _cases() -> dict[str, Config]:
     return {case.name: case.config for case in load_suite(None, module="sdpa_kvcache").cases}
 
 
-def _probe_rows(report) -> dict[str, object]:
-    return {str(r.quantity): r for r in report.rows if r.section == "probe"}
-
-
 def test_the_table_covers_the_probe_kernels():
     assert set(CAUGHT) == set(KVCACHE_PROBES)
 
@@ -50,14 +48,7 @@ def test_the_default_decode_suite_runs_every_probe():
 
 @pytest.mark.parametrize("name", sorted(CAUGHT))
 def test_each_probe_kernel_is_shown_by_its_probe(name):
-    cases, candidate = _cases(), candidate_from_object(KVCACHE_PROBES[name])
-    for case, keys, expected, verdict, words in CAUGHT[name]:
-        report = run_check("forward", cases[case].model_copy(update=keys), candidate, embedded=True)
-        rows = _probe_rows(report)
-        assert {label: rows[label].status for label in expected} == expected, (case, keys, [r.note for r in rows.values()])
-        assert report.verdict == verdict, (case, keys)
-        failing = [rows[label] for label, status in expected.items() if status is FAIL]
-        assert all(words in r.note for r in failing), [r.note for r in failing]
+    assert_shown_by_probes(KVCACHE_PROBES[name], _cases(), CAUGHT[name])
 
 
 def test_only_the_probes_show_the_kernels_the_comparisons_cannot():
@@ -72,7 +63,7 @@ def test_the_correct_kernel_passes_every_probe_of_the_default_suite():
     candidate = candidate_from_object(CORRECT_KVCACHE)
     for name, cfg in _cases().items():
         report = run_check("forward", cfg.model_copy(update={"batch_invariant": True}), candidate, embedded=True)
-        rows = _probe_rows(report)
+        rows = probe_rows(report)
         assert report.passed, (name, [(r.quantity, r.note) for r in report.failures])
         assert rows["determinism"].status is PASS and rows["batch_invariance"].status is PASS, name
         assert all(rows[label].status is PASS for label in STRIDES), name
@@ -81,7 +72,7 @@ def test_the_correct_kernel_passes_every_probe_of_the_default_suite():
 
 def test_the_cache_views_keep_a_contiguous_last_dimension_and_are_named():
     report = run_check("forward", _cases()["paged-16"], candidate_from_object(CORRECT_KVCACHE), embedded=True)
-    rows = _probe_rows(report)
+    rows = probe_rows(report)
     assert "k_cache" not in rows["strides: transposed"].note  # FlashAttention requires k_cache.stride(-1) == 1
     for layout in ("swapped", "offset", "padded"):
         assert "k_cache (" in rows[f"strides: {layout}"].note and ", 1)" in rows[f"strides: {layout}"].note, layout
@@ -90,7 +81,7 @@ def test_the_cache_views_keep_a_contiguous_last_dimension_and_are_named():
 def test_every_option_of_a_decode_case_is_probed_and_the_oracle_tells_each():
     cfg = Config(module="sdpa_kvcache", batch_size=2, tgt_len=3, src_len=64, new_tokens=3, softcap=5.0, input_scale=3.0,
                  window_size=[4, -1], scale=0.3, alibi=True, causal="lower_right", rotary="half", probes=["options"])  # fmt: skip
-    rows = _probe_rows(run_check("forward", cfg))
+    rows = probe_rows(run_check("forward", cfg))
     names = ("softcap", "window", "ALiBi", "scale", "causal", "rotary", "rotary_interleaved")
     assert {label: r.status for label, r in rows.items()} == {f"options: {name}": PASS for name in names}
 
@@ -98,7 +89,7 @@ def test_every_option_of_a_decode_case_is_probed_and_the_oracle_tells_each():
 def test_a_decode_case_with_one_query_cannot_tell_causal_and_says_so():
     """Lq = 1 under bottom-right causal: the one query sees every key, causal or not."""
     cfg = Config(module="sdpa_kvcache", batch_size=2, tgt_len=1, src_len=64, new_tokens=1, causal="lower_right", probes=["options"])
-    row = _probe_rows(run_check("forward", cfg))["options: causal"]
+    row = probe_rows(run_check("forward", cfg))["options: causal"]
     assert row.status is INFO and "cannot tell causal" in row.note
 
 

@@ -18,6 +18,8 @@ from attncheck.config import Config, load_suite
 from attncheck.report import FAIL, INFO, PASS, SKIPPED, capabilities
 from attncheck.testing.wrong_probes import CORRECT_KERNEL, WRONG_PROBES
 
+from tests.helpers import probe_rows
+
 STRIDES = [f"strides: {layout}" for layout in LAYOUTS]
 # kernel -> (case, command, extra keys, {probe row label: status}, the check's verdict, words a failing row says)
 CAUGHT = {
@@ -37,10 +39,6 @@ def _cases() -> dict[str, Config]:
     return {case.name: case.config for case in load_suite(None, module="sdpa").cases}
 
 
-def _probe_rows(report) -> dict[str, object]:
-    return {str(r.quantity): r for r in report.rows if r.section == "probe"}
-
-
 def test_the_table_covers_the_corpus():
     assert set(CAUGHT) == set(WRONG_PROBES)
 
@@ -51,7 +49,7 @@ def test_each_wrong_kernel_is_caught_by_its_probe(name):
     for case, command, keys, expected, verdict, words in CAUGHT[name]:
         cfg = cases[case].model_copy(update=keys)
         report = run_check(command, cfg, candidate, embedded=True)
-        rows = _probe_rows(report)
+        rows = probe_rows(report)
         assert {label: rows[label].status for label in expected} == expected, (case, command, keys, [r.note for r in rows.values()])
         assert report.verdict == verdict, (case, command, keys)
         failing = [rows[label] for label, status in expected.items() if status is FAIL]
@@ -73,7 +71,7 @@ def test_the_correct_kernel_passes_every_probe_of_the_default_suite():
             continue  # not its alignment: unsupported before any probe
         for command in ("forward", "grad"):
             report = run_check(command, cfg, candidate, embedded=True)
-            rows = _probe_rows(report)
+            rows = probe_rows(report)
             assert rows and report.passed, (name, command, [r.note for r in report.failures])
             assert rows["determinism"].status is PASS, (name, command)
             if command == "forward":
@@ -84,7 +82,7 @@ def test_the_correct_kernel_passes_every_probe_of_the_default_suite():
 def test_a_case_that_cannot_tell_an_option_says_so():
     """L = 1 under bottom-right causal: the one query sees every key, causal or not."""
     report = run_check("forward", _cases()["decode-lower-right"], candidate_from_object(CORRECT_KERNEL), embedded=True)
-    row = _probe_rows(report)["options: causal"]
+    row = probe_rows(report)["options: causal"]
     assert row.status is INFO and "cannot tell causal" in row.note
     assert report.passed
 
@@ -92,14 +90,14 @@ def test_a_case_that_cannot_tell_an_option_says_so():
 def test_every_option_of_a_case_is_probed_and_the_oracle_tells_each():
     cfg = Config(module="sdpa", softcap=5.0, input_scale=3.0, window_size=[1, -1], scale=0.3, alibi=True, causal="lower_right",
                  attn_mask="random", probes=["options"])  # fmt: skip
-    rows = _probe_rows(run_check("forward", cfg))
+    rows = probe_rows(run_check("forward", cfg))
     assert {label: r.status for label, r in rows.items()} == {
         f"options: {name}": PASS for name in ("softcap", "window", "ALiBi", "scale", "causal", "attn_mask")}
 
 
 def test_no_probe_runs_unless_the_config_asks():
-    assert not _probe_rows(run_check("forward", Config(module="sdpa")))
-    assert set(_probe_rows(run_check("forward", Config(module="sdpa", deterministic=True)))) == {"determinism"}
+    assert not probe_rows(run_check("forward", Config(module="sdpa")))
+    assert set(probe_rows(run_check("forward", Config(module="sdpa", deterministic=True)))) == {"determinism"}
 
 
 def test_the_capability_table_lists_each_probe_with_its_verdict():
@@ -152,7 +150,7 @@ def test_multihead_attention_gets_the_probes_that_apply():
                                               attn_mask="random", key_padding_mask="random")):  # fmt: skip
         for command in ("forward", "grad"):
             report = run_check(command, cfg)
-            rows = _probe_rows(report)
+            rows = probe_rows(report)
             assert report.passed and rows, (command, [r.note for r in report.failures])
             assert not any(label.startswith("options") for label in rows)  # the modules' options change their parameters
             assert all(r.status is PASS for r in rows.values()), [(label, r.note) for label, r in rows.items()]

@@ -19,6 +19,8 @@ from attncheck.report import FAIL, INFO, PASS, SKIPPED, capabilities
 from attncheck.testing.wrong_probes import VARLEN_CORRECT_KERNEL, WRONG_VARLEN_PROBES
 from attncheck.testing.wrong_varlen import DenseVarlen, ReadsPastLastSequence
 
+from tests.helpers import assert_shown_by_probes, probe_rows
+
 STRIDES = [f"strides: {layout}" for layout in LAYOUTS]
 # kernel -> (case, extra keys, {probe row label: status}, the check's verdict, words a failing row says)
 CAUGHT = {
@@ -36,10 +38,6 @@ def _cases() -> dict[str, Config]:
     return {case.name: case.config for case in load_suite(None, module="sdpa_varlen").cases}
 
 
-def _probe_rows(report) -> dict[str, object]:
-    return {str(r.quantity): r for r in report.rows if r.section == "probe"}
-
-
 def _varlen(**keys) -> Config:
     return Config(module="sdpa_varlen", seed=3, seqlens_q=[5, 0, 4, 6], seqlens_k=[7, 3, 4, 2], **keys)
 
@@ -50,14 +48,7 @@ def test_the_table_covers_the_corpus():
 
 @pytest.mark.parametrize("name", sorted(CAUGHT))
 def test_each_wrong_varlen_kernel_is_caught_by_its_probe(name):
-    cases, candidate = _cases(), candidate_from_object(WRONG_VARLEN_PROBES[name])
-    for case, keys, expected, verdict, words in CAUGHT[name]:
-        report = run_check("forward", cases[case].model_copy(update=keys), candidate, embedded=True)
-        rows = _probe_rows(report)
-        assert {label: rows[label].status for label in expected} == expected, (case, keys, [r.note for r in rows.values()])
-        assert report.verdict == verdict, (case, keys)
-        failing = [rows[label] for label, status in expected.items() if status is FAIL]
-        assert all(words in r.note for r in failing), [r.note for r in failing]
+    assert_shown_by_probes(WRONG_VARLEN_PROBES[name], _cases(), CAUGHT[name])
 
 
 def test_the_flaws_no_comparison_shows_pass_every_comparison():
@@ -72,14 +63,14 @@ def test_the_correct_kernel_passes_every_probe_of_the_default_varlen_suite():
     candidate = candidate_from_object(VARLEN_CORRECT_KERNEL)
     for name, cfg in _cases().items():
         report = run_check("forward", cfg, candidate, embedded=True)
-        rows = _probe_rows(report)
+        rows = probe_rows(report)
         assert report.passed, (name, [r.note for r in report.failures])
         assert {label: rows[label].status for label in PROBES} == dict.fromkeys(PROBES, PASS), name
 
 
 def test_every_option_of_a_varlen_case_is_probed_and_the_oracle_tells_each():
     cfg = _varlen(softcap=5.0, input_scale=3.0, window_size=[2, -1], scale=0.3, alibi=True, causal="lower_right", probes=["options"])
-    rows = _probe_rows(run_check("forward", cfg))
+    rows = probe_rows(run_check("forward", cfg))
     assert {label: r.status for label, r in rows.items() if label.startswith("options")} == {
         f"options: {name}": PASS for name in ("softcap", "window", "ALiBi", "scale", "causal")}
 
@@ -107,7 +98,7 @@ def test_a_sequence_alone_has_its_own_cu_seqlens_and_slopes():
 
 
 def test_one_sequence_is_nothing_to_split():
-    rows = _probe_rows(run_check("forward", Config(module="sdpa_varlen", seqlens_q=[6], seqlens_k=[9], probes=["batch_invariance"])))
+    rows = probe_rows(run_check("forward", Config(module="sdpa_varlen", seqlens_q=[6], seqlens_k=[9], probes=["batch_invariance"])))
     assert rows["batch_invariance"].status is SKIPPED and "one sequence" in rows["batch_invariance"].note
 
 
