@@ -182,10 +182,14 @@ def test_reference_gradients_are_judged_when_the_loss_leaves_undefined_rows_out(
     assert all(r["nan_agreed"] == 0 for r in rows(report) if r["section"] == "grad")  # finite, judged
 
 
-def test_weights_nan_under_need_weights_leaves_gradients_inconclusive(tmp_path):
+def test_rows_with_no_allowed_key_leave_every_gradient_judged(tmp_path):
+    """need_weights: true with a fully padded sequence: torch's standard path spreads the rows' NaN
+    into every gradient, its SDPA path does not; the loss leaves the rows out, so every gradient is
+    judged on the SDPA path, and the reference (zero weight for the rows in its backward) passes."""
     code, report, _ = run_json(tmp_path, "grad", "-c", ROOT / "configs/fully_masked.yaml")
-    assert code == 4
-    assert rows(report, "pass") and rows(report, "inconclusive") and not rows(report, "fail")
+    assert code == 0, report["rows"]
+    assert rows(report, "pass") and not rows(report, "inconclusive") and not rows(report, "fail")
+    assert any("SDPA path" in note for note in report["notes"]), report["notes"]
 
 
 def test_query_gradient_alone_is_the_input_gradient_under_self_attention(tmp_path):
