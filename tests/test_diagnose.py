@@ -92,6 +92,15 @@ CORPUS = {
     # calls: no numbers to diagnose
     "KeyValueProjectionCached": {},
     "MaskSanitizedInPlace": {},
+    # issue 29's gaps (wrong_reach.py): a few elements, NaN from overflow or underflow, or everywhere
+    "HalfAccumulatedSoftmax": {},
+    "HalfInputsFloat32Output": {},  # the dtype: no numbers to diagnose
+    "MaskFilledWithMinus1e9": {"output": ["NaN in 64 places where torch has a number"]},
+    "CausalMaskBlockLocal": {"attn_weights": ["the candidate gives weight to 256 positions torch masks (attn_mask)"]},
+    "MaskAppliedAfterExp": {"attn_weights": ["NaN in 4 places where torch has a number"]},
+    "OnlineSoftmaxEmptyBlockNaN": {"output": ["NaN in 520 places where torch has a number"]},
+    "EncoderDecoderQueryKeySwapped": {},
+    "CausalOnlyScaleInFloat32": {"output": ["small: the error is at most"]},
 }  # fmt: skip
 # Words that name a cause: a diagnosis holds one only where its expected words do.
 CAUSES = ["heads split", "heads permuted", "is ignored", "read inverted", "off by one", "averaged over the batch",

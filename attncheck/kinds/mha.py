@@ -69,7 +69,7 @@ class MultiheadAttentionKind(ModuleKind):
     # belongs to the first whose test it meets (a case per feature: configs/default_suite.yaml).
     features = (
         ("sgd-step", lambda c: c.steps > 1 or c.momentum != 0 or c.weight_decay != 0 or c.maximize),
-        ("numerics", lambda c: c.dtype == "float64" or c.input_scale != 1.0),
+        ("numerics", lambda c: c.dtype != "float32" or c.input_scale != 1.0),
         ("module options", lambda c: not c.bias or c.add_bias_kv or c.add_zero_attn),
         ("masks", lambda c: c.attn_mask != "none" or (c.key_padding_mask != "none" and not c.unbatched)),
         ("forward options", lambda c: not c.need_weights or not c.average_attn_weights),
