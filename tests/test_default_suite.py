@@ -113,7 +113,8 @@ def test_no_config_cli_passes_the_reference_and_the_example():
     assert result.exit_code == 0, result.output
     # its refusals are unsupported, named with its reason in the capability table
     text = " ".join(result.output.split())
-    assert "9 unsupported" in text and "not bias-kv-masked, zero-attn-masked: per_head_loop: add_bias_kv and add_zero_attn are not supported" in text
+    assert "12 unsupported" in text
+    assert "not bias-kv-masked, long-fully-padded-bias-kv, zero-attn-masked: per_head_loop: add_bias_kv and add_zero_attn are not supported" in text
 
 
 def test_capabilities_name_the_unsupported_features_and_judge_the_rest():

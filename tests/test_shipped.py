@@ -129,15 +129,15 @@ EXAMPLES = [
     Documented("tutorial_encoder_layer.py:TransformerEncoderLayer", ("forward", "-c", "configs/encoder_layer_no_bias.yaml"), 0,
                "its docstring"),
     Documented("torch_sdpa.py:MultiheadAttention", ("run",), 0,
-               "README 'Kernels and other frameworks': passes 63 of 85 checks, 22 unsupported", {"pass": 63, "unsupported": 22}),
+               "README 'Kernels and other frameworks': passes 81 of 106 checks, 25 unsupported", {"pass": 81, "unsupported": 25}),
     # The README's no-config run of the Flax example takes minutes (JAX traces every check); its
     # gradients are tests/test_jax.py's (through attncheck.check with the same SPEC).
     Documented("flax_attention.py:MultiheadAttention", ("forward", "-c", "configs/causal.yaml"), 0,
                "README 'Kernels and other frameworks': Flax agrees in float32 with causal masks", slow=True),
     Documented("torch_encoder_layer.py:TransformerEncoderLayer", ("run", "--module", "transformer_encoder_layer"), 0,
-               "its docstring: passes the layer's default suite in all three commands", {"pass": 21}),
+               "its docstring: passes the layer's default suite in all three commands", {"pass": 30}),
     Documented("flax_encoder_layer.py:TransformerEncoderLayer", ("run", "--module", "transformer_encoder_layer"), 0,
-               "its docstring: the layer's default suite, gradients from jax.vjp", {"pass": 21}, slow=True),
+               "its docstring: the layer's default suite, gradients from jax.vjp", {"pass": 30}, slow=True),
     Documented("numpy_flash_attention.py:FlashAttention", ("run", "--module", "sdpa"), 0,
                "its docstring: passes the default kernel suite (its upper-left causal cases are not its claim)"),
     Documented("numpy_flash_attention_varlen.py:FlashAttentionVarlen", ("run", "--module", "sdpa_varlen"), 0,
@@ -151,7 +151,7 @@ EXAMPLES = [
     Documented("nanogpt_attention.py:MultiheadAttention", ("forward", "-c", "configs/default.yaml"), 4,
                "its docstring: any mask but the causal one is unsupported (default.yaml has none)"),
     Documented("nanogpt_attention.py:MultiheadAttention", ("run",), 0,
-               "its docstring: the default suite, 9 of 85 checks pass, 76 unsupported", {"pass": 9, "unsupported": 76}),
+               "its docstring: the default suite, 21 of 106 checks pass, 85 unsupported", {"pass": 21, "unsupported": 85}),
     # JAX compiles every case's call: about 20 s for the kernel suite's forward.
     Documented("jax_sdpa.py:scaled_dot_product_attention", ("forward", "--module", "sdpa", "--framework", "jax"), 0,
                "its docstring: passes the default kernel suite's forward where JAX has the option", slow=True),
