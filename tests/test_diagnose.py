@@ -94,7 +94,6 @@ CORPUS = {
     "MaskSanitizedInPlace": {},
     # issue 29's gaps (wrong_reach.py): a few elements, NaN from overflow or underflow, or everywhere
     "HalfAccumulatedSoftmax": {},
-    "HalfAccumulatedOutProjection": {},
     "HalfInputsFloat32Output": {},  # the dtype: no numbers to diagnose
     "MaskFilledWithMinus1e9": {"output": ["NaN in 64 places where torch has a number"]},
     "CausalMaskBlockLocal": {"attn_weights": ["the candidate gives weight to 256 positions torch masks (attn_mask)"]},
