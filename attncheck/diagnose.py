@@ -321,7 +321,7 @@ def _dropout(c, x, allowed, layout, cfg, scale) -> str:
     finite = np.isfinite(c) & np.isfinite(x)
     zeroed = finite & (c == 0) & (np.abs(x) > np.maximum(allowed, FIT_RTOL * scale))
     kept = finite & (c != 0)
-    if not zeroed.any() or kept.sum() < 2:
+    if not zeroed.any() or kept.sum() < 2 or not np.any(x[kept]):  # kept weights all zero where expected: no scale to fit
         return ""
     k = float(np.sum(c[kept] * x[kept]) / np.sum(x[kept] ** 2))
     if not (math.isfinite(k) and k > 1 + MIN_FACTOR_GAP) or not fits(c, np.where(c == 0, 0.0, k * x), allowed, scale):
