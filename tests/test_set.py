@@ -66,7 +66,7 @@ def test_a_flag_given_too_wins_over_set(tmp_path):
     ("check_dtyp=false", "--set 'check_dtyp=false': unknown key 'check_dtyp'; did you mean 'check_dtype'?"),
     ("dtype", "--set 'dtype': expected KEY=VALUE"),
     ("attn_mask=[", "--set 'attn_mask=[': the value is not YAML"),
-    ("num_heads=5", "num_heads: embed_dim 16 is not divisible by num_heads 5"),
+    ("num_heads=5", "num_heads: embed_dim 24 is not divisible by num_heads 5"),
     ("attn_mask=sometimes", "attn_mask"),
     ("probes=bogus", "probes: got 'bogus'; allowed: all, or a list of determinism, batch_invariance, strides, options"),
 ])  # fmt: skip
