@@ -188,7 +188,7 @@ class JaxSession(FrameworkSession):
             return dict(pullback(cotangent)[0])
 
         def vjp() -> dict[str, Any]:
-            if None in dtypes[: 1 + with_second] or kind.written_arguments(cfg):
+            if any(d is None for d in dtypes[: 1 + with_second]) or kind.written_arguments(cfg):  # (np.dtype("float64") == None)
                 return eager()
             diff = {**params, **inputs}
             # The cotangent converted as the eager call converts it, outside the compiled function.
