@@ -381,7 +381,7 @@ class Session:
         handed_extras = {name: self._copy_for_candidate(a, None, in_place) if name in writable else self._hand(f"its `{name}` argument", a)
                          for name, a in w.extras.items()}  # fmt: skip
         self.last_extras = handed_extras
-        result = self._call_guarded("forward()", kind.call_forward, self.cfg, obj, query, key, value, *handed_masks, **handed_extras)
+        result = self._call_guarded("forward()", self._call_forward, obj, query, key, value, handed_masks, handed_extras)
         self._check_handed("forward()")
         where = _defined_at(method)
         self.written = {name: self._as_numpy(handed_extras[name], f"its `{name}` argument after forward()", where)
@@ -398,6 +398,10 @@ class Session:
             what = f"{kind.first_argument}'s {expected}" if expected == w.query.shape else f"{expected}"
             raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {what}", where)
         return out, None if second is None else self._as_numpy(second, f"forward() returned {second_name}", where)
+
+    def _call_forward(self, obj: Any, query: Any, key: Any, value: Any, masks: tuple, extras: dict[str, Any]) -> Any:
+        """The kind's call of the object's forward; a framework session may compile it (JaxSession)."""
+        return kind_of(self.cfg).call_forward(self.cfg, obj, query, key, value, *masks, **extras)
 
     def _guard(self, what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
         """_guard, with a failure that reads as code of another framework told so (framework_hint)."""

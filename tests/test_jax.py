@@ -46,3 +46,33 @@ def test_flax_gives_the_mean_of_the_values_where_torch_gives_zeros():
     report = attncheck.check({"need_weights": False, "key_padding_mask": "full_row"}, "forward", impl=FLAX_ALL_ROWS)
     (row,) = report.failures
     assert row.quantity == "output" and row.mismatched == 80  # exactly the fully masked rows' 5 x 16 elements
+
+
+# A JAX kernel that reads a value in Python (`float(...)`): jax.jit cannot trace it, so attncheck
+# calls its forward op by op, as before compiling, and says so; the same kernel without that line
+# compiles. (jax.vjp cannot trace it either: its gradients fail either way.)
+UNTRACEABLE_SDPA = '''
+import jax
+import jax.numpy as jnp
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    scores = query @ jnp.swapaxes(key, -1, -2) * (query.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, L, S)
+    if {check} and float(jnp.max(jnp.abs(scores))) > 1e30:  # Python control flow on a value
+        raise ValueError("scores overflow")
+    return jax.nn.softmax(scores, axis=-1) @ value  # (B, H, L, E)
+'''
+
+
+@pytest.mark.parametrize("traceable", [False, True])
+def test_a_kernel_jax_jit_cannot_trace_runs_op_by_op_with_a_note(tmp_path, traceable):
+    path = tmp_path / "value_check_sdpa.py"
+    path.write_text(UNTRACEABLE_SDPA.format(check=not traceable))
+    report = attncheck.check({"module": "sdpa"}, "forward", impl=f"{path}:scaled_dot_product_attention")
+    report.assert_passed()
+    assert report.framework == "jax"
+    notes = [n for n in report.notes if "not compiled with jax.jit" in n]
+    if traceable:
+        assert notes == []
+    else:
+        assert notes and "ConcretizationTypeError" in notes[0], report.notes
