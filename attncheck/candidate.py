@@ -81,10 +81,12 @@ def _class_without_backward(factory: Any) -> bool:
     return isinstance(factory, type) and not callable(getattr(factory, "backward", None))
 
 
-def make_session(cfg, candidate: Candidate) -> Session:
+def make_session(cfg, candidate: Candidate, bulk: bool = False, compiled: bool = False) -> Session:
     """The Session flavour for the candidate's framework: NumPy arrays, torch tensors or JAX
     arrays. Run where the candidate runs: its own process (attncheck.child) or, for attncheck's
-    own references, the judge's."""
+    own references, the judge's. A JAX session compiles its calls where `compiled` (only in a
+    candidate's own process, which can be replaced: attncheck.jax_candidate); `bulk`: many calls
+    of one computation, judged by their values alone (the finite differences')."""
     framework = framework_of(cfg, candidate)
     if framework == "torch":
         from attncheck.torch_candidate import TorchSession  # torch tensors only for a torch candidate
@@ -93,7 +95,7 @@ def make_session(cfg, candidate: Candidate) -> Session:
     if framework == "jax":
         from attncheck.jax_candidate import JaxSession  # JAX is imported only for a JAX candidate
 
-        return JaxSession(cfg, candidate)
+        return JaxSession(cfg, candidate, bulk=bulk, compiled=compiled)
     return Session(cfg, candidate)
 
 

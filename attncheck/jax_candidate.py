@@ -7,15 +7,30 @@ A candidate with no `backward` gets its gradients from `jax.vjp` of the function
 again inside the traced function, as JAX differentiates functions, not objects. A hand-written
 `backward(grad_output)` is used when present.
 
-forward() and that vjp are compiled with `jax.jit`: forward() builds the candidate from the
-parameters it was handed inside the compiled function, as the vjp does. One compiled function per
-candidate, config, shapes and the values closed over (masks and extra arguments, keyed by their
-bytes), kept for the life of the process: a candidate's later calls and sessions reuse it. The
-parameters and inputs are its arguments, never constants, so new values do not trace again.
-Values agree with the op-by-op call to rounding (XLA fuses), as for any jitted JAX code. A
-candidate that cannot be traced (NumPy on a traced array, Python control flow on values) or that
-raises while traced is called op by op as before, which raises what it raises, with a note when
-that call succeeds. Compiling assumes what jax.jit assumes: forward() is a function of its arguments.
+How the calls run. The repeat call and the determinism probe compare two calls of a candidate to
+find state kept between them, so every call runs the candidate's Python as an op-by-op call
+would, once per call, while XLA compiles each distinct program once:
+
+- forward() on the object it is called on, and jax.vjp of build-and-forward, are traced anew on
+  every call (the candidate's Python runs, and changes whatever it changes in the object, its
+  class or its module) and run compiled (`_run_traced`): one compiled program per distinct traced
+  program, keyed by its text, with its constants (the object's parameters, the masks) passed as
+  arguments. State the Python reads enters the program as a literal or a constant, so a call
+  that reads other state computes with it, as op by op.
+- The finite differences' session (`bulk`: hundreds of forward calls of one computation on
+  objects built for one call each, judged by their values alone) traces forward() once per
+  config, shapes and masks, the candidate built inside from the parameters handed, which are
+  arguments: its Python state is frozen there; the check's own calls above are where state shows.
+- A call is traced as jax.jit traces it; where that fails, again with what it computes from
+  constants alone (masks, parameters) evaluated as it is traced, as op by op (NumPy may read a
+  mask then); where that fails too (NumPy on a traced array, Python control flow on the inputs'
+  values), or the candidate raises while traced, it is called op by op, which raises what it
+  raises, with a note when that call succeeds.
+- A call that meets a tracer an earlier trace left in the candidate's state (a cache filled
+  inside a call) raises TracerLeak: the judge replaces the process and runs the check again with
+  every call op by op (`compiled` false), as in the judge's own process, which cannot be replaced.
+
+Values agree with an op-by-op call to rounding (XLA fuses), as for any jitted JAX code.
 
 float64 needs JAX's 64-bit mode, which this module turns on (`jax_enable_x64`): the finite
 differences and float64 configs run in float64 as for every other candidate. JAX arrays are
@@ -24,6 +39,7 @@ immutable, so the in-place check has nothing to find; it runs all the same.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from typing import Any, Callable
@@ -31,7 +47,7 @@ from typing import Any, Callable
 import numpy as np
 
 from attncheck.candidate import FrameworkSession, _defined_at
-from attncheck.errors import UsageError
+from attncheck.errors import CandidateProblem, TracerLeak, UsageError
 from attncheck.kinds import kind_of
 
 try:
@@ -44,10 +60,26 @@ except ImportError as exc:  # the extra is not installed
 jax.config.update("jax_enable_x64", True)
 
 
-# The compiled calls of this process (the child serves every session of a run): key (_key) ->
-# the jitted function, or why tracing failed (then the call runs op by op). Oldest dropped first.
-_COMPILED: OrderedDict[tuple, Any] = OrderedDict()
+# Below this many elements handed in all, a call's cost is XLA's compile time, not its run time:
+# compiled without LLVM's optimizations and with XLA's older CPU fusion emitters. Measured on the
+# Flax layer's float32 vjp (2 cores, 2026-11-25): 1.4 s to compile by default, 0.7 s at
+# optimization level 0, 0.19 s with the older emitters too (its forward: 0.36, 0.23, 0.07 s).
+# Larger workloads are compiled as jax.jit compiles them by default.
+SMALL_WORKLOAD = 1 << 20
+FAST_COMPILE = ({"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}, {"xla_backend_optimization_level": 0})
+
+# How a call is traced: as jax.jit traces it, then, where that fails, with what it computes from
+# constants alone evaluated as it is traced (`_constants_evaluated`); where both fail, op by op.
+TRACINGS = (False, True)
+# What this process (the child serves every session of a run) compiled, oldest dropped first:
+# _PROGRAMS, traced calls by program text (`_run_traced`); _BULK, a bulk session's forward() by
+# config, shapes and masks, or why tracing it failed; _TRACING, by candidate, config, call and
+# shapes, the tracing of TRACINGS that worked, or why none did (then the call runs op by op).
+_PROGRAMS: OrderedDict[str, Callable] = OrderedDict()
+_BULK: OrderedDict[tuple, Any] = OrderedDict()
+_TRACING: OrderedDict[tuple, bool | str] = OrderedDict()
 COMPILED_LIMIT = 64
+_traced_here = False  # whether this process has traced a candidate: a leaked tracer may then be ours
 
 
 def _fingerprint(value: Any) -> Any:
@@ -64,15 +96,75 @@ def _fingerprint(value: Any) -> Any:
     return value  # a factory, a flag: itself
 
 
-# Below this many elements handed in all, a check's call is bound by XLA's compile time, not its
-# run time: compiled without LLVM's optimizations (about half the compile time of a Flax layer's
-# vjp on CPU). Larger workloads are compiled as jax.jit compiles them by default.
-SMALL_WORKLOAD = 1 << 20
+@functools.cache
+def _fast_compile() -> dict[str, Any]:
+    """The first of FAST_COMPILE this jaxlib takes (an older XLA lacks xla_cpu_use_fusion_emitters;
+    a jax before compiler_options takes none)."""
+    for options in FAST_COMPILE:
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=options)(np.float32(0)).block_until_ready()
+        except Exception:  # noqa: BLE001 - an option or compiler_options unknown here
+            continue
+        return options
+    return {}
 
 
-def _compiler_options(args: tuple) -> dict[str, Any] | None:
-    elements = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(args))
-    return {"xla_backend_optimization_level": 0} if elements < SMALL_WORKLOAD else None
+def _jit(fn: Callable, args: tuple) -> Callable:
+    """jax.jit of fn, compiled for a call on `args` (see SMALL_WORKLOAD)."""
+    elements = sum(int(np.prod(np.shape(a))) for a in jax.tree.leaves(args))
+    options = _fast_compile() if elements < SMALL_WORKLOAD else {}
+    return jax.jit(fn, compiler_options=options) if options else jax.jit(fn)
+
+
+def _kept(cache: OrderedDict, key: Any, value: Any) -> Any:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > COMPILED_LIMIT:
+        cache.popitem(last=False)
+    return value
+
+
+def _constants_evaluated(fn: Callable) -> Callable:
+    """fn traced with what it computes from constants alone (masks, the object's parameters)
+    evaluated as it is traced, as op by op: NumPy may read those values (np.asarray of a mask), and
+    an array a call caches (a mask built on first use) is a value, not a tracer; only what depends
+    on the traced arguments is staged."""
+
+    @functools.wraps(fn)
+    def evaluated(*args):
+        with jax.ensure_compile_time_eval():
+            return fn(*args)
+
+    return evaluated
+
+
+def _evaluate(jaxpr: Any, consts: list, flat: list) -> list:
+    return jax.core.eval_jaxpr(jaxpr, consts, *flat)
+
+
+def _run_traced(fn: Callable, args: tuple, evaluate_constants: bool) -> Any:
+    """fn(*args), traced now (its Python runs once, as an op-by-op call runs it) and run compiled:
+    one compiled program per distinct traced program, whose constants (closed-over arrays, masks)
+    are its arguments. Two traces with the same text compute the same function of their constants
+    and arguments (every literal is printed in full); the compiled program is then reused.
+    `evaluate_constants`: traced as `_constants_evaluated`."""
+    global _traced_here
+    _traced_here = True
+    closed, shape = jax.make_jaxpr(_constants_evaluated(fn) if evaluate_constants else fn, return_shape=True)(*args)
+    key = str(closed.jaxpr)
+    program = _PROGRAMS.get(key) or _jit(functools.partial(_evaluate, closed.jaxpr), args)
+    _kept(_PROGRAMS, key, program)
+    return jax.tree.unflatten(jax.tree.structure(shape), program(closed.consts, jax.tree.leaves(args)))
+
+
+def _leaked_tracer(err: BaseException) -> bool:
+    """Whether an exception was caused by a tracer used after its trace ended (UnexpectedTracerError)."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, jax.errors.UnexpectedTracerError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _signature(arrays: dict[str, Any]) -> tuple:
@@ -80,17 +172,21 @@ def _signature(arrays: dict[str, Any]) -> tuple:
 
 
 class JaxSession(FrameworkSession):
-    """A JAX candidate's run on one workload: JAX arrays in, gradients from jax.vjp, both jitted."""
+    """A JAX candidate's run on one workload: JAX arrays in, gradients from jax.vjp. `compiled`:
+    calls are compiled (see the module docstring), else all op by op; `bulk`: the session's
+    forward() calls are many calls of one computation, judged by their values alone (the finite
+    differences')."""
 
-    def __init__(self, cfg, candidate):
+    def __init__(self, cfg, candidate, bulk: bool = False, compiled: bool = False):
         super().__init__(cfg, candidate)
+        self.bulk, self.compiled = bulk, compiled
         # The last forward's (obj, inputs by key, masks, extras, the output's and the second's dtypes)
         self._call: tuple[Any, dict[str, Any], tuple[Any, Any], dict[str, Any], tuple[Any, Any]] | None = None
         self._config_key = cfg.model_dump_json()
 
     def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None, layout: str | None = None) -> Any:
         # JAX arrays have no strides: a layout changes nothing (the strides probe skips JAX).
-        array = jnp.asarray(original)
+        array = jax.device_put(original)  # jnp.asarray would compile a program per shape to do the same
         if grad_of is not None:
             self._leaves[grad_of] = array
         return array
@@ -127,40 +223,82 @@ class JaxSession(FrameworkSession):
 
         return result_of
 
-    def _compiled_or_eager(self, what: str, key: tuple, make: Callable[[], Callable], args: tuple, eager: Callable[[], Any]) -> Any:
-        """The compiled function of `key` (made by `make` on first use) called on `args`; `eager()`
-        where it cannot be traced, with a note saying so when the eager call succeeds."""
-        key = (_fingerprint(self.candidate.factory), self._config_key, *key)
-        compiled = _COMPILED.get(key)
-        if compiled is None:
-            compiled = _COMPILED[key] = jax.jit(make(), compiler_options=_compiler_options(args))
-            while len(_COMPILED) > COMPILED_LIMIT:
-                _COMPILED.popitem(last=False)
-        if callable(compiled):
-            try:
-                return compiled(*args)
-            except Exception as exc:  # noqa: BLE001 - whatever it is, the eager call says it as before
-                compiled = _COMPILED[key] = f"tracing {what} under jax.jit raised {type(exc).__name__}"
+    def _guard(self, what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Session._guard; a call that meets a tracer left in the candidate's state after this
+        process traced it is a TracerLeak, not the candidate's failure."""
+        try:
+            return super()._guard(what, fn, *args, **kwargs)
+        except CandidateProblem as err:
+            if self.compiled and _traced_here and _leaked_tracer(err):
+                raise TracerLeak(f"{what} met a traced value that jax.jit's tracing of an earlier call had left in the candidate's "
+                                 "state (a cache filled inside a call): its process was replaced, and this check ran again "
+                                 "with every call op by op, as every later check of it will") from None  # fmt: skip
+            raise
+
+    def _op_by_op(self, what: str, why: str, eager: Callable[[], Any]) -> Any:
+        """eager(): the call op by op, where `why` says jit could not take it; noted when it succeeds."""
         result = eager()
-        note = f"not compiled with jax.jit ({compiled}): {what} ran op by op, as without jit"
+        note = f"not compiled with jax.jit ({why}): {what} ran op by op, as without jit"
         if note not in self.notes:
             self.notes.append(note)
         return result
 
+    def _traced(self, what: str, fn: Callable, args: tuple, eager: Callable[[], Any]) -> Any:
+        """_run_traced(fn, args) by the first of TRACINGS that works, the one that worked before
+        for this candidate, config, call and shapes; eager() where none does (none would again)."""
+        key = (_fingerprint(self.candidate.factory), self._config_key, what, tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(args)))
+        how = _TRACING.get(key)
+        for evaluate_constants in TRACINGS if how is None else (how,) if isinstance(how, bool) else ():
+            try:
+                result = _run_traced(fn, args, evaluate_constants)
+            except Exception as exc:  # noqa: BLE001 - whatever it is, the op-by-op call says it as before
+                how = f"tracing {what} under jax.jit raised {type(exc).__name__}"
+                continue
+            _kept(_TRACING, key, evaluate_constants)
+            return result
+        _kept(_TRACING, key, how)
+        return self._op_by_op(what, how, eager)
+
     def _call_forward(self, obj: Any, query: Any, key: Any, value: Any, masks: tuple, extras: dict[str, Any]) -> Any:
-        """forward() compiled: built from the parameters obj was handed and called on the inputs."""
+        """forward() on obj, traced anew and compiled (`_run_traced`); in a bulk session, compiled
+        once per config, shapes and masks, built inside from the parameters obj was handed."""
+        kind, cfg = kind_of(self.cfg), self.cfg
+        eager = lambda: super(JaxSession, self)._call_forward(obj, query, key, value, masks, extras)  # noqa: E731
+        if not self.compiled or kind.written_arguments(cfg):
+            return eager()  # arrays to write into: never compiled
+        inputs = dict(self._leaves)  # by gradient key: one array for query, key and value under self-attention
+
+        def called(named: dict[str, Any]) -> Any:
+            q, k, v = kind.arguments(cfg, named)
+            return kind.call_forward(cfg, obj, q, k, v, *masks, **extras)
+
         built = self._params_of.get(id(obj))
-        if built is None or built[0] is not obj or kind_of(self.cfg).written_arguments(self.cfg):
-            return super()._call_forward(obj, query, key, value, masks, extras)  # arrays to write into: never compiled
-        params, inputs = built[1], dict(self._leaves)
+        if not self.bulk or built is None or built[0] is not obj:
+            return self._traced("forward()", called, (inputs,), eager)
+        params = built[1]
         diff = {**params, **inputs}
-        key_ = ("forward", _signature(diff), tuple(inputs), _fingerprint(masks), _fingerprint(extras))
-        return self._compiled_or_eager("forward()", key_, lambda: self._built_and_called(params, inputs, masks, extras), (diff,),
-                                       lambda: super(JaxSession, self)._call_forward(obj, query, key, value, masks, extras))  # fmt: skip
+        bulk_key = (_fingerprint(self.candidate.factory), self._config_key, _signature(diff), tuple(inputs),
+                    _fingerprint(masks), _fingerprint(extras))  # fmt: skip
+        compiled = _BULK.get(bulk_key)
+        if callable(compiled):
+            return compiled(diff)
+        if compiled is None:  # its first call: jitted by the first of TRACINGS that traces
+            result_of = self._built_and_called(params, inputs, masks, extras)
+            for evaluate_constants in TRACINGS:
+                jitted = _jit(_constants_evaluated(result_of) if evaluate_constants else result_of, (diff,))
+                try:
+                    result = jitted(diff)
+                except Exception as exc:  # noqa: BLE001 - whatever it is, the op-by-op call says it as before
+                    compiled = f"tracing forward() under jax.jit raised {type(exc).__name__}"
+                    continue
+                _kept(_BULK, bulk_key, jitted)
+                return result
+            _kept(_BULK, bulk_key, compiled)
+        return self._op_by_op("forward()", compiled, eager)
 
     def _gradients(self, obj: Any, grad_output: np.ndarray, grad_second: np.ndarray | None = None) -> tuple[Any, str | None]:
         """The candidate's own backward if it has one; else jax.vjp of build-and-forward (through
-        the LSE too, where the kind puts it in the loss)."""
+        the LSE too, where the kind puts it in the loss), traced on each call and compiled."""
         if callable(getattr(obj, "backward", None)):
             return super()._gradients(obj, grad_output, grad_second)
         kind = kind_of(self.cfg)
@@ -188,15 +326,13 @@ class JaxSession(FrameworkSession):
             return dict(pullback(cotangent)[0])
 
         def vjp() -> dict[str, Any]:
-            if any(d is None for d in dtypes[: 1 + with_second]) or kind.written_arguments(cfg):  # (np.dtype("float64") == None)
-                return eager()
-            diff = {**params, **inputs}
+            if not self.compiled or any(d is None for d in dtypes[: 1 + with_second]) or kind.written_arguments(cfg):
+                return eager()  # (np.dtype("float64") == None)
             # The cotangent converted as the eager call converts it, outside the compiled function.
             if with_second:
                 cotangent = (jnp.asarray(grad_output, dtype=dtypes[0]), jnp.asarray(grad_second, dtype=dtypes[1]))
             else:
                 cotangent = jnp.asarray(grad_output, dtype=dtypes[0])
-            key = ("vjp", with_second, _signature(diff), tuple(inputs), _fingerprint(masks), _fingerprint(extras))
-            return self._compiled_or_eager("jax.vjp", key, lambda: pulled_back, (diff, cotangent), eager)
+            return self._traced("jax.vjp", pulled_back, ({**params, **inputs}, cotangent), eager)
 
         return self._guard("jax.vjp through building and calling the candidate", vjp), where
