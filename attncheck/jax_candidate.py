@@ -39,9 +39,11 @@ immutable, so the in-place check has nothing to find; it runs all the same.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import numpy as np
@@ -60,13 +62,20 @@ except ImportError as exc:  # the extra is not installed
 jax.config.update("jax_enable_x64", True)
 
 
-# Below this many elements handed in all, a call's cost is XLA's compile time, not its run time:
-# compiled without LLVM's optimizations and with XLA's older CPU fusion emitters. Measured on the
-# Flax layer's float32 vjp (2 cores, 2026-11-25): 1.4 s to compile by default, 0.7 s at
-# optimization level 0, 0.19 s with the older emitters too (its forward: 0.36, 0.23, 0.07 s).
-# Larger workloads are compiled as jax.jit compiles them by default.
-SMALL_WORKLOAD = 1 << 20
-FAST_COMPILE = ({"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}, {"xla_backend_optimization_level": 0})
+# Where a call costs milliseconds (a config that is not Config.is_large), its cost is XLA's compile
+# time, not its run time: a program is compiled without LLVM's optimizations, with XLA's older CPU
+# fusion emitters, as one LLVM module. Measured on the Flax layer's float32 vjp (2 cores,
+# 2026-11-25): 1.4 s to compile by default, 0.7 s at optimization level 0, 0.17 s with the older
+# emitters too, 0.10-0.12 s as one module (its forward: 0.36, 0.23, 0.065, 0.042 s). An op-by-op
+# call compiles each operation with JAX's jax_disable_most_optimizations (the kernel suite's
+# float16 case, which jax.jit cannot take on CPU: 6.4 s op by op, 3.3 s so). Large configs are
+# compiled as JAX compiles by default. An older XLA lacks the later options: the first set of
+# FAST_COMPILE it takes is used.
+FAST_COMPILE = (
+    {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1},
+    {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False},
+    {"xla_backend_optimization_level": 0},
+)
 
 # How a call is traced: as jax.jit traces it, then, where that fails, with what it computes from
 # constants alone evaluated as it is traced (`_constants_evaluated`); where both fail, op by op.
@@ -98,8 +107,7 @@ def _fingerprint(value: Any) -> Any:
 
 @functools.cache
 def _fast_compile() -> dict[str, Any]:
-    """The first of FAST_COMPILE this jaxlib takes (an older XLA lacks xla_cpu_use_fusion_emitters;
-    a jax before compiler_options takes none)."""
+    """The first of FAST_COMPILE this jaxlib takes (a jax before compiler_options takes none)."""
     for options in FAST_COMPILE:
         try:
             jax.jit(lambda x: x + 1, compiler_options=options)(np.float32(0)).block_until_ready()
@@ -109,11 +117,21 @@ def _fast_compile() -> dict[str, Any]:
     return {}
 
 
-def _jit(fn: Callable, args: tuple) -> Callable:
-    """jax.jit of fn, compiled for a call on `args` (see SMALL_WORKLOAD)."""
-    elements = sum(int(np.prod(np.shape(a))) for a in jax.tree.leaves(args))
-    options = _fast_compile() if elements < SMALL_WORKLOAD else {}
+def _jit(fn: Callable, quick: bool) -> Callable:
+    """jax.jit of fn, compiled quickly where `quick` (see FAST_COMPILE)."""
+    options = _fast_compile() if quick else {}
     return jax.jit(fn, compiler_options=options) if options else jax.jit(fn)
+
+
+@contextlib.contextmanager
+def _compiled_quickly(quick: bool) -> Iterator[None]:
+    """Inside, where `quick`, XLA compiles without most optimizations (see FAST_COMPILE)."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", before or quick)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
 
 
 def _kept(cache: OrderedDict, key: Any, value: Any) -> Any:
@@ -142,17 +160,17 @@ def _evaluate(jaxpr: Any, consts: list, flat: list) -> list:
     return jax.core.eval_jaxpr(jaxpr, consts, *flat)
 
 
-def _run_traced(fn: Callable, args: tuple, evaluate_constants: bool) -> Any:
+def _run_traced(fn: Callable, args: tuple, evaluate_constants: bool, quick: bool) -> Any:
     """fn(*args), traced now (its Python runs once, as an op-by-op call runs it) and run compiled:
     one compiled program per distinct traced program, whose constants (closed-over arrays, masks)
     are its arguments. Two traces with the same text compute the same function of their constants
     and arguments (every literal is printed in full); the compiled program is then reused.
-    `evaluate_constants`: traced as `_constants_evaluated`."""
+    `evaluate_constants`: traced as `_constants_evaluated`; `quick`: see _jit."""
     global _traced_here
     _traced_here = True
     closed, shape = jax.make_jaxpr(_constants_evaluated(fn) if evaluate_constants else fn, return_shape=True)(*args)
     key = str(closed.jaxpr)
-    program = _PROGRAMS.get(key) or _jit(functools.partial(_evaluate, closed.jaxpr), args)
+    program = _PROGRAMS.get(key) or _jit(functools.partial(_evaluate, closed.jaxpr), quick)
     _kept(_PROGRAMS, key, program)
     return jax.tree.unflatten(jax.tree.structure(shape), program(closed.consts, jax.tree.leaves(args)))
 
@@ -224,10 +242,11 @@ class JaxSession(FrameworkSession):
         return result_of
 
     def _guard(self, what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
-        """Session._guard; a call that meets a tracer left in the candidate's state after this
-        process traced it is a TracerLeak, not the candidate's failure."""
+        """Session._guard, compiling quickly (FAST_COMPILE); a call that meets a tracer left in the
+        candidate's state after this process traced it is a TracerLeak, not the candidate's failure."""
         try:
-            return super()._guard(what, fn, *args, **kwargs)
+            with _compiled_quickly(not self.cfg.is_large):
+                return super()._guard(what, fn, *args, **kwargs)
         except CandidateProblem as err:
             if self.compiled and _traced_here and _leaked_tracer(err):
                 raise TracerLeak(f"{what} met a traced value that jax.jit's tracing of an earlier call had left in the candidate's "
@@ -250,7 +269,7 @@ class JaxSession(FrameworkSession):
         how = _TRACING.get(key)
         for evaluate_constants in TRACINGS if how is None else (how,) if isinstance(how, bool) else ():
             try:
-                result = _run_traced(fn, args, evaluate_constants)
+                result = _run_traced(fn, args, evaluate_constants, not self.cfg.is_large)
             except Exception as exc:  # noqa: BLE001 - whatever it is, the op-by-op call says it as before
                 how = f"tracing {what} under jax.jit raised {type(exc).__name__}"
                 continue
@@ -285,7 +304,7 @@ class JaxSession(FrameworkSession):
         if compiled is None:  # its first call: jitted by the first of TRACINGS that traces
             result_of = self._built_and_called(params, inputs, masks, extras)
             for evaluate_constants in TRACINGS:
-                jitted = _jit(_constants_evaluated(result_of) if evaluate_constants else result_of, (diff,))
+                jitted = _jit(_constants_evaluated(result_of) if evaluate_constants else result_of, not cfg.is_large)
                 try:
                     result = jitted(diff)
                 except Exception as exc:  # noqa: BLE001 - whatever it is, the op-by-op call says it as before
