@@ -17,6 +17,8 @@ would, once per call, while XLA compiles each distinct program once:
   program, keyed by its text, with its constants (the object's parameters, the masks) passed as
   arguments. State the Python reads enters the program as a literal or a constant, so a call
   that reads other state computes with it, as op by op.
+- A candidate with a backward of its own runs forward() op by op (its backward reads what forward
+  kept: values, not tracers), and its backward as it is.
 - The finite differences' session (`bulk`: hundreds of forward calls of one computation on
   objects built for one call each, judged by their values alone) traces forward() once per
   config, shapes and masks, the candidate built inside from the parameters handed, which are
@@ -283,8 +285,9 @@ class JaxSession(FrameworkSession):
         once per config, shapes and masks, built inside from the parameters obj was handed."""
         kind, cfg = kind_of(self.cfg), self.cfg
         eager = lambda: super(JaxSession, self)._call_forward(obj, query, key, value, masks, extras)  # noqa: E731
-        if not self.compiled or kind.written_arguments(cfg):
-            return eager()  # arrays to write into: never compiled
+        if not self.compiled or kind.written_arguments(cfg) or callable(getattr(obj, "backward", None)):
+            # Arrays to write into; or a backward of its own, which reads what forward kept (values, not tracers)
+            return eager()
         inputs = dict(self._leaves)  # by gradient key: one array for query, key and value under self-attention
 
         def called(named: dict[str, Any]) -> Any:

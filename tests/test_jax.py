@@ -198,3 +198,35 @@ def test_each_call_runs_the_candidates_python_and_one_program_serves_them(tmp_pa
         assert np.allclose(out, op_by_op.forward(op_by_op.build(w.params), w)[0], rtol=1e-5, atol=1e-6)
     assert len(called) == 6  # the Python of every call ran, compiled or not
     assert len(set(jax_candidate._PROGRAMS) - programs) == 1  # one compiled program for the three compiled calls
+
+
+SAVING_BACKWARD = '''
+import jax
+import jax.numpy as jnp
+
+
+class SavingBackward:
+    """A kernel with its own backward, which differentiates what forward kept."""
+
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        self.saved = (query, key, value, query.shape[-1] ** -0.5 if scale is None else scale)
+        return self._attention(query, key, value, self.saved[3])
+
+    @staticmethod
+    def _attention(query, key, value, scale):
+        return jax.nn.softmax(query @ jnp.swapaxes(key, -1, -2) * scale, axis=-1) @ value  # (B, H, L, E)
+
+    def backward(self, grad_out):
+        query, key, value, scale = self.saved
+        _, pullback = jax.vjp(lambda q, k, v: self._attention(q, k, v, scale), query, key, value)
+        return dict(zip(("query", "key", "value"), pullback(grad_out)))
+'''
+
+
+def test_a_kernel_with_its_own_backward_runs_forward_op_by_op(tmp_path):
+    # Traced, forward would keep tracers for backward to read: it runs op by op, with no note.
+    path = tmp_path / "saving_backward.py"
+    path.write_text(SAVING_BACKWARD)
+    report = attncheck.check(SDPA_PROBED, "grad", impl=f"{path}:SavingBackward")
+    report.assert_passed()
+    assert not [n for n in report.notes if "jit" in n], report.notes
