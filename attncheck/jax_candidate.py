@@ -32,7 +32,8 @@ would, once per call, while XLA compiles each distinct program once:
   inside a call) raises TracerLeak: the judge replaces the process and runs the check again with
   every call op by op (`compiled` false), as in the judge's own process, which cannot be replaced.
 
-Values agree with an op-by-op call to rounding (XLA fuses), as for any jitted JAX code.
+Values agree with an op-by-op call to rounding (XLA fuses a whole call), as for any jitted JAX
+code; the determinism and batch-invariance probes compare the bits of the compiled programs.
 
 float64 needs JAX's 64-bit mode, which this module turns on (`jax_enable_x64`): the finite
 differences and float64 configs run in float64 as for every other candidate. JAX arrays are
