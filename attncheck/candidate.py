@@ -81,10 +81,12 @@ def _class_without_backward(factory: Any) -> bool:
     return isinstance(factory, type) and not callable(getattr(factory, "backward", None))
 
 
-def make_session(cfg, candidate: Candidate) -> Session:
+def make_session(cfg, candidate: Candidate, bulk: bool = False, compiled: bool = False) -> Session:
     """The Session flavour for the candidate's framework: NumPy arrays, torch tensors or JAX
     arrays. Run where the candidate runs: its own process (attncheck.child) or, for attncheck's
-    own references, the judge's."""
+    own references, the judge's. A JAX session compiles its calls where `compiled` (only in a
+    candidate's own process, which can be replaced: attncheck.jax_candidate); `bulk`: many calls
+    of one computation, judged by their values alone (the finite differences')."""
     framework = framework_of(cfg, candidate)
     if framework == "torch":
         from attncheck.torch_candidate import TorchSession  # torch tensors only for a torch candidate
@@ -93,7 +95,7 @@ def make_session(cfg, candidate: Candidate) -> Session:
     if framework == "jax":
         from attncheck.jax_candidate import JaxSession  # JAX is imported only for a JAX candidate
 
-        return JaxSession(cfg, candidate)
+        return JaxSession(cfg, candidate, bulk=bulk, compiled=compiled)
     return Session(cfg, candidate)
 
 
@@ -381,7 +383,7 @@ class Session:
         handed_extras = {name: self._copy_for_candidate(a, None, in_place) if name in writable else self._hand(f"its `{name}` argument", a)
                          for name, a in w.extras.items()}  # fmt: skip
         self.last_extras = handed_extras
-        result = self._call_guarded("forward()", kind.call_forward, self.cfg, obj, query, key, value, *handed_masks, **handed_extras)
+        result = self._call_guarded("forward()", self._call_forward, obj, query, key, value, handed_masks, handed_extras)
         self._check_handed("forward()")
         where = _defined_at(method)
         self.written = {name: self._as_numpy(handed_extras[name], f"its `{name}` argument after forward()", where)
@@ -398,6 +400,10 @@ class Session:
             what = f"{kind.first_argument}'s {expected}" if expected == w.query.shape else f"{expected}"
             raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {what}", where)
         return out, None if second is None else self._as_numpy(second, f"forward() returned {second_name}", where)
+
+    def _call_forward(self, obj: Any, query: Any, key: Any, value: Any, masks: tuple, extras: dict[str, Any]) -> Any:
+        """The kind's call of the object's forward; a framework session may compile it (JaxSession)."""
+        return kind_of(self.cfg).call_forward(self.cfg, obj, query, key, value, *masks, **extras)
 
     def _guard(self, what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
         """_guard, with a failure that reads as code of another framework told so (framework_hint)."""

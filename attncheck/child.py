@@ -34,10 +34,10 @@ class Child:
         if op == "load":
             return self.load(*args)
         if op == "open":
-            sid, cfg = args
+            sid, cfg, bulk, compiled = args
             from attncheck.candidate import make_session
 
-            self.sessions[sid], self.objects[sid] = make_session(cfg, self.candidate), {}
+            self.sessions[sid], self.objects[sid] = make_session(cfg, self.candidate, bulk, compiled), {}
             return {}
         if op == "contract":
             from attncheck.contract import breach
@@ -102,7 +102,7 @@ def _die_with(judge: int) -> None:
 def main(read_fd: int, write_fd: int, judge: int) -> None:
     _die_with(judge)
     from attncheck.channel import encode_reply, read_request
-    from attncheck.errors import CandidateProblem, Unsupported, UsageError
+    from attncheck.errors import CandidateProblem, TracerLeak, Unsupported, UsageError
 
     reader = os.fdopen(read_fd, "rb", buffering=0)
     writer = os.fdopen(write_fd, "wb", buffering=0)
@@ -131,6 +131,8 @@ def main(read_fd: int, write_fd: int, judge: int) -> None:
             reply = _error("call", exc)
         except UsageError as exc:
             reply = _error("usage", exc)
+        except TracerLeak as exc:
+            reply = _error("leak", exc)
         except BaseException as exc:  # noqa: BLE001 - the candidate spoiled this process: the judge replaces it
             reply = _error("broken", exc)
         try:

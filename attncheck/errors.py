@@ -79,6 +79,13 @@ class ConfigError(UsageError):
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
+class TracerLeak(AttncheckError):
+    """Compiling a JAX candidate left a traced value in its state (a cache filled while jax.jit
+    traced a call), which a later call read: a fault of compiling, not a finding about the
+    candidate. Its process is replaced, and the check runs again with every call op by op
+    (attncheck.checks.run_check)."""
+
+
 class CandidateProblem(AttncheckError):
     """Something a call into a candidate did: a finding about the candidate, never an attncheck error."""
 

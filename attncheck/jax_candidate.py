@@ -7,6 +7,34 @@ A candidate with no `backward` gets its gradients from `jax.vjp` of the function
 again inside the traced function, as JAX differentiates functions, not objects. A hand-written
 `backward(grad_output)` is used when present.
 
+How the calls run. The repeat call and the determinism probe compare two calls of a candidate to
+find state kept between them, so every call runs the candidate's Python as an op-by-op call
+would, once per call, while XLA compiles each distinct program once:
+
+- forward() on the object it is called on, and jax.vjp of build-and-forward, are traced anew on
+  every call (the candidate's Python runs, and changes whatever it changes in the object, its
+  class or its module) and run compiled (`_run_traced`): one compiled program per distinct traced
+  program, keyed by its text, with its constants (the object's parameters, the masks) passed as
+  arguments. State the Python reads enters the program as a literal or a constant, so a call
+  that reads other state computes with it, as op by op.
+- A candidate with a backward of its own runs forward() op by op (its backward reads what forward
+  kept: values, not tracers), and its backward as it is.
+- The finite differences' session (`bulk`: hundreds of forward calls of one computation on
+  objects built for one call each, judged by their values alone) traces forward() once per
+  config, shapes and masks, the candidate built inside from the parameters handed, which are
+  arguments: its Python state is frozen there; the check's own calls above are where state shows.
+- A call is traced as jax.jit traces it; where that fails, again with what it computes from
+  constants alone (masks, parameters) evaluated as it is traced, as op by op (NumPy may read a
+  mask then); where that fails too (NumPy on a traced array, Python control flow on the inputs'
+  values), or the candidate raises while traced, it is called op by op, which raises what it
+  raises, with a note when that call succeeds.
+- A call that meets a tracer an earlier trace left in the candidate's state (a cache filled
+  inside a call) raises TracerLeak: the judge replaces the process and runs the check again with
+  every call op by op (`compiled` false), as in the judge's own process, which cannot be replaced.
+
+Values agree with an op-by-op call to rounding (XLA fuses a whole call), as for any jitted JAX
+code; the determinism and batch-invariance probes compare the bits of the compiled programs.
+
 float64 needs JAX's 64-bit mode, which this module turns on (`jax_enable_x64`): the finite
 differences and float64 configs run in float64 as for every other candidate. JAX arrays are
 immutable, so the in-place check has nothing to find; it runs all the same.
@@ -14,12 +42,17 @@ immutable, so the in-place check has nothing to find; it runs all the same.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import numpy as np
 
 from attncheck.candidate import FrameworkSession, _defined_at, unchanged
-from attncheck.errors import UsageError
+from attncheck.errors import CandidateProblem, TracerLeak, UsageError
 from attncheck.kinds import kind_of
 
 try:
@@ -32,16 +65,149 @@ except ImportError as exc:  # the extra is not installed
 jax.config.update("jax_enable_x64", True)
 
 
-class JaxSession(FrameworkSession):
-    """A JAX candidate's run on one workload: JAX arrays in, gradients from jax.vjp."""
+# Where a call costs milliseconds (a config that is not Config.is_large), its cost is XLA's compile
+# time, not its run time: a program is compiled without LLVM's optimizations, with XLA's older CPU
+# fusion emitters, as one LLVM module. Measured on the Flax layer's float32 vjp (2 cores,
+# 2026-11-25): 1.4 s to compile by default, 0.7 s at optimization level 0, 0.17 s with the older
+# emitters too, 0.10-0.12 s as one module (its forward: 0.36, 0.23, 0.065, 0.042 s). An op-by-op
+# call compiles each operation with JAX's jax_disable_most_optimizations (the kernel suite's
+# float16 case, which jax.jit cannot take on CPU: 6.4 s op by op, 3.3 s so). Large configs are
+# compiled as JAX compiles by default. An older XLA lacks the later options: the first set of
+# FAST_COMPILE it takes is used.
+FAST_COMPILE = (
+    {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1},
+    {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False},
+    {"xla_backend_optimization_level": 0},
+)
 
-    def __init__(self, cfg, candidate):
+# How a call is traced: as jax.jit traces it, then, where that fails, with what it computes from
+# constants alone evaluated as it is traced (`_constants_evaluated`); where both fail, op by op.
+TRACINGS = (False, True)
+# What this process (the child serves every session of a run) compiled, oldest dropped first:
+# _PROGRAMS, traced calls by program text (`_run_traced`); _BULK, a bulk session's forward() by
+# config, shapes and masks, or why tracing it failed; _TRACING, by candidate, config, call and
+# shapes, the tracing of TRACINGS that worked, or why none did (then the call runs op by op).
+_PROGRAMS: OrderedDict[str, Callable] = OrderedDict()
+_BULK: OrderedDict[tuple, Any] = OrderedDict()
+_TRACING: OrderedDict[tuple, bool | str] = OrderedDict()
+COMPILED_LIMIT = 64
+_traced_here = False  # whether this process has traced a candidate: a leaked tracer may then be ours
+
+
+def _fingerprint(value: Any) -> Any:
+    """A value closed over by a compiled call, as a cache key: an array by its shape, dtype and bytes."""
+    if isinstance(value, (jax.Array, np.ndarray)):
+        array = np.asarray(value)
+        return ("array", array.shape, str(array.dtype), hashlib.sha1(array.tobytes()).hexdigest())
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_fingerprint(v) for v in value))
+    try:
+        hash(value)
+    except TypeError:
+        return (type(value).__name__, repr(value))
+    return value  # a factory, a flag: itself
+
+
+@functools.cache
+def _fast_compile() -> dict[str, Any]:
+    """The first of FAST_COMPILE this jaxlib takes (a jax before compiler_options takes none)."""
+    for options in FAST_COMPILE:
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=options)(np.float32(0)).block_until_ready()
+        except Exception:  # noqa: BLE001 - an option or compiler_options unknown here
+            continue
+        return options
+    return {}
+
+
+def _jit(fn: Callable, quick: bool) -> Callable:
+    """jax.jit of fn, compiled quickly where `quick` (see FAST_COMPILE)."""
+    options = _fast_compile() if quick else {}
+    return jax.jit(fn, compiler_options=options) if options else jax.jit(fn)
+
+
+@contextlib.contextmanager
+def _compiled_quickly(quick: bool) -> Iterator[None]:
+    """Inside, where `quick`, XLA compiles without most optimizations (see FAST_COMPILE)."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", before or quick)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
+def _kept(cache: OrderedDict, key: Any, value: Any) -> Any:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > COMPILED_LIMIT:
+        cache.popitem(last=False)
+    return value
+
+
+def _constants_evaluated(fn: Callable) -> Callable:
+    """fn traced with what it computes from constants alone (masks, the object's parameters)
+    evaluated as it is traced, as op by op: NumPy may read those values (np.asarray of a mask), and
+    an array a call caches (a mask built on first use) is a value, not a tracer; only what depends
+    on the traced arguments is staged."""
+
+    @functools.wraps(fn)
+    def evaluated(*args):
+        with jax.ensure_compile_time_eval():
+            return fn(*args)
+
+    return evaluated
+
+
+def _evaluate(jaxpr: Any, consts: list, flat: list) -> list:
+    return jax.core.eval_jaxpr(jaxpr, consts, *flat)
+
+
+def _run_traced(fn: Callable, args: tuple, evaluate_constants: bool, quick: bool) -> Any:
+    """fn(*args), traced now (its Python runs once, as an op-by-op call runs it) and run compiled:
+    one compiled program per distinct traced program, whose constants (closed-over arrays, masks)
+    are its arguments. Two traces with the same text compute the same function of their constants
+    and arguments (every literal is printed in full); the compiled program is then reused.
+    `evaluate_constants`: traced as `_constants_evaluated`; `quick`: see _jit."""
+    global _traced_here
+    _traced_here = True
+    closed, shape = jax.make_jaxpr(_constants_evaluated(fn) if evaluate_constants else fn, return_shape=True)(*args)
+    key = str(closed.jaxpr)
+    program = _PROGRAMS.get(key) or _jit(functools.partial(_evaluate, closed.jaxpr), quick)
+    _kept(_PROGRAMS, key, program)
+    return jax.tree.unflatten(jax.tree.structure(shape), program(closed.consts, jax.tree.leaves(args)))
+
+
+def _leaked_tracer(err: BaseException) -> bool:
+    """Whether an exception was caused by a tracer used after its trace ended (UnexpectedTracerError)."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, jax.errors.UnexpectedTracerError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _signature(arrays: dict[str, Any]) -> tuple:
+    return tuple((name, tuple(a.shape), str(a.dtype)) for name, a in arrays.items())
+
+
+class JaxSession(FrameworkSession):
+    """A JAX candidate's run on one workload: JAX arrays in, gradients from jax.vjp. `compiled`:
+    calls are compiled (see the module docstring), else all op by op; `bulk`: the session's
+    forward() calls are many calls of one computation, judged by their values alone (the finite
+    differences')."""
+
+    def __init__(self, cfg, candidate, bulk: bool = False, compiled: bool = False):
         super().__init__(cfg, candidate)
-        self._call: tuple[Any, dict[str, Any], tuple[Any, Any], dict[str, Any]] | None = None  # (obj, inputs by key, masks, extras)
+        self.bulk, self.compiled = bulk, compiled
+        # The last forward's (obj, inputs by key, masks, extras, the output's and the second's dtypes)
+        self._call: tuple[Any, dict[str, Any], tuple[Any, Any], dict[str, Any], tuple[Any, Any]] | None = None
+        self._config_key = cfg.model_dump_json()
 
     def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None, layout: str | None = None) -> Any:
         # JAX arrays have no strides: a layout changes nothing (the strides probe skips JAX).
-        array = jnp.asarray(original)
+        array = jax.device_put(original)  # jnp.asarray would compile a program per shape to do the same
         if grad_of is not None:
             self._leaves[grad_of] = array
         return array
@@ -62,33 +228,132 @@ class JaxSession(FrameworkSession):
         return super().forward(obj, w, layout)
 
     def _returned(self, output: Any, obj: Any, inputs: tuple, masks: tuple, second: Any = None) -> None:
-        self._call = (obj, self._leaves, masks, self.last_extras)
+        self._call = (obj, self._leaves, masks, self.last_extras, (getattr(output, "dtype", None), getattr(second, "dtype", None)))
+
+    def _built_and_called(self, params: dict[str, Any], inputs: dict[str, Any], masks: tuple, extras: dict[str, Any]) -> Callable[[dict], Any]:
+        """forward()'s result as a function of the parameters and inputs (one dict, keyed by
+        gradient key): the candidate is built from them and called, as jax.vjp and jax.jit need."""
+        kind, cfg, factory = kind_of(self.cfg), self.cfg, self.candidate.factory
+
+        def result_of(diff: dict[str, Any]) -> Any:
+            built = kind.instantiate(cfg, factory, {name: diff[name] for name in params})
+            q, k, v = kind.arguments(cfg, {name: diff[name] for name in inputs})
+            return kind.call_forward(cfg, built, q, k, v, *masks, **extras)
+
+        return result_of
+
+    def _guard(self, what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Session._guard, compiling quickly (FAST_COMPILE); a call that meets a tracer left in the
+        candidate's state after this process traced it is a TracerLeak, not the candidate's failure."""
+        try:
+            with _compiled_quickly(not self.cfg.is_large):
+                return super()._guard(what, fn, *args, **kwargs)
+        except CandidateProblem as err:
+            if self.compiled and _traced_here and _leaked_tracer(err):
+                raise TracerLeak(f"{what} met a traced value that jax.jit's tracing of an earlier call had left in the candidate's "
+                                 "state (a cache filled inside a call): its process was replaced, and this check ran again "
+                                 "with every call op by op, as every later check of it will") from None  # fmt: skip
+            raise
+
+    def _op_by_op(self, what: str, why: str, eager: Callable[[], Any]) -> Any:
+        """eager(): the call op by op, where `why` says jit could not take it; noted when it succeeds."""
+        result = eager()
+        note = f"not compiled with jax.jit ({why}): {what} ran op by op, as without jit"
+        if note not in self.notes:
+            self.notes.append(note)
+        return result
+
+    def _traced(self, what: str, fn: Callable, args: tuple, eager: Callable[[], Any]) -> Any:
+        """_run_traced(fn, args) by the first of TRACINGS that works, the one that worked before
+        for this candidate, config, call and shapes; eager() where none does (none would again)."""
+        key = (_fingerprint(self.candidate.factory), self._config_key, what, tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(args)))
+        how = _TRACING.get(key)
+        for evaluate_constants in TRACINGS if how is None else (how,) if isinstance(how, bool) else ():
+            try:
+                result = _run_traced(fn, args, evaluate_constants, not self.cfg.is_large)
+            except Exception as exc:  # noqa: BLE001 - whatever it is, the op-by-op call says it as before
+                how = f"tracing {what} under jax.jit raised {type(exc).__name__}"
+                continue
+            _kept(_TRACING, key, evaluate_constants)
+            return result
+        _kept(_TRACING, key, how)
+        return self._op_by_op(what, how, eager)
+
+    def _call_forward(self, obj: Any, query: Any, key: Any, value: Any, masks: tuple, extras: dict[str, Any]) -> Any:
+        """forward() on obj, traced anew and compiled (`_run_traced`); in a bulk session, compiled
+        once per config, shapes and masks, built inside from the parameters obj was handed."""
+        kind, cfg = kind_of(self.cfg), self.cfg
+        eager = lambda: super(JaxSession, self)._call_forward(obj, query, key, value, masks, extras)  # noqa: E731
+        if not self.compiled or kind.written_arguments(cfg) or callable(getattr(obj, "backward", None)):
+            # Arrays to write into; or a backward of its own, which reads what forward kept (values, not tracers)
+            return eager()
+        inputs = dict(self._leaves)  # by gradient key: one array for query, key and value under self-attention
+
+        def called(named: dict[str, Any]) -> Any:
+            q, k, v = kind.arguments(cfg, named)
+            return kind.call_forward(cfg, obj, q, k, v, *masks, **extras)
+
+        built = self._params_of.get(id(obj))
+        if not self.bulk or built is None or built[0] is not obj:
+            return self._traced("forward()", called, (inputs,), eager)
+        params = built[1]
+        diff = {**params, **inputs}
+        bulk_key = (_fingerprint(self.candidate.factory), self._config_key, _signature(diff), tuple(inputs),
+                    _fingerprint(masks), _fingerprint(extras))  # fmt: skip
+        compiled = _BULK.get(bulk_key)
+        if callable(compiled):
+            return compiled(diff)
+        if compiled is None:  # its first call: jitted by the first of TRACINGS that traces
+            result_of = self._built_and_called(params, inputs, masks, extras)
+            for evaluate_constants in TRACINGS:
+                jitted = _jit(_constants_evaluated(result_of) if evaluate_constants else result_of, not cfg.is_large)
+                try:
+                    result = jitted(diff)
+                except Exception as exc:  # noqa: BLE001 - whatever it is, the op-by-op call says it as before
+                    compiled = f"tracing forward() under jax.jit raised {type(exc).__name__}"
+                    continue
+                _kept(_BULK, bulk_key, jitted)
+                return result
+            _kept(_BULK, bulk_key, compiled)
+        return self._op_by_op("forward()", compiled, eager)
 
     def _gradients(self, obj: Any, grad_output: np.ndarray, grad_second: np.ndarray | None = None) -> tuple[Any, str | None]:
         """The candidate's own backward if it has one; else jax.vjp of build-and-forward (through
-        the LSE too, where the kind puts it in the loss)."""
+        the LSE too, where the kind puts it in the loss), traced on each call and compiled."""
         if callable(getattr(obj, "backward", None)):
             return super()._gradients(obj, grad_output, grad_second)
         kind = kind_of(self.cfg)
         where = _defined_at(kind.forward_of(obj))
-        called, inputs, masks, extras = self._call
+        called, inputs, masks, extras, dtypes = self._call
         params = self._params_of[id(called)][1]
-        cfg, factory = self.cfg, self.candidate.factory
+        cfg = self.cfg
         with_second = grad_second is not None
+        result_of = self._built_and_called(params, inputs, masks, extras)
 
         def output_of(diff: dict[str, Any]) -> Any:
             """forward()'s output (and LSE) as a function of the parameters and inputs."""
-            built = kind.instantiate(cfg, factory, {**params, **{k: v for k, v in diff.items() if k in params}})
-            q, k, v = kind.arguments(cfg, {name: diff[name] for name in inputs})
-            out, second = kind.split_result(cfg, kind.call_forward(cfg, built, q, k, v, *masks, **extras))
+            out, second = kind.split_result(cfg, result_of(diff))
             return (out, second) if with_second else out
 
-        def vjp() -> dict[str, Any]:
+        def pulled_back(diff: dict[str, Any], cotangent: Any) -> dict[str, Any]:
+            return dict(jax.vjp(output_of, diff)[1](cotangent)[0])
+
+        def eager() -> dict[str, Any]:
             out, pullback = jax.vjp(output_of, {**params, **inputs})
             if with_second:
                 cotangent = (jnp.asarray(grad_output, dtype=out[0].dtype), jnp.asarray(grad_second, dtype=out[1].dtype))
             else:
                 cotangent = jnp.asarray(grad_output, dtype=out.dtype)
             return dict(pullback(cotangent)[0])
+
+        def vjp() -> dict[str, Any]:
+            if not self.compiled or any(d is None for d in dtypes[: 1 + with_second]) or kind.written_arguments(cfg):
+                return eager()  # (np.dtype("float64") == None)
+            # The cotangent converted as the eager call converts it, outside the compiled function.
+            if with_second:
+                cotangent = (jnp.asarray(grad_output, dtype=dtypes[0]), jnp.asarray(grad_second, dtype=dtypes[1]))
+            else:
+                cotangent = jnp.asarray(grad_output, dtype=dtypes[0])
+            return self._traced("jax.vjp", pulled_back, ({**params, **inputs}, cotangent), eager)
 
         return self._guard("jax.vjp through building and calling the candidate", vjp), where

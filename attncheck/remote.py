@@ -31,7 +31,7 @@ import numpy as np
 
 from attncheck.candidate import Candidate
 from attncheck.channel import Malformed, read_reply, write_request
-from attncheck.errors import CandidateError, Unsupported, UsageError, clean, shorten
+from attncheck.errors import CandidateError, TracerLeak, Unsupported, UsageError, clean, shorten
 from attncheck.kinds.sdpa import ALIGNMENTS
 
 # A call's time limit when the config sets none: a minute, and a second more per million attention
@@ -87,6 +87,7 @@ class CandidateProcess:
         self.spec, self.origin = spec, origin
         self.process: subprocess.Popen | None = None
         self.generation = 0  # counts the processes started: a session opened in an earlier one is gone
+        self.compiled = True  # a JAX candidate's calls may be compiled; op by op after a TracerLeak
         self.loaded: dict[str, Any] = {}
         self._loading = False  # spawned, and its load reply not read yet
         self._output = tempfile.TemporaryFile()
@@ -304,8 +305,8 @@ class Handle:
 class RemoteSession:
     """attncheck.candidate.Session's build, forward and backward, run in the candidate's process."""
 
-    def __init__(self, cfg, candidate: Candidate):
-        self.cfg, self.candidate = cfg, candidate
+    def __init__(self, cfg, candidate: Candidate, bulk: bool = False):
+        self.cfg, self.candidate, self.bulk = cfg, candidate, bulk
         self.findings: list[str] = []
         self.notes: list[str] = []
         self.process = process_for(candidate.spec)
@@ -317,7 +318,8 @@ class RemoteSession:
     def _call(self, op: str, what: str, *args, arrays: list[np.ndarray | None]) -> dict[str, Any]:
         self.process.ensure()
         if self.opened_in != self.process.generation:
-            self._raise_error(self.process.call(("open", self.sid, self.cfg), "opening a session", self.timeout, 1 << 20), "opening a session")
+            request = ("open", self.sid, self.cfg, self.bulk, self.process.compiled)
+            self._raise_error(self.process.call(request, "opening a session", self.timeout, 1 << 20), "opening a session")
             self.opened_in = self.process.generation
         try:
             reply = self.process.call((op, self.sid, *args), what, self.timeout, _reply_limit(arrays))
@@ -341,6 +343,10 @@ class RemoteSession:
             location = error.get("location") or None
             if error["kind"] == "unsupported":
                 raise Unsupported(_without(error["message"], location), location, error["traceback"], error["raised"])
+            if error["kind"] == "leak" and self.process.compiled:  # compiling spoiled its state: a fresh process, op by op
+                self.process.stop()
+                self.process.compiled = False
+                raise TracerLeak(error["message"])
             if error["kind"] == "broken":
                 self.process.stop()
                 raise CandidateError(f"the candidate's process broke during {what}: {shorten(error['message'], 200)}; it was replaced",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("jax", reason="JAX is not installed: ATTNCHECK_EXTRAS=test,jax bin/setup")
@@ -46,3 +48,185 @@ def test_flax_gives_the_mean_of_the_values_where_torch_gives_zeros():
     report = attncheck.check({"need_weights": False, "key_padding_mask": "full_row"}, "forward", impl=FLAX_ALL_ROWS)
     (row,) = report.failures
     assert row.quantity == "output" and row.mismatched == 120  # exactly the fully masked rows' 5 x 24 elements
+
+
+# A JAX kernel that reads a value in Python (`float(...)`): jax.jit cannot trace it, so attncheck
+# calls its forward op by op, as before compiling, and says so; the same kernel without that line
+# compiles. (jax.vjp cannot trace it either: its gradients fail either way.)
+UNTRACEABLE_SDPA = '''
+import jax
+import jax.numpy as jnp
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    scores = query @ jnp.swapaxes(key, -1, -2) * (query.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, L, S)
+    if {check} and float(jnp.max(jnp.abs(scores))) > 1e30:  # Python control flow on a value
+        raise ValueError("scores overflow")
+    return jax.nn.softmax(scores, axis=-1) @ value  # (B, H, L, E)
+'''
+
+
+@pytest.mark.parametrize("traceable", [False, True])
+def test_a_kernel_jax_jit_cannot_trace_runs_op_by_op_with_a_note(tmp_path, traceable):
+    path = tmp_path / "value_check_sdpa.py"
+    path.write_text(UNTRACEABLE_SDPA.format(check=not traceable))
+    report = attncheck.check({"module": "sdpa"}, "forward", impl=f"{path}:scaled_dot_product_attention")
+    report.assert_passed()
+    assert report.framework == "jax"
+    notes = [n for n in report.notes if "not compiled with jax.jit" in n]
+    if traceable:
+        assert notes == []
+    else:
+        assert notes and "ConcretizationTypeError" in notes[0], report.notes
+
+
+# State kept between calls, as attncheck's checks must still see it with the calls compiled: a
+# module's counter read by forward (`counter`), a custom_vjp whose backward counts (`backward_count`),
+# an object's own count (`CountingCalls`); and a correct kernel that caches an array it builds
+# inside its first call (`lazy_ones`), which tracing must not turn into a failure. Each is right on
+# its first call, so only the calls that look for state can tell.
+STATEFUL = '''
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, {examples!r})
+from flax_attention import MultiheadAttention  # noqa: E402
+
+CALLS = [0]
+BACKWARD_CALLS = [0]
+
+
+def _attention(query, key, value, scale):
+    scores = query @ jnp.swapaxes(key, -1, -2) * (query.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, L, S)
+    return jax.nn.softmax(scores, axis=-1) @ value  # (B, H, L, E)
+
+
+def counter(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    CALLS[0] += 1
+    return _attention(query, key, value, scale) + 1e-3 * (CALLS[0] - 1)
+
+
+@jax.custom_vjp
+def _identity(x):
+    return x
+
+
+def _identity_fwd(x):
+    return x, None
+
+
+def _identity_bwd(_, g):
+    BACKWARD_CALLS[0] += 1
+    return (g * (1 + 1e-3 * (BACKWARD_CALLS[0] - 1)),)
+
+
+_identity.defvjp(_identity_fwd, _identity_bwd)
+
+
+def backward_count(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return _attention(_identity(query), key, value, scale)
+
+
+class CountingCalls(MultiheadAttention):
+    def forward(self, *args, **kwargs):
+        self.calls = getattr(self, "calls", 0) + 1
+        out, weights = super().forward(*args, **kwargs)
+        return out * (1 + 1e-3 * (self.calls - 1)), weights
+
+
+@functools.cache
+def _ones(shape):
+    return jnp.ones(shape, jnp.float32)  # built inside the first call of each shape, kept
+
+
+def lazy_ones(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return _attention(query, key, value, scale) * _ones(query.shape).astype(query.dtype)
+'''
+
+SDPA_PROBED = {"module": "sdpa", "probes": ["determinism"]}
+
+
+@pytest.fixture
+def stateful(tmp_path):
+    path = tmp_path / "stateful.py"
+    path.write_text(STATEFUL.format(examples=str(Path(FLAX.rpartition(":")[0]).parent)))
+    return str(path)
+
+
+@pytest.mark.parametrize("name, command, config, failing", [
+    ("counter", "forward", SDPA_PROBED, {("forward", "repeat call"), ("probe", "determinism")}),
+    ("backward_count", "grad", SDPA_PROBED, {("grad", "repeat call"), ("probe", "determinism")}),
+    ("CountingCalls", "forward", CONFIG, {("forward", "repeat call")}),
+])  # fmt: skip
+def test_state_kept_between_calls_shows_with_the_calls_compiled(stateful, name, command, config, failing):
+    report = attncheck.check(config, command, impl=f"{stateful}:{name}")
+    assert {(r.section, str(r.quantity)) for r in report.failures} >= failing, report.failures
+    assert not [r for r in report.failures if r.section in ("forward", "grad") and str(r.quantity) in ("output", "query")]  # right once
+    assert not [n for n in report.notes if "jit" in n], report.notes  # nothing ran op by op: every call was compiled
+
+
+@pytest.mark.parametrize("command", ["forward", "grad"])
+def test_a_cache_filled_inside_a_call_is_no_failure(stateful, command):
+    # Traced, the cached array would be a tracer that the next call meets: the process is replaced
+    # and the check runs op by op, as the note says.
+    report = attncheck.check(SDPA_PROBED, command, impl=f"{stateful}:lazy_ones")
+    report.assert_passed()
+    assert [n for n in report.notes if "left in the candidate's state" in n and "op by op" in n], report.notes
+
+
+def test_each_call_runs_the_candidates_python_and_one_program_serves_them(tmp_path):
+    from attncheck.candidate import load_candidate, make_session
+    from attncheck.config import config_from_mapping
+    from attncheck.inputs import make_workload
+
+    jax_candidate = pytest.importorskip("attncheck.jax_candidate")
+    path = tmp_path / "recording.py"
+    path.write_text(UNTRACEABLE_SDPA.format(check=False).replace("    scores =", "    CALLED.append(query.shape)\n    scores =", 1)
+                    + "\n\nCALLED = []\n")  # fmt: skip
+    candidate = load_candidate(f"{path}:scaled_dot_product_attention")
+    called = sys.modules[candidate.factory.__module__].CALLED
+    programs = set(jax_candidate._PROGRAMS)
+    for seed in (1, 2, 3):  # other inputs of the same shapes
+        cfg = config_from_mapping({"module": "sdpa", "seed": seed})
+        session = make_session(cfg, candidate, compiled=True)
+        w = make_workload(cfg)
+        out, _ = session.forward(session.build(w.params), w)
+        op_by_op = make_session(cfg, candidate)  # compiled=False: as in the judge's own process
+        assert np.allclose(out, op_by_op.forward(op_by_op.build(w.params), w)[0], rtol=1e-5, atol=1e-6)
+    assert len(called) == 6  # the Python of every call ran, compiled or not
+    assert len(set(jax_candidate._PROGRAMS) - programs) == 1  # one compiled program for the three compiled calls
+
+
+SAVING_BACKWARD = '''
+import jax
+import jax.numpy as jnp
+
+
+class SavingBackward:
+    """A kernel with its own backward, which differentiates what forward kept."""
+
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        self.saved = (query, key, value, query.shape[-1] ** -0.5 if scale is None else scale)
+        return self._attention(query, key, value, self.saved[3])
+
+    @staticmethod
+    def _attention(query, key, value, scale):
+        return jax.nn.softmax(query @ jnp.swapaxes(key, -1, -2) * scale, axis=-1) @ value  # (B, H, L, E)
+
+    def backward(self, grad_out):
+        query, key, value, scale = self.saved
+        _, pullback = jax.vjp(lambda q, k, v: self._attention(q, k, v, scale), query, key, value)
+        return dict(zip(("query", "key", "value"), pullback(grad_out)))
+'''
+
+
+def test_a_kernel_with_its_own_backward_runs_forward_op_by_op(tmp_path):
+    # Traced, forward would keep tracers for backward to read: it runs op by op, with no note.
+    path = tmp_path / "saving_backward.py"
+    path.write_text(SAVING_BACKWARD)
+    report = attncheck.check(SDPA_PROBED, "grad", impl=f"{path}:SavingBackward")
+    report.assert_passed()
+    assert not [n for n in report.notes if "jit" in n], report.notes

@@ -17,8 +17,10 @@ sdpa = load_example("jax_sdpa").scaled_dot_product_attention
 # over a few dozen terms.
 FLOAT32 = 2e-5
 
-# One shape for all (JAX compiles each operation once per shape, about 2 s for the first call):
-# GQA 4:2, L != S so that every alignment shows.
+# One shape for all: GQA 4:2, L != S so that every alignment shows. JAX's own calls are jitted, one
+# compilation each instead of one per operation and shape, as attncheck compiles a JAX candidate,
+# and with its options for small programs (attncheck.jax_candidate.FAST_COMPILE).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
 SHAPE = Case(B=2, Hq=4, Hkv=2, L=5, S=7)
 SUPPORTED = {
     "plain": SHAPE,
@@ -41,12 +43,18 @@ UNSUPPORTED = {
 
 
 def jax_results(case: Case, a: dict) -> dict[str, np.ndarray]:
-    """The example's out and its gradients by jax.vjp, as attncheck takes them, from float32 inputs."""
+    """The example's out and its gradients by jax.vjp, as attncheck takes them (jitted, with the
+    masks' own computations evaluated as traced: the example reads them with NumPy), from float32 inputs."""
     q, k, v = (jnp.asarray(a[n], dtype=jnp.float32) for n in ("query", "key", "value"))
     kwargs = kernel_kwargs(case, a)
     kwargs["attn_mask"] = None if a["attn_mask"] is None else jnp.asarray(a["attn_mask"])
-    out, pullback = jax.vjp(lambda q, k, v: sdpa(q, k, v, **kwargs), q, k, v)
-    grads = pullback(jnp.asarray(a["grad_out"], dtype=jnp.float32))
+
+    def forward_and_back(q, k, v, grad_out):
+        with jax.ensure_compile_time_eval():
+            out, pullback = jax.vjp(lambda q, k, v: sdpa(q, k, v, **kwargs), q, k, v)
+            return out, pullback(grad_out)
+
+    out, grads = jax.jit(forward_and_back, compiler_options=FAST_COMPILE)(q, k, v, jnp.asarray(a["grad_out"], dtype=jnp.float32))
     return {"out": np.asarray(out), **{n: np.asarray(g) for n, g in zip(("query", "key", "value"), grads)}}
 
 
@@ -81,10 +89,11 @@ def test_jax_masks_causal_and_windows_top_left_and_the_example_declares_it():
     case = SHAPE.but(causal="upper_left")
     a = arrays(case)
     q, k, v = (jnp.asarray(a[n].swapaxes(1, 2), dtype=jnp.float32) for n in ("query", "key", "value"))  # (B, N, H, E)
-    causal = np.asarray(jax.nn.dot_product_attention(q, k, v, is_causal=True)).swapaxes(1, 2)
+    attention = jax.jit(jax.nn.dot_product_attention, static_argnames=("is_causal", "local_window_size"), compiler_options=FAST_COMPILE)
+    causal = np.asarray(attention(q, k, v, is_causal=True)).swapaxes(1, 2)
     assert difference(causal, run_torch(case, a)["out"]) < FLOAT32
     assert difference(causal, run_torch(case.but(causal="lower_right"), a)["out"]) > 0.1
-    window = np.asarray(jax.nn.dot_product_attention(q, k, v, local_window_size=(1, 0))).swapaxes(1, 2)
+    window = np.asarray(attention(q, k, v, local_window_size=(1, 0))).swapaxes(1, 2)
     i, j = np.arange(case.L)[:, None], np.arange(case.S)[None, :]
     top_left = {**a, "attn_mask": (i - 1 <= j) & (j <= i)}  # (L, S) bool
     assert difference(window, run_torch(case.but(causal=None), top_left)["out"]) < FLOAT32
@@ -97,7 +106,7 @@ def test_what_jax_does_where_the_example_refuses():
     a = arrays(case)
     q, k, v = (jnp.asarray(a[n].swapaxes(1, 2), dtype=jnp.float32) for n in ("query", "key", "value"))
     mask = jnp.asarray(a["attn_mask"])[None, None]  # (1, 1, L, S), row 0 all False
-    out = np.asarray(jax.nn.dot_product_attention(q, k, v, mask=mask)).swapaxes(1, 2)  # (B, Hq, L, Ev)
+    out = np.asarray(jax.jit(jax.nn.dot_product_attention, compiler_options=FAST_COMPILE)(q, k, v, mask=mask)).swapaxes(1, 2)  # (B, Hq, L, Ev)
     mean = a["value"].repeat(2, axis=1).mean(axis=2)  # (B, Hq, Ev): each query head's key-value head, averaged over S
     assert difference(out[:, :, 0], mean) < FLOAT32  # not 0
     # jitted: one compilation each instead of one per operation

@@ -25,7 +25,7 @@ from attncheck.checks.sgd_step import check_sgd
 from attncheck.commands import command as command_named
 from attncheck.commands import options_for
 from attncheck.config import Config
-from attncheck.errors import Unsupported
+from attncheck.errors import TracerLeak, Unsupported
 from attncheck.kinds import kind_of
 from attncheck.report import Report
 
@@ -50,7 +50,12 @@ def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, 
         return run.ended_at(which.section, Unsupported(reason))
     torch_side.require_device(cfg)
     with torch_side.deterministic(cfg):
-        return which.check(cfg, candidate, **options_for(command, options))
+        try:
+            return which.check(cfg, candidate, **options_for(command, options))
+        except TracerLeak as leak:  # its process was replaced, and calls it op by op from now on
+            report = which.check(cfg, candidate, **options_for(command, options))
+            report.notes.append(str(leak))
+            return report
 
 
 __all__ = ["run_check", "check_forward", "check_grad", "check_sgd"]

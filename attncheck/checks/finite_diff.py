@@ -86,7 +86,7 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
 
     `grads64` are the candidate's float64 gradients when the check already has them; `oracle` the
     oracle's (output, loss, gradients), which are the built-in reference's own. JOINT_NOTE goes to
-    `notes` when the joint direction is taken.
+    `notes` when the joint direction is taken, and so does what the session notes of its calls.
 
     What a row allows is the gradient rule's model of rounding, in float64: the loss's rounding
     relative to its terms, its logits' terms (`logit_magnitude`, FD_LOGIT_ULPS) and a float
@@ -97,7 +97,7 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
     from attncheck.checks.grad import all_gradients, grad_quantities, not_returned, run_grad
 
     cfg64 = oracle_config(cfg)
-    session = session_for(cfg64, candidate)
+    session = session_for(cfg64, candidate, bulk=True)  # two forward calls per quantity, judged by their values
     try:
         if grads64 is None:
             if candidate.builtin and candidate.spec == kind_of(cfg).reference_spec and oracle is not None:  # the oracle's own run
@@ -207,3 +207,6 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
         return rows + [joint] + per_quantity()  # the joint row proves an error; these say where
     except CandidateProblem as err:
         return rows + [call_row("finite-diff", "candidate", err)]
+    finally:
+        if notes is not None:  # what the session says of its calls (a JAX call not compiled, say)
+            notes.extend(n for n in session.notes if n not in notes)

@@ -31,15 +31,15 @@ def oracle_config(cfg: Config) -> Config:
     return cfg.model_copy(update={"dtype": "float64"})
 
 
-def session_for(cfg: Config, candidate: Candidate) -> Session:
+def session_for(cfg: Config, candidate: Candidate, bulk: bool = False) -> Session:
     """Where the candidate's calls run: its own process (attncheck.remote) for any candidate the
     judge loaded from a SPEC; in this process only attncheck's own references, and objects handed
-    to the API that no other process can import (the report says so)."""
+    to the API that no other process can import (the report says so). `bulk`: see make_session."""
     if candidate.remote:
         from attncheck.remote import RemoteSession
 
-        return RemoteSession(cfg, candidate)
-    return make_session(cfg, candidate)
+        return RemoteSession(cfg, candidate, bulk)
+    return make_session(cfg, candidate, bulk)
 
 
 def call_row(section: str, quantity: str, err: CandidateProblem) -> Row:
