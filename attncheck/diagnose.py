@@ -2,14 +2,17 @@
 
 For each failing row that carries its arrays (compare.Evidence), in words:
 
-suspect  a bug the arrays alone cannot show, verified by recomputing it: the float64 oracle run
-         again as that bug runs (heads split with a plain reshape or a transposed one, a mask
-         ignored or inverted), and the candidate found equal to that result (Suspect);
+suspect  a bug the arrays alone cannot show, verified by recomputing it (attncheck.suspects): the
+         float64 oracle run again as that bug runs (heads split or merged with a plain reshape or
+         a strided one, the logits divided by the wrong scale, the batch and sequence axes read
+         the other way round, the value projected from the key, a mask ignored, inverted or
+         spread over the heads in the wrong order), and the candidate found equal to that result;
 pattern  a relation between the candidate and the expected value that holds to within FIT_RTOL:
          a constant factor (named when it is sqrt(D), D, H, B, L, S or E; "one of" them, and
          said to be ambiguous, when several are equal), a sign flip, a transpose, heads permuted
-         (which permutation), a shift by one position, an average over the batch, dropout (some
-         weights zeroed, the rest scaled up), or attention logits scaled by a factor;
+         (which permutation), per-head weights laid out head-major, a shift by one position, an
+         average over the batch, dropout (some weights zeroed, the rest scaled up), or attention
+         logits scaled by a factor;
 where    the heads, query rows, key columns or positions the error is confined to; masked or
          unmasked positions (and which mask), the diagonal band (a causal mask off by one), the
          appended bias_k or zero-attention column, the first or last key.
@@ -17,18 +20,17 @@ where    the heads, query rows, key columns or positions the error is confined t
 A diagnosis is a hint for the reader, not a verdict: it never changes a row's status. It is never
 confidently wrong: a suspect or pattern is printed only when the candidate's arrays fit it and do
 not fit the expected value itself (else the error is too small to tell one relation from another,
-and the diagnosis says so); when a pattern explains the error, no mask is blamed for it; a mask is
-named only when the config has that mask; several suspects that fit are named as ambiguous.
-Dimensions as in attncheck/reference/mha.py: B batch, L target length, S source length, E embed
-dim, H heads, D head dim.
+and the diagnosis says so); every suspect and pattern is tried, and when several fit, all are
+named as ambiguous; when one explains the error, no mask is blamed for it; a mask is named only
+when the config has that mask. Dimensions as in attncheck/reference/mha.py: B batch, L target
+length, S source length, E embed dim, H heads, D head dim.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,12 +39,8 @@ from attncheck.inputs import make_attn_mask, make_key_padding_mask
 from attncheck.kinds import kind_of
 from attncheck.masks import attn_by_head, blocked, padding_by_head
 from attncheck.report import FAIL, Report, Row
+from attncheck.suspects import FIT_RTOL, Rerun, Suspects, fits
 
-# A pattern fits when the candidate is the transformed expected value to within the row's own
-# tolerance or 1e-3 of the expected value's magnitude, whichever is larger. A wrong implementation
-# is off by O(1) relative, and a float32 computation of the transformed value (a scaled or
-# permuted one) rounds to ~1e-6 relative: 1e-3 separates "exactly this relation" from coincidence.
-FIT_RTOL = 1e-3
 # A factor is named (sqrt(D), H, ...) when it matches to this relative precision.
 NAME_RTOL = 2e-3
 # Index lists longer than this are summarized as a count.
@@ -81,6 +79,8 @@ def _swapped_with(row: Row, rows: list[Row]) -> str:
     """'candidate = expected `value`' when a failing row holds another quantity's expected value."""
     c = np.asarray(row.evidence.candidate, dtype=np.float64)
     own = np.asarray(row.evidence.reference, dtype=np.float64)
+    if np.isfinite(c).sum() < 2:  # one number (a finite-difference row) equals another by coincidence
+        return ""
     for other in rows:
         if other is row or other.evidence is None or other.section != row.section:
             continue
@@ -89,8 +89,10 @@ def _swapped_with(row: Row, rows: list[Row]) -> str:
             continue
         allowed = np.broadcast_to(np.asarray(other.evidence.allowed, dtype=np.float64), x.shape)
         scale = float(np.abs(x[np.isfinite(x)]).max())
-        # the other quantity's value must fit, and not be this one's own (then nothing tells them apart)
-        if scale > 0 and _fits(c, x, allowed, scale) and not (own.shape == x.shape and _fits(own, x, allowed, scale)):
+        # the other quantity's value must fit, and be neither this one's own nor zero to within its
+        # tolerance (then nothing tells them apart: a zero gradient matches a key bias's by no swap)
+        told_apart = not fits(np.zeros_like(x), x, allowed, scale) and not (own.shape == x.shape and fits(own, x, allowed, scale))
+        if scale > 0 and told_apart and fits(c, x, allowed, scale):
             return f"candidate = expected {other.quantity}: swapped with {other.quantity}?"
     return ""
 
@@ -102,8 +104,8 @@ def diagnose(row: Row, cfg: Config, masks: Masks | None = None) -> str:
 
 
 def _diagnosis(row: Row, cfg: Config, masks: Masks | None, suspects: Suspects | None = None) -> tuple[list[str], list[str]]:
-    """(patterns, where): the exact relation the candidate holds to the expected value, if one
-    fits, and where the error lies."""
+    """(explanations, where): what the candidate's arrays fit (a suspect or a relation to the
+    expected value; several named as ambiguous), and where the error lies."""
     ev = row.evidence
     c, x = np.asarray(ev.candidate, dtype=np.float64), np.asarray(ev.reference, dtype=np.float64)
     if c.shape != x.shape:
@@ -113,7 +115,10 @@ def _diagnosis(row: Row, cfg: Config, masks: Masks | None, suspects: Suspects | 
         return [], list(filter(None, [_finite_difference(float(c), float(x), cfg)]))
     layout = layout_of(row, cfg, x.ndim)
     small = _too_small(c, x, allowed)
-    findings = [] if small else (suspects.matching(row, c, x, allowed) if suspects else []) or _patterns(c, x, allowed, layout, cfg)
+    findings = []
+    if not small:
+        suspected = suspects.matching(_attention_quantity(row, cfg), c, x, allowed) if suspects else []
+        findings = _explanations(suspected, _patterns(c, x, allowed, layout, cfg))
     if layout.weights and masks is None:
         masks = Masks.of(cfg)
     # A pattern explains the error: the masks are not blamed for it.
@@ -125,6 +130,23 @@ def _diagnosis(row: Row, cfg: Config, masks: Masks | None, suspects: Suspects | 
     return findings, where
 
 
+def _attention_quantity(row: Row, cfg: Config) -> str:
+    """The row's quantity as the attention names it: `self_attn.` dropped where the kind prefixes it."""
+    prefix = kind_of(cfg).attention_prefix
+    return (row.parameter or "").removeprefix(prefix) if prefix else (row.parameter or "")
+
+
+def _explanations(suspected: list[tuple[str, str]], patterns: list[tuple[str, str]]) -> list[str]:
+    """What the arrays fit, in words: one explanation as it is, several named as ambiguous (the
+    reader is told each, and that the arrays cannot choose). A pattern that restates a suspect
+    which fits (the logit scale a scale suspect recomputed) is no second explanation."""
+    restated = {family for _, family in suspected if family}
+    found = [words for words, _ in suspected] + [words for family, words in patterns if family not in restated]
+    if len(found) > 1:
+        return ["ambiguous, the candidate fits each of these: " + " | ".join(found)]
+    return found
+
+
 def _too_small(c: np.ndarray, x: np.ndarray, allowed: np.ndarray) -> str:
     """Words saying the error is below what a pattern can be told from, when the candidate fits the
     expected value itself to within FIT_RTOL; "" otherwise."""
@@ -132,121 +154,16 @@ def _too_small(c: np.ndarray, x: np.ndarray, allowed: np.ndarray) -> str:
     if finite.sum() < 2 or not np.array_equal(np.isnan(c), np.isnan(x)):
         return ""
     scale = float(np.abs(x[finite]).max())
-    if scale == 0.0 or not _fits(c, x, allowed, scale):
+    if scale == 0.0 or not fits(c, x, allowed, scale):
         return ""
     worst = float(np.abs(c - x)[finite].max()) / scale
     return f"small: the error is at most {worst:.1e} of max|expected|, below the {FIT_RTOL:.0e} at which a pattern can be told"
 
 
-# ---------------------------------------------------------------------------------- suspects
-# What another implementation of one step would give, on the check's own workload: the float64
-# oracle's (output, weights) from another module or with other masks (CheckRun.rerun).
-Rerun = Callable[..., "tuple[np.ndarray, np.ndarray | None] | None"]
-
-
-def _split_by_reshape(self, x: np.ndarray) -> np.ndarray:
-    """(B, N, E) -> (G, N, D) with a plain reshape: head h reads the flat features h*N*D onward."""
-    B, N, _ = x.shape
-    return x.reshape(B * self.H, N, self.D)
-
-
-def _merge_by_reshape(self, x: np.ndarray, B: int) -> np.ndarray:
-    """(G, N, D) -> (B, N, E) with a plain reshape, the inverse of _split_by_reshape."""
-    _, N, _ = x.shape
-    return x.reshape(B, N, self.E)
-
-
-def _split_strided(self, x: np.ndarray) -> np.ndarray:
-    """(B, N, E) -> (G, N, D) through (B, N, D, H): head h gets features h, h+H, h+2H, ..."""
-    B, N, _ = x.shape
-    return x.reshape(B, N, self.D, self.H).transpose(0, 3, 1, 2).reshape(B * self.H, N, self.D)
-
-
-def _merge_strided(self, x: np.ndarray, B: int) -> np.ndarray:
-    """(G, N, D) -> (B, N, E), the inverse of _split_strided."""
-    _, N, _ = x.shape
-    return x.reshape(B, self.H, N, self.D).transpose(0, 2, 3, 1).reshape(B, N, self.E)
-
-
-SPLIT_WORDS = "heads split with a plain reshape (no transpose): (B, L, E) -> (B, H, L, D) gives head h the flat features h*L*D onward, mixing positions and heads"
-HEAD_SPLITS = (  # (words, detail, methods)
-    (SPLIT_WORDS, "merged back with a plain reshape", {"_split_heads": _split_by_reshape, "_merge_heads": _merge_by_reshape}),
-    (SPLIT_WORDS, "merged back with the transpose", {"_split_heads": _split_by_reshape}),
-    ("heads split through (B, L, D, H) instead of (B, L, H, D): head h gets features h, h+H, h+2H, ...", "",
-     {"_split_heads": _split_strided, "_merge_heads": _merge_strided}),
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Suspect:
-    """A bug recomputed: the oracle run by `methods` overriding the reference's, or with other masks."""
-
-    words: str  # the bug
-    detail: str = ""  # which variant of it: named only when no other variant of the bug fits too
-    methods: dict = field(default_factory=dict)  # reference hooks replaced (attncheck.reference.HOOKS)
-    masks: dict = field(default_factory=dict)  # attn_mask / key_padding_mask replaced
-
-
-class Suspects:
-    """The suspects that apply to a config, each recomputed once, when a failing output or weights asks."""
-
-    def __init__(self, cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None, rerun: Rerun | None):
-        self.cfg, self.rerun = cfg, rerun
-        self.results: list[tuple[Suspect, tuple | None]] | None = None
-        self.suspects: list[Suspect] = []
-        base = kind_of(cfg).reference
-        if cfg.num_heads > 1 and all(callable(getattr(base, name, None)) for name in ("_split_heads", "_merge_heads")):
-            self.suspects += [Suspect(words, detail, methods) for words, detail, methods in HEAD_SPLITS]
-        # each mask by the workload's field and forward()'s keyword for it
-        for field_name, name, mask in zip(("attn_mask", "key_padding_mask"), kind_of(cfg).mask_arguments, (attn_mask, key_padding_mask)):
-            if mask is None:
-                continue
-            shape = str(tuple(mask.shape))
-            self.suspects.append(Suspect(f"the {name} {shape} is ignored: the candidate equals attention without it", masks={field_name: None}))
-            if mask.dtype == np.bool_:
-                self.suspects.append(Suspect(f"the bool {name} is read inverted (True = allowed)", masks={field_name: ~mask}))
-
-    def _results(self) -> list[tuple[Suspect, tuple | None]]:
-        """Each suspect with its recomputed (output, weights), or None where that run raised."""
-        if self.results is None:
-            base = kind_of(self.cfg).reference
-            self.results = []
-            for suspect in self.suspects:
-                factory = type(f"{base.__name__}Suspect", (base,), dict(suspect.methods)) if suspect.methods else base
-                self.results.append((suspect, self.rerun(factory, **suspect.masks)))
-        return self.results
-
-    def matching(self, row: Row, c: np.ndarray, x: np.ndarray, allowed: np.ndarray) -> list[str]:
-        """The suspects whose recomputed quantity the candidate equals and the expected value does
-        not; more than one is named as ambiguous."""
-        prefix = kind_of(self.cfg).attention_prefix
-        name = (row.parameter or "").removeprefix(prefix) if prefix else (row.parameter or "")
-        which = {"output": 0, "attn_weights": 1}.get(name)
-        finite = np.isfinite(x)
-        if which is None or self.rerun is None or not self.suspects or not finite.any():
-            return []
-        scale = float(np.abs(x[finite]).max())
-        fitting = []
-        for suspect, result in self._results():
-            v = None if result is None else result[which]
-            if v is None or np.shape(v) != c.shape:
-                continue
-            v = np.asarray(v, dtype=np.float64)
-            if _fits(c, v, allowed, scale) and not _fits(v, x, allowed, scale) and np.array_equal(np.isnan(c), np.isnan(v)):
-                fitting.append(suspect)
-        bugs = list(dict.fromkeys(s.words for s in fitting))  # variants of one bug (the weights never see the merge) are one
-        if len(bugs) > 1:
-            return ["ambiguous, the candidate equals what each of these gives: " + " | ".join(bugs)]
-        if len(fitting) == 1 and fitting[0].detail:
-            return [f"{fitting[0].words}; {fitting[0].detail}"]
-        return bugs
-
-
 # ----------------------------------------------------------------------------------- layouts
 def layout_of(row: Row, cfg: Config, ndim: int) -> Layout:
     """The meaning of each axis of a row's array, from what it compares and the config."""
-    prefix = kind_of(cfg).attention_prefix
-    name = (row.parameter or "").removeprefix(prefix) if prefix else (row.parameter or "")
+    name = _attention_quantity(row, cfg)
     head = row.head is not None  # a per-head gradient row: one head's slice already
     if name == "attn_weights":
         axes = {4: ("batch", "head", "query", "key"), 2: ("query", "key")}.get(ndim)
@@ -312,15 +229,6 @@ class Masks:
 
 
 # ---------------------------------------------------------------------------------- patterns
-def _fits(candidate: np.ndarray, transformed: np.ndarray, allowed: np.ndarray, scale: float) -> bool:
-    """Whether the candidate equals a transformed expected value, where both are finite."""
-    ok = np.isfinite(candidate) & np.isfinite(transformed)
-    if ok.sum() < max(1, candidate.size // 2):
-        return False
-    tol = np.maximum(allowed, FIT_RTOL * scale)
-    return bool(np.all(np.abs(candidate - transformed)[ok] <= tol[ok]))
-
-
 def factor_meaning(k: float, cfg: Config) -> str:
     """'sqrt(D)', '1/H', ... for a factor that matches a dimension of the config; '' if none."""
     D, E = cfg.head_dim_eff, cfg.embed_dim
@@ -346,49 +254,49 @@ def _named(k: float, cfg: Config) -> str:
 
 
 def _factor_words(k: float, cfg: Config, what: str = "expected") -> str:
+    """The factor relation in words. A factor a dimension names is a missing or extra scale; any
+    other is only the relation: an upstream error can scale a quantity of few degrees of freedom
+    (one head's bias gradient) by an arbitrary number, so blaming a scale would be a guess."""
     named = _named(k, cfg)
-    values = f"D={cfg.head_dim_eff}, H={cfg.num_heads}, B={cfg.effective_batch}, L={cfg.tgt_len}, S={cfg.S}"
-    why = f" ({named}; {values}): a missing or extra scale" if named else ": a missing or extra scale"
-    return f"candidate = {_short(k)} x {what}{why}"
+    if not named:
+        return f"candidate = {_short(k)} x {what} (a factor no dimension of the config names)"
+    values = f"D={cfg.head_dim_eff}, H={cfg.num_heads}, B={cfg.effective_batch}, L={cfg.tgt_len}, S={cfg.S}, E={cfg.embed_dim}"
+    return f"candidate = {_short(k)} x {what} ({named}; {values}): a missing or extra scale"
 
 
 def _short(k: float) -> str:
     return f"{k:.3g}" if abs(k) >= 0.01 else f"{k:.2e}"
 
 
-def _patterns(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, layout: Layout, cfg: Config) -> list[str]:
-    """The first relation between candidate and expected that fits, in words; [] if none does."""
+def _patterns(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, layout: Layout, cfg: Config) -> list[tuple[str, str]]:
+    """Every relation between candidate and expected that fits, as (family, words); [] if none does."""
     finite = np.isfinite(c) & np.isfinite(x)
     if finite.sum() < 2:  # one number (a scalar loss) is some multiple of any other: no relation is evidence
         return []
     scale = float(np.abs(x[finite]).max())
     if scale == 0.0:
         return []
-    if _fits(c, -x, allowed, scale):
-        return ["candidate = -expected: a sign flip"]
+    found = []
+    if fits(c, -x, allowed, scale):
+        found.append(("sign", "candidate = -expected: a sign flip"))
     k = float(np.sum(c[finite] * x[finite]) / np.sum(x[finite] ** 2))
-    if math.isfinite(k) and abs(k - 1) > MIN_FACTOR_GAP and k != 0 and _fits(c, k * x, allowed, scale):
-        return [_factor_words(k, cfg)]
-    averaged = _batch_average(c, x, allowed, layout, scale)
-    if averaged:
-        return [averaged]
-    if x.ndim >= 2 and x.shape[-1] == x.shape[-2] and _fits(c, np.swapaxes(x, -1, -2), allowed, scale):
+    # k = -1 is the sign flip's relation, said once
+    if math.isfinite(k) and min(abs(k - 1), abs(k + 1)) > MIN_FACTOR_GAP and k != 0 and fits(c, k * x, allowed, scale):
+        found.append(("factor", _factor_words(k, cfg)))
+    found.append(("batch average", _batch_average(c, x, allowed, layout, scale)))
+    if x.ndim >= 2 and x.shape[-1] == x.shape[-2] and fits(c, np.swapaxes(x, -1, -2), allowed, scale):
         last = layout.axes[-2:] if len(layout.axes) == x.ndim else ("rows", "columns")
-        return [f"candidate = expected transposed ({' and '.join(last)} swapped)"]
-    permuted = _head_permutation(c, x, allowed, layout, cfg, scale)
-    if permuted:
-        return [permuted]
-    shifted = _shift(c, x, allowed, layout, scale)
-    if shifted:
-        return [shifted]
-    dropped = _dropout(c, x, allowed, layout, cfg, scale) if layout.weights else ""
-    if dropped:
-        return [dropped]
+        found.append(("transpose", f"candidate = expected transposed ({' and '.join(last)} swapped)"))
+    found.append(("head permutation", _head_permutation(c, x, allowed, layout, cfg, scale)))
+    found.append(("head-major", _head_major(c, x, allowed, layout, scale)))
+    found.append(("shift", _shift(c, x, allowed, layout, scale)))
+    if layout.weights:
+        found.append(("dropout", _dropout(c, x, allowed, layout, cfg, scale)))
     if layout.weights and "head" in layout.axes:
         scaled = _logit_scale(c, x)
         if scaled is not None:
-            return [_factor_words(scaled, cfg, "expected in the attention logits")]
-    return []
+            found.append(("logit scale", _factor_words(scaled, cfg, "expected in the attention logits")))
+    return [(family, words) for family, words in found if words]
 
 
 def _batch_average(c, x, allowed, layout, scale) -> str:
@@ -399,7 +307,7 @@ def _batch_average(c, x, allowed, layout, scale) -> str:
     if x.shape[axis] < 2:
         return ""
     mean = np.broadcast_to(np.nanmean(x, axis=axis, keepdims=True), x.shape)
-    if not _fits(c, mean, allowed, scale):
+    if not fits(c, mean, allowed, scale):
         return ""
     return f"candidate = expected averaged over the batch: every batch entry holds the mean of all {x.shape[axis]}"
 
@@ -413,10 +321,10 @@ def _dropout(c, x, allowed, layout, cfg, scale) -> str:
     finite = np.isfinite(c) & np.isfinite(x)
     zeroed = finite & (c == 0) & (np.abs(x) > np.maximum(allowed, FIT_RTOL * scale))
     kept = finite & (c != 0)
-    if not zeroed.any() or kept.sum() < 2:
+    if not zeroed.any() or kept.sum() < 2 or not np.any(x[kept]):  # kept weights all zero where expected: no scale to fit
         return ""
     k = float(np.sum(c[kept] * x[kept]) / np.sum(x[kept] ** 2))
-    if not (math.isfinite(k) and k > 1 + MIN_FACTOR_GAP) or not _fits(c, np.where(c == 0, 0.0, k * x), allowed, scale):
+    if not (math.isfinite(k) and k > 1 + MIN_FACTOR_GAP) or not fits(c, np.where(c == 0, 0.0, k * x), allowed, scale):
         return ""
     return (f"candidate = expected with {int(zeroed.sum())} of {int(finite.sum())} weights zeroed and the rest x {_short(k)}: "
             f"dropout left on (p = 1 - 1/{_short(k)} = {1 - 1 / k:.3g})")
@@ -439,7 +347,7 @@ def _head_permutation(c, x, allowed, layout, cfg, scale) -> str:
         return ""
     order = []
     for ch, th in zip(cs, tols):
-        match = [h for h, xh in enumerate(xs) if _fits(ch, xh, th, scale)]
+        match = [h for h, xh in enumerate(xs) if fits(ch, xh, th, scale)]
         if not match:
             return ""
         order.append(match[0])
@@ -448,18 +356,27 @@ def _head_permutation(c, x, allowed, layout, cfg, scale) -> str:
     return f"heads permuted: candidate head h holds expected head {order}[h]"
 
 
+def _head_major(c, x, allowed, layout, scale) -> str:
+    """'laid out head-major' when (B, H, L, S) per-head weights hold (H, B, L, S) data."""
+    if layout.axes != ("batch", "head", "query", "key") or min(x.shape[:2]) < 2:
+        return ""
+    if not fits(c, np.ascontiguousarray(x.transpose(1, 0, 2, 3)).reshape(x.shape), allowed, scale):
+        return ""
+    return "candidate = expected laid out head-major: (H, B, L, S) data in the (B, H, L, S) array"
+
+
 def _shift(c, x, allowed, layout, scale) -> str:
     """'shifted by one ...' when the candidate is the expected value moved one step along a position axis."""
     for axis, name in enumerate(layout.axes):
         if name not in ("query", "key", "position") or c.shape[axis] < 3:
             continue
         for step in (1, -1):
-            if _fits(c, np.roll(x, step, axis=axis), allowed, scale):
+            if fits(c, np.roll(x, step, axis=axis), allowed, scale):
                 return f"candidate = expected shifted by one {name} position, cyclically (candidate[{name} j] = expected[{name} j{'-' if step > 0 else '+'}1])"
             n = c.shape[axis]
             later, earlier = (slice(1, n), slice(0, n - 1)) if step > 0 else (slice(0, n - 1), slice(1, n))
             moved = np.take(c, range(n)[later], axis=axis)
-            if _fits(moved, np.take(x, range(n)[earlier], axis=axis), np.take(allowed, range(n)[later], axis=axis), scale):
+            if fits(moved, np.take(x, range(n)[earlier], axis=axis), np.take(allowed, range(n)[later], axis=axis), scale):
                 return f"candidate = expected shifted by one {name} position (candidate[{name} j] = expected[{name} j{'-' if step > 0 else '+'}1])"
     return ""
 

@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from attncheck.candidate import FrameworkSession, _defined_at
+from attncheck.candidate import FrameworkSession, _defined_at, unchanged
 from attncheck.errors import CandidateProblem, TracerLeak, UsageError
 from attncheck.kinds import kind_of
 
@@ -213,9 +213,7 @@ class JaxSession(FrameworkSession):
         return array
 
     def _unchanged(self, original: np.ndarray, copy: Any) -> bool:
-        return bool(np.array_equal(np.asarray(original, dtype=np.float64) if original.dtype != np.bool_ else original,
-                                   np.asarray(copy, dtype=np.float64) if original.dtype != np.bool_ else np.asarray(copy),
-                                   equal_nan=True))  # fmt: skip
+        return unchanged(original, np.asarray(copy))
 
     def _as_numpy(self, value: Any, what: str, where: str | None) -> np.ndarray:
         if isinstance(value, jax.Array):  # what a JAX candidate returns: no note

@@ -25,6 +25,7 @@ import math
 import numpy as np
 
 from attncheck.reference import MultiheadAttention
+from attncheck.reference.mha import _compute
 
 ATTENTION_PREFIX = "self_attn."
 
@@ -136,7 +137,11 @@ class TransformerEncoderLayer:
             raise ValueError("the reference has no dropout: both sides must run with dropout=0")
         if activation not in ("relu", "gelu"):
             raise ValueError(f"activation {activation!r}: expected 'relu' or 'gelu'")
-        self.params = {name: np.asarray(value) for name, value in params.items()}
+        params = {name: np.asarray(value) for name, value in params.items()}
+        # As the attention's reference: results in the parameters' dtype, the arithmetic in float32
+        # for half dtypes, each result rounded to the half dtype once, when it is returned.
+        self.storage = np.result_type(*params.values())
+        self.params = {name: _compute(value) for name, value in params.items()}
         attention = {k[len(ATTENTION_PREFIX) :]: v for k, v in self.params.items() if k.startswith(ATTENTION_PREFIX)}
         self.attn = MultiheadAttention(attention, num_heads=num_heads, batch_first=batch_first, embed_dim=d_model, bias=bias)
         F, E = self.params["linear1.weight"].shape
@@ -144,6 +149,15 @@ class TransformerEncoderLayer:
             raise ValueError(f"dim_feedforward={dim_feedforward} but linear1.weight is {(F, E)}")
         self.bias, self.activation, self.eps, self.norm_first = bias, activation, layer_norm_eps, norm_first
         self._saved: dict | None = None
+
+    @property
+    def rounding(self):
+        """The attention's rounding model (reference.kernel.RoundingNoise), set only to measure rounding's reach."""
+        return self.attn.rounding
+
+    @rounding.setter
+    def rounding(self, noise) -> None:
+        self.attn.rounding = noise
 
     def _p(self, name: str) -> np.ndarray | None:
         return self.params.get(name)
@@ -188,7 +202,7 @@ class TransformerEncoderLayer:
         is_causal is a hint that src_mask is the causal mask (torch may then skip reading it);
         the mask itself says the same, so it is what is applied.
         """
-        x = np.asarray(src)
+        x = _compute(np.asarray(src))
         s: dict = {}
         if self.norm_first:
             n1, s["norm1"] = self._norm(1, x)
@@ -200,14 +214,18 @@ class TransformerEncoderLayer:
             y1, s["norm1"] = self._norm(1, h)
             out, s["norm2"] = self._norm(2, residual_forward(y1, self._ff(y1, s)))
         self._saved = s
-        return out
+        return self._stored(out)
+
+    def _stored(self, a: np.ndarray) -> np.ndarray:
+        """A result in the parameters' dtype: half dtypes rounded once, at the end."""
+        return a if self.storage.itemsize != 2 else a.astype(self.storage)
 
     def backward(self, grad_output: np.ndarray) -> dict[str, np.ndarray]:
         """Gradients of every parameter (state_dict() names) and of `src`, given d(loss)/d(output)."""
         if self._saved is None:
             raise RuntimeError("backward() needs a forward() first")
         s, grads = self._saved, {}
-        dy = np.asarray(grad_output)
+        dy = _compute(np.asarray(grad_output))
         if self.norm_first:
             # out = h + ff(norm2(h)); h = x + sa(norm1(x))
             dh = residual_backward(dy, self._norm_backward(2, self._ff_backward(dy, s, grads), s["norm2"], grads))
@@ -219,4 +237,4 @@ class TransformerEncoderLayer:
             dh = self._norm_backward(1, dy1, s["norm1"], grads)
             dx = residual_backward(dh, self._sa_backward(dh, grads))
         grads["src"] = dx
-        return grads
+        return {name: self._stored(g) for name, g in grads.items()}

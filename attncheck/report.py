@@ -141,6 +141,7 @@ class Row:
     ratio: float | None = None  # the largest error relative to what the rule allowed there (> 1: outside)
     candidate_error: float | None = None  # max |candidate - oracle| (budget rule)
     torch_error: float | None = None  # max |torch - oracle| (budget rule)
+    rounding_floor: float | None = None  # budget, gradients: what rounding alone may move it by (attncheck.checks.rounding)
     nan_agreed: int = 0  # NaN elements present in both where the masks explain it, or accepted where no value is defined
     unjudged: int = 0  # elements where torch itself is NaN or inf and no mask explains it
     judged: int = 0  # elements whose value (or NaN placement) was judged

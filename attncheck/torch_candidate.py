@@ -19,16 +19,10 @@ import numpy as np
 import torch
 
 from attncheck import torch_side
-from attncheck.candidate import PAD, FrameworkSession, _defined_at
+from attncheck.candidate import PAD, FrameworkSession, _defined_at, unchanged
 from attncheck.frameworks import framework_hint, returned_by
-from attncheck.dtypes import is_float
 from attncheck.errors import CandidateError
 from attncheck.kinds import kind_of
-
-
-def _exact(a: np.ndarray) -> np.ndarray:
-    """Floats (bfloat16 included) as float64, which holds each value exactly; others as they are."""
-    return a.astype(np.float64) if is_float(a.dtype) else a
 
 
 def _laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -75,7 +69,7 @@ class TorchSession(FrameworkSession):
         return t
 
     def _unchanged(self, original: np.ndarray, copy: torch.Tensor) -> bool:
-        return bool(np.array_equal(_exact(original), _exact(torch_side.numpy(copy)), equal_nan=True))
+        return unchanged(original, torch_side.numpy(copy))
 
     def _restore(self, copy: torch.Tensor, original: np.ndarray) -> None:
         with torch.no_grad():

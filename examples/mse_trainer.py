@@ -10,8 +10,9 @@ Check it with (the adapter at the bottom maps attncheck's contract onto it):
 attncheck hands any `grad_output`; `adapt.mse_target` turns it into the target whose MSE gradient
 is exactly that. The input gradients it lacks are reported "not provided" (`grad --strict` fails
 them). Supported: bool masks (per head too), padding, cross-attention, every layout. Declared
-unsupported: float masks with finite values, kdim/vdim, no bias, add_bias_kv, add_zero_attn, and
-rows with every key masked when torch's weights are not asked for.
+unsupported: float masks with finite values, kdim/vdim, no bias, add_bias_kv, add_zero_attn,
+rows with every key masked when torch's weights are not asked for, and half precision (its
+`np.einsum` adds float16 products in float16, which the default suite's float16-long case fails).
 
 Dimensions: B batch, L query length, S key length, E model size, H heads, D head size.
 """
@@ -85,6 +86,9 @@ class Attention:
 class MultiheadAttention:
     def __init__(self, params, *, num_heads, batch_first, **options):
         adapt.refuse(options, "kdim", "vdim", "add_bias_kv", "add_zero_attn", "no_bias", reason="four (E, E) Linear layers")
+        # np.einsum sums the float16 products of P v over the keys in float16 (np.matmul would not):
+        # on the default suite's float16-long case that is 10x torch's error, a half-precision accumulator.
+        adapt.unsupported(half_precision=next(iter(params.values())).dtype.itemsize == 2, reason="np.einsum accumulates in float16")
         p, self.params, self.batch_first, self.H = adapt.projections(params), params, batch_first, num_heads
         self.model = Attention(*(Linear(p[f"W_{n}"], p[f"b_{n}"]) for n in "qkvo"), num_heads)
 

@@ -54,7 +54,7 @@ def _slots(b: int, positions: torch.Tensor, block_table, P: int) -> tuple[torch.
     return block_table[b].long()[positions // P], positions % P
 
 
-def _bias(Lq: int, S: int, causal: bool, window_size, slopes, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _bias(Lq: int, S: int, causal: bool, window_size, slopes, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """((Hq or 1, Lq, S) float32 bias: -slope * |offset| where allowed, -inf where not; (Lq, 1) rows with no allowed key)."""
     i = torch.arange(Lq, device=device)[:, None]
     j = torch.arange(S, device=device)[None, :]
@@ -67,7 +67,7 @@ def _bias(Lq: int, S: int, causal: bool, window_size, slopes, device) -> tuple[t
         allowed &= offset >= -left
     if right >= 0:
         allowed &= offset <= right
-    bias = torch.zeros(1, Lq, S, device=device) if slopes is None else -slopes.float()[:, None, None] * offset.abs()  # (Hq or 1, Lq, S)
+    bias = torch.zeros(1, Lq, S, device=device, dtype=dtype) if slopes is None else -slopes.to(dtype)[:, None, None] * offset.abs()  # (Hq or 1, Lq, S)
     empty = ~allowed.any(dim=-1, keepdim=True)  # (Lq, 1)
     return bias.masked_fill(~allowed | empty, -torch.inf).masked_fill(empty, 0.0), empty
 
@@ -108,7 +108,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             continue  # no key: zero rows
         rows, cols = _slots(b, torch.arange(S, device=q.device), block_table, P)
         kb, vb = k_cache[rows, cols].to(compute), v_cache[rows, cols].to(compute)  # (S, Hkv, E), (S, Hkv, Ev): slots < S only
-        bias, empty = _bias(Lq, S, causal, window_size, alibi_slopes, q.device)
+        bias, empty = _bias(Lq, S, causal, window_size, alibi_slopes, q.device, compute)
         qs, ks, vs = (x.transpose(0, 1)[None] for x in (qb, kb, vb))  # (1, H, L or S, X)
         ob = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias.to(compute)[None], scale=softmax_scale, enable_gqa=Hq != Hkv)
         out[b] = ob[0].transpose(0, 1).masked_fill(empty[:, :, None], 0.0).to(q.dtype)  # (Lq, Hq, Ev)

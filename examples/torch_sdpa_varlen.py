@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 
-def _bias(Lq: int, Lk: int, causal: bool, window_size, slopes, device) -> torch.Tensor | None:
-    """(Hq or 1, Lq, Lk) float32: -slope * |i + Lk - Lq - j| where allowed, -inf where not; None without any."""
+def _bias(Lq: int, Lk: int, causal: bool, window_size, slopes, device, dtype: torch.dtype) -> torch.Tensor | None:
+    """(Hq or 1, Lq, Lk) in `dtype` (float32, or float64 for float64 inputs: a float32 product would round the bias): -slope * |i + Lk - Lq - j| where allowed, -inf where not; None without any."""
     i = torch.arange(Lq, device=device)[:, None]
     j = torch.arange(Lk, device=device)[None, :]
     offset = j - (i + Lk - Lq)  # (Lq, Lk): past the bottom-right-aligned diagonal
@@ -35,7 +35,7 @@ def _bias(Lq: int, Lk: int, causal: bool, window_size, slopes, device) -> torch.
         allowed &= offset <= right
     if slopes is None and bool(allowed.all()):
         return None
-    bias = torch.zeros(1, Lq, Lk, device=device) if slopes is None else -slopes.float()[:, None, None] * offset.abs()  # (Hq or 1, Lq, Lk)
+    bias = torch.zeros(1, Lq, Lk, device=device, dtype=dtype) if slopes is None else -slopes.to(dtype)[:, None, None] * offset.abs()  # (Hq or 1, Lq, Lk)
     return bias.masked_fill(~allowed, -torch.inf)
 
 
@@ -52,7 +52,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             outs.append(q.new_zeros(q1 - q0, Hq, Ev))
             continue
         slopes = None if alibi_slopes is None else (alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[s])
-        bias = _bias(q1 - q0, k1 - k0, causal, window_size, slopes, q.device)
+        bias = _bias(q1 - q0, k1 - k0, causal, window_size, slopes, q.device, torch.promote_types(q.dtype, torch.float32))
         qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[q0:q1], k[k0:k1], v[k0:k1]))  # (1, H, L, X)
         if bias is not None:
             empty = torch.isneginf(bias).all(dim=-1, keepdim=True)  # rows with no allowed key: SDPA would give NaN

@@ -117,10 +117,10 @@ def test_projections_split_in_q_k_v_order_in_each_layout():
     _, w = workload(**CASES["kdim_vdim"])
     torch_layout, xw_layout, columns = (adapt.projections(w.params, layout) for layout in ("torch", "xw", "columns"))
     np.testing.assert_array_equal(torch_layout["W_k"], w.params["k_proj_weight"])  # (E, Ek)
-    assert xw_layout["W_k"].shape == (6, 16) and xw_layout["W_v"].shape == (10, 16)
-    np.testing.assert_array_equal(columns["b_v"][:, 0], w.params["in_proj_bias"][32:])
+    assert xw_layout["W_k"].shape == (6, 24) and xw_layout["W_v"].shape == (10, 24)
+    np.testing.assert_array_equal(columns["b_v"][:, 0], w.params["in_proj_bias"][48:])
     _, w = workload()
-    np.testing.assert_array_equal(adapt.projections(w.params)["W_k"], w.params["in_proj_weight"][16:32])
+    np.testing.assert_array_equal(adapt.projections(w.params)["W_k"], w.params["in_proj_weight"][24:48])
     with pytest.raises(ValueError, match="layout 'rows'"):
         adapt.projections(w.params, "rows")
 
@@ -175,9 +175,9 @@ def test_split_heads_takes_torchs_head_columns_and_merges_back():
     _, w = workload(num_heads=4)
     W_q = adapt.projections(w.params, "xw")["W_q"]  # (E, E) for x @ W
     pieces = adapt.split_heads(W_q, 4)
-    assert len(pieces) == 4 and pieces[1].shape == (16, 4)
+    assert len(pieces) == 4 and pieces[1].shape == (24, 6)
     # torch's head h is rows h*D:(h+1)*D of the (out, in) weight
-    np.testing.assert_array_equal(pieces[1], w.params["in_proj_weight"][4:8].T)
+    np.testing.assert_array_equal(pieces[1], w.params["in_proj_weight"][6:12].T)
     np.testing.assert_array_equal(adapt.merge_heads(pieces), W_q)
     assert [b.shape for b in adapt.split_heads(np.arange(8.0), 4)] == [(2,)] * 4
     with pytest.raises(ValueError, match="not divisible"):
@@ -202,7 +202,7 @@ def test_per_head_lists_round_trip(name):
 def test_bias_kv_round_trip():
     _, w = workload(add_bias_kv=True)
     bias_k, bias_v = adapt.bias_kv(w.params)
-    assert bias_k.shape == (16,)
+    assert bias_k.shape == (24,)
     back = adapt.bias_kv_grads(bias_k, bias_v)
     np.testing.assert_array_equal(back["bias_k"], w.params["bias_k"])
     np.testing.assert_array_equal(back["bias_v"], w.params["bias_v"])
@@ -212,7 +212,7 @@ def test_bias_kv_round_trip():
 def test_grads_reject_wrong_shapes():
     _, w = workload()
     p = adapt.projections(w.params)
-    with pytest.raises(ValueError, match=r"dW_k: expected shape \(16, 16\), got \(16, 8\)"):
+    with pytest.raises(ValueError, match=r"dW_k: expected shape \(24, 24\), got \(24, 8\)"):
         adapt.projection_grads(w.params, {**p, "W_k": p["W_k"][:, :8]})
     with pytest.raises(ValueError, match="db_o"):
         adapt.projection_grads(w.params, {**p, "b_o": np.ones(15)})

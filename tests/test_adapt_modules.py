@@ -310,7 +310,7 @@ def test_a_wrong_mapping_fails_forward_and_grad(name):
 MISTAKES = [
     ("a weight left without its transpose", {"c_attn.weight": "in_proj_weight", "c_attn.bias": "in_proj_bias",
                                              "c_proj.weight": adapt.transposed("out_proj.weight"), "c_proj.bias": "out_proj.bias"},
-     "c_attn.weight: the module's is (16, 48), 'in_proj_weight' gives (48, 16)"),
+     "c_attn.weight: the module's is (24, 72), 'in_proj_weight' gives (72, 24)"),
     ("a parameter left unmapped", {"c_attn.weight": adapt.transposed("in_proj_weight"), "c_attn.bias": "in_proj_bias",
                                    "c_proj.weight": adapt.transposed("out_proj.weight")},
      "no source for the module's c_proj.bias: it would run with its own initial values"),

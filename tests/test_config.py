@@ -253,7 +253,7 @@ def test_derived_sizes():
     assert (cfg.S, cfg.kdim_eff, cfg.vdim_eff, cfg.head_dim_eff) == (6, 5, 7, 4)
     assert cfg.key_padding_mask_dtype_eff == "float"
     defaults = Config()
-    assert (defaults.S, defaults.kdim_eff, defaults.vdim_eff) == (5, 16, 16)
+    assert (defaults.S, defaults.kdim_eff, defaults.vdim_eff) == (5, 24, 24)
 
 
 def test_unbatched_uses_batch_of_one():

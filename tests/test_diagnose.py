@@ -8,20 +8,23 @@ verified), no mask a config does not have, no factor named by several dimensions
 be ambiguous.
 
 DIAGNOSES: (implementation, command, config, quantity, fragments the diagnosis must contain), on
-configs chosen to show one diagnosis each; the implementations are the corpus's and, where it has
-none with that bug, the small ones below, each a variation of the reference whose docstring names
-its bug. Configs avoid coincidences between dimensions where a factor's name matters (B=3, so
-2 = sqrt(D) only).
+configs chosen to show one diagnosis each, held to the same list of what it may not say; the
+implementations are the corpus's and, where it has none with that bug, the small ones below, each
+a variation of the reference whose docstring names its bug. The default config's dimensions differ
+pairwise (B=2, L=5, E=24, H=4, D=6, sqrt(D)=2.45), so a factor there names one of them.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from attncheck.api import check
+from attncheck.config import load_config
 from attncheck.compare import Evidence
 from attncheck.diagnose import diagnose, factor_meaning
 from attncheck.reference import MultiheadAttention
@@ -30,24 +33,32 @@ from attncheck.testing import detection, wrong_impls
 from attncheck.testing.detection import DEFAULT_SUITE_CATCHES
 from tests.conftest import cfg
 
+ROOT = Path(__file__).resolve().parent.parent
+
 AMBIGUOUS_2 = "2 is one of sqrt(D), H, B (ambiguous"  # the default suite's basic case: D = 4, H = B = 2
 AMBIGUOUS_HALF = "0.5 is one of 1/sqrt(D), 1/H, 1/B (ambiguous"
 BIASES = ("in_proj_bias[q]", "in_proj_bias[v]", "out_proj.bias")  # in_proj_bias[k]'s gradient is zero: halved, it is right
 HEADS_RESHAPED = "heads split with a plain reshape (no transpose)"
 HEADS_STRIDED = "heads split through (B, L, D, H) instead of (B, L, H, D)"
+HEADS_MERGED = "heads merged back with a plain reshape (no transpose)"
+BY_D = "the logits are divided by D instead of sqrt(D)"
+BY_KDIM = "the logits are divided by sqrt(kdim / H) instead of sqrt(embed_dim / H)"
+MASK_HEAD_MAJOR = "the per-head attn_mask (B*H, L, S) is read head-major"
+PADDING_ORDER = "the key_padding_mask is spread over the B*H groups in the wrong order"
 CORPUS = {
     # shapes and layouts
     "HeadsSplitTransposed": {"output": [HEADS_STRIDED], "attn_weights": [HEADS_STRIDED]},
     "HeadsSplitByReshape": {"output": [HEADS_RESHAPED, "merged back with a plain reshape"], "attn_weights": [HEADS_RESHAPED]},
     "InProjBiasTwice": {},
-    "ScaleByHeadDim": {},  # averaged weights: the logit scale shows per head only
+    "HeadsMergedByReshape": {"output": [HEADS_MERGED]},  # the weights are right
+    "ScaleByHeadDim": {"output": [BY_D], "attn_weights": [BY_D]},
     "HeadWeightsSummed": {"attn_weights": [f"candidate = 2 x expected ({AMBIGUOUS_2}"]},
     "WeightsAveragedOverBatch": {"attn_weights": ["candidate = expected averaged over the batch"]},
     "KeysChunkedTailDropped": {},
-    "SeqFirstAsBatchFirst": {},
-    "KeyUsedAsValue": {},
-    "EncoderDecoderSharedProjection": {},
-    "KdimHeadScale": {},
+    "SeqFirstAsBatchFirst": {"output": ["the (L, B, E) inputs (batch_first=False) are read as (B, L, E)"]},  # weights: (L, B, B)
+    "KeyUsedAsValue": {"output": ["the value is projected from the key input"]},
+    "EncoderDecoderSharedProjection": {"output": ["the value is projected with the key's weights"]},
+    "KdimHeadScale": {"output": [BY_KDIM], "attn_weights": [BY_KDIM]},
     "UnbatchedKeyPaddingDropped": {"output": ["the key_padding_mask (3,) is ignored"], "attn_weights": ["the key_padding_mask (3,) is ignored"]},
     "DropoutLeftOn": {},  # averaged over heads: each head's dropped weights are mixed (per head: DIAGNOSES)
     # masks
@@ -55,11 +66,11 @@ CORPUS = {
     "CausalDiagonalMasked": {"attn_weights": ["diagonal key = query: a causal mask off by one"]},
     "BoolMaskInverted": {"output": ["the bool attn_mask is read inverted"], "attn_weights": ["the bool attn_mask is read inverted"]},
     "Mask3dIgnored": {"output": ["the attn_mask (4, 4, 4) is ignored"], "attn_weights": ["the attn_mask (4, 4, 4) is ignored"]},
-    "Mask3dHeadOrder": {"attn_weights": ["the candidate gives weight to 1 positions torch masks (attn_mask)"]},
+    "Mask3dHeadOrder": {"output": [MASK_HEAD_MAJOR], "attn_weights": [MASK_HEAD_MAJOR]},
     "FloatMaskScaled": {"attn_weights": ["only at unmasked positions; the masked ones agree"]},
     "KeyPaddingInverted": {"output": ["the bool key_padding_mask is read inverted"], "attn_weights": ["the bool key_padding_mask is read inverted"]},
     "KeyPaddingPerQuery": {"attn_weights": ["NaN in 8 places where torch has a number", "gives weight to 6 positions torch masks"]},
-    "KeyPaddingHeadOrder": {"attn_weights": ["the candidate gives weight to 8 positions torch masks (key_padding_mask)"]},
+    "KeyPaddingHeadOrder": {"output": [PADDING_ORDER], "attn_weights": [PADDING_ORDER]},
     "KeyPaddingFloatAsBool": {"attn_weights": ["NaN in 32 places where torch has a number"]},
     "MixedMaskPaddingCast": {"attn_weights": ["the candidate gives weight to 7 positions torch masks (key_padding_mask)"]},
     # zero weights where torch has NaN: no weight given
@@ -68,7 +79,7 @@ CORPUS = {
     "BiasKvProjected": {"attn_weights": ["only at unmasked positions"]},
     "BiasKvMaskedOut": {"attn_weights": ["only at unmasked positions"]},
     "ZeroAttnPrepended": {},  # masked: the shift is cut by the mask (unmasked: DIAGNOSES)
-    "PerHeadWeightsHeadMajor": {},
+    "PerHeadWeightsHeadMajor": {"attn_weights": ["candidate = expected laid out head-major: (H, B, L, S) data"]},
     # numerics: zero weights from overflow are no mask; errors below 1e-3 fit no pattern
     "SoftmaxWithoutMaxSubtraction": {"attn_weights": ["NaN in 2 places where torch has a number"]},
     "Float16Probabilities": {"output": ["small: the error is at most"], "attn_weights": ["small: the error is at most"]},
@@ -92,11 +103,21 @@ CORPUS = {
     # calls: no numbers to diagnose
     "KeyValueProjectionCached": {},
     "MaskSanitizedInPlace": {},
+    # issue 29's gaps (wrong_reach.py): a few elements, NaN from overflow or underflow, or everywhere
+    "HalfAccumulatedSoftmax": {},
+    "HalfInputsFloat32Output": {},  # the dtype: no numbers to diagnose
+    "MaskFilledWithMinus1e9": {"output": ["NaN in 64 places where torch has a number"]},
+    "CausalMaskBlockLocal": {"attn_weights": ["the candidate gives weight to 256 positions torch masks (attn_mask)"]},
+    "MaskAppliedAfterExp": {"attn_weights": ["NaN in 4 places where torch has a number"]},
+    "OnlineSoftmaxEmptyBlockNaN": {"output": ["NaN in 520 places where torch has a number"]},
+    "EncoderDecoderQueryKeySwapped": {},
+    "CausalOnlyScaleInFloat32": {"output": ["small: the error is at most"]},
 }  # fmt: skip
 # Words that name a cause: a diagnosis holds one only where its expected words do.
-CAUSES = ["heads split", "heads permuted", "is ignored", "read inverted", "off by one", "averaged over the batch",
-          "dropout", "sign flip", "transposed", "shifted by one", "swapped with", "x expected", "gives weight to",
-          "gives them weight", "positions torch masks", "ambiguous"]  # fmt: skip
+CAUSES = ["heads split", "heads merged", "heads permuted", "laid out head-major", "is read head-major", "wrong order",
+          "is ignored", "read inverted", "off by one", "averaged over the batch", "dropout", "sign flip", "transposed",
+          "shifted by one", "swapped with", "x expected", "logits are", "are read as",
+          "value is projected", "gives weight to", "gives them weight", "positions torch masks", "ambiguous"]  # fmt: skip
 
 
 def _wrong_words(diagnosis: str, expected: list[str], config) -> list[str]:
@@ -110,7 +131,7 @@ def _wrong_words(diagnosis: str, expected: list[str], config) -> list[str]:
         wrong += [w for w in ("key_padding_mask",) if w in diagnosis]
     if config.attn_mask == "none" and config.key_padding_mask == "none":
         wrong += [w for w in ("mask",) if w in diagnosis]
-    wrong += re.findall(r"\([^;()]* = [^;()]* = [^;()]*", diagnosis)  # "(2 = sqrt(D) = H": several names, not "one of"
+    wrong += re.findall(r"= (?:1/)?(?:sqrt\([DE]\)|[DHBLSE]) = ", diagnosis)  # "(2 = sqrt(D) = H": several names, not "one of"
     return wrong
 
 
@@ -224,14 +245,16 @@ class ZeroKeyWeightDropped(MultiheadAttention):
 
 PER_HEAD = dict(average_attn_weights=False, batch_size=3)
 DIAGNOSES = [
-    (CausalOffByOne, "forward", dict(attn_mask="causal"), "attn_weights", ["diagonal key = query + 1", "causal mask off by one"]),
+    (CausalOffByOne, "forward", dict(attn_mask="causal"), "attn_weights",
+     ["the candidate gives weight to 8 positions torch masks", "diagonal key = query + 1", "causal mask off by one"]),
     (HeadsReversed, "forward", PER_HEAD, "attn_weights", ["heads permuted", "[3, 2, 1, 0]"]),
-    (NoLogitScale, "forward", PER_HEAD, "attn_weights", ["2 x expected in the attention logits", "sqrt(D)"]),
-    (QGradTimesSqrtD, "grad", dict(batch_size=3), "in_proj_weight[q]", ["candidate = 2 x expected (2 = sqrt(D);"]),
-    (QGradTimesSqrtD, "grad", dict(batch_size=3), "in_proj_weight[q]@finite-diff", ["<grad, u> = 2 x the finite difference (2 = sqrt(D))"]),
+    (NoLogitScale, "forward", PER_HEAD, "attn_weights", ["the logits are not divided by sqrt(D)"]),
+    (NoLogitScale, "forward", {}, "output", ["the logits are not divided by sqrt(D)"]),
+    (QGradTimesSqrtD, "grad", {}, "in_proj_weight[q]", ["candidate = 2.45 x expected (2.45 = sqrt(D);"]),
+    (QGradTimesSqrtD, "grad", {}, "in_proj_weight[q]@finite-diff", ["<grad, u> = 2.45 x the finite difference (2.45 = sqrt(D))"]),
     (OutProjGradTransposed, "grad", {}, "out_proj.weight", ["transposed"]),
     (OutBiasGradNegated, "grad", {}, "out_proj.bias", ["sign flip"]),
-    (HeadTwoQGradZero, "grad", {}, "in_proj_weight[q]", ["only in head 2 (of 4)", "only in rows 8-11 (of 16)"]),
+    (HeadTwoQGradZero, "grad", {}, "in_proj_weight[q]", ["only in head 2 (of 4)", "only in rows 12-17 (of 24)"]),
     (KeyPaddingIgnored, "forward", dict(key_padding_mask="random"), "attn_weights", ["the key_padding_mask (2, 5) is ignored"]),
     (KeyPaddingIgnored, "forward", dict(key_padding_mask="random"), "output", ["the key_padding_mask (2, 5) is ignored"]),
     (wrong_impls.HeadsSplitByReshape, "forward", dict(embed_dim=12, num_heads=3, batch_size=3), "output",
@@ -243,21 +266,37 @@ DIAGNOSES = [
      ["only in key column 5 (the last key) (of 6)", "only in the appended zero-attention column (key 5)"]),
     (wrong_impls.KeyValueGradSwapped, "grad", dict(self_attention=False, src_len=7), "key", ["candidate = expected value: swapped with value?"]),
     (wrong_impls.ZeroAttnPrepended, "forward", dict(add_zero_attn=True), "attn_weights", ["shifted by one key position"]),
-    (wrong_impls.HeadWeightsSummed, "forward", dict(batch_size=3, num_heads=2, embed_dim=18), "attn_weights", ["candidate = 2 x expected (2 = H;"]),
-    (wrong_impls.KeyPaddingPerQuery, "forward", dict(key_padding_mask="random"), "attn_weights", ["NaN in 5 places where torch has a number"]),
+    (wrong_impls.HeadWeightsSummed, "forward", {}, "attn_weights", ["candidate = 4 x expected (4 = H;"]),
+    (wrong_impls.KeyPaddingPerQuery, "forward", dict(key_padding_mask="random"), "attn_weights",
+     ["NaN in 5 places where torch has a number", "the candidate gives weight to 4 positions torch masks"]),
     (wrong_impls.MaskAfterSoftmax, "forward", dict(attn_mask="causal"), "attn_weights", ["only at unmasked positions; the masked ones agree"]),
+    # issue 29: weights that underflow to 0 under no mask are no causal mask off by one; zeros
+    # dropout leaves under a causal mask are none either
+    (wrong_impls.HeadsSplitTransposed, "forward", {}, "attn_weights", [HEADS_STRIDED]),
+    (wrong_impls.HeadsSplitTransposed, "forward", {}, "output", [HEADS_STRIDED]),
+    (wrong_impls.HeadsMergedByReshape, "forward", {}, "output", [HEADS_MERGED]),
+    (wrong_impls.DropoutLeftOn, "forward", dict(attn_mask="causal", average_attn_weights=False), "attn_weights", ["dropout left on"]),
+    (wrong_impls.DropoutLeftOn, "forward", dict(attn_mask="causal"), "attn_weights", []),
+    # two causes that fit equally are both named, as ambiguous: with E=16, H=4, D = H, so dividing
+    # by D and by sqrt(E) are one factor
+    (wrong_impls.ScaleByHeadDim, "forward", dict(embed_dim=16), "output",
+     ["ambiguous, the candidate fits each of these: ", BY_D, "the logits are divided by sqrt(E), the embed dim, instead of sqrt(D)"]),
+    (wrong_impls.ScaleByHeadDim, "forward", {}, "output", [BY_D]),
+    (wrong_impls.KeyUsedAsValue, "forward", dict(self_attention=False, src_len=7), "output", ["the value is projected from the key input"]),
+    (wrong_impls.KdimHeadScale, "forward", "configs/cross_attention.yaml", "attn_weights", [BY_KDIM]),
 ]
 
 
 @pytest.mark.parametrize("impl,command,overrides,quantity,fragments", DIAGNOSES, ids=lambda v: getattr(v, "__name__", None))
 def test_a_known_bug_is_diagnosed(impl, command, overrides, quantity, fragments):
     name, _, section = quantity.partition("@")
-    report = check(overrides, command, impl=impl)
+    report = check(str(ROOT / overrides) if isinstance(overrides, str) else overrides, command, impl=impl)
     rows = [r for r in report.rows if r.quantity == name and r.section == (section or r.section) and r.failed]
     assert rows, f"{quantity} did not fail: {[(r.section, r.quantity, r.status) for r in report.rows]}"
     diagnosis = rows[0].diagnosis
     for fragment in fragments:
         assert fragment in diagnosis, diagnosis
+    assert _wrong_words(diagnosis, fragments, report.config) == [], diagnosis
 
 
 def test_the_diagnosis_is_part_of_the_failure_message():
@@ -282,6 +321,7 @@ def test_an_error_in_one_query_row_is_located():
 
 @pytest.mark.parametrize("factor,config,name", [
     (2.0, dict(embed_dim=16, num_heads=4, batch_size=3), "sqrt(D)"),
+    (2.0, dict(embed_dim=16, num_heads=4), "sqrt(D) = B"),  # the old default config's coincidence
     (0.25, dict(embed_dim=16, num_heads=4, batch_size=3), "1/D = 1/H = 1/sqrt(E)"),
     (5.0, dict(tgt_len=5, batch_size=3), "L = S"),
     (1.7, {}, ""),
@@ -318,6 +358,55 @@ def test_zeros_off_the_diagonal_are_no_causal_mask_off_by_one():
 
 
 def test_a_factor_several_dimensions_name_is_called_ambiguous():
-    row = Row("grad", "out_proj.bias", FAIL, evidence=Evidence(np.arange(1.0, 17) * 2, np.arange(1.0, 17), None, 1e-6))
+    row = Row("grad", "out_proj.bias", FAIL, evidence=Evidence(np.arange(1.0, 9) * 2, np.arange(1.0, 9), None, 1e-6))
     assert "candidate = 2 x expected (2 is one of sqrt(D), H, B (ambiguous: this config has them equal);" in diagnose(row, cfg(num_heads=2, embed_dim=8))
-    assert "candidate = 2 x expected (2 = sqrt(D);" in diagnose(row, cfg(batch_size=3))
+    assert "candidate = 2 x expected (2 = sqrt(D);" in diagnose(row, cfg(embed_dim=16, batch_size=3))
+
+
+def test_a_factor_no_dimension_names_is_only_a_relation():
+    row = Row("grad", "out_proj.bias", FAIL, evidence=Evidence(np.arange(1.0, 25) * 1.23, np.arange(1.0, 25), None, 1e-6))
+    text = diagnose(row, cfg())
+    assert "candidate = 1.23 x expected (a factor no dimension of the config names)" in text and "scale" not in text, text
+
+
+@pytest.mark.parametrize("path", ["configs/default.yaml", "configs/cross_attention.yaml"])
+def test_the_shipped_configs_dimensions_differ_pairwise(path):
+    """Each dimension of the default and cross-attention configs, as a factor, is named by itself
+    alone: a factor the diagnosis finds there is never ambiguous (L = S only under self-attention)."""
+    config = load_config(ROOT / path)
+    D = config.head_dim_eff
+    dims = {"sqrt(D)": math.sqrt(D), "D": D, "H": config.num_heads, "B": config.effective_batch, "L": config.tgt_len,
+            "S": config.S, "E": config.embed_dim}  # fmt: skip
+    for name, value in dims.items():
+        named = factor_meaning(value, config)
+        assert named == ("L = S" if name in "LS" and config.self_attention else name), (name, value, named)
+
+
+def _circulant(f: list[float]) -> np.ndarray:
+    """(n, n) with row i holding f shifted right by i: entry (i, j) is f[(j - i) mod n]."""
+    n = len(f)
+    return np.array([[f[(j - i) % n] for j in range(n)] for i in range(n)])
+
+
+def test_two_relations_that_fit_equally_are_both_named_as_ambiguous():
+    """A circulant whose profile f satisfies f(-d) = f(d + 1) is its own transpose shifted one
+    query row down: a candidate holding the transpose fits both relations, and the diagnosis names
+    both as ambiguous, never one of them."""
+    x = np.stack([_circulant([0.1, 0.1, 0.2, 0.4, 0.2]), _circulant([0.15, 0.15, 0.15, 0.4, 0.15])])  # (B, L, S)
+    c = np.swapaxes(x, -1, -2).copy()
+    assert np.array_equal(c, np.roll(x, 1, axis=1))
+    text = diagnose(_weights_row(c, x), cfg())
+    assert text.startswith("ambiguous, the candidate fits each of these: candidate = expected transposed"), text
+    assert "shifted by one query position" in text, text
+
+
+@pytest.mark.parametrize("impl,case", [
+    ("SoftmaxDiagonalBackward", "float-key-padding"),  # finite-diff in_proj_bias[k]: one number equals another
+    ("BoolMaskInverted", "bool-mask"),  # in_proj_bias[q]: zero where every row has one key, as in_proj_bias[k]'s
+])  # fmt: skip
+def test_a_coincidence_is_no_swap(impl, case):
+    """A failing row equal to another quantity's expected value by coincidence names no swap (issue
+    29: `swapped with out_proj.weight` for one finite-difference number, `swapped with
+    in_proj_bias[k]` for a query bias gradient that is zero as the key bias's always is)."""
+    rows = [r for r in detection.run(detection.as_case(detection.SuiteCatch(impl, case, "grad", {}))).rows if r.failed]
+    assert rows and [r.diagnosis for r in rows if "swapped" in r.diagnosis] == []

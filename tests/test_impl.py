@@ -74,7 +74,7 @@ BROKEN = {
             def forward(self, *args, **kw):  # HERE
                 out, w = super().forward(*args, **kw)
                 return out[:, :-1], w
-        """, "grad", "forward() returned an output of shape (2, 4, 16), expected query's (2, 5, 16)"),
+        """, "grad", "forward() returned an output of shape (2, 4, 24), expected query's (2, 5, 24)"),
     "wrong_gradient_shape": Broken(
         """
         class Candidate(Ref):
@@ -82,7 +82,7 @@ BROKEN = {
                 grads = super().backward(grad_output)
                 grads["out_proj.weight"] = grads["out_proj.weight"].T[:, :3]
                 return grads
-        """, "sgd-step", "backward() returned 'out_proj.weight' of shape (16, 3), expected (16, 16)"),
+        """, "sgd-step", "backward() returned 'out_proj.weight' of shape (24, 3), expected (24, 24)"),
     "wrong_dtype": Broken(
         """
         class Candidate(Ref):

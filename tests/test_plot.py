@@ -43,8 +43,8 @@ def test_a_causal_off_by_one_shows_as_the_diagonal_above_the_main_one():
 def test_a_head_bug_shows_as_whole_heads():
     report = check({}, "grad", impl=HeadTwoQGradZero)
     (p,) = panels(_row(report, "in_proj_weight[q]", "grad"), report.config)
-    assert p.head_size == (4, None)  # head boundaries drawn every D rows
-    assert (p.ratio[8:12] > 1).all() and (p.ratio[:8] <= 1).all() and (p.ratio[12:] <= 1).all()
+    assert p.head_size == (6, None)  # head boundaries drawn every D rows
+    assert (p.ratio[12:18] > 1).all() and (p.ratio[:12] <= 1).all() and (p.ratio[18:] <= 1).all()
 
 
 def test_a_key_padding_bug_shows_at_the_padded_columns():

@@ -345,22 +345,22 @@ def test_invalid_matrix_combinations_are_skipped_with_the_reason():
         matrix:
           is_causal: [false, true]
           add_bias_kv: [false, true]
-          num_heads: [4, 3]
+          num_heads: [4, 5]
         """
     )
     skipped = {case.name: case.skip_reason for case in loaded.cases if case.config is None}
     assert len(loaded.cases) == 8
     assert set(skipped) == {
-        "is_causal=false,add_bias_kv=false,num_heads=3",
-        "is_causal=false,add_bias_kv=true,num_heads=3",
-        "is_causal=true,add_bias_kv=false,num_heads=3",
+        "is_causal=false,add_bias_kv=false,num_heads=5",
+        "is_causal=false,add_bias_kv=true,num_heads=5",
+        "is_causal=true,add_bias_kv=false,num_heads=5",
         "is_causal=true,add_bias_kv=true,num_heads=4",
-        "is_causal=true,add_bias_kv=true,num_heads=3",
+        "is_causal=true,add_bias_kv=true,num_heads=5",
     }
-    indivisible = skipped["is_causal=false,add_bias_kv=false,num_heads=3"]
-    assert "num_heads: embed_dim 16 is not divisible by num_heads 3" in indivisible
+    indivisible = skipped["is_causal=false,add_bias_kv=false,num_heads=5"]
+    assert "num_heads: embed_dim 24 is not divisible by num_heads 5" in indivisible
     assert "cannot be combined with add_bias_kv" in skipped["is_causal=true,add_bias_kv=true,num_heads=4"]
-    both = skipped["is_causal=true,add_bias_kv=true,num_heads=3"]
+    both = skipped["is_causal=true,add_bias_kv=true,num_heads=5"]
     assert "not divisible" in both and "add_bias_kv" in both  # every reason, joined
     ran = [case for case in loaded.cases if case.config is not None]
     assert all(case.skip_reason is None and case.config.name == case.name for case in ran)

@@ -104,6 +104,25 @@ def test_verdict(tmp_path, name):
     assert not [r for r in rows(report, "fail") if r["quantity"] == "candidate" and "SystemExit" not in r["note"]]
 
 
+def test_a_handed_array_is_changed_only_when_a_value_is():
+    """candidate.unchanged, which finds the arrays a candidate changed in place: the same bits, or
+    the same values in other bits (-0.0 for 0.0, another NaN), is unchanged; one value is a change."""
+    from attncheck.candidate import unchanged
+
+    w = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float16)
+    assert unchanged(w, w.copy()) and unchanged(w[:, ::2], np.ascontiguousarray(w[:, ::2]))
+    changed = w.copy()
+    changed[3, 4] += 1
+    assert not unchanged(w, changed)
+    assert unchanged(np.zeros(3), -np.zeros(3))
+    nan = np.array([np.nan, 1.0])
+    other_nan = nan.copy()
+    other_nan.view(np.uint64)[0] ^= 1
+    assert np.isnan(other_nan[0]) and unchanged(nan, other_nan)
+    mask = np.array([True, False])
+    assert unchanged(mask, mask.copy()) and not unchanged(mask, ~mask)
+
+
 def test_float64_output_is_compared_as_values_too(tmp_path):
     code, report, _ = run_json(tmp_path, "grad", "-c", write_config(tmp_path, "seed: 0\n"), "--impl", f"{UNTRUSTED}:Float64Output")
     failing = [r["quantity"] for r in rows(report, "fail")]
@@ -182,10 +201,14 @@ def test_reference_gradients_are_judged_when_the_loss_leaves_undefined_rows_out(
     assert all(r["nan_agreed"] == 0 for r in rows(report) if r["section"] == "grad")  # finite, judged
 
 
-def test_weights_nan_under_need_weights_leaves_gradients_inconclusive(tmp_path):
+def test_rows_with_no_allowed_key_leave_every_gradient_judged(tmp_path):
+    """need_weights: true with a fully padded sequence: torch's standard path spreads the rows' NaN
+    into every gradient, its SDPA path does not; the loss leaves the rows out, so every gradient is
+    judged on the SDPA path, and the reference (zero weight for the rows in its backward) passes."""
     code, report, _ = run_json(tmp_path, "grad", "-c", ROOT / "configs/fully_masked.yaml")
-    assert code == 4
-    assert rows(report, "pass") and rows(report, "inconclusive") and not rows(report, "fail")
+    assert code == 0, report["rows"]
+    assert rows(report, "pass") and not rows(report, "inconclusive") and not rows(report, "fail")
+    assert any("SDPA path" in note for note in report["notes"]), report["notes"]
 
 
 def test_query_gradient_alone_is_the_input_gradient_under_self_attention(tmp_path):

@@ -25,10 +25,17 @@ CATCHES = {
     "GeluTanh": [("pre-norm-gelu", "forward"), ("post-norm-gelu-causal", "grad")],
     "FeedForwardBiasesDropped": [("post-norm-relu", "forward"), ("sgd-momentum-pre-norm", "sgd-step")],
     "NormBackwardWithoutMeanTerm": [("post-norm-relu", "grad"), ("pre-norm-gelu", "sgd-step")],
+    # candidates that take only some cases (tests/test_suite_reach.py: no older case catches these)
+    "KeyPaddingDroppedWhenCausal": [("causal-key-padding", "forward"), ("causal-key-padding", "sgd-step")],
+    "GptBlockGeluTanh": [("pre-norm-gelu-causal", "forward"), ("float64-gpt-block", "grad")],
+    "GptBlockScaleInFloat32": [("float64-gpt-block", "forward"), ("float64-gpt-block", "sgd-step")],
 }
-# Where a bug cannot show: pre-norm asked, pre-norm computed; the relu cases run no GELU.
+# Where a bug cannot show: pre-norm asked, pre-norm computed; the relu cases run no GELU; is_causal
+# without key padding, key padding without is_causal; a float32 scale in float32.
 MISSES = {"AlwaysPreNorm": [("pre-norm-gelu", "forward")], "GeluTanh": [("post-norm-relu", "forward")],
-          "NormBackwardWithoutMeanTerm": [("post-norm-relu", "forward")]}  # fmt: skip
+          "NormBackwardWithoutMeanTerm": [("post-norm-relu", "forward")],
+          "KeyPaddingDroppedWhenCausal": [("post-norm-gelu-causal", "forward"), ("seq-first-padding", "forward")],
+          "GptBlockScaleInFloat32": [("pre-norm-gelu-causal", "forward"), ("pre-norm-gelu-causal", "grad")]}  # fmt: skip
 
 
 def _cases():

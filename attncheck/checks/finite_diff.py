@@ -13,7 +13,7 @@ import numpy as np
 
 from attncheck.candidate import Candidate
 from attncheck.checks.run import call_row, oracle_config, session_for
-from attncheck.compare import Evidence, decide
+from attncheck.compare import BUDGET_FLOOR, Evidence, decide
 from attncheck.config import Config
 from attncheck.errors import CandidateProblem
 from attncheck.inputs import Workload, directions, total_loss
@@ -35,6 +35,21 @@ FD_NOISE_ULPS = 8
 # the error reached 0.015 * |fill| * eps * magnitude / eps_step, beside 8 ulps' 2.1e-9 it failed
 # at fills of -1e3 and beyond. The noise counts FD_MASK_ULPS * |fill| more ulps: 65x that.
 FD_MASK_ULPS = 1.0
+# The same model for the logits' own terms: a logit summed from terms of magnitude T (the oracle's
+# logit_magnitude) carries rounding eps * T, which exp turns into relative error of the loss,
+# however small the logit (compare.with_logit_floor, the forward's rule). Measured
+# (benchmarks/false_alarms.py): a key-bias gradient that is zero in exact arithmetic failed at
+# input_scale 16 (T ~ 500) by 2.4x the 8-ulp noise; the noise now counts T more ulps.
+FD_LOGIT_ULPS = 1.0
+# A kink of the loss within the step (a ReLU input within eps of zero along the direction: at 48
+# positions x 12 features a post-norm layer had one in 1 of 2,000 configs, 1e-4 off where 1e-6 was
+# allowed) makes the central difference wrong by the slope's jump, not the gradient. Then the
+# second difference f(x+h) - 2 f(x) + f(x-h), O(h^2) on a smooth loss, is as large as the error
+# itself: the difference is retried at steps KINK_SHRINK times smaller, KINK_RETRIES times, and
+# a kink still inside the step leaves the row inconclusive. A wrong gradient on a smooth loss has
+# a second difference at rounding level and fails as before.
+KINK_SHRINK = 16.0
+KINK_RETRIES = 3
 
 JOINT_FD = "all (one joint direction)"
 
@@ -63,7 +78,7 @@ JOINT_NOTE = ("finite differences: one random direction over every gradient at o
 
 
 def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, strict: bool = False, grads_nan: bool = False,
-                           notes: list[str] | None = None) -> list[Row]:  # fmt: skip
+                           notes: list[str] | None = None, logit_magnitude: float = 0.0, grad_scale: float = 0.0) -> list[Row]:  # fmt: skip
     """One direction per reported quantity (rows that localize), or at large sizes (Config.is_large)
     one joint direction over all of them (a row that proves), where each float64 forward costs
     seconds: one direction per quantity follows only when the joint one fails, to say which
@@ -72,6 +87,12 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
     `grads64` are the candidate's float64 gradients when the check already has them; `oracle` the
     oracle's (output, loss, gradients), which are the built-in reference's own. JOINT_NOTE goes to
     `notes` when the joint direction is taken, and so does what the session notes of its calls.
+
+    What a row allows is the gradient rule's model of rounding, in float64: the loss's rounding
+    relative to its terms, its logits' terms (`logit_magnitude`, FD_LOGIT_ULPS) and a float
+    mask's fill (FD_MASK_ULPS), over twice the step; and on the analytic side the gradient rule's
+    floor, BUDGET_FLOOR["float64"] of the check's largest gradient (`grad_scale`) per element of
+    the direction.
     """
     from attncheck.checks.grad import all_gradients, grad_quantities, not_returned, run_grad
 
@@ -122,29 +143,50 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
     def step(name: str) -> float:
         return FD_EPS * max(1.0, float(np.abs(values[name]).max()))
 
-    def probe_row(quantity, parts: list[tuple[str, tuple]], shape, numel: int) -> Row:
-        """One central difference along the direction that moves each (name, index) part by its
-        own step times dirs[name][index], all at once."""
+    ulps = FD_NOISE_ULPS + FD_LOGIT_ULPS * logit_magnitude + FD_MASK_ULPS * fill
+
+    def difference(parts: list[tuple[str, tuple]], shrink: float) -> tuple[float, float, float, float, float]:
+        """(analytic, numeric, allowed, second difference, unit) of one central difference along
+        the direction that moves each (name, index) part by its own step / shrink times
+        dirs[name][index], all at once; slopes in units of the first part's step."""
         moves = {name: np.zeros(shapes[name]) for name, _ in parts}
         for name, index in parts:
-            moves[name][index] = step(name) * dirs[name][index]
+            moves[name][index] = step(name) / shrink * dirs[name][index]
         plus, minus = w64, w64
         for name, move in moves.items():
             plus, minus = _perturbed(cfg, plus, name, move), _perturbed(cfg, minus, name, -move)
         f_plus, f_minus = loss_at(plus), loss_at(minus)
-        # In units of the first part's step, so a one-part row reads as a slope as before.
-        unit = step(parts[0][0])
+        unit = step(parts[0][0]) / shrink
         numeric = (f_plus - f_minus) / (2 * unit)
         analytic = sum(float(np.sum(grads[name].astype(np.float64) * moves[name])) for name in moves) / unit
         terms = sum(float(np.sum(np.abs(grads[name]) * np.abs(moves[name]))) for name in moves) / unit
-        noise = (FD_NOISE_ULPS + FD_MASK_ULPS * fill) * np.finfo(np.float64).eps * magnitude / unit
-        allowed = FD_RTOL * terms + noise
-        err = abs(numeric - analytic)
+        reach = sum(float(np.abs(moves[name]).sum()) for name in moves) / unit  # sum |u| over the direction
+        noise = ulps * np.finfo(np.float64).eps * magnitude / unit
+        allowed = FD_RTOL * terms + noise + BUDGET_FLOOR["float64"] * grad_scale * reach
+        return analytic, numeric, allowed, abs(f_plus - 2 * loss0 + f_minus) / (2 * unit), unit
+
+    def probe_row(quantity, parts: list[tuple[str, tuple]], shape, numel: int) -> Row:
+        """One central difference (see `difference`), retried at smaller steps while a kink of the loss lies within it."""
+        shrink, kinked = 1.0, False
+        for _ in range(KINK_RETRIES + 1):
+            analytic, numeric, allowed, second, unit = difference(parts, shrink)
+            err = abs(numeric - analytic)
+            kinked = not err <= allowed and second > 0.5 * err
+            if not kinked:
+                break
+            shrink *= KINK_SHRINK
         row = Row("finite-diff", quantity, "", shape=shape, numel=numel, mismatched=int(not err <= allowed), judged=1,
                   max_abs=err, rule=f"central diff, eps {unit:.0e}", rule_kind="finite-diff", allowed=allowed,
                   ratio=err / allowed if allowed > 0 else math.inf, reason=Reason.VALUES,
                   note=f"<grad, u> = {analytic:.9g}, finite difference = {numeric:.9g}",
                   evidence=Evidence(np.array(analytic), np.array(numeric), None, allowed))  # fmt: skip
+        if kinked:
+            row.mismatched, row.judged, row.unjudged = 0, 0, 1
+            row.note += (f"; the loss has a kink within the step (a ReLU input within {unit:.0e} of zero along the direction, "
+                         f"say): the second difference is as large as the error at every step down to {unit:.0e}, so the "
+                         "gradient cannot be judged by differences here")  # fmt: skip
+        elif shrink > 1:
+            row.note += f"; a kink of the loss within the first step {unit * shrink:.0e}: judged at step {unit:.0e}"
         return decide(row)
 
     def per_quantity() -> list[Row]:

@@ -11,9 +11,11 @@ from attncheck.checks import probes
 from attncheck.checks.calls import dtype_rows, finding_rows, repeat_rows
 from attncheck.checks.finite_diff import finite_difference_rows
 from attncheck.checks.forward import compare_output
+from attncheck.checks.rounding import floor_of, rounding_moves
 from attncheck.checks.run import CheckRun, oracle_config
-from attncheck.compare import compare, rule_for, with_logit_floor
+from attncheck.compare import Budget, compare, rule_for, with_logit_floor
 from attncheck.config import Config
+from attncheck.dtypes import HALF
 from attncheck.errors import CandidateProblem
 from attncheck.inputs import Workload, lse_magnitude, loss_magnitude, total_loss
 from attncheck.kinds import kind_of
@@ -66,20 +68,38 @@ def run_grad(session: Session, cfg: Config, w: Workload, obj=None):
     return out, loss, session.backward(obj, d_out, w, d_second)
 
 
+def gradient_rounding(cfg: Config, rule, oracle_session: Session, w64: Workload, oracle_grads: dict) -> dict[str, np.ndarray]:
+    """What rounding alone moves each gradient by, elementwise (attncheck.checks.rounding), for
+    the budget rule's floor; {} where the rule has no use for it: the fixed rule, a floor the config
+    sets, and half precision, which keeps the floors measured for it (compare.BUDGET_FLOOR), as the
+    forward does."""
+    if not isinstance(rule, Budget) or cfg.budget_floor is not None or cfg.dtype in HALF:
+        return {}
+
+    def gradients_at(wp: Workload, noise) -> dict[str, np.ndarray | None]:
+        obj = oracle_session.build(wp.params)
+        obj.rounding = noise
+        return all_gradients(cfg, run_grad(oracle_session, oracle_config(cfg), wp, obj)[2])
+
+    return rounding_moves(cfg.dtype, w64, gradients_at, all_gradients(cfg, oracle_grads))
+
+
 def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: bool = False, strict: bool = False) -> Report:
     """Every gradient of the candidate against torch autograd, and against finite differences."""
     run = CheckRun.begin("grad", cfg, candidate)
     report, w = run.report, run.w
     t = torch_side.grad(cfg, w)
     forward_rule, grad_rule = rule_for(cfg, "forward"), rule_for(cfg, "grad")
-    oracle = None
+    oracle, moves, logits = None, {}, 0.0
     w64 = w.astype(np.float64)
     if grad_rule.needs_oracle or cfg.dtype != "float64":  # the finite differences reuse it below
         oracle_session = run.oracle_session()
         oracle_obj = oracle_session.build(w64.params)
         oracle = run_grad(oracle_session, oracle_config(cfg), w64, oracle_obj)
-        forward_rule = with_logit_floor(forward_rule, cfg, getattr(oracle_obj, "logit_magnitude", None))  # the layer reference has none
+        logits = getattr(oracle_obj, "logit_magnitude", None) or 0.0  # the layer reference has none
+        forward_rule = with_logit_floor(forward_rule, cfg, logits)
         del oracle_obj  # its saved state (probabilities, at long sequences) need not outlive its run
+        moves = gradient_rounding(cfg, grad_rule, oracle_session, w64, oracle[2])
 
     session = run.session()
     try:
@@ -90,7 +110,9 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     report.notes.extend(session.notes)
     o_out, o_loss, o_grads = oracle if grad_rule.needs_oracle else (None, None, None)
     o_grads = None if o_grads is None else all_gradients(cfg, o_grads)
-    report.rows.append(compare_output("forward", cfg, w, out, t.output, forward_rule, o_out))
+    # torch's output comes from the path its gradients were taken on (ModuleKind.gradient_config).
+    t_cfg = cfg if w.undefined is None else kind_of(cfg).gradient_config(cfg)
+    report.rows.append(compare_output("forward", t_cfg, w, out, t.output, forward_rule, o_out))
     scale = loss_magnitude(cfg, t.output, w.target, w.undefined)
     if t.second is not None:
         scale += lse_magnitude(t.second, w.target_lse, w.lse_undefined)
@@ -113,7 +135,8 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
                 continue
             o = None if o_grads is None else o_grads[name][index]
             report.rows.append(compare("grad", quantity, actual[index], expected[index], grad_rule, oracle=o, scale=grad_scale,
-                                       nan_ok=run.grads_nan_explained, candidate_nan_ok=spread))  # fmt: skip
+                                       candidate_nan_ok=spread,
+                                       rounding=floor_of(moves, name, index)))  # fmt: skip
 
     note = kind_of(cfg).input_gradients(cfg, grads)[1]
     if note:
@@ -125,10 +148,10 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
         def within(name: str, a: np.ndarray) -> Row:
             """A result of the determinism probe's second run, judged as the first run's."""
             if name == "output":
-                return compare_output(probes.SECTION, cfg, w, a, t.output, forward_rule, o_out)
+                return compare_output(probes.SECTION, t_cfg, w, a, t.output, forward_rule, o_out)
             o = None if o_grads is None else o_grads.get(name)
             return compare(probes.SECTION, name, a, t.grads[name], grad_rule, oracle=o, scale=grad_scale,
-                           nan_ok=run.grads_nan_explained, candidate_nan_ok=spread)  # fmt: skip
+                           candidate_nan_ok=spread, rounding=floor_of(moves, name, (slice(None),)))  # fmt: skip
 
         def again() -> dict[str, np.ndarray | None]:
             out2, _, grads2 = run_grad(session, cfg, w)
@@ -139,5 +162,5 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     del obj  # nor the candidate's, through the float64 finite differences
     report.rows.extend(finding_rows("grad", session))
     report.rows.extend(finite_difference_rows(cfg, run.candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict,
-                                              run.grads_nan_explained or spread, notes=report.notes))  # fmt: skip
+                                              spread, notes=report.notes, logit_magnitude=logits, grad_scale=grad_scale))  # fmt: skip
     return run.finish()

@@ -77,13 +77,6 @@ class CheckRun:
             report.notes.append(kind_of(cfg).masking_note(cfg, int(masked.sum()), masked.size))
         return cls(command, cfg, candidate, report, w, masked, start)
 
-    @property
-    def grads_nan_explained(self) -> bool:
-        """Whether NaN in torch's gradients is explained by the masks: under need_weights=True a fully
-        masked row's NaN reaches every gradient it touches (NaN * 0 is NaN in the matmuls' backward),
-        even though the loss leaves the row out."""
-        return bool(self.cfg.need_weights and self.masked.any())
-
     def oracle_session(self) -> Session:
         """The float64 oracle: the config's module's NumPy reference, run in float64."""
         return Session(oracle_config(self.cfg), reference_for(self.cfg))

@@ -9,7 +9,8 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.candidate import Candidate, Session
 from attncheck.checks.calls import dtype_rows, finding_rows
-from attncheck.checks.grad import grad_quantities
+from attncheck.checks.grad import grad_quantities, gradient_rounding, run_grad
+from attncheck.checks.rounding import floor_of
 from attncheck.checks.run import CheckRun, oracle_config
 from attncheck.compare import compare, decide, measure, rule_for, sgd_rule
 from attncheck.config import Config
@@ -108,9 +109,13 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
     run = CheckRun.begin("sgd-step", cfg, candidate)
     report, w = run.report, run.w
     t = torch_side.sgd(cfg, w)
-    oracle = None
+    oracle, moves = None, {}
     if rule_for(cfg, "sgd").needs_oracle:
-        oracle = train(run.oracle_session(), oracle_config(cfg), w.astype(np.float64))  # attncheck's own SGD, always
+        w64 = w.astype(np.float64)
+        oracle_session = run.oracle_session()
+        oracle = train(oracle_session, oracle_config(cfg), w64)  # attncheck's own SGD, always
+        first = run_grad(oracle_session, oracle_config(cfg), w64)[2]
+        moves = gradient_rounding(cfg, rule_for(cfg, "sgd"), oracle_session, w64, first)
     session = run.session()
     try:
         mine = train(session, cfg, w, run.candidate.optimizer or SGD)
@@ -119,6 +124,9 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
     report.notes.extend(session.notes)
 
     n = cfg.steps
+    # Each step moves the weights by lr times a gradient carrying its rounding floor, momentum
+    # adding up to 1 / (1 - momentum) of it: after `step` steps, at most `reach * step` floors.
+    reach = cfg.lr / (1.0 - cfg.momentum) if cfg.momentum < 1 else cfg.lr
     last, why = judged_steps(cfg, w, t, oracle)
     for name in t.params[0]:
         for quantity, index in grad_quantities(cfg, name, per_head=False):
@@ -126,7 +134,8 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
             for step in range(1, last + 1):
                 o = None if oracle is None else oracle.params[step - 1][name][index]
                 row = measure("sgd", quantity, mine.params[step - 1][name][index], t.params[step - 1][name][index], sgd_rule(cfg, step),
-                              oracle=o, nan_ok=run.grads_nan_explained, candidate_nan_ok=mine.nan_where_undefined)  # fmt: skip
+                              oracle=o, candidate_nan_ok=mine.nan_where_undefined,
+                              rounding=reach * step * floor_of(moves, name, index))  # fmt: skip
                 if row.mismatched:
                     first_bad = step
                     break  # the row shows the step that decided

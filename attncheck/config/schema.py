@@ -85,7 +85,8 @@ class Config(BaseModel):
     # Where torch (and a torch candidate) runs; cuda needs a GPU, else exit 2.
     device: Literal["cpu", "cuda"] = "cpu"
 
-    embed_dim: int = 16
+    # B, L, E, H, D = 6 and sqrt(D) pairwise distinct, so a factor the diagnosis finds names one of them.
+    embed_dim: int = 24
     num_heads: int = 4
     batch_size: int = 2
     tgt_len: int = 5

@@ -203,6 +203,11 @@ class ModuleKind:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------ torch's module
+    def gradient_config(self, cfg: Config) -> Config:
+        """The config torch's gradients and SGD steps run under where some query row has no allowed
+        key: a path on which they are finite wherever the math is (the loss leaves such rows out)."""
+        return cfg
+
     def build_torch(self, cfg: Config, dtype: Any) -> Any:
         """torch's module for the config, with its own initial weights (torch_side loads ours)."""
         raise NotImplementedError

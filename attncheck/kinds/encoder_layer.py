@@ -24,7 +24,7 @@ class EncoderLayerKind(ModuleKind):
     all_input_keys = ("src",)
     features = (
         ("sgd-step", lambda c: c.steps > 1 or c.momentum != 0 or c.weight_decay != 0 or c.maximize),
-        ("numerics", lambda c: c.dtype == "float64" or c.input_scale != 1.0 or c.layer_norm_eps != 1e-5),
+        ("numerics", lambda c: c.dtype != "float32" or c.input_scale != 1.0 or c.layer_norm_eps != 1e-5),
         ("masks", lambda c: c.attn_mask != "none" or c.key_padding_mask != "none"),
         ("module options", lambda c: not c.bias or c.norm_first or c.activation != "relu"),
         ("shapes", lambda c: True),

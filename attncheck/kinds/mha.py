@@ -69,7 +69,7 @@ class MultiheadAttentionKind(ModuleKind):
     # belongs to the first whose test it meets (a case per feature: configs/default_suite.yaml).
     features = (
         ("sgd-step", lambda c: c.steps > 1 or c.momentum != 0 or c.weight_decay != 0 or c.maximize),
-        ("numerics", lambda c: c.dtype == "float64" or c.input_scale != 1.0),
+        ("numerics", lambda c: c.dtype != "float32" or c.input_scale != 1.0),
         ("module options", lambda c: not c.bias or c.add_bias_kv or c.add_zero_attn),
         ("masks", lambda c: c.attn_mask != "none" or (c.key_padding_mask != "none" and not c.unbatched)),
         ("forward options", lambda c: not c.need_weights or not c.average_attn_weights),
@@ -146,9 +146,17 @@ class MultiheadAttentionKind(ModuleKind):
 
     # ------------------------------------------------------------------------ undefined rows
     def masking_note(self, cfg, rows: int, total: int) -> str:
-        fate = ("NaN in torch's output and, through the backward, its gradients" if cfg.need_weights
-                else "zeros on torch's SDPA path (need_weights: false); NaN from a candidate is accepted there")  # fmt: skip
-        return f"{rows} of {total} query rows have every key masked: {fate}. The loss leaves those output rows out."
+        fate = ("NaN in torch's output (need_weights: true; its gradients and SGD steps are taken on torch's SDPA path, "
+                "need_weights: false, where they are finite)" if cfg.need_weights
+                else "zeros on torch's SDPA path (need_weights: false)")  # fmt: skip
+        return (f"{rows} of {total} query rows have every key masked: {fate}; NaN from a candidate is accepted there. "
+                "The loss leaves those output rows out.")
+
+    def gradient_config(self, cfg):
+        # need_weights=True softmaxes a row of -inf to NaN, and NaN * 0 spreads it through the
+        # backward's matmuls into every gradient, although the loss leaves the row out. The SDPA
+        # path (need_weights=False) gives such a row zero weight: the same gradients, finite.
+        return cfg.model_copy(update={"need_weights": False}) if cfg.need_weights else cfg
 
     # ------------------------------------------------------------------------ torch's module
     def build_torch(self, cfg, dtype):

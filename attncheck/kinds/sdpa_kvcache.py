@@ -206,7 +206,9 @@ class KvCacheKind(FunctionKind):
             extras["block_table"] = block_table
         if cfg.rotary != "none":  # RoPE's tables over every position a sequence may reach
             inv_freq = 10000.0 ** (-np.arange(0, E, 2) / E)  # (E/2,)
-            angles = np.arange(S_max)[:, None] * inv_freq[None, :]  # (S_max, E/2)
+            # Queries under causal or a window sit at c .. c + Lq - 1, past S_max when Lq > Lnew.
+            rows = max(S_max, S_max - cfg.new_tokens + cfg.tgt_len)
+            angles = np.arange(rows)[:, None] * inv_freq[None, :]  # (rows, E/2)
             extras["rotary_cos"], extras["rotary_sin"] = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
         if cfg.alibi:
             extras["alibi_slopes"] = rng(cfg.seed, _ALIBI).uniform(0.05, 1.0, size=(Hq,)).astype(np.float32)

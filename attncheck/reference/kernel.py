@@ -44,6 +44,69 @@ DEFAULT_PARALLEL_LOGITS = 1 << 23
 Block = tuple[int, int, int, int]  # (g0, g1, l0, l1): groups g0:g1, query rows l0:l1
 
 
+@dataclass(frozen=True)
+class RoundingNoise:
+    """One rounding, modelled, at each sum whose terms can dwarf it: for measuring what rounding
+    alone moves the gradients by (attncheck.checks.rounding), never in a check's own results.
+
+    A sum of terms t_k computed in precision eps is off by about eps * sum |t_k|, however small
+    the sum; moving the inputs by eps cannot show that where the terms cancel. With r uniform in
+    [-1, 1] per element (per row for the row sum), the two kernels add
+      to the logits q_scaled k^T        eps * r * T,  T = |q_scaled| |k|^T        (forward and its recomputation)
+      to d(P) = d(out) v^T              eps * r * |d(out)| |v|^T
+      to P in the backward, recomputed as exp(logits - lse):  each row by 1 + eps * r * |lse|
+      to rowsum(d(P) * P), the softmax backward's subtrahend, the rounding it has when taken as
+        rowsum(d(out) * out)            eps * r * sum_j P_ij (|d(out)| |v|^T)_ij
+                                        + sum_j d(P)_ij (P'_ij - P_ij)                (row_sum)
+    The last is what a FlashAttention-style kernel's shortcut rowsum(d(out) * out) carries: its
+    own rounding is not the rounding of d(P), so the two no longer cancel in d(P) - rowsum as
+    they do when rowsum(d(P) * P) is summed from the same d(P); and out comes from the forward's
+    rounding of the logits (P'), P from the backward's recomputation. Where the softmax
+    saturates, d(P)_ij - rowsum is far smaller than either term, so that rounding dominates the
+    query and key gradients: measured with torch's own SDPA (its CPU flash kernel takes the
+    shortcut), 1e-5 of error on a query gradient of 1e-40 at input_scale 12, where the math
+    backend has 2e-44; a torch MHA over SDPA had 42x torch's standard path's error.
+    The same block draws the same r in the forward and in the backward's recomputation.
+    """
+
+    eps: float
+    seed: int = 0
+
+    def _r(self, tag: int, key: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+        return np.random.default_rng([self.seed, tag, *key]).uniform(-1.0, 1.0, shape)
+
+    def logits(self, logits: np.ndarray, q_scaled: np.ndarray, k: np.ndarray, key: tuple[int, ...]) -> None:
+        """Round (g, l, S) logits = q_scaled (g, l, D) k^T (g, S, D) once more, in place."""
+        terms = np.matmul(np.abs(q_scaled), np.abs(k).transpose(0, 2, 1))  # (g, l, S)
+        logits += self.eps * self._r(0, key, logits.shape) * terms
+
+    def products(self, dp: np.ndarray, d_out: np.ndarray, v: np.ndarray, key: tuple[int, ...]) -> None:
+        """Round (g, l, S) d(P) = d_out (g, l, Dv) v^T (g, S, Dv) once more, in place."""
+        dp += self.eps * self._r(1, key, dp.shape) * np.matmul(np.abs(d_out), np.abs(v).transpose(0, 2, 1))
+
+    def normalization(self, p: np.ndarray, shift: np.ndarray, total: np.ndarray, key: tuple[int, ...]) -> np.ndarray:
+        """(g, l, S) P as a kernel's backward recomputes it, exp(logits - lse), with lse = shift +
+        log(total) rounded once more: every P of a row off by the same factor, eps * |lse| relative."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lse = np.abs(shift) + np.abs(np.log(np.where(total > 0, total, 1.0)))  # (g, l, 1)
+        return p * (1.0 + self.eps * self._r(4, key, lse.shape) * np.where(np.isfinite(lse), lse, 0.0))
+
+    def row_sum(self, dp: np.ndarray, p: np.ndarray, d_out: np.ndarray, v: np.ndarray, q_scaled: np.ndarray, k: np.ndarray,
+                key: tuple[int, ...]) -> np.ndarray:  # fmt: skip
+        """(g, l, 1): what rounding moves the softmax backward's subtrahend rowsum(d(P) * P) by when it
+        is taken as a kernel's shortcut rowsum(d(out) * out): the rounding of that sum of d(out) * out
+        products, eps * r * sum_j P_ij (|d(out)| |v|^T)_ij, plus sum_j d(P)_ij (P'_ij - P_ij) with P'
+        the softmax of the logits rounded once more (out's P and the recomputed P are rounded apart).
+        The caller subtracts P times it from d(logits)."""
+        terms = np.matmul(np.abs(q_scaled), np.abs(k).transpose(0, 2, 1))  # (g, l, S)
+        e = self.eps * self._r(2, key, p.shape) * terms
+        products = np.matmul(np.abs(d_out), np.abs(v).transpose(0, 2, 1))  # (g, l, S)
+        with np.errstate(invalid="ignore"):
+            e -= np.nansum(p * e, axis=-1, keepdims=True)
+            reach = np.nansum(p * products, axis=-1, keepdims=True)  # (g, l, 1)
+            return np.nansum(dp * p * e, axis=-1, keepdims=True) + self.eps * self._r(3, key, reach.shape) * reach
+
+
 @dataclass
 class AttentionSaved:
     """What the attention core's backward reads: its inputs, the masks and each row's softmax statistics."""
@@ -81,6 +144,9 @@ class BlockedAttention:
     H: int
     dtype: np.dtype
     scale: np.floating
+
+    # Set only to measure rounding's reach (RoundingNoise); None in every check's own results.
+    rounding: RoundingNoise | None = None
 
     def __init__(
         self,
@@ -137,6 +203,8 @@ class BlockedAttention:
     def _logits(self, a: AttentionSaved, g0: int, g1: int, l0: int, l1: int, out: np.ndarray | None = None) -> np.ndarray:
         """q_scaled k^T + mask for one block, into `out` (g, l, S) or a new array."""
         logits = np.matmul(a.q_scaled[g0:g1, l0:l1], a.kh[g0:g1].transpose(0, 2, 1), out=out)  # (g, l, S)
+        if self.rounding is not None:
+            self.rounding.logits(logits, a.q_scaled[g0:g1, l0:l1], a.kh[g0:g1], (g0, l0))
         mask = self._mask_block(a, g0, g1, l0, l1)
         if mask is not None:
             logits += mask  # torch.baddbmm(mask, q_scaled, k^T); IEEE addition commutes
@@ -245,6 +313,8 @@ class BlockedAttention:
         d_vh = np.zeros(d_kh.shape, dtype=a.vh.dtype)
         # The (l, S) work blocks in the dtype their products have, as without `out=` (inputs wider than parameters).
         p_dtype, dp_dtype = np.result_type(a.q_scaled, a.kh), np.result_type(d_ctx, a.vh)
+        # Rows with no allowed key (NaN unless `safe`) take no part in the backward: zero weight.
+        dead = None if a.safe else np.isnan(a.row_sum)  # (G, L, 1)
 
         def over_rows(by_row: np.ndarray, per_row: np.ndarray, name: str, scratch: threads.Scratch) -> np.ndarray:
             """by_row^T per_row, (g, S, D), summed over the block's query rows; (g, D, S) when not by_source."""
@@ -256,10 +326,20 @@ class BlockedAttention:
             for g0, g1, l0, l1 in blocks:
                 block = (g1 - g0, l1 - l0, S)
                 p = self._probabilities(a, g0, g1, l0, l1, out=scratch.get("p", block, p_dtype))  # (g, l, S)
+                if dead is not None and dead[g0:g1, l0:l1].any():
+                    p = np.where(dead[g0:g1, l0:l1], 0, p)  # a new array: the cache keeps the forward's
+                if self.rounding is not None:
+                    p = self.rounding.normalization(p, a.row_shift[g0:g1, l0:l1], a.row_sum[g0:g1, l0:l1], (g0, l0))
                 d_out_blk = d_ctx[g0:g1, l0:l1]  # (g, l, D)
                 d_vh[g0:g1] += over_rows(p, d_out_blk, "dv", scratch)  # P^T dO
                 dp = np.matmul(d_out_blk, a.vh[g0:g1].transpose(0, 2, 1), out=scratch.get("dp", block, dp_dtype))  # (g, l, S)
+                moved = None
+                if self.rounding is not None:
+                    self.rounding.products(dp, d_out_blk, a.vh[g0:g1], (g0, l0))
+                    moved = self.rounding.row_sum(dp, p, d_out_blk, a.vh[g0:g1], a.q_scaled[g0:g1, l0:l1], a.kh[g0:g1], (g0, l0))  # (g, l, 1)
                 d_logits = self._softmax_backward(p, dp, scratch.get("work", block, np.result_type(dp, p)))  # (g, l, S)
+                if moved is not None:
+                    d_logits -= p * moved
                 np.matmul(d_logits, a.kh[g0:g1], out=d_q_scaled[g0:g1, l0:l1])  # (g, l, D)
                 d_kh[g0:g1] += over_rows(d_logits, a.q_scaled[g0:g1, l0:l1], "dk", scratch)  # dLogits^T q_scaled
 

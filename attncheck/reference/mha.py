@@ -206,7 +206,13 @@ class MultiheadAttention(BlockedAttention):
         s = self._saved
         dy = self._to_internal(np.asarray(grad_output, dtype=self.dtype), s.unbatched)  # (B, L, E)
 
-        d_ctx, grads = self._out_projection_backward(s.ctx_merged, dy)  # (G, L, D)
+        # A row with no allowed key is NaN under need_weights=True, as torch's; it has no value and
+        # the loss leaves it out, so the backward gives it zero weight (SDPA's rows) and its NaN
+        # spreads into no gradient, whose values are finite wherever the math is.
+        ctx_merged = s.ctx_merged
+        if not s.attention.safe and np.isnan(ctx_merged).any():
+            ctx_merged = np.where(np.isnan(ctx_merged), 0, ctx_merged)
+        d_ctx, grads = self._out_projection_backward(ctx_merged, dy)  # (G, L, D)
         d_qh, d_kh, d_vh = self._attention_backward(s.attention, d_ctx)  # (G, L, D), (G, S, D), (G, S, D)
         d_x_q, d_x_k, d_x_v, in_grads = self._in_projection_backward(s.x_q, s.x_k, s.x_v, d_qh, d_kh, d_vh)
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attncheck import dtypes, threads
-from attncheck.reference.kernel import DEFAULT_BLOCK_ELEMENTS, DEFAULT_PARALLEL_LOGITS, _logit_magnitude
+from attncheck.reference.kernel import DEFAULT_BLOCK_ELEMENTS, DEFAULT_PARALLEL_LOGITS, RoundingNoise, _logit_magnitude
 
 ALIGNMENTS = ("upper_left", "lower_right")
 FULLY_MASKED_ROWS = ("zero", "nan")
@@ -176,6 +176,9 @@ class ScaledDotProductAttention:
     """
 
     causal_alignment = "upper_left"
+
+    # Set only to measure rounding's reach (kernel.RoundingNoise); None in every check's own results.
+    rounding: RoundingNoise | None = None
 
     def __init__(
         self,
@@ -323,6 +326,8 @@ class ScaledDotProductAttention:
         L = a.L
         logits = np.matmul(a.q_scaled[g0:g1, m0:m1], a.kh[g0:g1].transpose(0, 2, 1),
                            out=scratch.get("logits", (g1 - g0, m1 - m0, S), a.q_scaled.dtype))  # (g, m, S)
+        if self.rounding is not None:
+            self.rounding.logits(logits, a.q_scaled[g0:g1, m0:m1], a.kh[g0:g1], (g0, m0))
         t = None
         if a.cap is not None:
             capped, t = softcap(logits, a.cap)  # (g, m, S) each
@@ -388,11 +393,17 @@ class ScaledDotProductAttention:
                 np.subtract(p, a.row_shift[g0:g1, m0:m1], out=p)
                 np.exp(p, out=p)
                 p = self._normalized(p, a.row_sum[g0:g1, m0:m1])  # the forward's P, bit for bit
+                if self.rounding is not None:
+                    p = self.rounding.normalization(p, a.row_shift[g0:g1, m0:m1], a.row_sum[g0:g1, m0:m1], (g0, m0))
                 d_out_blk = d_out[g0:g1, m0:m1]  # (g, m, Ev)
                 d_vh[g0:g1] += np.matmul(p.transpose(0, 2, 1), d_out_blk, out=scratch.get("dv", d_vh[g0:g1].shape, p.dtype))  # (g, S, Ev): P^T d(out)
                 dp = np.matmul(d_out_blk, a.vh[g0:g1].transpose(0, 2, 1), out=scratch.get("dp", p.shape, p.dtype))  # (g, m, S)
+                if self.rounding is not None:
+                    self.rounding.products(dp, d_out_blk, a.vh[g0:g1], (g0, m0))
                 # d(logits) = P * (d(P) - rowsum(d(P) * P) + d(lse)); a row with no allowed key has P = 0.
                 shift = np.sum(np.multiply(dp, p, out=scratch.get("work", p.shape, p.dtype)), axis=-1, keepdims=True)  # (g, m, 1)
+                if self.rounding is not None:
+                    shift += self.rounding.row_sum(dp, p, d_out_blk, a.vh[g0:g1], a.q_scaled[g0:g1, m0:m1], a.kh[g0:g1], (g0, m0))
                 if d_lse is not None:
                     shift -= d_lse[g0:g1, m0:m1]  # d(lse)/d(logits) = P
                 dp -= shift

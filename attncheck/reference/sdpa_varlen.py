@@ -18,9 +18,11 @@ Hkv key-value heads, E query/key head dim, Ev value head dim; Lq, Lk one sequenc
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from attncheck.reference.kernel import DEFAULT_BLOCK_ELEMENTS, DEFAULT_PARALLEL_LOGITS
+from attncheck.reference.kernel import DEFAULT_BLOCK_ELEMENTS, DEFAULT_PARALLEL_LOGITS, RoundingNoise
 from attncheck.reference.sdpa import FULLY_MASKED_ROWS, ScaledDotProductAttention
 
 
@@ -43,6 +45,9 @@ class VarlenAttention:
     `fully_masked_rows` is what a row with no allowed key outputs ("zero", FlashAttention's, or
     "nan"). `logit_magnitude` is the last forward's largest |scale q_i . k_j| over its sequences.
     """
+
+    # Set only to measure rounding's reach (kernel.RoundingNoise), handed to each sequence's kernel.
+    rounding: RoundingNoise | None = None
 
     def __init__(self, fully_masked_rows: str = "zero", *, block_elements: int = DEFAULT_BLOCK_ELEMENTS,
                  parallel_logits: int = DEFAULT_PARALLEL_LOGITS):  # fmt: skip
@@ -85,6 +90,8 @@ class VarlenAttention:
                 continue
             kernel = ScaledDotProductAttention("lower_right", self.fully_masked_rows, block_elements=self.block_elements,
                                                parallel_logits=self.parallel_logits)  # fmt: skip
+            if self.rounding is not None:
+                kernel.rounding = replace(self.rounding, seed=self.rounding.seed * 7919 + s + 1)  # each sequence its own draws
             seq_out, seq_lse = kernel.forward(
                 q[q0:q1].transpose(1, 0, 2)[None], k[k0:k1].transpose(1, 0, 2)[None], v[k0:k1].transpose(1, 0, 2)[None],
                 dropout_p=dropout_p, is_causal=bool(causal), scale=softmax_scale, enable_gqa=Hq != k.shape[1],

@@ -105,7 +105,16 @@ class NaNOnFullyMaskedRows(Reference):
         if not need_weights:
             # The standard path's NaN: run it with weights and keep its output.
             out, _ = super().forward(query, key, value, need_weights=True, **kwargs)
+        self._nan_rows = bool(np.isnan(out).any())
         return out, weights
+
+    def backward(self, grad_output):
+        """As torch's standard path's backward: the NaN rows' NaN * 0 reaches every gradient but the
+        output bias's (the reference itself gives those rows zero weight)."""
+        grads = super().backward(grad_output)
+        if getattr(self, "_nan_rows", False):
+            grads = {k: g if k == "out_proj.bias" else np.full_like(g, np.nan) for k, g in grads.items()}
+        return grads
 
 
 class InputGradientOnly(Reference):

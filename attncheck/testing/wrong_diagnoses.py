@@ -27,6 +27,14 @@ class HeadsSplitByReshape(MultiheadAttention):
         return x.reshape(B, x.shape[1], self.E)  # (B, N, E)
 
 
+class HeadsMergedByReshape(MultiheadAttention):
+    """Heads split right but merged back by a plain reshape (B, H, N, D) -> (B, N, E), no transpose:
+    output row n reads heads and positions mixed. The weights are right. Invisible when H == 1."""
+
+    def _merge_heads(self, x, B):
+        return x.reshape(B, x.shape[1], self.E)  # (B, N, E)
+
+
 class DropoutLeftOn(MultiheadAttention):
     """Dropout left on: each probability zeroed with p = DROPOUT = 0.25 (a fixed mask per block shape), the rest x 1 / 0.75."""
 

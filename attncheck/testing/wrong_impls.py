@@ -569,7 +569,16 @@ MODULES = {
 
 
 # Bugs the diagnosis once named wrongly or generically (issue 29) live beside these (wrong_diagnoses).
-from attncheck.testing.wrong_diagnoses import (DropoutLeftOn, HeadsSplitByReshape, Mask3dIgnored,  # noqa: E402
-                                               WeightsAveragedOverBatch)  # fmt: skip
+from attncheck.testing.wrong_diagnoses import (DropoutLeftOn, HeadsMergedByReshape, HeadsSplitByReshape,  # noqa: E402
+                                               Mask3dIgnored, WeightsAveragedOverBatch)  # fmt: skip
 
-MODULES.update({cls.__name__: cls for cls in (HeadsSplitByReshape, DropoutLeftOn, WeightsAveragedOverBatch, Mask3dIgnored)})
+MODULES.update({cls.__name__: cls for cls in (HeadsSplitByReshape, HeadsMergedByReshape, DropoutLeftOn, WeightsAveragedOverBatch,
+                                              Mask3dIgnored)})  # fmt: skip
+
+# Bugs the default suite once missed (issue 29, item 2) live beside these too (wrong_reach).
+from attncheck.testing.wrong_reach import (CausalMaskBlockLocal, CausalOnlyScaleInFloat32,  # noqa: E402, F401
+                                           EncoderDecoderQueryKeySwapped, HalfAccumulatedSoftmax, HalfInputsFloat32Output,
+                                           MaskAppliedAfterExp, MaskFilledWithMinus1e9, OnlineSoftmaxEmptyBlockNaN)  # fmt: skip
+from attncheck.testing.wrong_reach import MODULES as _REACH  # noqa: E402
+
+MODULES.update(_REACH)

@@ -109,8 +109,57 @@ class NormBackwardWithoutMeanTerm(TransformerEncoderLayer):
         return rstd * (g - x_hat * (g * x_hat).mean(axis=-1, keepdims=True))  # missing - g.mean(axis=-1)
 
 
+class KeyPaddingDroppedWhenCausal(TransformerEncoderLayer):
+    """With is_causal set, the key padding mask is dropped: the attention takes
+    F.scaled_dot_product_attention's is_causal path, which takes no mask beside the causal one."""
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        if is_causal:
+            src_key_padding_mask = None
+        return super().forward(src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
+
+
+def _is_causal(mask) -> bool:
+    """Whether `mask` is the bool (L, L) causal mask (True above the diagonal)."""
+    if mask is None or mask.dtype != np.bool_ or mask.ndim != 2:
+        return False
+    return bool(np.array_equal(mask, np.triu(np.ones(mask.shape, dtype=bool), k=1)))
+
+
+class _GptBlock(TransformerEncoderLayer):
+    """A GPT block (minGPT's Block, nanoGPT's): pre-norm, GELU and the causal mask are all it has,
+    so it declares every other layer unsupported (post-norm, relu, another mask, key padding)."""
+
+    def __init__(self, params, **options):
+        if not options.get("norm_first") or options.get("activation") != "gelu":
+            raise NotImplementedError("a GPT block: pre-norm with GELU only")
+        super().__init__(params, **options)
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        if src_key_padding_mask is not None or not _is_causal(src_mask):
+            raise NotImplementedError("a GPT block: the causal mask only, no key padding")
+        return super().forward(src, src_mask=src_mask, is_causal=is_causal)
+
+
+class GptBlockGeluTanh(_GptBlock, GeluTanh):
+    """A GPT block whose GELU is the tanh approximation (minGPT's NewGELU), where the layer's
+    activation="gelu" is the exact erf one: GeluTanh, in a candidate that takes causal pre-norm
+    GELU layers only."""
+
+
+class GptBlockScaleInFloat32(_GptBlock):
+    """A GPT block whose attention scale 1/sqrt(D) is a float32 constant whatever the dtype, in the
+    forward and the backward alike (finite differences agree): torch's rounding in float32, ~3e-8
+    relative off in float64. Invisible when 1/sqrt(D) is exact in float32 (D = 4, 16, 64, ...)."""
+
+    def __init__(self, params, **options):
+        super().__init__(params, **options)
+        self.attn.scale = np.float32(np.sqrt(1.0 / self.attn.D))  # NumPy keeps float64 arrays float64 times it
+
+
 LAYERS = {
     cls.__name__: cls
     for cls in (UnbiasedVarianceNorm, EpsOutsideSqrt, AlwaysPreNorm, ResidualAfterNorm, GeluTanh,
-                FeedForwardBiasesDropped, NormBackwardWithoutMeanTerm)
+                FeedForwardBiasesDropped, NormBackwardWithoutMeanTerm, KeyPaddingDroppedWhenCausal, GptBlockGeluTanh,
+                GptBlockScaleInFloat32)
 }  # fmt: skip

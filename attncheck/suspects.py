@@ -1,0 +1,245 @@
+"""Suspected bugs, recomputed for the diagnosis (NumPy only): what the float64 oracle gives when it
+runs as a known bug runs, for attncheck.diagnose to compare with the candidate's arrays.
+
+A suspect is a bug the arrays alone cannot show: heads split or merged with a plain reshape or a
+strided one, the logits divided by the wrong scale, the batch and sequence axes read the other
+way round, the value projected from the key, a mask ignored, read inverted or spread over the
+B*H groups in the wrong order. Each
+is recomputed once, on the check's own workload, the first time a failing output or weights row
+asks (CheckRun.rerun), and it is named only when the candidate equals its result and the expected
+value does not. Several bugs that fit are all returned: the diagnosis names them as ambiguous.
+
+The fit rule (`fits`, FIT_RTOL) is the diagnosis's, shared with its patterns. Dimensions as in
+attncheck/reference/mha.py: B batch, N positions, L target length, S source length, E embed dim,
+H heads, D head dim, G = B * H groups.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from attncheck.config import Config
+from attncheck.kinds import kind_of
+from attncheck.masks import additive
+
+# A relation fits when the candidate is the transformed expected value to within the row's own
+# tolerance or 1e-3 of the expected value's magnitude, whichever is larger. A wrong implementation
+# is off by O(1) relative, and a float32 computation of the transformed value (a scaled or
+# permuted one) rounds to ~1e-6 relative: 1e-3 separates "exactly this relation" from coincidence.
+FIT_RTOL = 1e-3
+
+# What another implementation of one step would give, on the check's own workload: the float64
+# oracle's (output, weights) from another module or with other masks (CheckRun.rerun).
+Rerun = Callable[..., "tuple[np.ndarray, np.ndarray | None] | None"]
+
+
+def fits(candidate: np.ndarray, transformed: np.ndarray, allowed: np.ndarray, scale: float) -> bool:
+    """Whether the candidate equals a transformed expected value, where both are finite."""
+    ok = np.isfinite(candidate) & np.isfinite(transformed)
+    if ok.sum() < max(1, candidate.size // 2):
+        return False
+    tol = np.maximum(allowed, FIT_RTOL * scale)
+    return bool(np.all(np.abs(candidate - transformed)[ok] <= tol[ok]))
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A bug recomputed: the oracle built with `methods` in place of the reference's, or given other masks."""
+
+    words: str  # the bug
+    detail: str = ""  # which variant of it: named only when no other variant of the bug fits too
+    methods: dict = field(default_factory=dict)  # reference hooks (attncheck.reference.HOOKS) or __init__ replaced
+    masks: dict = field(default_factory=dict)  # attn_mask / key_padding_mask replaced
+    restated_by: str = ""  # the diagnosis's pattern that says the same thing when it fits too ("logit scale")
+
+
+# ------------------------------------------------------------------------------ heads
+def _split_by_reshape(self, x: np.ndarray) -> np.ndarray:
+    """(B, N, E) -> (G, N, D) with a plain reshape: head h reads the flat features h*N*D onward."""
+    B, N, _ = x.shape
+    return x.reshape(B * self.H, N, self.D)
+
+
+def _merge_by_reshape(self, x: np.ndarray, B: int) -> np.ndarray:
+    """(G, N, D) -> (B, N, E) with a plain reshape, the inverse of _split_by_reshape."""
+    _, N, _ = x.shape
+    return x.reshape(B, N, self.E)
+
+
+def _split_strided(self, x: np.ndarray) -> np.ndarray:
+    """(B, N, E) -> (G, N, D) through (B, N, D, H): head h gets features h, h+H, h+2H, ..."""
+    B, N, _ = x.shape
+    return x.reshape(B, N, self.D, self.H).transpose(0, 3, 1, 2).reshape(B * self.H, N, self.D)
+
+
+def _merge_strided(self, x: np.ndarray, B: int) -> np.ndarray:
+    """(G, N, D) -> (B, N, E), the inverse of _split_strided."""
+    _, N, _ = x.shape
+    return x.reshape(B, self.H, N, self.D).transpose(0, 2, 3, 1).reshape(B, N, self.E)
+
+
+SPLIT_WORDS = "heads split with a plain reshape (no transpose): (B, L, E) -> (B, H, L, D) gives head h the flat features h*L*D onward, mixing positions and heads"
+HEAD_LAYOUTS = (  # (words, detail, methods)
+    (SPLIT_WORDS, "merged back with a plain reshape", {"_split_heads": _split_by_reshape, "_merge_heads": _merge_by_reshape}),
+    (SPLIT_WORDS, "merged back with the transpose", {"_split_heads": _split_by_reshape}),
+    ("heads merged back with a plain reshape (no transpose): (B, H, L, D) -> (B, L, E) mixes heads and positions in "
+     "each output row", "", {"_merge_heads": _merge_by_reshape}),
+    ("heads split through (B, L, D, H) instead of (B, L, H, D): head h gets features h, h+H, h+2H, ...", "",
+     {"_split_heads": _split_strided, "_merge_heads": _merge_strided}),
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ logits
+def _logits_scaled(base: type, factor: float) -> dict:
+    """The attention core with the logits multiplied by `factor` (q scaled before q k^T)."""
+
+    def _attention_forward(self, qh, *args):
+        return base._attention_forward(self, qh * qh.dtype.type(factor), *args)
+
+    return {"_attention_forward": _attention_forward}
+
+
+def _scale_suspects(base: type, cfg: Config) -> list[Suspect]:
+    """The logits divided by another scale than sqrt(D): each a factor on torch's logits."""
+    D, E, H = cfg.head_dim_eff, cfg.embed_dim, cfg.num_heads
+    scales = [(math.sqrt(D), "the logits are not divided by sqrt(D): softmax(q k^T) where torch has softmax(q k^T / sqrt(D))"),
+              (1 / math.sqrt(D), "the logits are divided by D instead of sqrt(D)"),
+              (1 / math.sqrt(H), "the logits are divided by sqrt(E), the embed dim, instead of sqrt(D), the head dim")]  # fmt: skip
+    if cfg.kdim is not None and cfg.kdim != E:
+        scales.append((math.sqrt(E / cfg.kdim), "the logits are divided by sqrt(kdim / H) instead of sqrt(embed_dim / H): "
+                                                 "the head size taken from the key's width"))  # fmt: skip
+    return [Suspect(words, methods=_logits_scaled(base, k), restated_by="logit scale") for k, words in scales if k != 1]
+
+
+# ------------------------------------------------------------------------------ batch axis
+def _batch_first_read_as(base: type, batch_first: bool) -> dict:
+    """__init__ of a module that reads its inputs batch-first or not, whatever it is told."""
+
+    def __init__(self, params, **kwargs):
+        base.__init__(self, params, **kwargs)
+        self.batch_first = batch_first
+
+    return {"__init__": __init__}
+
+
+def _batch_axis_words(cfg: Config) -> str:
+    if cfg.batch_first:
+        return "batch_first ignored: the (B, L, E) inputs are read as (L, B, E), attention runs across the batch"
+    return "the (L, B, E) inputs (batch_first=False) are read as (B, L, E): attention runs across the batch"
+
+
+# ------------------------------------------------------------------------------ value
+def _value_projected_with_key_weights(base: type) -> dict:
+    """__init__ of a module whose value projection uses the key's weights and bias."""
+
+    def __init__(self, params, **kwargs):
+        base.__init__(self, params, **kwargs)
+        self.Wv, self.bv = self.Wk, self.bk
+
+    return {"__init__": __init__}
+
+
+def _value_from_key_input(base: type) -> dict:
+    """forward of a module that projects its value from the key input."""
+
+    def forward(self, query, key, value, **kwargs):
+        return base.forward(self, query, key, key, **kwargs)
+
+    return {"forward": forward}
+
+
+def _value_suspects(base: type, cfg: Config) -> list[Suspect]:
+    """The value projected from the wrong input or with the wrong weights; both need kdim == vdim."""
+    if (cfg.kdim or cfg.embed_dim) != (cfg.vdim or cfg.embed_dim):
+        return []
+    suspects = [Suspect("the value is projected with the key's weights: v = value Wk^T + bk", methods=_value_projected_with_key_weights(base))]
+    if not cfg.self_attention and not cfg.key_is_value:  # distinct key and value arrays
+        suspects.append(Suspect("the value is projected from the key input: v = key Wv^T + bv", methods=_value_from_key_input(base)))
+    return suspects
+
+
+# ------------------------------------------------------------------------------ masks
+def _mask_suspects(cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None) -> list[Suspect]:
+    """Each mask ignored or (bool) read inverted; a per-group mask taken in the wrong group order."""
+    suspects = []
+    attn_name, padding_name = kind_of(cfg).mask_arguments  # forward()'s keywords
+    for field_name, name, mask in (("attn_mask", attn_name, attn_mask), ("key_padding_mask", padding_name, key_padding_mask)):
+        if mask is None:
+            continue
+        shape = str(tuple(mask.shape))
+        suspects.append(Suspect(f"the {name} {shape} is ignored: the candidate equals attention without it", masks={field_name: None}))
+        if mask.dtype == np.bool_:
+            suspects.append(Suspect(f"the bool {name} is read inverted (True = allowed)", masks={field_name: ~mask}))
+    B, H, L = cfg.effective_batch, cfg.num_heads, cfg.tgt_len
+    if B == 1 or H == 1:  # one group order only
+        return suspects
+    if attn_mask is not None and attn_mask.ndim == 3:  # (G, L, S) read head-major: group b*H + h takes entry h*B + b
+        G, _, S = attn_mask.shape
+        swapped = attn_mask.reshape(H, B, L, S).transpose(1, 0, 2, 3).reshape(G, L, S)
+        suspects.append(Suspect(f"the per-head {attn_name} (B*H, L, S) is read head-major: group b*H + h takes entry h*B + b, "
+                                "where torch's order is b*H + h", masks={"attn_mask": swapped}))  # fmt: skip
+    if key_padding_mask is not None and key_padding_mask.ndim == 2:  # spread by tiling: group g takes entry g % B
+        S = key_padding_mask.shape[-1]
+        tiled = np.broadcast_to(additive(key_padding_mask, np.float64)[np.arange(B * H) % B][:, None, :], (B * H, L, S))  # (G, L, S)
+        merged = tiled if attn_mask is None else tiled + additive(attn_mask, np.float64)  # + (L, S) or (G, L, S)
+        suspects.append(Suspect(f"the {padding_name} is spread over the B*H groups in the wrong order: group g takes batch "
+                                "entry g % B (a .repeat), where torch's takes g // H (.repeat_interleave)",
+                                masks={"attn_mask": np.ascontiguousarray(merged, dtype=np.float64), "key_padding_mask": None}))  # fmt: skip
+    return suspects
+
+
+# ------------------------------------------------------------------------------ the suspects
+class Suspects:
+    """The suspects that apply to a config, each recomputed once, when a failing output or weights
+    row asks. A suspect replacing methods applies where the reference has them (the module's own
+    hooks: nn.MultiheadAttention's reference); mask suspects apply to every kind with masks."""
+
+    def __init__(self, cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None, rerun: Rerun | None):
+        self.cfg, self.rerun = cfg, rerun
+        self.results: list[tuple[Suspect, tuple | None]] | None = None
+        self.suspects: list[Suspect] = []
+        base = kind_of(cfg).reference
+        if cfg.num_heads > 1 and all(callable(getattr(base, name, None)) for name in ("_split_heads", "_merge_heads")):
+            self.suspects += [Suspect(words, detail, methods) for words, detail, methods in HEAD_LAYOUTS]
+        if callable(getattr(base, "_attention_forward", None)):
+            self.suspects += _scale_suspects(base, cfg)
+        if all(hasattr(base, name) for name in ("_in_projection_forward", "forward")):
+            self.suspects += _value_suspects(base, cfg)
+        if not cfg.unbatched and cfg.effective_batch > 1 and callable(getattr(base, "_to_internal", None)):
+            self.suspects.append(Suspect(_batch_axis_words(cfg), methods=_batch_first_read_as(base, not cfg.batch_first)))
+        self.suspects += _mask_suspects(cfg, attn_mask, key_padding_mask)
+
+    def _results(self) -> list[tuple[Suspect, tuple | None]]:
+        """Each suspect with its recomputed (output, weights), or None where that run raised."""
+        if self.results is None:
+            base = kind_of(self.cfg).reference
+            self.results = []
+            for suspect in self.suspects:
+                factory = type(f"{base.__name__}Suspect", (base,), dict(suspect.methods)) if suspect.methods else base
+                self.results.append((suspect, self.rerun(factory, **suspect.masks)))
+        return self.results
+
+    def matching(self, quantity: str, c: np.ndarray, x: np.ndarray, allowed: np.ndarray) -> list[tuple[str, str]]:
+        """(words, restated_by) of each bug whose recomputed `quantity` ("output" or "attn_weights")
+        the candidate equals and the expected value does not; variants of one bug are one."""
+        which = {"output": 0, "attn_weights": 1}.get(quantity)
+        finite = np.isfinite(x)
+        if which is None or self.rerun is None or not self.suspects or not finite.any():
+            return []
+        scale = float(np.abs(x[finite]).max())
+        fitting = []
+        for suspect, result in self._results():
+            v = None if result is None else result[which]
+            if v is None or np.shape(v) != c.shape:
+                continue
+            v = np.asarray(v, dtype=np.float64)
+            if fits(c, v, allowed, scale) and not fits(v, x, allowed, scale) and np.array_equal(np.isnan(c), np.isnan(v)):
+                fitting.append(suspect)
+        if len(fitting) == 1 and fitting[0].detail:
+            return [(f"{fitting[0].words}; {fitting[0].detail}", fitting[0].restated_by)]
+        bugs = {s.words: s.restated_by for s in fitting}  # variants of one bug (the weights never see the merge) are one
+        return list(bugs.items())

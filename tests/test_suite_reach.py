@@ -1,0 +1,91 @@
+"""The default suites reach every bug class (issue 29, item 2): each known-bad implementation below
+was missed by every case the suites had before, and is caught, with no config, by the case added
+for it and by no older case.
+
+REACH names, for each, its module kind and the cases that must fail on it; NEW_CASES are the cases
+added for these gaps. Each implementation runs through its kind's whole embedded suite, the
+pipeline `attncheck run` runs (attncheck.suite.prepare), and must fail exactly those cases, each
+with a real finding (a mismatch, or a result in the wrong dtype) and no crash; every older case
+must pass it or have it declare the case unsupported (or, for a row torch leaves undefined, be
+inconclusive). Two of them also go through the command line itself.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from attncheck.candidate import Candidate
+from attncheck.cli import app
+from attncheck.commands import NAMES
+from attncheck.config import load_suite
+from attncheck.report import FAIL, Reason
+from attncheck.suite import prepare
+from attncheck.testing import wrong_layers, wrong_reach
+
+MHA, LAYER = "multihead_attention", "transformer_encoder_layer"
+NEW_CASES = {
+    MHA: {"encoder-decoder-no-bias", "long-causal", "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal",
+          "float16-long", "float16-causal"},
+    LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block"},
+}  # fmt: skip
+# implementation -> (kind, the cases that catch it): the issue's gap it stands for in the comment.
+REACH = {
+    "HalfAccumulatedSoftmax": (MHA, {"float16-long"}),  # 1: no half-precision case
+    "HalfInputsFloat32Output": (MHA, {"float16-long", "float16-causal"}),  # 1
+    "CausalMaskBlockLocal": (MHA, {"long-causal"}),  # 2: no mask beyond one kernel block
+    "MaskAppliedAfterExp": (MHA, {"large-logits-causal"}),  # 3: no large logits beside a mask
+    "OnlineSoftmaxEmptyBlockNaN": (MHA, {"long-fully-padded-bias-kv"}),  # 4: no padded sequence with bias_k over blocks
+    "EncoderDecoderQueryKeySwapped": (MHA, {"encoder-decoder-no-bias"}),  # 5: key is value only with biases
+    "MaskFilledWithMinus1e9": (MHA, {"float16-causal"}),  # 6: a -1e9 fill in float16
+    "CausalOnlyScaleInFloat32": (MHA, {"float64-causal"}),  # 9: no float64 case a causal-only candidate takes
+    "KeyPaddingDroppedWhenCausal": (LAYER, {"causal-key-padding"}),  # 7: is_causal with key padding
+    "GptBlockGeluTanh": (LAYER, {"pre-norm-gelu-causal", "float64-gpt-block"}),  # 8: no case a GPT block takes
+    "GptBlockScaleInFloat32": (LAYER, {"float64-gpt-block"}),  # 9
+}
+
+
+def _class(name: str) -> type:
+    return wrong_reach.MODULES.get(name) or wrong_layers.LAYERS[name]
+
+
+def _suite(kind: str):
+    return load_suite(None, module=kind) if kind == LAYER else load_suite(None)
+
+
+def test_the_table_covers_the_corpus_s_new_members_and_the_suites_new_cases():
+    assert set(wrong_reach.MODULES) | {"KeyPaddingDroppedWhenCausal", "GptBlockGeluTanh", "GptBlockScaleInFloat32"} == set(REACH)
+    for kind, cases in NEW_CASES.items():
+        assert cases <= {case.name for case in _suite(kind).cases}
+        assert set().union(*(catching for k, catching in REACH.values() if k == kind)) == cases  # each new case catches one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(REACH))
+def test_caught_by_its_new_case_and_by_no_older_one(name):
+    kind, catching = REACH[name]
+    result = prepare(_suite(kind), NAMES, impl=Candidate(name, _class(name))).run()
+    assert result.verdict is FAIL
+    failed = {report.name for report in result.reports if report.verdict is FAIL}
+    assert failed == catching
+    for report in result.reports:
+        if report.verdict is FAIL:
+            assert all(row.reason is not Reason.CALL for row in report.failures), (report.name, report.command)  # no crash
+            assert any(row.mismatched or row.reason is Reason.DTYPE for row in report.failures), (report.name, report.command)
+        elif report.name not in NEW_CASES[kind]:
+            assert report.verdict in ("pass", "unsupported", "inconclusive"), (report.name, report.command, report.verdict)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec,args,case", [
+    ("attncheck.testing.wrong_impls:EncoderDecoderQueryKeySwapped", [], "encoder-decoder-no-bias"),
+    ("attncheck.testing.wrong_layers:GptBlockGeluTanh", ["--module", LAYER], "pre-norm-gelu-causal"),
+])  # fmt: skip
+def test_the_no_config_command_line_exits_1(tmp_path, spec, args, case):
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["run", *args, "--impl", spec, "--json", str(out)])
+    assert result.exit_code == 1, result.output
+    failed = {report["name"] for report in json.loads(out.read_text())["results"] if report["verdict"] == "fail"}
+    assert case in failed and failed <= NEW_CASES[LAYER if args else MHA]
