@@ -98,13 +98,18 @@ def test_a_class_no_other_process_can_import_runs_here_and_the_report_says_so():
 
 
 def test_ctrl_c_during_a_hung_candidate_exits_130_at_once(tmp_path):
-    out = tmp_path / "r.json"
+    out, asleep = tmp_path / "r.json", tmp_path / "asleep"
     proc = subprocess.Popen(
         [sys.executable, "-m", "attncheck", "forward", "-c", CONFIG, "--impl", SPEC.format("IgnoresSigintAndSleeps"),
          "--json", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        env={**os.environ, "ATTNCHECK_TEST_ASLEEP": str(asleep)},
     )  # fmt: skip
-    time.sleep(8)  # torch imported, the candidate's process started and asleep in forward()
+    waited = time.monotonic()
+    while not asleep.exists() and time.monotonic() - waited < 120:  # the candidate's process asleep in forward()
+        time.sleep(0.1)
+    assert asleep.exists(), "the candidate never reached forward()"
+    time.sleep(0.5)
     start = time.monotonic()
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=30)
