@@ -248,7 +248,7 @@ class GradResult:
 def grad(cfg: Config, w: Workload) -> GradResult:
     """Forward, the config's loss and autograd gradients of every parameter and input, on a path
     where they are finite wherever the math is (ModuleKind.gradient_config)."""
-    cfg = _gradient_config(cfg, w)
+    cfg = kind_of(cfg).gradient_config(cfg, w)
     module = build_module(cfg, w.params).train()
     x = _inputs(cfg, w, requires_grad=True)
     out, second = _call(module, cfg, w, x)
@@ -257,11 +257,6 @@ def grad(cfg: Config, w: Workload) -> GradResult:
     grads = {name: _numpy(p.grad) for name, p in module.named_parameters()}
     grads.update({name: _numpy(t.grad) for name, t in x.items()})
     return GradResult(_numpy(out), float(loss.detach()), grads, _numpy(second) if kind_of(cfg).second_in_loss(cfg) else None)
-
-
-def _gradient_config(cfg: Config, w: Workload) -> Config:
-    """The config torch's backward runs under: the kind's finite path where a row has no allowed key."""
-    return cfg if w.undefined is None else kind_of(cfg).gradient_config(cfg)
 
 
 @dataclass
@@ -276,7 +271,7 @@ class SGDResult:
 @_on_config_threads
 def sgd(cfg: Config, w: Workload) -> SGDResult:
     """`steps` full training steps with torch.optim.SGD's update on the same batch (on the path of `grad`)."""
-    cfg = _gradient_config(cfg, w)
+    cfg = kind_of(cfg).gradient_config(cfg, w)
     module = build_module(cfg, w.params).train()
     step = _sgd_step(list(module.parameters()), cfg)
     x = _inputs(cfg, w, requires_grad=False)

@@ -73,15 +73,10 @@ def _as_claimed(cfg, impl: str):
     """The config in what the example claims: float32 for half dtypes (the examples are written for
     float32 and float64), and causal in the alignment it declares (FlashAttention's lower_right for
     the kernels; an explicit config in the other alignment is judged, and fails, by design)."""
-    import importlib.util
-
+    from attncheck.candidate import declared_alignment, load_candidate
     from attncheck.config import config_from_mapping
 
-    path, attr = impl.rsplit(":", 1)
-    spec = importlib.util.spec_from_file_location("example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    declared = getattr(getattr(module, attr), "causal_alignment", "upper_left")
+    declared = declared_alignment(load_candidate(impl).factory)
     data = cfg.model_dump(exclude_defaults=True)
     data["module"] = cfg.module
     if cfg.dtype in ("float16", "bfloat16"):

@@ -111,7 +111,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     o_out, o_loss, o_grads = oracle if grad_rule.needs_oracle else (None, None, None)
     o_grads = None if o_grads is None else all_gradients(cfg, o_grads)
     # torch's output comes from the path its gradients were taken on (ModuleKind.gradient_config).
-    t_cfg = cfg if w.undefined is None else kind_of(cfg).gradient_config(cfg)
+    t_cfg = kind_of(cfg).gradient_config(cfg, w)
     report.rows.append(compare_output("forward", t_cfg, w, out, t.output, forward_rule, o_out))
     scale = loss_magnitude(cfg, t.output, w.target, w.undefined)
     if t.second is not None:

@@ -9,7 +9,7 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.candidate import Candidate, Session
 from attncheck.checks.calls import dtype_rows, finding_rows
-from attncheck.checks.grad import grad_quantities, gradient_rounding, run_grad
+from attncheck.checks.grad import grad_quantities, gradient_rounding
 from attncheck.checks.rounding import floor_of
 from attncheck.checks.run import CheckRun, oracle_config
 from attncheck.compare import compare, decide, measure, rule_for, sgd_rule
@@ -27,6 +27,7 @@ class Trajectory:
     params: list[dict[str, np.ndarray]]
     returned: dict[str, np.dtype] = field(default_factory=dict)  # dtypes of what the candidate returned
     nan_where_undefined: bool = False  # its output had NaN where no value is defined (accepted there)
+    first_grads: dict[str, np.ndarray] = field(default_factory=dict)  # the gradients of step 1, at the starting weights
 
 
 def train(session: Session, cfg: Config, w: Workload, optimizer: type = SGD) -> Trajectory:
@@ -40,6 +41,7 @@ def train(session: Session, cfg: Config, w: Workload, optimizer: type = SGD) -> 
         out, _ = session.forward(obj, current)
         loss, d_out = loss_and_grad(cfg, out, w.target, w.undefined)
         grads = session.backward(obj, d_out, current)
+        traj.first_grads = traj.first_grads or grads
         traj.returned.update({"output": out.dtype, **{k: v.dtype for k, v in grads.items()}})
         traj.nan_where_undefined |= w.undefined is not None and bool(np.isnan(out[w.undefined]).any())
         # The update runs in the parameters' dtype, as torch's does; a gradient in another dtype
@@ -114,8 +116,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
         w64 = w.astype(np.float64)
         oracle_session = run.oracle_session()
         oracle = train(oracle_session, oracle_config(cfg), w64)  # attncheck's own SGD, always
-        first = run_grad(oracle_session, oracle_config(cfg), w64)[2]
-        moves = gradient_rounding(cfg, rule_for(cfg, "sgd"), oracle_session, w64, first)
+        moves = gradient_rounding(cfg, rule_for(cfg, "sgd"), oracle_session, w64, oracle.first_grads)
     session = run.session()
     try:
         mine = train(session, cfg, w, run.candidate.optimizer or SGD)

@@ -203,9 +203,10 @@ class ModuleKind:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------ torch's module
-    def gradient_config(self, cfg: Config) -> Config:
-        """The config torch's gradients and SGD steps run under where some query row has no allowed
-        key: a path on which they are finite wherever the math is (the loss leaves such rows out)."""
+    def gradient_config(self, cfg: Config, w: Workload) -> Config:
+        """The config torch's gradients and SGD steps run under: where some query row has no allowed
+        key (w.undefined), a path on which they are finite wherever the math is (the loss leaves
+        such rows out); `cfg` itself otherwise."""
         return cfg
 
     def build_torch(self, cfg: Config, dtype: Any) -> Any:

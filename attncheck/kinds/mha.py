@@ -152,11 +152,11 @@ class MultiheadAttentionKind(ModuleKind):
         return (f"{rows} of {total} query rows have every key masked: {fate}; NaN from a candidate is accepted there. "
                 "The loss leaves those output rows out.")
 
-    def gradient_config(self, cfg):
+    def gradient_config(self, cfg, w):
         # need_weights=True softmaxes a row of -inf to NaN, and NaN * 0 spreads it through the
         # backward's matmuls into every gradient, although the loss leaves the row out. The SDPA
         # path (need_weights=False) gives such a row zero weight: the same gradients, finite.
-        return cfg.model_copy(update={"need_weights": False}) if cfg.need_weights else cfg
+        return cfg.model_copy(update={"need_weights": False}) if cfg.need_weights and w.undefined is not None else cfg
 
     # ------------------------------------------------------------------------ torch's module
     def build_torch(self, cfg, dtype):

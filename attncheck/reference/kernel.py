@@ -80,9 +80,12 @@ class RoundingNoise:
         terms = np.matmul(np.abs(q_scaled), np.abs(k).transpose(0, 2, 1))  # (g, l, S)
         logits += self.eps * self._r(0, key, logits.shape) * terms
 
-    def products(self, dp: np.ndarray, d_out: np.ndarray, v: np.ndarray, key: tuple[int, ...]) -> None:
-        """Round (g, l, S) d(P) = d_out (g, l, Dv) v^T (g, S, Dv) once more, in place."""
-        dp += self.eps * self._r(1, key, dp.shape) * np.matmul(np.abs(d_out), np.abs(v).transpose(0, 2, 1))
+    def products(self, dp: np.ndarray, d_out: np.ndarray, v: np.ndarray, key: tuple[int, ...]) -> np.ndarray:
+        """Round (g, l, S) d(P) = d_out (g, l, Dv) v^T (g, S, Dv) once more, in place; returns its
+        terms' magnitudes |d_out| |v|^T (g, l, S), which `row_sum` reads too."""
+        terms = np.matmul(np.abs(d_out), np.abs(v).transpose(0, 2, 1))  # (g, l, S)
+        dp += self.eps * self._r(1, key, dp.shape) * terms
+        return terms
 
     def normalization(self, p: np.ndarray, shift: np.ndarray, total: np.ndarray, key: tuple[int, ...]) -> np.ndarray:
         """(g, l, S) P as a kernel's backward recomputes it, exp(logits - lse), with lse = shift +
@@ -91,16 +94,15 @@ class RoundingNoise:
             lse = np.abs(shift) + np.abs(np.log(np.where(total > 0, total, 1.0)))  # (g, l, 1)
         return p * (1.0 + self.eps * self._r(4, key, lse.shape) * np.where(np.isfinite(lse), lse, 0.0))
 
-    def row_sum(self, dp: np.ndarray, p: np.ndarray, d_out: np.ndarray, v: np.ndarray, q_scaled: np.ndarray, k: np.ndarray,
+    def row_sum(self, dp: np.ndarray, p: np.ndarray, products: np.ndarray, q_scaled: np.ndarray, k: np.ndarray,
                 key: tuple[int, ...]) -> np.ndarray:  # fmt: skip
         """(g, l, 1): what rounding moves the softmax backward's subtrahend rowsum(d(P) * P) by when it
         is taken as a kernel's shortcut rowsum(d(out) * out): the rounding of that sum of d(out) * out
-        products, eps * r * sum_j P_ij (|d(out)| |v|^T)_ij, plus sum_j d(P)_ij (P'_ij - P_ij) with P'
-        the softmax of the logits rounded once more (out's P and the recomputed P are rounded apart).
-        The caller subtracts P times it from d(logits)."""
+        products, eps * r * sum_j P_ij products_ij (`products`: |d(out)| |v|^T, from `products`), plus
+        sum_j d(P)_ij (P'_ij - P_ij) with P' the softmax of the logits rounded once more (out's P and
+        the recomputed P are rounded apart). The caller subtracts P times it from d(logits)."""
         terms = np.matmul(np.abs(q_scaled), np.abs(k).transpose(0, 2, 1))  # (g, l, S)
         e = self.eps * self._r(2, key, p.shape) * terms
-        products = np.matmul(np.abs(d_out), np.abs(v).transpose(0, 2, 1))  # (g, l, S)
         with np.errstate(invalid="ignore"):
             e -= np.nansum(p * e, axis=-1, keepdims=True)
             reach = np.nansum(p * products, axis=-1, keepdims=True)  # (g, l, 1)
@@ -335,8 +337,8 @@ class BlockedAttention:
                 dp = np.matmul(d_out_blk, a.vh[g0:g1].transpose(0, 2, 1), out=scratch.get("dp", block, dp_dtype))  # (g, l, S)
                 moved = None
                 if self.rounding is not None:
-                    self.rounding.products(dp, d_out_blk, a.vh[g0:g1], (g0, l0))
-                    moved = self.rounding.row_sum(dp, p, d_out_blk, a.vh[g0:g1], a.q_scaled[g0:g1, l0:l1], a.kh[g0:g1], (g0, l0))  # (g, l, 1)
+                    products = self.rounding.products(dp, d_out_blk, a.vh[g0:g1], (g0, l0))
+                    moved = self.rounding.row_sum(dp, p, products, a.q_scaled[g0:g1, l0:l1], a.kh[g0:g1], (g0, l0))  # (g, l, 1)
                 d_logits = self._softmax_backward(p, dp, scratch.get("work", block, np.result_type(dp, p)))  # (g, l, S)
                 if moved is not None:
                     d_logits -= p * moved

@@ -399,11 +399,11 @@ class ScaledDotProductAttention:
                 d_vh[g0:g1] += np.matmul(p.transpose(0, 2, 1), d_out_blk, out=scratch.get("dv", d_vh[g0:g1].shape, p.dtype))  # (g, S, Ev): P^T d(out)
                 dp = np.matmul(d_out_blk, a.vh[g0:g1].transpose(0, 2, 1), out=scratch.get("dp", p.shape, p.dtype))  # (g, m, S)
                 if self.rounding is not None:
-                    self.rounding.products(dp, d_out_blk, a.vh[g0:g1], (g0, m0))
+                    products = self.rounding.products(dp, d_out_blk, a.vh[g0:g1], (g0, m0))
                 # d(logits) = P * (d(P) - rowsum(d(P) * P) + d(lse)); a row with no allowed key has P = 0.
                 shift = np.sum(np.multiply(dp, p, out=scratch.get("work", p.shape, p.dtype)), axis=-1, keepdims=True)  # (g, m, 1)
                 if self.rounding is not None:
-                    shift += self.rounding.row_sum(dp, p, d_out_blk, a.vh[g0:g1], a.q_scaled[g0:g1, m0:m1], a.kh[g0:g1], (g0, m0))
+                    shift += self.rounding.row_sum(dp, p, products, a.q_scaled[g0:g1, m0:m1], a.kh[g0:g1], (g0, m0))
                 if d_lse is not None:
                     shift -= d_lse[g0:g1, m0:m1]  # d(lse)/d(logits) = P
                 dp -= shift
