@@ -20,9 +20,9 @@ would, once per call, while XLA compiles each distinct program once:
 - A candidate with a backward of its own runs forward() op by op (its backward reads what forward
   kept: values, not tracers), and its backward as it is.
 - The finite differences' session (`bulk`: hundreds of forward calls of one computation on
-  objects built for one call each, judged by their values alone) traces forward() once per
-  config, shapes and masks, the candidate built inside from the parameters handed, which are
-  arguments: its Python state is frozen there; the check's own calls above are where state shows.
+  objects built for one call each, judged by their values alone) traces forward() and jax.vjp
+  once per config, shapes and masks, the candidate built inside from the parameters handed, which
+  are arguments: its Python state is frozen there; the check's own calls above are where state shows.
 - A call is traced as jax.jit traces it; where that fails, again with what it computes from
   constants alone (masks, parameters) evaluated as it is traced, as op by op (NumPy may read a
   mask then); where that fails too (NumPy on a traced array, Python control flow on the inputs'
@@ -84,8 +84,8 @@ FAST_COMPILE = (
 # constants alone evaluated as it is traced (`_constants_evaluated`); where both fail, op by op.
 TRACINGS = (False, True)
 # What this process (the child serves every session of a run) compiled, oldest dropped first:
-# _PROGRAMS, traced calls by program text (`_run_traced`); _BULK, a bulk session's forward() by
-# config, shapes and masks, or why tracing it failed; _TRACING, by candidate, config, call and
+# _PROGRAMS, traced calls by program text (`_run_traced`); _BULK, a bulk session's calls by
+# config, shapes and masks (`JaxSession._bulk`), or why tracing one failed; _TRACING, by candidate, config, call and
 # shapes, the tracing of TRACINGS that worked, or why none did (then the call runs op by op).
 _PROGRAMS: OrderedDict[str, Callable] = OrderedDict()
 _BULK: OrderedDict[tuple, Any] = OrderedDict()
@@ -186,10 +186,6 @@ def _leaked_tracer(err: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-def _signature(arrays: dict[str, Any]) -> tuple:
-    return tuple((name, tuple(a.shape), str(a.dtype)) for name, a in arrays.items())
 
 
 class JaxSession(FrameworkSession):
@@ -297,25 +293,29 @@ class JaxSession(FrameworkSession):
         if not self.bulk or built is None or built[0] is not obj:
             return self._traced("forward()", called, (inputs,), eager)
         params = built[1]
-        diff = {**params, **inputs}
-        bulk_key = (_fingerprint(self.candidate.factory), self._config_key, _signature(diff), tuple(inputs),
-                    _fingerprint(masks), _fingerprint(extras))  # fmt: skip
-        compiled = _BULK.get(bulk_key)
+        return self._bulk("forward()", self._built_and_called(params, inputs, masks, extras), ({**params, **inputs},), (masks, extras), eager)
+
+    def _bulk(self, what: str, fn: Callable, args: tuple, closed_over: tuple, eager: Callable[[], Any]) -> Any:
+        """A bulk session's call: fn(*args) jitted once per candidate, config, shapes and the values
+        fn closes over (masks, extras), by the first of TRACINGS that traces, and called again
+        without tracing; eager() where none traces."""
+        key = (_fingerprint(self.candidate.factory), self._config_key, what, str(jax.tree.structure(args)),
+               tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(args)), _fingerprint(closed_over))  # fmt: skip
+        compiled = _BULK.get(key)
         if callable(compiled):
-            return compiled(diff)
-        if compiled is None:  # its first call: jitted by the first of TRACINGS that traces
-            result_of = self._built_and_called(params, inputs, masks, extras)
+            return compiled(*args)
+        if compiled is None:  # its first call
             for evaluate_constants in TRACINGS:
-                jitted = _jit(_constants_evaluated(result_of) if evaluate_constants else result_of, not cfg.is_large)
+                jitted = _jit(_constants_evaluated(fn) if evaluate_constants else fn, not self.cfg.is_large)
                 try:
-                    result = jitted(diff)
+                    result = jitted(*args)
                 except Exception as exc:  # noqa: BLE001 - whatever it is, the op-by-op call says it as before
-                    compiled = f"tracing forward() under jax.jit raised {type(exc).__name__}"
+                    compiled = f"tracing {what} under jax.jit raised {type(exc).__name__}"
                     continue
-                _kept(_BULK, bulk_key, jitted)
+                _kept(_BULK, key, jitted)
                 return result
-            _kept(_BULK, bulk_key, compiled)
-        return self._op_by_op("forward()", compiled, eager)
+            _kept(_BULK, key, compiled)
+        return self._op_by_op(what, compiled, eager)
 
     def _gradients(self, obj: Any, grad_output: np.ndarray, grad_second: np.ndarray | None = None) -> tuple[Any, str | None]:
         """The candidate's own backward if it has one; else jax.vjp of build-and-forward (through
@@ -354,6 +354,9 @@ class JaxSession(FrameworkSession):
                 cotangent = (jnp.asarray(grad_output, dtype=dtypes[0]), jnp.asarray(grad_second, dtype=dtypes[1]))
             else:
                 cotangent = jnp.asarray(grad_output, dtype=dtypes[0])
-            return self._traced("jax.vjp", pulled_back, ({**params, **inputs}, cotangent), eager)
+            args = ({**params, **inputs}, cotangent)
+            if self.bulk:
+                return self._bulk("jax.vjp", pulled_back, args, (masks, extras), eager)
+            return self._traced("jax.vjp", pulled_back, args, eager)
 
         return self._guard("jax.vjp through building and calling the candidate", vjp), where
