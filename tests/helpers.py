@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import signal
+import sys
 
 from attncheck.candidate import candidate_from_object
 from attncheck.checks import run_check
@@ -32,11 +32,14 @@ def assert_agrees(report: Report, *, spreads_nan: bool = False) -> None:
     assert report.verdict == PASS, (report.verdict, problems, report.notes)
 
 
-def sigint_as_at_a_terminal() -> None:
-    """For a subprocess that a test interrupts: Ctrl-C's default action, which a child inherits as
-    ignored when pytest itself runs as a background job (`bin/test &` in a script), where Python
-    would then never raise KeyboardInterrupt. Passed as Popen's preexec_fn."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def interruptible(argv: list[str]) -> list[str]:
+    """`argv` for a subprocess that a test interrupts, run with Ctrl-C's default action: a child
+    inherits SIGINT as ignored when pytest itself runs as a background job (`bin/test &` in a
+    script), and Python then never raises KeyboardInterrupt. A shim sets the default and execs
+    argv (same pid), rather than Popen's preexec_fn, which makes subprocess fork a process that
+    JAX has made multithreaded."""
+    shim = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    return [sys.executable, "-c", shim, *argv]
 
 
 def assert_caught_by_comparisons(kernel: type, cases: dict[str, Config], catches: list[tuple[str, str]]) -> None:

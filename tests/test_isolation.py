@@ -20,7 +20,7 @@ import attncheck
 from attncheck.cli import app
 from attncheck.report import FAIL
 from attncheck.testing.hostile import HOSTILE, Hostile
-from tests.helpers import sigint_as_at_a_terminal
+from tests.helpers import interruptible
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "default.yaml")
@@ -101,11 +101,10 @@ def test_a_class_no_other_process_can_import_runs_here_and_the_report_says_so():
 def test_ctrl_c_during_a_hung_candidate_exits_130_at_once(tmp_path):
     out, asleep = tmp_path / "r.json", tmp_path / "asleep"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "attncheck", "forward", "-c", CONFIG, "--impl", SPEC.format("IgnoresSigintAndSleeps"),
-         "--json", str(out)],
+        interruptible([sys.executable, "-m", "attncheck", "forward", "-c", CONFIG, "--impl", SPEC.format("IgnoresSigintAndSleeps"),
+                       "--json", str(out)]),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         env={**os.environ, "ATTNCHECK_TEST_ASLEEP": str(asleep)},
-        preexec_fn=sigint_as_at_a_terminal,  # pytest run as a background job hands its children SIGINT ignored
     )  # fmt: skip
     waited = time.monotonic()
     while not asleep.exists() and time.monotonic() - waited < 120:  # the candidate's process asleep in forward()

@@ -23,7 +23,7 @@ from attncheck.cli import app
 from attncheck.config import MEMORY_LIMIT_ENV
 from attncheck.errors import ConfigError
 from attncheck.files import write_atomic
-from tests.helpers import sigint_as_at_a_terminal
+from tests.helpers import interruptible
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,8 +72,8 @@ def test_ctrl_c_exits_130_quietly_and_leaves_no_file(tmp_path):
     out = tmp_path / "out.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "attncheck", "sgd-step", "-c", str(config), "--json", str(out)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sigint_as_at_a_terminal,
+        interruptible([sys.executable, "-m", "attncheck", "sgd-step", "-c", str(config), "--json", str(out)]),
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
         printed = read_until(proc, READY, timeout=120)

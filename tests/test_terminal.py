@@ -30,7 +30,7 @@ from attncheck.files import write_atomic
 from attncheck.render import fmt, progress_bar, render
 from attncheck.config import Config
 from attncheck.report import FAIL, PASS, Report, Row, SuiteResult
-from tests.helpers import sigint_as_at_a_terminal
+from tests.helpers import interruptible
 from tests.test_diagnose import QGradTimesSqrtD
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,7 +177,7 @@ def test_the_progress_bar_shows_counts_times_and_as_much_of_the_name_as_fits():
 
 
 def _attncheck(*args, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "attncheck", *args], cwd=ROOT, text=True, **kwargs)
+    return subprocess.Popen(interruptible([sys.executable, "-m", "attncheck", *args]), cwd=ROOT, text=True, **kwargs)
 
 
 # One config (not the default suite): a pass and a fail are all the pipe needs.
@@ -225,7 +225,7 @@ def test_ctrl_c_with_workers_returns_promptly(tmp_path):
     suite = tmp_path / "suite.yaml"
     suite.write_text("name: stuck\ndefaults: {embed_dim: 8, num_heads: 2, tgt_len: 4}\nmatrix:\n  bias: [true, false]\n  attn_mask: [none, causal]\n")
     proc = _attncheck("forward", "-c", str(suite), "--impl", f"{candidate}:Stuck", "--workers", "2",
-                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=sigint_as_at_a_terminal,
+                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                       start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
