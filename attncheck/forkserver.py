@@ -23,6 +23,7 @@ to them for good if the server cannot be started or dies.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import signal
@@ -135,8 +136,10 @@ def fork(fds: tuple[int, int, int], *, torch: bool) -> ForkedProcess | None:
         return None
 
 
+@atexit.register  # after attncheck.remote's stop_all (registered later, run earlier), which ends its forks
 def stop() -> None:
-    """End the server (the judge is exiting: the candidate processes are stopped already)."""
+    """End the server. It runs no candidate code, so it outlives the runs of one judge (the
+    Python API's and a test session's many) and ends with the judge."""
     global _server
     if _server is not None and _server.pid == os.getpid():
         _server.close()

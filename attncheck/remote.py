@@ -292,7 +292,6 @@ def stop_all() -> None:
     """End every candidate process (and what each started): before output files are written, and at exit."""
     for process in list(_EVERY):
         process.stop()
-    forkserver.stop()
 
 
 # ------------------------------------------------------------------------------- sessions
