@@ -28,20 +28,20 @@ def heads_split():
 
 
 @pytest.mark.slow
-def test_the_head_split_bug_on_the_default_suite_prints_at_most_170_lines(heads_split):
+def test_the_head_split_bug_on_the_default_suite_prints_at_most_180_lines(heads_split):
     short, verbose = heads_split
     assert short.exit_code == verbose.exit_code == 1
     lines = short.output.splitlines()
-    assert len(lines) <= 170, len(lines)  # 164 on the 36-case suite, 150 on 29: the summary and the probes' lists grow by case
+    assert len(lines) <= 180, len(lines)  # 173 on the 39-case suite, 164 on 36, 150 on 29: the summary and the probes' lists grow by case
     assert len(verbose.output.splitlines()) > 1000  # what the default leaves out is kept by --verbose
     # the summary comes first, then the distinct failures, then the verdict
     summary, failures = short.output.index("summary  default-suite"), short.output.index("distinct failures")
-    assert summary < failures < short.output.index("FAIL  9 of 106 checks pass, 97 fail")
+    assert summary < failures < short.output.index("FAIL  6 of 115 checks pass, 109 fail")
     # each command's commonest failure is shown for its first case; the same failure elsewhere is not repeated
     for command in ("forward", "grad", "sgd-step"):
         assert short.output.count(f"attncheck {command}  basic") == 1
-        assert short.output.count(f"attncheck {command}  heads-3x4") == 0
-        assert f"attncheck {command}  heads-3x4" in verbose.output
+        assert short.output.count(f"attncheck {command}  heads-5x2") == 0
+        assert f"attncheck {command}  heads-5x2" in verbose.output
     assert "Diagnosis: everywhere" in short.output
 
 
