@@ -1,4 +1,5 @@
-"""A candidate's own process: `python -m attncheck.child READ_FD WRITE_FD JUDGE_PID` (started by attncheck.remote).
+"""A candidate's own process: `python -m attncheck.child READ_FD WRITE_FD JUDGE_PID` (started by attncheck.remote),
+or a fork of the judge's fork server (attncheck.forkserver) that calls `main`.
 
 The only process that imports and calls candidate code. It loads the candidate named by the
 judge's first request, then serves requests one at a time, each answered with one reply
@@ -86,21 +87,22 @@ def _error(kind: str, exc: BaseException) -> dict[str, Any]:
                       "traceback": clean(getattr(exc, "traceback", "") or traceback.format_exc()), "raised": clean(getattr(exc, "raised", ""))}}  # fmt: skip
 
 
-def _die_with(judge: int) -> None:
-    """Ask the kernel to kill this process when the judge that started it dies (Linux), so that no
-    candidate outlives a judge killed by a signal; exit at once if it is already gone."""
+def die_with(parent: int) -> None:
+    """Ask the kernel to kill this process when `parent`, the process that started it (the judge,
+    or the judge's fork server), dies (Linux), so that no candidate outlives a judge killed by a
+    signal; exit at once if it is already gone."""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != judge:
+    if os.getppid() != parent:
         os._exit(0)
 
 
-def main(read_fd: int, write_fd: int, judge: int) -> None:
-    _die_with(judge)
+def main(read_fd: int, write_fd: int, parent: int) -> None:
+    die_with(parent)
     from attncheck.channel import encode_reply, read_request
     from attncheck.errors import CandidateProblem, TracerLeak, Unsupported, UsageError
 

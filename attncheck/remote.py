@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from attncheck import forkserver
 from attncheck.candidate import Candidate
 from attncheck.channel import Malformed, read_reply, write_request
 from attncheck.errors import CandidateError, TracerLeak, Unsupported, UsageError, clean, shorten
@@ -85,7 +86,7 @@ class CandidateProcess:
 
     def __init__(self, spec: str, origin: str | None):
         self.spec, self.origin = spec, origin
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen | forkserver.ForkedProcess | None = None
         self.generation = 0  # counts the processes started: a session opened in an earlier one is gone
         self.compiled = True  # a JAX candidate's calls may be compiled; op by op after a TracerLeak
         self.loaded: dict[str, Any] = {}
@@ -105,7 +106,8 @@ class CandidateProcess:
         child_read, judge_write = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
-            self.process = subprocess.Popen(
+            self.process = forkserver.fork((child_read, child_write, self._output.fileno()), torch="torch" in _FRAMEWORKS)
+            self.process = self.process or subprocess.Popen(
             [sys.executable, "-m", "attncheck.child", str(child_read), str(child_write), str(os.getpid())],
             pass_fds=(child_read, child_write), stdin=subprocess.DEVNULL, stdout=self._output, stderr=self._output,
             start_new_session=True, env=env, close_fds=True,
@@ -131,6 +133,7 @@ class CandidateProcess:
             self.stop()
             raise LoadFailed(error["message"] if error["kind"] == "usage" else f"{self._who()}: loading it failed: {shorten(error['message'], 300)}")
         self.loaded = reply
+        _FRAMEWORKS.add(str(reply.get("framework")))
 
     def _who(self) -> str:
         return f"{self.origin}: impl {self.spec!r}" if self.origin else f"--impl {self.spec!r}"
@@ -229,6 +232,7 @@ class CandidateProcess:
 
 
 _PROCESSES: dict[str, CandidateProcess] = {}
+_FRAMEWORKS: set[str] = set()  # of the candidates loaded so far: the fork server imports torch once one is torch's
 _EVERY: weakref.WeakSet[CandidateProcess] = weakref.WeakSet()  # evicted ones too, while a session holds one
 # Candidate processes kept alive at once: a run checks one candidate, a test session many; the
 # least recently used is stopped beyond this (and started again if it is asked for again).

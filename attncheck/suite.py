@@ -15,6 +15,7 @@ typer nor rich, and torch only once a check runs.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -207,13 +208,33 @@ def _run_chunk(jobs: list[Job], options: dict[str, Any], keep_evidence: bool) ->
     return [run_job(job, options, keep_evidence) for job in jobs]
 
 
-def _worker_init() -> None:
+def _worker_init(environ: dict[str, str]) -> None:
     # The parent handles Ctrl-C and ends the pool; workers must not each print a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.clear()
+    os.environ.update(environ)  # the judge's of the moment, not the fork server's of its start
     from attncheck import threads, torch_side
 
     torch_side.use_one_thread()
     threads.set_threads(1)  # K workers on K cores: the reference's large calls stay on their worker's core
+
+
+# What multiprocessing's fork server imports once per judge, so that each worker is a fork of a
+# process that has torch and the checks loaded, not a fresh interpreter importing them (seconds each).
+WORKER_PRELOAD = ["attncheck.checks", "attncheck.torch_side", "attncheck.remote"]
+
+
+def _workers_context() -> multiprocessing.context.BaseContext:
+    """Workers forked from multiprocessing's fork server where it is available and attncheck's own
+    is on (ATTNCHECK_FORK_SERVER, attncheck.forkserver); fresh interpreters ('spawn') otherwise.
+    Never plain 'fork': the judge has threads (its thread pool, torch's, JAX's)."""
+    from attncheck import forkserver
+
+    if forkserver.enabled() and "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(WORKER_PRELOAD)
+        return context
+    return multiprocessing.get_context("spawn")
 
 
 Progress = Callable[[int, int, Job, Report], None]
@@ -235,8 +256,8 @@ def run_jobs(
                     progress(len(reports), total, job, reports[-1])
         return reports
 
-    context = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(max_workers=min(workers, total), mp_context=context, initializer=_worker_init)
+    pool = ProcessPoolExecutor(max_workers=min(workers, total), mp_context=_workers_context(), initializer=_worker_init,
+                               initargs=(dict(os.environ),))  # fmt: skip
     # A check takes milliseconds: send jobs in chunks so inter-process traffic does not dominate,
     # small enough (8 per worker) that the workers finish together.
     size = max(1, total // (workers * 8))

@@ -11,9 +11,11 @@ import torch
 
 import attncheck
 from attncheck.candidate import detect_framework, load_candidate
+from attncheck.checks.calls import NUMPY_BFLOAT16
 from attncheck.cli import main
 from attncheck.dtypes import BFLOAT16
 from attncheck.reference import MultiheadAttention as Reference
+from attncheck.report import UNSUPPORTED
 
 ROOT = Path(__file__).resolve().parent.parent
 SDPA = f"{ROOT}/examples/torch_sdpa.py:MultiheadAttention"
@@ -171,6 +173,66 @@ def test_a_float32_result_for_half_inputs_is_a_dtype_row():
 
     report = attncheck.check({"dtype": "float16"}, "forward", impl=Float32Out)
     assert [r.quantity for r in report.failures] == ["dtype"]
+
+
+class Float32Results(Reference):
+    """What NumPy code gives for bfloat16 inputs unless it rounds back: every result of a half
+    dtype's call in float32 (float64 calls, finite differences', as they are); `factor` scales
+    the output (1.0: the right values)."""
+
+    factor = 1.0
+
+    def _stored(self, a):
+        return a if a is None or self.storage.itemsize != 2 else a.astype(np.float32)
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out * out.dtype.type(self.factor), weights
+
+
+class Float32ResultsScaled(Float32Results):
+    factor = 1.1
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_numpy_candidate_s_float32_results_for_bfloat16_inputs_are_unsupported_never_passed(command):
+    # NumPy has no bfloat16 arithmetic: the check cannot say the candidate computes in bfloat16 ...
+    report = attncheck.check({"dtype": "bfloat16"}, command, impl=Float32Results)
+    assert report.verdict == "unsupported"
+    [row] = report.rows_with(UNSUPPORTED)
+    assert row.quantity == "dtype" and row.note.endswith(NUMPY_BFLOAT16)
+    assert report.failures == [] and any(r.status == "pass" and r.ratio is not None for r in report.rows)  # values compared
+    # ... a config that waives the dtype has it judged on its values, as for any dtype ...
+    attncheck.check({"dtype": "bfloat16", "check_dtype": False}, command, impl=Float32Results).assert_passed()
+    # ... and float32 results for float16 inputs fail as for any candidate (NumPy computes in float16).
+    assert [r.quantity for r in attncheck.check({"dtype": "float16"}, command, impl=Float32Results).failures] == ["dtype"]
+
+
+def test_wrong_values_in_float32_for_bfloat16_inputs_still_fail():
+    report = attncheck.check({"dtype": "bfloat16"}, "forward", impl=Float32ResultsScaled)
+    assert report.verdict == "fail" and {r.quantity for r in report.failures} == {"output"}
+
+
+def _torch_results_in(dtype: torch.dtype) -> type:
+    """examples/torch_sdpa.py with its output cast to `dtype`: `.float()`, or `.half()` (a half path written for float16)."""
+    base = load_candidate(SDPA).factory
+
+    class Cast(base):
+        def forward(self, *args, **kwargs):
+            out, weights = super().forward(*args, **kwargs)
+            return out.to(dtype), weights
+
+    return Cast
+
+
+@pytest.mark.parametrize("returned", [torch.float32, torch.float16])
+def test_a_torch_candidate_is_held_to_bfloat16_whatever_numpy_gets(returned):
+    from attncheck.testing.detection import default_suite_case
+
+    cfg = default_suite_case("bfloat16").model_copy(update={"probes": []})
+    report = attncheck.check(cfg, "forward", impl=_torch_results_in(returned))
+    assert report.framework == "torch" and [r.quantity for r in report.failures] == ["dtype"]
+    assert attncheck.check(cfg, "forward", impl=SDPA).passed  # torch computing in bfloat16 passes the suite's case
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -2,7 +2,8 @@
 the strategies module.
 
 Whether a module does NOT load torch is asked of a fresh interpreter per module (an import can
-come from anywhere at run time). That a listed module DOES import torch is read from the source:
+come from anywhere at run time): a fork, per module, of one that has imported only NumPy, pydantic
+and PyYAML. That a listed module DOES import torch is read from the source:
 its top-level imports, followed through attncheck's own modules, reach `torch` (a fresh
 interpreter per listed module cost a torch import each, to confirm what the source says).
 """
@@ -12,12 +13,10 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
-import os
 import pkgutil
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,33 +33,59 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages(attncheck.__path__, "attn
 PACKAGE_ROOT = Path(attncheck.__file__).resolve().parent
 
 
-def loaded_after_import(module: str) -> set[str]:
-    """The top-level packages loaded by importing `module` in a fresh interpreter."""
-    code = f"import sys, {module}; print(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return set(out.split())
+# Every attncheck module loads these third-party packages, none of which loads torch, hypothesis,
+# typer or rich: the asking interpreter imports them once, and forks a child per module asked.
+ASKER = textwrap.dedent("""
+    import os, sys
+    import numpy, pydantic, yaml
+    for line in sys.stdin:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            try:
+                __import__(line.strip())
+                text = " ".join(sorted({m.split(".")[0] for m in sys.modules}))
+            except BaseException as exc:
+                text = "!" + repr(exc)
+            with os.fdopen(write, "w") as f:
+                f.write(text)
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as f:
+            text = f.read()
+        os.waitpid(pid, 0)
+        print(text, flush=True)
+""")
 
 
 class _Loaded(dict):
-    """loaded_after_import per module, each asked once."""
+    """The top-level packages loaded by importing each module, asked once per module of an
+    interpreter that has imported nothing else of attncheck's (a fork of it per module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asker = subprocess.Popen([sys.executable, "-c", ASKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def __missing__(self, module: str) -> set[str]:
-        self[module] = loaded_after_import(module)
+        self.asker.stdin.write(module + "\n")
+        self.asker.stdin.flush()
+        text = self.asker.stdout.readline().strip()
+        assert not text.startswith("!"), f"importing {module} failed: {text[1:]}"
+        self[module] = set(text.split())
         return self[module]
+
+    def close(self) -> None:
+        self.asker.stdin.close()
+        self.asker.wait()
 
 
 @pytest.fixture(scope="module")
-def loaded(request) -> _Loaded:
-    """What each module loads, from its own fresh interpreter. The interpreters for the selected
-    tests' modules are started up front, as many at a time as there are cores (under pytest-xdist
-    each test starts its own: the workers already run side by side)."""
+def loaded():
+    """What each module loads, from a fresh interpreter of its own (a fork of the asker)."""
     found = _Loaded()
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        wanted = sorted({item.callspec.params["module"] for item in request.session.items
-                         if item.module is request.module and "loaded" in item.fixturenames} - WITHOUT_JAX)  # fmt: skip
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            found.update(zip(wanted, pool.map(loaded_after_import, wanted)))
-    return found
+    yield found
+    found.close()
 
 
 def _source_of(module: str) -> Path:

@@ -16,7 +16,7 @@ from attncheck.dtypes import is_float, np_dtype
 from attncheck.errors import CandidateProblem
 from attncheck.inputs import Workload, make_workload
 from attncheck.kinds import kind_of
-from attncheck.report import FAIL, INFO, Reason, Report, Row
+from attncheck.report import FAIL, INFO, UNSUPPORTED, Reason, Report, Row
 from attncheck.checks.run import call_row
 
 # At large sizes (Config.is_large) a call of the candidate costs seconds, and the repeat call runs
@@ -123,11 +123,23 @@ def finding_rows(section: str, session: Session) -> list[Row]:
     return [Row(section, "contract", FAIL, reason=Reason.CONTRACT, note=finding) for finding in session.findings]
 
 
-def dtype_rows(section: str, cfg: Config, returned: dict[str, np.dtype | None]) -> list[Row]:
+# Why a NumPy candidate's float32 result for bfloat16 inputs is not judged (dtype_rows): NumPy has no
+# bfloat16 arithmetic. ml_dtypes' bfloat16 arrays promote to float32 in `a * 2.0` and `a @ b`
+# (np.einsum refuses them), so NumPy code computes in float32 unless it rounds back itself.
+NUMPY_BFLOAT16 = "NumPy has no bfloat16 arithmetic (`a @ b` gives float32); return bfloat16 (`.astype(query.dtype)`) to be judged in it"
+
+
+def dtype_rows(section: str, cfg: Config, returned: dict[str, np.dtype | None], framework: str) -> list[Row]:
     """One attribute row for the quantities the candidate returned in another dtype than torch's.
 
     Their values are compared all the same (in float64). A wrong dtype fails, as in
     torch.testing.assert_close, unless the config says `check_dtype: false`, when it is a note.
+
+    One exception, NumPy's: a NumPy candidate (`framework`) handed bfloat16 that returns float32,
+    the dtype NumPy's own promotion gives (NUMPY_BFLOAT16), did not compute in bfloat16, so the
+    check cannot say it does: the row is unsupported, never a pass, and a value that disagrees
+    still fails. Its other results must be bfloat16 as torch's; float16 for bfloat16 inputs (a
+    half path written for float16 alone) or float64 fail as for any candidate.
     """
     wrong = {name: dt for name, dt in returned.items() if dt is not None and np.dtype(dt) != np_dtype(cfg.dtype)}
     if not wrong:
@@ -138,4 +150,6 @@ def dtype_rows(section: str, cfg: Config, returned: dict[str, np.dtype | None]) 
         note += " (often NumPy promotion: x / np.sqrt(d) with an integer d is float64)"
     if not cfg.check_dtype:
         return [Row(section, "dtype", INFO, note=note + "; check_dtype: false makes this a note")]
+    if framework == "numpy" and cfg.dtype == "bfloat16" and kinds == ["float32"]:
+        return [Row(section, "dtype", UNSUPPORTED, note=f"{note}, not judged: {NUMPY_BFLOAT16}")]
     return [Row(section, "dtype", FAIL, reason=Reason.DTYPE, note=note + "; values compared all the same; check_dtype: false to allow")]

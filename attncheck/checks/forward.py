@@ -56,7 +56,7 @@ def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bo
         report.rows.append(Row("forward", "attn_weights", FAIL, reason=Reason.CONTRACT, note="need_weights is false: expected None"))
     report.rows.extend(kind.forward_rows(cfg, w, session, obj, out, t_out, rule))
     report.rows.extend(fast_path_rows(cfg, w, out, weights, rule, o_out, o_weights, masked))
-    report.rows.extend(dtype_rows("forward", cfg, returned))
+    report.rows.extend(dtype_rows("forward", cfg, returned, report.framework))
     report.rows.extend(repeat_rows(report, "forward", session, obj, cfg, w, backward=False))
     if cfg.probes_run:
         within = lambda name, a: compare_output(probes.SECTION, cfg, w, a, t_out, rule, o_out)  # noqa: E731

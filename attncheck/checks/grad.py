@@ -141,7 +141,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     note = kind_of(cfg).input_gradients(cfg, grads)[1]
     if note:
         report.notes.append(note)
-    report.rows.extend(dtype_rows("grad", cfg, {"output": out.dtype, **{k: v.dtype for k, v in grads.items()}}))
+    report.rows.extend(dtype_rows("grad", cfg, {"output": out.dtype, **{k: v.dtype for k, v in grads.items()}}, report.framework))
     report.rows.extend(repeat_rows(report, "grad", session, obj, cfg, w, backward=True))
     if cfg.probes_run:
 

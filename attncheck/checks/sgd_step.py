@@ -155,7 +155,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
     report.rows.append(loss_row)
     if last < n:
         report.notes.append(f"weights judged at steps 1-{last} of {n}: {why}. Lower lr, steps or input_scale to judge them all.")
-    report.rows.extend(dtype_rows("sgd", cfg, mine.returned))
+    report.rows.extend(dtype_rows("sgd", cfg, mine.returned, report.framework))
     report.rows.extend(finding_rows("sgd", session))
     report.losses = [LossStep(s, mine.losses[s - 1], t.losses[s - 1]) for s in _sample_steps(n)]
     return run.finish()

@@ -2,15 +2,16 @@
 a case added for it, with no config.
 
 Some of these bugs need a dtype, a length or a pair of options the suite's older cases did not
-combine (half precision; a mask on more keys than one kernel block; large logits with a mask);
-the others are written into candidates that, like real ones, declare unsupported every case that
-sets an option they lack (biases; any mask but the causal one), which hid the bug from every older
-case that could show it: each bias-free one is caught by a bias-free twin of a case with biases
-(encoder-decoder, cross-attention, kdim-vdim, seq-first). Registered in wrong_impls.MODULES, usable as
-`--impl attncheck.testing.wrong_impls:NAME`; detection.DEFAULT_SUITE_CATCHES names the case that
-catches each, and tests/test_suite_reach.py runs each through the whole default suite to show that
-no other case does. Dimensions as in attncheck/reference/mha.py: B batch, L target length, S source
-length, E embed dim, H heads, D head dim, G = B * H.
+combine (half precision; bfloat16 apart from float16; a mask on more keys than one kernel block;
+large logits with a mask); the others are written into candidates that, like real ones, declare
+unsupported every case that sets an option they lack (biases; any mask but the causal one), which
+hid the bug from every older case that could show it: each bias-free one is caught by a bias-free
+twin of a case with biases (encoder-decoder, cross-attention, kdim-vdim, seq-first). Registered in
+wrong_impls.MODULES, usable as `--impl attncheck.testing.wrong_impls:NAME`;
+detection.DEFAULT_SUITE_CATCHES names the case that catches each, and tests/test_suite_reach.py runs
+each through the whole default suite to show that no other case does. Dimensions as in
+attncheck/reference/mha.py: B batch, L target length, S source length, E embed dim, H heads, D head
+dim, G = B * H.
 """
 
 from __future__ import annotations
@@ -119,6 +120,19 @@ def _rows_without_key(attn_mask: np.ndarray | None, key_padding_mask: np.ndarray
         B = attn_mask.shape[0] // H if attn_mask.ndim == 3 else 1
         blocked = blocked | masks.attn_by_head(masks.blocked(attn_mask), B, H)  # (B or 1, H or 1, L, S)
     return bool(np.any(np.all(blocked, axis=-1))) if blocked is not False else False
+
+
+class HalfMeansFloat16(MultiheadAttention):
+    """A half-precision path written when float16 was the only half dtype: any 2-byte float input
+    is taken as float16 and the results, computed in float32 as the reference does, are rounded
+    to float16 (`astype(np.float16)`, torch's `.half()`), gradients included. Right for float16;
+    for bfloat16 inputs it returns float16, whose values pass (more mantissa than bfloat16) but
+    whose dtype is not torch's, and whose range is 65504 where bfloat16's is float32's."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        if self.storage.itemsize == 2:
+            self.storage = np.dtype(np.float16)  # the bug: "half" means float16
 
 
 # --------------------------------------------------------------------------- masks and blocks
@@ -296,7 +310,7 @@ class CausalOnlyScaleInFloat32(MultiheadAttention):
 # Every wrong module above, by name.
 MODULES = {
     cls.__name__: cls
-    for cls in (HalfAccumulatedSoftmax, HalfInputsFloat32Output, MaskFilledWithMinus1e9, CausalMaskBlockLocal,
+    for cls in (HalfAccumulatedSoftmax, HalfInputsFloat32Output, MaskFilledWithMinus1e9, HalfMeansFloat16, CausalMaskBlockLocal,
                 MaskAppliedAfterExp, OnlineSoftmaxEmptyBlockNaN, EncoderDecoderQueryKeySwapped, CrossAttentionKeyValueChunksSwapped,
                 KdimHeadDimFromKeyWidth, SeqFirstReshapedNotTransposed, CausalOnlyScaleInFloat32)
 }  # fmt: skip

@@ -1,0 +1,267 @@
+"""Candidate processes forked from a template, not started as fresh interpreters.
+
+A fresh `python -m attncheck.child` spends 0.3-0.5 s importing NumPy, pydantic and attncheck
+before it imports the candidate, and 1.5-5 s more on torch for a torch candidate; a run starts one
+per candidate and again after each crash, hang or exit. The judge instead starts one *server*
+(`python -m attncheck.forkserver`, a process of its own) that imports those modules once and never
+runs candidate code; each candidate process is a fork of it, so it starts with pristine modules
+(nothing a previous candidate patched) in milliseconds.
+
+A forked candidate process is set up as a fresh one would be: a session of its own, stdin from
+/dev/null, stdout and stderr to the judge's file, the judge's environment, working directory and
+sys.path as they are at the fork, only its two channel descriptors open, NumPy's global random
+state reseeded. Its parent is the server, which reaps it and tells the judge its exit status; the
+server dies with the judge, and the candidate processes with the server (PR_SET_PDEATHSIG).
+
+torch is imported by the server only once a torch candidate has been loaded (a respawn, another
+torch candidate in the same judge), so a one-candidate NumPy run does not pay for it. JAX is never
+imported there: it starts threads, and forking a threaded process can deadlock.
+
+`ATTNCHECK_FORK_SERVER=0` turns it off (fresh interpreters, as before); the judge also falls back
+to them for good if the server cannot be started or dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from typing import Any
+
+ENV = "ATTNCHECK_FORK_SERVER"
+PRELOAD = ("numpy", "attncheck.child", "attncheck.channel", "attncheck.candidate", "attncheck.errors", "attncheck.contract")
+_HEADER = struct.Struct("!I")
+_POLL_S = 0.005  # how often the server looks for a child's exit while the judge waits for it
+
+
+# ---------------------------------------------------------------------------- the judge's side
+class ForkedProcess:
+    """A candidate process forked by the server: the part of subprocess.Popen the judge uses."""
+
+    def __init__(self, server: Server, pid: int):
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self) -> int | None:
+        return self.wait(0.0) if self.returncode is None else self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit status as Popen gives it (-N: killed by signal N); TimeoutExpired if it is still
+        running after `timeout` seconds (poll: 0)."""
+        if self.returncode is None:
+            try:
+                self.returncode = self.server.wait(self.pid, timeout)
+            except (OSError, EOFError):  # the server died, and its candidate processes with it (PR_SET_PDEATHSIG)
+                self.returncode = -signal.SIGKILL
+        if self.returncode is None:
+            if timeout == 0.0:
+                return None  # type: ignore[return-value]
+            raise subprocess.TimeoutExpired(f"candidate process {self.pid}", timeout or 0.0)
+        return self.returncode
+
+
+class Server:
+    """The judge's connection to its fork server."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "attncheck.forkserver", str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}, close_fds=True,
+            )  # fmt: skip
+        finally:
+            theirs.close()
+        self.socket = ours
+        self.pid = os.getpid()  # a forked judge (a pool worker) starts a server of its own
+        self.torch = False  # whether the server has been asked to import torch
+
+    def fork(self, fds: tuple[int, int, int], *, torch: bool) -> ForkedProcess:
+        """A candidate process running attncheck.child on `fds` (its read and write ends of the
+        channel, and the file for its output)."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # as a fresh interpreter gets
+        request = {"env": env, "cwd": os.getcwd(), "path": list(sys.path), "judge": os.getpid(),
+                   "preload": ("torch",) if torch and not self.torch else ()}  # fmt: skip
+        self.torch |= torch
+        reply = self._ask(("fork", request), fds)
+        return ForkedProcess(self, int(reply))
+
+    def wait(self, pid: int, timeout: float | None) -> int | None:
+        return self._ask(("wait", pid, timeout))
+
+    def _ask(self, request: tuple, fds: tuple[int, ...] = ()) -> Any:
+        data = pickle.dumps(request)
+        socket.send_fds(self.socket, [_HEADER.pack(len(data))], list(fds))
+        self.socket.sendall(data)
+        reply = pickle.loads(_receive(self.socket, _HEADER.unpack(_receive(self.socket, _HEADER.size))[0]))
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        self.socket.close()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+_server: Server | None = None
+_broken = False  # the server could not be started or died: fresh interpreters from then on
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0" and sys.platform.startswith("linux") and not _broken
+
+
+def fork(fds: tuple[int, int, int], *, torch: bool) -> ForkedProcess | None:
+    """A forked candidate process, or None where the judge should start a fresh interpreter (the
+    server is off, could not start, or died)."""
+    global _server, _broken
+    if not enabled():
+        return None
+    try:
+        if _server is None or _server.pid != os.getpid():
+            _server = Server()
+        return _server.fork(fds, torch=torch)
+    except (OSError, EOFError, pickle.PickleError, subprocess.SubprocessError):
+        _broken = True
+        return None
+
+
+@atexit.register  # after attncheck.remote's stop_all (registered later, run earlier), which ends its forks
+def stop() -> None:
+    """End the server. It runs no candidate code, so it outlives the runs of one judge (the
+    Python API's and a test session's many) and ends with the judge."""
+    global _server
+    if _server is not None and _server.pid == os.getpid():
+        _server.close()
+    _server = None
+
+
+def _receive(sock: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = sock.recv(left)
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+# ---------------------------------------------------------------------------- the server
+def _serve(sock: socket.socket) -> None:
+    while True:
+        try:
+            header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 3)
+        except OSError:
+            return
+        if not header:
+            return  # the judge is gone
+        if len(header) < _HEADER.size:
+            header += _receive(sock, _HEADER.size - len(header))
+        op, *args = pickle.loads(_receive(sock, _HEADER.unpack(header)[0]))
+        try:
+            reply: Any = _fork(sock, args[0], fds) if op == "fork" else _wait(*args)
+        except Exception as exc:  # noqa: BLE001 - the judge falls back to a fresh interpreter
+            reply = OSError(f"the fork server failed: {exc!r}")
+        finally:
+            for fd in fds:
+                os.close(fd)
+        data = pickle.dumps(reply)
+        sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
+    import importlib
+
+    for name in request["preload"]:
+        importlib.import_module(name)  # before the fork: every later candidate process has it
+    read_fd, write_fd, output_fd = fds
+    server = os.getpid()
+    pid = os.fork()
+    if pid:
+        _await_session(pid)
+        return pid
+    code = 0
+    try:
+        os.setsid()
+        sock.close()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(output_fd, 1)
+        os.dup2(output_fd, 2)
+        keep = sorted({0, 1, 2, read_fd, write_fd})
+        for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
+            os.closerange(low + 1, high)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.path[:] = request["path"]
+        import numpy as np
+
+        from attncheck import child
+
+        sys.argv = [child.__file__, str(read_fd), str(write_fd), str(server)]  # as `python -m attncheck.child` has it
+        np.random.seed()  # a fresh interpreter's global state, not the server's (shared by every fork)
+        child.main(read_fd, write_fd, server)
+    except BaseException:  # noqa: BLE001 - its output file shows what happened; the judge reads the exit
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:  # noqa: BLE001 - a candidate may have replaced or closed them
+                pass
+        os._exit(code)
+
+
+def _await_session(pid: int) -> None:
+    """Return once the forked process leads a group of its own, as Popen's start_new_session
+    guarantees before it returns: the judge ends a candidate by killing that group."""
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        try:
+            if os.getpgid(pid) == pid:
+                return
+        except ProcessLookupError:
+            return
+        time.sleep(0.0002)
+
+
+def _wait(pid: int, timeout: float | None) -> int | None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        time.sleep(_POLL_S)
+
+
+def main(fd: int, judge: int) -> None:
+    import importlib
+
+    from attncheck.child import die_with
+
+    die_with(judge)  # the server dies with the judge; its candidate processes die with it
+    sock = socket.socket(fileno=fd)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    _serve(sock)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,89 @@
+"""Candidate processes forked from the judge's fork server start as a fresh interpreter would: the
+judge's environment, working directory and sys.path at the fork, a session of their own, only their
+channel open, pristine modules, fresh random state; and the judge survives the server's death."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import time
+
+import pytest
+
+from attncheck import forkserver, remote
+
+PROBE = textwrap.dedent('''
+    import json, os, sys
+    import numpy as np
+    seen = {"marker": os.environ.get("ATTNCHECK_TEST_MARKER"), "cwd": os.getcwd(), "own_session": os.getsid(0) == os.getpid(),
+            "argv": sys.argv[1:], "random": float(np.random.random()), "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")),
+            "stdin": os.readlink("/proc/self/fd/0"), "patched_before": getattr(np, "patched_by_a_candidate", False),
+            "path_has_tmp": os.path.dirname(__file__) in sys.path or any(p == os.path.dirname(__file__) for p in sys.path)}
+    with open(os.environ["ATTNCHECK_TEST_SEEN"], "a") as f:
+        f.write(json.dumps(seen) + "\\n")
+    np.patched_by_a_candidate = True  # a candidate patching a module: the next fork must not see it
+    from attncheck.reference import MultiheadAttention
+''')
+
+
+@pytest.fixture
+def probe(tmp_path, monkeypatch):
+    (tmp_path / "probe_candidate.py").write_text(PROBE)
+    seen = tmp_path / "seen.jsonl"
+    monkeypatch.setenv("ATTNCHECK_TEST_SEEN", str(seen))
+    monkeypatch.chdir(tmp_path)
+
+    def load(marker: str) -> dict:
+        monkeypatch.setenv("ATTNCHECK_TEST_MARKER", marker)  # set after the server started: the fork must see it
+        process = remote.CandidateProcess(str(tmp_path / "probe_candidate.py") + ":MultiheadAttention", None)
+        try:
+            process.ensure()
+            kind = type(process.process).__name__
+        finally:
+            process.stop()
+        return {**json.loads(seen.read_text().splitlines()[-1]), "kind": kind}
+
+    return load
+
+
+def test_a_forked_candidate_process_starts_as_a_fresh_interpreter_would(probe, tmp_path, monkeypatch):
+    monkeypatch.setenv(forkserver.ENV, "0")
+    fresh = probe("fresh")
+    monkeypatch.setenv(forkserver.ENV, "1")
+    first, second = probe("first"), probe("second")
+    assert (fresh["kind"], first["kind"], second["kind"]) == ("Popen", "ForkedProcess", "ForkedProcess")
+    for seen, marker in ((fresh, "fresh"), (first, "first"), (second, "second")):
+        assert seen["marker"] == marker and seen["cwd"] == str(tmp_path) and seen["own_session"], seen
+        assert seen["stdin"] == os.devnull and seen["path_has_tmp"] and not seen["patched_before"], seen
+        # stdin, stdout, stderr, the two channel ends named in argv (and the listing's own descriptor)
+        read_fd, write_fd = map(int, seen["argv"][:2])
+        assert len(set(seen["fds"]) - {0, 1, 2, read_fd, write_fd}) <= 1, seen
+    assert first["random"] != second["random"]  # NumPy's global state reseeded, not the server's copy
+
+
+def test_the_judge_survives_the_servers_death_and_starts_fresh_interpreters(probe, monkeypatch):
+    monkeypatch.setenv(forkserver.ENV, "1")
+    monkeypatch.setattr(forkserver, "_server", None)
+    monkeypatch.setattr(forkserver, "_broken", False)
+    assert probe("before")["kind"] == "ForkedProcess"
+    process = remote.CandidateProcess("attncheck.testing.hostile:LoopsForever", None)
+    process.ensure()
+    pid = process.process.pid
+    os.kill(forkserver._server.process.pid, signal.SIGKILL)
+    forkserver._server.process.wait()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)  # it died with its server (PR_SET_PDEATHSIG)
+    process.stop()
+    assert probe("after")["kind"] == "Popen"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
