@@ -28,20 +28,20 @@ def heads_split():
 
 
 @pytest.mark.slow
-def test_the_head_split_bug_on_the_default_suite_prints_at_most_170_lines(heads_split):
+def test_the_head_split_bug_on_the_default_suite_prints_at_most_180_lines(heads_split):
     short, verbose = heads_split
     assert short.exit_code == verbose.exit_code == 1
     lines = short.output.splitlines()
-    assert len(lines) <= 170, len(lines)  # 167 on the 37-case suite, 164 on 36, 150 on 29: the summary and the probes' lists grow by case
+    assert len(lines) <= 180, len(lines)  # 175 on the 40-case suite, 173 on 39, 167 on 37, 164 on 36, 150 on 29: the summary and the probes' lists grow by case
     assert len(verbose.output.splitlines()) > 1000  # what the default leaves out is kept by --verbose
     # the summary comes first, then the distinct failures, then the verdict
     summary, failures = short.output.index("summary  default-suite"), short.output.index("distinct failures")
-    assert summary < failures < short.output.index("FAIL  9 of 109 checks pass, 100 fail")
+    assert summary < failures < short.output.index("FAIL  6 of 118 checks pass, 112 fail")
     # each command's commonest failure is shown for its first case; the same failure elsewhere is not repeated
     for command in ("forward", "grad", "sgd-step"):
         assert short.output.count(f"attncheck {command}  basic") == 1
-        assert short.output.count(f"attncheck {command}  heads-3x4") == 0
-        assert f"attncheck {command}  heads-3x4" in verbose.output
+        assert short.output.count(f"attncheck {command}  heads-5x2") == 0
+        assert f"attncheck {command}  heads-5x2" in verbose.output
     assert "Diagnosis: everywhere" in short.output
 
 

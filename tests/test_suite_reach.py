@@ -27,8 +27,8 @@ from attncheck.testing import wrong_layers, wrong_reach
 
 MHA, LAYER = "multihead_attention", "transformer_encoder_layer"
 NEW_CASES = {
-    MHA: {"encoder-decoder-no-bias", "long-causal", "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal",
-          "float16-long", "float16-causal", "bfloat16"},
+    MHA: {"encoder-decoder-no-bias", "cross-attention-no-bias", "kdim-vdim-no-bias", "seq-first-no-bias", "long-causal",
+          "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal", "float16-long", "float16-causal", "bfloat16"},
     LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block"},
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the gap it stands for in the comment.
@@ -39,6 +39,9 @@ REACH = {
     "MaskAppliedAfterExp": (MHA, {"large-logits-causal"}),  # 3: no large logits beside a mask
     "OnlineSoftmaxEmptyBlockNaN": (MHA, {"long-fully-padded-bias-kv"}),  # 4: no padded sequence with bias_k over blocks
     "EncoderDecoderQueryKeySwapped": (MHA, {"encoder-decoder-no-bias"}),  # 5: key is value only with biases
+    "CrossAttentionKeyValueChunksSwapped": (MHA, {"cross-attention-no-bias"}),  # 5: distinct key and value only with biases
+    "KdimHeadDimFromKeyWidth": (MHA, {"kdim-vdim-no-bias"}),  # 5: kdim and vdim only with biases
+    "SeqFirstReshapedNotTransposed": (MHA, {"seq-first-no-bias"}),  # 5: batch_first false only with biases
     "MaskFilledWithMinus1e9": (MHA, {"float16-causal"}),  # 6: a -1e9 fill in float16
     "HalfMeansFloat16": (MHA, {"bfloat16"}),  # 1: no bfloat16 case (NumPy cannot compute in it)
     "CausalOnlyScaleInFloat32": (MHA, {"float64-causal"}),  # 9: no float64 case a causal-only candidate takes

@@ -53,7 +53,7 @@ from attncheck.reference.kernel import (
 # one the reference no longer has: a renamed hook would silently turn its mutant into the reference.
 HOOKS = (
     # here: layout and masks
-    "_split_heads", "_merge_heads", "_additive",
+    "_to_internal", "_from_internal", "_split_heads", "_merge_heads", "_additive",
     # attncheck/reference/kernel.py: the attention core
     "_mask_block", "_probabilities", "_normalize", "_softmax_backward", "_attention_forward",
 )  # fmt: skip

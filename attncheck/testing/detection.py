@@ -168,6 +168,9 @@ DEFAULT_SUITE_CATCHES = [
     SuiteCatch("MaskAppliedAfterExp", "large-logits-causal", "forward", BOTH_FORWARD_PATHS),
     SuiteCatch("OnlineSoftmaxEmptyBlockNaN", "long-fully-padded-bias-kv", "forward", FORWARD_ONLY),
     SuiteCatch("EncoderDecoderQueryKeySwapped", "encoder-decoder-no-bias", "forward", FORWARD_ONLY),
+    SuiteCatch("CrossAttentionKeyValueChunksSwapped", "cross-attention-no-bias", "forward", FORWARD_ONLY),
+    SuiteCatch("KdimHeadDimFromKeyWidth", "kdim-vdim-no-bias", "forward", FORWARD_ONLY),
+    SuiteCatch("SeqFirstReshapedNotTransposed", "seq-first-no-bias", "forward", FORWARD_ONLY),
     SuiteCatch("CausalOnlyScaleInFloat32", "float64-causal", "forward", BOTH_FORWARD_PATHS),
 ]  # fmt: skip
 

@@ -5,11 +5,13 @@ Some of these bugs need a dtype, a length or a pair of options the suite's older
 combine (half precision; bfloat16 apart from float16; a mask on more keys than one kernel block;
 large logits with a mask); the others are written into candidates that, like real ones, declare
 unsupported every case that sets an option they lack (biases; any mask but the causal one), which
-hid the bug from every older case that could show it. Registered in wrong_impls.MODULES, usable as
-`--impl attncheck.testing.wrong_impls:NAME`; detection.DEFAULT_SUITE_CATCHES names the case that
-catches each, and tests/test_suite_reach.py runs each through the whole default suite to show that
-no other case does. Dimensions as in attncheck/reference/mha.py: B batch, L target length, S source
-length, E embed dim, H heads, D head dim, G = B * H.
+hid the bug from every older case that could show it: each bias-free one is caught by a bias-free
+twin of a case with biases (encoder-decoder, cross-attention, kdim-vdim, seq-first). Registered in
+wrong_impls.MODULES, usable as `--impl attncheck.testing.wrong_impls:NAME`;
+detection.DEFAULT_SUITE_CATCHES names the case that catches each, and tests/test_suite_reach.py runs
+each through the whole default suite to show that no other case does. Dimensions as in
+attncheck/reference/mha.py: B batch, L target length, S source length, E embed dim, H heads, D head
+dim, G = B * H.
 """
 
 from __future__ import annotations
@@ -208,16 +210,21 @@ class OnlineSoftmaxEmptyBlockNaN(MultiheadAttention):
 
 
 # ------------------------------------------------------------------- candidates that refuse
-class EncoderDecoderQueryKeySwapped(MultiheadAttention):
-    """A bias-free attention (biases declared unsupported, as in T5) whose encoder-decoder path
-    (key and value one array, not the query: fairseq's `encoder_decoder_attention` branch)
-    projects the query with the key weights and the memory with the query weights. Self-attention
-    and distinct key and value arrays take the other paths, which are right. Needs kdim == embed_dim."""
+class _BiasFree(MultiheadAttention):
+    """An attention without biases (T5's, and many a cross-attention function): bias=True is
+    declared unsupported, the way a candidate says it lacks a feature."""
 
     def __init__(self, params, *, bias=True, **kwargs):
         if bias:
             raise NotImplementedError("biases: this attention's projections have none")
         super().__init__(params, bias=bias, **kwargs)
+
+
+class EncoderDecoderQueryKeySwapped(_BiasFree):
+    """A bias-free attention (biases declared unsupported, as in T5) whose encoder-decoder path
+    (key and value one array, not the query: fairseq's `encoder_decoder_attention` branch)
+    projects the query with the key weights and the memory with the query weights. Self-attention
+    and distinct key and value arrays take the other paths, which are right. Needs kdim == embed_dim."""
 
     def forward(self, query, key, value, **kwargs):
         if key is not value or key is query:
@@ -227,6 +234,59 @@ class EncoderDecoderQueryKeySwapped(MultiheadAttention):
             return super().forward(query, key, value, **kwargs)
         finally:
             self.Wq, self.Wk = self.Wk, self.Wq
+
+
+class CrossAttentionKeyValueChunksSwapped(_BiasFree):
+    """A bias-free attention whose path for distinct key and value arrays (neither the query)
+    takes the packed in_proj_weight's chunks in the order (q, v, k): the key is projected with the
+    value's weights and the value with the key's, in the forward and the backward alike (its
+    gradients are its own forward's). Self-attention and key-is-value attention take the other
+    paths, which are right; with kdim != embed_dim the weights are separate and taken right."""
+
+    def forward(self, query, key, value, **kwargs):
+        Wq, Wk, Wv = np.split(self.params["in_proj_weight"], 3) if not self.separate else (self.Wq, self.Wk, self.Wv)
+        self.swapped = not self.separate and key is not query and key is not value
+        self.Wk, self.Wv = (Wv, Wk) if self.swapped else (Wk, Wv)  # (E, E) each: the bug
+        return super().forward(query, key, value, **kwargs)
+
+    def backward(self, grad_output):
+        grads = super().backward(grad_output)
+        if self.swapped:  # the gradient of the chunk used as Wk belongs in the v block, and back
+            E = self.E
+            w = grads["in_proj_weight"]  # (3E, E)
+            grads["in_proj_weight"] = np.concatenate([w[:E], w[2 * E :], w[E : 2 * E]])
+        return grads
+
+
+class KdimHeadDimFromKeyWidth(_BiasFree):
+    """A bias-free attention with separate key and value widths whose softmax scale takes the head
+    size from the key input's width, 1/sqrt(kdim // H), where torch's is 1/sqrt(embed_dim // H)
+    (`head_dim = key.shape[-1] // num_heads`, read before the projection), in the forward and the
+    backward alike. Invisible when kdim == embed_dim."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.scale = self.dtype.type(np.sqrt(1.0 / (self.Ek // self.H)))  # the bug: Ek, not E
+
+
+class SeqFirstReshapedNotTransposed(_BiasFree):
+    """A bias-free attention that turns batch_first=False inputs (L, B, E) into (B, L, E) with a
+    reshape instead of a transpose, and its (B, L, E) result back the same way: each "sequence" it
+    attends over is L consecutive rows of the (L * B, E) memory, mixing positions of different
+    sequences. Its gradients are its own forward's (a reshape's adjoint is the reshape back).
+    Invisible when batch_first is true and for unbatched inputs."""
+
+    def _to_internal(self, x, unbatched):
+        if unbatched or self.batch_first:
+            return super()._to_internal(x, unbatched)
+        L, B, E = x.shape
+        return x.reshape(B, L, E)  # the bug: torch transposes
+
+    def _from_internal(self, x, unbatched):
+        if unbatched or self.batch_first:
+            return super()._from_internal(x, unbatched)
+        B, L, E = x.shape
+        return x.reshape(L, B, E)
 
 
 class CausalOnlyScaleInFloat32(MultiheadAttention):
@@ -251,5 +311,6 @@ class CausalOnlyScaleInFloat32(MultiheadAttention):
 MODULES = {
     cls.__name__: cls
     for cls in (HalfAccumulatedSoftmax, HalfInputsFloat32Output, MaskFilledWithMinus1e9, HalfMeansFloat16, CausalMaskBlockLocal,
-                MaskAppliedAfterExp, OnlineSoftmaxEmptyBlockNaN, EncoderDecoderQueryKeySwapped, CausalOnlyScaleInFloat32)
+                MaskAppliedAfterExp, OnlineSoftmaxEmptyBlockNaN, EncoderDecoderQueryKeySwapped, CrossAttentionKeyValueChunksSwapped,
+                KdimHeadDimFromKeyWidth, SeqFirstReshapedNotTransposed, CausalOnlyScaleInFloat32)
 }  # fmt: skip
