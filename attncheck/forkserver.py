@@ -10,8 +10,10 @@ runs candidate code; each candidate process is a fork of it, so it starts with p
 A forked candidate process is set up as a fresh one would be: a session of its own, stdin from
 /dev/null, stdout and stderr to the judge's file, the judge's environment, working directory and
 sys.path as they are at the fork, only its two channel descriptors open, NumPy's global random
-state reseeded. Its parent is the server, which reaps it and tells the judge its exit status; the
-server dies with the judge, and the candidate processes with the server (PR_SET_PDEATHSIG).
+state reseeded. Its parent is the server, which reaps it and tells the judge its exit status. The
+server ends when the judge's end of their socket closes (the judge ends, or gives up on it after
+an interrupted, late or out-of-step exchange), and the candidate processes end with the server
+(PR_SET_PDEATHSIG). Each reply echoes its request's number and is a few integers, never a pickle.
 
 torch is imported by the server only once a torch candidate has been loaded (a respawn, another
 torch candidate in the same judge), so a one-candidate NumPy run does not pay for it. JAX is never
@@ -37,6 +39,11 @@ from typing import Any
 ENV = "ATTNCHECK_FORK_SERVER"
 PRELOAD = ("numpy", "attncheck.child", "attncheck.channel", "attncheck.candidate", "attncheck.errors", "attncheck.contract")
 _HEADER = struct.Struct("!I")
+_REPLY = struct.Struct("!QBq")  # the request's sequence number, a status, an int: the judge unpickles nothing
+_OK, _NONE, _FAILED = 0, 1, 2
+# The most a fork (with the server's import of torch) or the reaping of a killed process may take
+# under load before the judge gives up on the server and starts fresh interpreters instead.
+SERVER_TIMEOUT = 120.0
 _POLL_S = 0.005  # how often the server looks for a child's exit while the judge waits for it
 
 
@@ -46,6 +53,7 @@ class ForkedProcess:
 
     def __init__(self, server: Server, pid: int):
         self.server, self.pid, self.returncode = server, pid, None
+        self.server_gone = False  # it ended because its server did, not by anything it did
 
     def poll(self) -> int | None:
         return self.wait(0.0) if self.returncode is None else self.returncode
@@ -56,8 +64,8 @@ class ForkedProcess:
         if self.returncode is None:
             try:
                 self.returncode = self.server.wait(self.pid, timeout)
-            except (OSError, EOFError):  # the server died, and its candidate processes with it (PR_SET_PDEATHSIG)
-                self.returncode = -signal.SIGKILL
+            except OSError:  # the server is gone, and its candidate processes with it (PR_SET_PDEATHSIG)
+                self.returncode, self.server_gone = -signal.SIGKILL, True
         if self.returncode is None:
             if timeout == 0.0:
                 return None  # type: ignore[return-value]
@@ -81,6 +89,8 @@ class Server:
         self.socket = ours
         self.pid = os.getpid()  # a forked judge (a pool worker) starts a server of its own
         self.torch = False  # whether the server has been asked to import torch
+        self.sequence = 0  # of the last request: its reply must echo it
+        self.broken = False
 
     def fork(self, fds: tuple[int, int, int], *, torch: bool) -> ForkedProcess:
         """A candidate process running attncheck.child on `fds` (its read and write ends of the
@@ -89,20 +99,43 @@ class Server:
         request = {"env": env, "cwd": os.getcwd(), "path": list(sys.path), "judge": os.getpid(),
                    "preload": ("torch",) if torch and not self.torch else ()}  # fmt: skip
         self.torch |= torch
-        reply = self._ask(("fork", request), fds)
-        return ForkedProcess(self, int(reply))
+        pid = self._ask(("fork", request), fds, SERVER_TIMEOUT)
+        if pid is None or pid <= 1:
+            self._break()
+            raise OSError(f"the fork server answered a fork with pid {pid}")
+        return ForkedProcess(self, pid)
 
     def wait(self, pid: int, timeout: float | None) -> int | None:
-        return self._ask(("wait", pid, timeout))
+        return self._ask(("wait", pid, timeout), (), None if timeout is None else SERVER_TIMEOUT + timeout)
 
-    def _ask(self, request: tuple, fds: tuple[int, ...] = ()) -> Any:
-        data = pickle.dumps(request)
-        socket.send_fds(self.socket, [_HEADER.pack(len(data))], list(fds))
-        self.socket.sendall(data)
-        reply = pickle.loads(_receive(self.socket, _HEADER.unpack(_receive(self.socket, _HEADER.size))[0]))
-        if isinstance(reply, BaseException):
-            raise reply
-        return reply
+    def _ask(self, request: tuple, fds: tuple[int, ...], timeout: float | None) -> int | None:
+        """The server's answer: an int, or None. OSError if the server is gone, late, out of step or
+        could not do it; the connection is then closed for good (the server ends, and its forks
+        with it), whatever interrupted the exchange: a reply never answers a later request."""
+        if self.broken:
+            raise OSError("the fork server is gone")
+        self.sequence += 1
+        data = pickle.dumps((self.sequence, *request))
+        try:
+            self.socket.settimeout(timeout)
+            socket.send_fds(self.socket, [_HEADER.pack(len(data))], list(fds))
+            self.socket.sendall(data)
+            sequence, status, value = _REPLY.unpack(_receive(self.socket, _REPLY.size))
+        except BaseException:
+            self._break()
+            raise
+        if sequence != self.sequence or status not in (_OK, _NONE, _FAILED):
+            self._break()
+            raise OSError("the fork server's reply is out of step")
+        if status == _FAILED:
+            self._break()
+            raise OSError("the fork server could not fork")
+        return None if status == _NONE else value
+
+    def _break(self) -> None:
+        global _broken
+        self.broken = _broken = True  # fresh interpreters from now on
+        self.socket.close()
 
     def close(self) -> None:
         self.socket.close()
@@ -131,7 +164,7 @@ def fork(fds: tuple[int, int, int], *, torch: bool) -> ForkedProcess | None:
         if _server is None or _server.pid != os.getpid():
             _server = Server()
         return _server.fork(fds, torch=torch)
-    except (OSError, EOFError, pickle.PickleError, subprocess.SubprocessError):
+    except (OSError, EOFError, subprocess.SubprocessError):
         _broken = True
         return None
 
@@ -168,16 +201,16 @@ def _serve(sock: socket.socket) -> None:
             return  # the judge is gone
         if len(header) < _HEADER.size:
             header += _receive(sock, _HEADER.size - len(header))
-        op, *args = pickle.loads(_receive(sock, _HEADER.unpack(header)[0]))
+        sequence, op, *args = pickle.loads(_receive(sock, _HEADER.unpack(header)[0]))
         try:
-            reply: Any = _fork(sock, args[0], fds) if op == "fork" else _wait(*args)
-        except Exception as exc:  # noqa: BLE001 - the judge falls back to a fresh interpreter
-            reply = OSError(f"the fork server failed: {exc!r}")
+            value = _fork(sock, args[0], fds) if op == "fork" else _wait(*args)
+            status = _NONE if value is None else _OK
+        except Exception:  # noqa: BLE001 - the judge falls back to a fresh interpreter
+            value, status = None, _FAILED
         finally:
             for fd in fds:
                 os.close(fd)
-        data = pickle.dumps(reply)
-        sock.sendall(_HEADER.pack(len(data)) + data)
+        sock.sendall(_REPLY.pack(sequence, status, value or 0))
 
 
 def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
@@ -189,7 +222,10 @@ def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
     server = os.getpid()
     pid = os.fork()
     if pid:
-        _await_session(pid)
+        if not _await_session(pid):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise OSError("the forked process did not start a session of its own")
         return pid
     code = 0
     try:
@@ -227,17 +263,19 @@ def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
         os._exit(code)
 
 
-def _await_session(pid: int) -> None:
-    """Return once the forked process leads a group of its own, as Popen's start_new_session
-    guarantees before it returns: the judge ends a candidate by killing that group."""
+def _await_session(pid: int) -> bool:
+    """Whether the forked process came to lead a group of its own (or has already ended), as
+    Popen's start_new_session guarantees before it returns: the judge ends a candidate by killing
+    that group."""
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         try:
             if os.getpgid(pid) == pid:
-                return
+                return True
         except ProcessLookupError:
-            return
+            return True
         time.sleep(0.0002)
+    return False
 
 
 def _wait(pid: int, timeout: float | None) -> int | None:
@@ -254,9 +292,11 @@ def _wait(pid: int, timeout: float | None) -> int | None:
 def main(fd: int, judge: int) -> None:
     import importlib
 
-    from attncheck.child import die_with
-
-    die_with(judge)  # the server dies with the judge; its candidate processes die with it
+    if os.getppid() != judge:
+        return  # the judge is gone already
+    # It ends when the judge's end of the socket closes (the judge exits, is killed, or gives up
+    # on it), not by PR_SET_PDEATHSIG, which would tie it to the judge's thread that started it;
+    # its candidate processes end with it.
     sock = socket.socket(fileno=fd)
     for name in PRELOAD:
         importlib.import_module(name)

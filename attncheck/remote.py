@@ -155,7 +155,8 @@ class CandidateProcess:
             except OSError:
                 pass
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            if self.process.pid > 1:  # never this process's own group (0) or every process (-1, 1)
+                os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         self.process.wait()
@@ -192,7 +193,10 @@ class CandidateProcess:
         except subprocess.TimeoutExpired:  # alive, but its end of the channel is closed
             self.stop()
             return f"the candidate's process closed its channel to attncheck during {what}; it was killed"
+        gone = getattr(self.process, "server_gone", False)
         self.stop()
+        if gone:
+            return f"attncheck's fork server ended during {what}, and the candidate's process with it (not the candidate's doing)"
         if code is not None and code < 0:
             return f"killed by {_signal_name(-code)} during {what}"
         return f"the candidate's process exited with code {code} during {what}"

@@ -213,6 +213,13 @@ def _worker_init(environ: dict[str, str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(environ)  # the judge's of the moment, not the fork server's of its start
+    # A worker forked by multiprocessing's fork server leaves by os._exit, past atexit: end its
+    # candidates' processes (and what they started) before the parent writes any file.
+    from multiprocessing.util import Finalize
+
+    from attncheck import remote
+
+    Finalize(None, remote.stop_all, exitpriority=100)
     from attncheck import threads, torch_side
 
     torch_side.use_one_thread()

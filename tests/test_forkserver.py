@@ -87,3 +87,31 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_an_interrupted_exchange_ends_the_server_and_the_judge_starts_fresh_interpreters(probe, monkeypatch):
+    """A Ctrl-C (or any exception) between a request and its reply must not leave the next request
+    reading that reply: the judge closes the connection, the server and its forks end, and later
+    candidate processes are fresh interpreters."""
+    monkeypatch.setenv(forkserver.ENV, "1")
+    monkeypatch.setattr(forkserver, "_server", None)
+    monkeypatch.setattr(forkserver, "_broken", False)
+    process = remote.CandidateProcess("attncheck.testing.hostile:LoopsForever", None)
+    process.ensure()
+    pid, server = process.process.pid, forkserver._server
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(forkserver, "_receive", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            process.process.wait(timeout=1)
+    assert server.broken
+    process.stop()  # reads no stale reply, kills no group but the candidate's
+    assert server.process.wait(timeout=10) is not None
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+    assert probe("after")["kind"] == "Popen"

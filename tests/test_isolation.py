@@ -56,6 +56,19 @@ def test_a_hostile_candidate_gets_its_verdict(hostile: Hostile, tmp_path, monkey
     assert "\x1b" not in output and "\x00" not in output  # nothing it said reaches the terminal raw
 
 
+def test_a_forked_child_of_a_candidate_in_a_worker_cannot_rewrite_the_report(tmp_path, monkeypatch):
+    """--workers: each worker ends its candidates' processes (and their groups) before it exits,
+    however the pool's processes exit, so nothing a candidate started outlives the run."""
+    report, suite = tmp_path / "report.json", tmp_path / "suite.yaml"
+    suite.write_text("name: two\ndefaults: {embed_dim: 8, num_heads: 2, tgt_len: 3}\nmatrix:\n  add_bias_kv: [false, true]\n")
+    monkeypatch.setenv("ATTNCHECK_HOSTILE_JSON", str(report))
+    code, output = run("run", "-c", str(suite), "--only", "forward", "--impl", SPEC.format("ForksAndRewritesTheReport"),
+                       "--json", str(report), "--workers", "2")  # fmt: skip
+    assert code == 1, output
+    time.sleep(4)  # past the moment its forked children would write
+    assert json.loads(report.read_text())["verdict"] == "fail"
+
+
 @pytest.mark.parametrize("body,telling", [
     ("import sys\nsys.exit(0)\n", "SystemExit(0)"),
     ("import os\nos._exit(0)\n", "exited with code 0"),
