@@ -37,6 +37,19 @@ class Malformed(Exception):
 
 
 # ------------------------------------------------------------------------------- requests
+def read_exact(read: Callable[[int], bytes], n: int) -> bytes:
+    """Exactly `n` bytes from `read` (a pipe's or a socket's, returning at most what it is asked
+    for); EOFError if the other end closes first."""
+    chunks, left = [], n
+    while left:
+        chunk = read(left)
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 def write_request(write: Callable[[bytes], Any], request: Any) -> None:
     data = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
     write(MAGIC + _LENGTH.pack(len(data)) + data)

@@ -103,26 +103,16 @@ def die_with(parent: int) -> None:
 
 def main(read_fd: int, write_fd: int, parent: int) -> None:
     die_with(parent)
-    from attncheck.channel import encode_reply, read_request
+    from attncheck.channel import encode_reply, read_exact, read_request
     from attncheck.errors import CandidateProblem, TracerLeak, Unsupported, UsageError
 
     reader = os.fdopen(read_fd, "rb", buffering=0)
     writer = os.fdopen(write_fd, "wb", buffering=0)
 
-    def read_exact(n: int) -> bytes:
-        chunks, left = [], n
-        while left:
-            chunk = reader.read(left)
-            if not chunk:
-                raise EOFError
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-
     child = Child()
     while True:
         try:
-            request = read_request(read_exact)
+            request = read_request(lambda n: read_exact(reader.read, n))
         except EOFError:
             return  # the judge is done
         try:

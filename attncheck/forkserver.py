@@ -180,14 +180,9 @@ def stop() -> None:
 
 
 def _receive(sock: socket.socket, n: int) -> bytes:
-    chunks, left = [], n
-    while left:
-        chunk = sock.recv(left)
-        if not chunk:
-            raise EOFError
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+    from attncheck.channel import read_exact
+
+    return read_exact(sock.recv, n)
 
 
 # ---------------------------------------------------------------------------- the server
