@@ -48,6 +48,13 @@ _POLL_S = 0.005  # how often the server looks for a child's exit while the judge
 
 
 # ---------------------------------------------------------------------------- the judge's side
+def environment() -> dict[str, str]:
+    """The environment of a process the judge starts for candidates (the server, a fresh
+    interpreter, a fork): the judge's, with its sys.path as PYTHONPATH, so that it imports what
+    the judge would."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+
+
 class ForkedProcess:
     """A candidate process forked by the server: the part of subprocess.Popen the judge uses."""
 
@@ -82,7 +89,7 @@ class Server:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "attncheck.forkserver", str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}, close_fds=True,
+                start_new_session=True, env=environment(), close_fds=True,
             )  # fmt: skip
         finally:
             theirs.close()
@@ -95,9 +102,7 @@ class Server:
     def fork(self, fds: tuple[int, int, int], *, torch: bool) -> ForkedProcess:
         """A candidate process running attncheck.child on `fds` (its read and write ends of the
         channel, and the file for its output)."""
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # as a fresh interpreter gets
-        request = {"env": env, "cwd": os.getcwd(), "path": list(sys.path), "judge": os.getpid(),
-                   "preload": ("torch",) if torch and not self.torch else ()}  # fmt: skip
+        request = {"env": environment(), "cwd": os.getcwd(), "path": list(sys.path), "preload": ("torch",) if torch and not self.torch else ()}
         self.torch |= torch
         pid = self._ask(("fork", request), fds, SERVER_TIMEOUT)
         if pid is None or pid <= 1:

@@ -104,13 +104,12 @@ class CandidateProcess:
         """Start the process and ask it to import the candidate, without waiting for it to."""
         judge_read, child_write = os.pipe()
         child_read, judge_write = os.pipe()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
             self.process = forkserver.fork((child_read, child_write, self._output.fileno()), torch="torch" in _FRAMEWORKS)
             self.process = self.process or subprocess.Popen(
             [sys.executable, "-m", "attncheck.child", str(child_read), str(child_write), str(os.getpid())],
             pass_fds=(child_read, child_write), stdin=subprocess.DEVNULL, stdout=self._output, stderr=self._output,
-            start_new_session=True, env=env, close_fds=True,
+            start_new_session=True, env=forkserver.environment(), close_fds=True,
             )  # fmt: skip
         except BaseException:
             for fd in (judge_read, child_write, child_read, judge_write):
