@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
@@ -61,8 +62,18 @@ class ForkedProcess:
     def __init__(self, server: Server, pid: int):
         self.server, self.pid, self.returncode = server, pid, None
         self.server_gone = False  # it ended because its server did, not by anything it did
+        # Readable once the process has ended, so that `poll` asks the server only then: the judge
+        # polls before every call, and a round trip to the server for each doubled a call's cost
+        # (1.5 s of a 5.9 s no-config run, 5,653 polls). The pid cannot be reused before the server
+        # reaps it, which it does only when asked (`wait`), so the descriptor is this process's.
+        try:
+            self._ended: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfd (Linux < 5.3, a sandbox refusing it): ask the server
+            self._ended = None
 
     def poll(self) -> int | None:
+        if self.returncode is None and self._ended is not None and not select.select([self._ended], [], [], 0)[0]:
+            return None
         return self.wait(0.0) if self.returncode is None else self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -73,11 +84,21 @@ class ForkedProcess:
                 self.returncode = self.server.wait(self.pid, timeout)
             except OSError:  # the server is gone, and its candidate processes with it (PR_SET_PDEATHSIG)
                 self.returncode, self.server_gone = -signal.SIGKILL, True
+            if self.returncode is not None:
+                self._close()
         if self.returncode is None:
             if timeout == 0.0:
                 return None  # type: ignore[return-value]
             raise subprocess.TimeoutExpired(f"candidate process {self.pid}", timeout or 0.0)
         return self.returncode
+
+    def _close(self) -> None:
+        if self._ended is not None:
+            os.close(self._ended)
+            self._ended = None
+
+    def __del__(self) -> None:
+        self._close()
 
 
 class Server:

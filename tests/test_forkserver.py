@@ -115,3 +115,25 @@ def test_an_interrupted_exchange_ends_the_server_and_the_judge_starts_fresh_inte
         time.sleep(0.05)
     assert not _alive(pid)
     assert probe("after")["kind"] == "Popen"
+
+
+def test_polling_a_live_forked_process_asks_the_server_nothing_and_its_end_is_seen(monkeypatch):
+    """The judge polls its candidate's process before every call: that must cost no round trip to
+    the server while it lives (its pidfd says so), and must see its end at once."""
+    monkeypatch.setenv(forkserver.ENV, "1")
+    monkeypatch.setattr(forkserver, "_server", None)
+    monkeypatch.setattr(forkserver, "_broken", False)
+    process = remote.CandidateProcess("attncheck.reference:MultiheadAttention", None)
+    process.ensure()
+    forked = process.process
+    assert isinstance(forked, forkserver.ForkedProcess)
+    asked = forkserver._server.sequence
+    for _ in range(50):
+        assert forked.poll() is None
+    assert forkserver._server.sequence == asked
+    os.kill(forked.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while forked.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert forked.poll() == -signal.SIGKILL and forkserver._server.sequence > asked
+    process.stop()
