@@ -9,7 +9,8 @@ Three float16 accumulators, each the reference with one sum added term by term i
 
   keys      the softmax's sum and P v over S keys (wrong_reach.HalfAccumulatedSoftmax), E=4 H=2 B=1,
             S = L = 130, 256, 512: what the default suite's float16-long case (130) measures
-  out-proj  the out-projection over E features, E = 512, B=1 L=3, H = 2, 4, 8
+  out-proj  the out-projection over E features (wrong_reach.HalfAccumulatedOutProjection): E = 10 (H = 2, B = 3, L = 4, the suite's other half
+            cases) and E = 512 (B = 1, L = 3, H = 2, 4, 8; H = 4 is the default suite's float16-wide case)
   q k^T     the logits over D = E / H features, the same shapes
 
 For each, the worst row's candidate error over what the rule allows (cand err / allowed, > 1 is
@@ -26,29 +27,7 @@ from attncheck.candidate import Candidate
 from attncheck.checks import run_check
 from attncheck.config import config_from_mapping
 from attncheck.reference import MultiheadAttention
-from attncheck.testing.wrong_reach import HalfAccumulatedSoftmax
-
-
-def half_accumulated_matmul(a: np.ndarray, b: np.ndarray, half: np.dtype) -> np.ndarray:
-    """a (..., M, K) @ b (..., K, N) with the K products added one at a time in `half`, rounded after
-    every addition (each product of two half values is exact in float32); the result as float32."""
-    a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    acc = np.zeros(np.broadcast_shapes(a32.shape[:-1] + (1,), b32.shape[:-2] + (1, b32.shape[-1])), dtype=half)  # (..., M, N)
-    for i in range(a32.shape[-1]):
-        acc = (acc.astype(np.float32) + a32[..., :, i : i + 1] * b32[..., i : i + 1, :]).astype(half)
-    return acc.astype(np.float32)
-
-
-class HalfAccumulatedOutProjection(MultiheadAttention):
-    """The out-projection y = c Wo^T + bo summed over E in float16."""
-
-    def forward(self, query, key, value, **kwargs):
-        out, weights = super().forward(query, key, value, **kwargs)
-        s = self._saved
-        y = half_accumulated_matmul(s.ctx_merged.astype(self.storage), self.Wo.T, self.storage)  # (B, L, E)
-        if self.bo is not None:
-            y = y + self.bo
-        return self._from_internal(y.astype(self.storage), s.unbatched), weights
+from attncheck.testing.wrong_reach import HalfAccumulatedOutProjection, HalfAccumulatedSoftmax, half_accumulated_matmul
 
 
 class HalfAccumulatedLogits(MultiheadAttention):
@@ -80,10 +59,12 @@ def main() -> None:
     for L in (130, 256, 512):
         shape = dict(embed_dim=4, num_heads=2, batch_size=1, tgt_len=L)
         print(f"| keys | S = {L} | {', '.join(f'{worst_ratio(HalfAccumulatedSoftmax, seed=s, **shape):.2f}' for s in seeds)} |")
+    # E = 10 (H = 2, B = 3, L = 4): the suite's other float16 cases; E = 512, H = 4, B = 1, L = 3: float16-wide
+    shapes = [dict(embed_dim=10, num_heads=2, batch_size=3, tgt_len=4)] + [dict(embed_dim=512, num_heads=H, batch_size=1, tgt_len=3) for H in (2, 4, 8)]
     for cls, name in ((HalfAccumulatedOutProjection, "out-proj"), (HalfAccumulatedLogits, "q k^T")):
-        for H in (2, 4, 8):
-            shape = dict(embed_dim=512, num_heads=H, batch_size=1, tgt_len=3)
-            print(f"| {name} | E = 512, H = {H} | {', '.join(f'{worst_ratio(cls, seed=s, **shape):.2f}' for s in seeds)} |")
+        for shape in shapes:
+            label = f"E = {shape['embed_dim']}, H = {shape['num_heads']}"
+            print(f"| {name} | {label} | {', '.join(f'{worst_ratio(cls, seed=s, **shape):.2f}' for s in seeds)} |")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def test_the_head_split_bug_on_the_default_suite_prints_at_most_180_lines(heads_
     assert len(verbose.output.splitlines()) > 1000  # what the default leaves out is kept by --verbose
     # the summary comes first, then the distinct failures, then the verdict
     summary, failures = short.output.index("summary  default-suite"), short.output.index("distinct failures")
-    assert summary < failures < short.output.index("FAIL  6 of 118 checks pass, 112 fail")
+    assert summary < failures < short.output.index("FAIL  6 of 119 checks pass, 113 fail")
     # each command's commonest failure is shown for its first case; the same failure elsewhere is not repeated
     for command in ("forward", "grad", "sgd-step"):
         assert short.output.count(f"attncheck {command}  basic") == 1

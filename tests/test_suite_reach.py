@@ -28,13 +28,14 @@ from attncheck.testing import wrong_layers, wrong_reach
 MHA, LAYER = "multihead_attention", "transformer_encoder_layer"
 NEW_CASES = {
     MHA: {"encoder-decoder-no-bias", "cross-attention-no-bias", "kdim-vdim-no-bias", "seq-first-no-bias", "long-causal",
-          "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal", "float16-long", "float16-causal", "bfloat16"},
+          "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal", "float16-long", "float16-causal", "float16-wide", "bfloat16"},
     LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block"},
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the gap it stands for in the comment.
 REACH = {
     "HalfAccumulatedSoftmax": (MHA, {"float16-long"}),  # 1: no half-precision case
-    "HalfInputsFloat32Output": (MHA, {"float16-long", "float16-causal"}),  # 1
+    "HalfInputsFloat32Output": (MHA, {"float16-long", "float16-causal", "float16-wide"}),  # 1
+    "HalfAccumulatedOutProjection": (MHA, {"float16-wide"}),  # 1: no wide half-precision model (E = 512)
     "CausalMaskBlockLocal": (MHA, {"long-causal"}),  # 2: no mask beyond one kernel block
     "MaskAppliedAfterExp": (MHA, {"large-logits-causal"}),  # 3: no large logits beside a mask
     "OnlineSoftmaxEmptyBlockNaN": (MHA, {"long-fully-padded-bias-kv"}),  # 4: no padded sequence with bias_k over blocks
@@ -61,6 +62,10 @@ def _suite(kind: str):
 
 def test_the_table_covers_the_corpus_s_new_members_and_the_suites_new_cases():
     assert set(wrong_reach.MODULES) | {"KeyPaddingDroppedWhenCausal", "GptBlockGeluTanh", "GptBlockScaleInFloat32"} == set(REACH)
+    from attncheck.testing import wrong_impls
+
+    # each is usable as `--impl attncheck.testing.wrong_impls:NAME`, as the docs say
+    assert {name: getattr(wrong_impls, name, None) for name in wrong_reach.MODULES} == wrong_reach.MODULES
     for kind, cases in NEW_CASES.items():
         assert cases <= {case.name for case in _suite(kind).cases}
         assert set().union(*(catching for k, catching in REACH.values() if k == kind)) == cases  # each new case catches one

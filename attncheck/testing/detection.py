@@ -162,6 +162,7 @@ DEFAULT_SUITE_CATCHES = [
     # issue 29's gaps (wrong_reach.py): each caught by no case but the one added for it
     SuiteCatch("HalfAccumulatedSoftmax", "float16-long", "forward", BOTH_FORWARD_PATHS),
     SuiteCatch("HalfInputsFloat32Output", "float16-long", "forward", {"forward": ("dtype",)}),  # the values are right
+    SuiteCatch("HalfAccumulatedOutProjection", "float16-wide", "forward", {"forward": ("output",), "fast-path": ("output",)}),  # weights come before it
     SuiteCatch("MaskFilledWithMinus1e9", "float16-causal", "forward", BOTH_FORWARD_PATHS),
     SuiteCatch("HalfMeansFloat16", "bfloat16", "forward", {"forward": ("dtype",)}),  # the values pass: float16 is finer
     SuiteCatch("CausalMaskBlockLocal", "long-causal", "forward", BOTH_FORWARD_PATHS),

@@ -578,7 +578,7 @@ MODULES.update({cls.__name__: cls for cls in (HeadsSplitByReshape, HeadsMergedBy
 # Bugs the default suite once missed (issue 29, item 2) live beside these too (wrong_reach).
 from attncheck.testing.wrong_reach import (CausalMaskBlockLocal, CausalOnlyScaleInFloat32,  # noqa: E402, F401
                                            CrossAttentionKeyValueChunksSwapped, EncoderDecoderQueryKeySwapped,
-                                           HalfAccumulatedSoftmax, HalfInputsFloat32Output, HalfMeansFloat16,
+                                           HalfAccumulatedOutProjection, HalfAccumulatedSoftmax, HalfInputsFloat32Output, HalfMeansFloat16,
                                            KdimHeadDimFromKeyWidth, MaskAppliedAfterExp, MaskFilledWithMinus1e9,
                                            OnlineSoftmaxEmptyBlockNaN, SeqFirstReshapedNotTransposed)  # fmt: skip
 from attncheck.testing.wrong_reach import MODULES as _REACH  # noqa: E402

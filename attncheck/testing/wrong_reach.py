@@ -75,6 +75,33 @@ class HalfAccumulatedSoftmax(MultiheadAttention):
         return ctx, weights, a
 
 
+def half_accumulated_matmul(a: np.ndarray, b: np.ndarray, half: np.dtype) -> np.ndarray:
+    """a (..., M, K) @ b (..., K, N) with the K products added one at a time in `half`, rounded
+    after every addition (each product of two half values is exact in float32); the result as float32."""
+    a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    acc = np.zeros(np.broadcast_shapes(a32.shape[:-1] + (1,), b32.shape[:-2] + (1, b32.shape[-1])), dtype=half)  # (..., M, N)
+    for i in range(a32.shape[-1]):
+        acc = (acc.astype(np.float32) + a32[..., :, i : i + 1] * b32[..., i : i + 1, :]).astype(half)
+    return acc.astype(np.float32)
+
+
+class HalfAccumulatedOutProjection(MultiheadAttention):
+    """A half-precision kernel whose out-projection y = c Wo^T + bo adds its E products one at a
+    time in float16 (or bfloat16), where torch accumulates in float32. The error grows with E: it
+    stays within the allowance at the suite's E = 10 and shows at E = 512 (float16-wide;
+    benchmarks/half_accumulation.py measures it). In float32 and float64 it is the reference."""
+
+    def forward(self, query, key, value, **kwargs):
+        out, weights = super().forward(query, key, value, **kwargs)
+        if self.storage.itemsize != 2:
+            return out, weights
+        s = self._saved
+        y = half_accumulated_matmul(s.ctx_merged.astype(self.storage), self.Wo.T, self.storage)  # (B, L, E)
+        if self.bo is not None:
+            y = y + self.bo
+        return self._from_internal(y.astype(self.storage), s.unbatched), weights
+
+
 class HalfInputsFloat32Output(MultiheadAttention):
     """Half-precision inputs computed in float32 and the float32 results returned as they are,
     never cast back to float16 (or bfloat16): as accurate as torch, or more, in the wrong dtype.
@@ -310,7 +337,7 @@ class CausalOnlyScaleInFloat32(MultiheadAttention):
 # Every wrong module above, by name.
 MODULES = {
     cls.__name__: cls
-    for cls in (HalfAccumulatedSoftmax, HalfInputsFloat32Output, MaskFilledWithMinus1e9, HalfMeansFloat16, CausalMaskBlockLocal,
+    for cls in (HalfAccumulatedSoftmax, HalfAccumulatedOutProjection, HalfInputsFloat32Output, MaskFilledWithMinus1e9, HalfMeansFloat16, CausalMaskBlockLocal,
                 MaskAppliedAfterExp, OnlineSoftmaxEmptyBlockNaN, EncoderDecoderQueryKeySwapped, CrossAttentionKeyValueChunksSwapped,
                 KdimHeadDimFromKeyWidth, SeqFirstReshapedNotTransposed, CausalOnlyScaleInFloat32)
 }  # fmt: skip
