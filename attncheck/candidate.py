@@ -401,6 +401,16 @@ class Session:
             raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {what}", where)
         return out, None if second is None else self._as_numpy(second, f"forward() returned {second_name}", where)
 
+    def build_and_forward(self, w: Workload, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """`forward` of an object built from the workload's parameters: one request to a candidate's
+        process (RemoteSession), where the two calls would be two round trips."""
+        return self.forward(self.build(w.params), w, layout)
+
+    def build_and_forward_each(self, ws: list[Workload]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """`build_and_forward` of each workload in order (the finite differences' many losses):
+        the same calls, in one request to a candidate's process."""
+        return [self.build_and_forward(w) for w in ws]
+
     def _call_forward(self, obj: Any, query: Any, key: Any, value: Any, masks: tuple, extras: dict[str, Any]) -> Any:
         """The kind's call of the object's forward; a framework session may compile it (JaxSession)."""
         return kind_of(self.cfg).call_forward(self.cfg, obj, query, key, value, *masks, **extras)

@@ -4,7 +4,7 @@ or a fork of the judge's fork server (attncheck.forkserver) that calls `main`.
 The only process that imports and calls candidate code. It loads the candidate named by the
 judge's first request, then serves requests one at a time, each answered with one reply
 (attncheck.channel): open a session for a config, build an object from parameters, call its
-forward or backward. The session (attncheck.candidate.Session and its torch and JAX flavours)
+forward or backward (or build one and call its forward, in one request). The session (attncheck.candidate.Session and its torch and JAX flavours)
 hands the candidate copies, records in-place changes and unknown keys, and converts what it
 returns to NumPy; the reply carries the arrays and those findings, never a verdict. The judge
 compares. Whatever the candidate does to this process (exits, hangs, crashes, patches modules)
@@ -50,6 +50,12 @@ class Child:
             return {}
         sid, *rest = args
         session = self.sessions[sid]
+        if op == "build_forward":  # an object used once: not kept
+            out, weights = session.build_and_forward(rest[0], rest[1])
+            return self.with_findings(session, {"output": out, "weights": weights, "written": session.written})
+        if op == "build_forward_each":  # a reply per call, as each ends (see `main`)
+            return (self.with_findings(session, {"output": out, "weights": weights, "written": session.written})
+                    for out, weights in map(session.build_and_forward, rest[0]))  # fmt: skip
         if op == "build":
             obj = session.build(rest[0])
             self.counter += 1
@@ -115,23 +121,34 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
             request = read_request(lambda n: read_exact(reader.read, n))
         except EOFError:
             return  # the judge is done
-        try:
-            reply = child.handle(request)
-        except Unsupported as exc:
-            reply = _error("unsupported", exc)
-        except CandidateProblem as exc:
-            reply = _error("call", exc)
-        except UsageError as exc:
-            reply = _error("usage", exc)
-        except TracerLeak as exc:
-            reply = _error("leak", exc)
-        except BaseException as exc:  # noqa: BLE001 - the candidate spoiled this process: the judge replaces it
-            reply = _error("broken", exc)
-        try:
-            data = encode_reply(reply)
-        except BaseException as exc:  # noqa: BLE001 - say so rather than die
-            data = encode_reply(_error("broken", exc))
-        writer.write(data)
+        replies = None
+        while True:  # one reply, or (a generator) one per call until the first error
+            try:
+                if replies is None:
+                    replies = child.handle(request)
+                    if isinstance(replies, dict):
+                        replies = iter([replies])
+                reply = next(replies)
+            except StopIteration:
+                break
+            except Unsupported as exc:
+                reply = _error("unsupported", exc)
+            except CandidateProblem as exc:
+                reply = _error("call", exc)
+            except UsageError as exc:
+                reply = _error("usage", exc)
+            except TracerLeak as exc:
+                reply = _error("leak", exc)
+            except BaseException as exc:  # noqa: BLE001 - the candidate spoiled this process: the judge replaces it
+                reply = _error("broken", exc)
+            try:
+                data = encode_reply(reply)
+            except BaseException as exc:  # noqa: BLE001 - say so rather than die
+                reply = _error("broken", exc)
+                data = encode_reply(reply)
+            writer.write(data)
+            if "error" in reply:
+                break
 
 
 if __name__ == "__main__":

@@ -323,23 +323,42 @@ class RemoteSession:
         self.written: dict[str, np.ndarray] = {}  # as Session.written, from the candidate's process
 
     def _call(self, op: str, what: str, *args, arrays: list[np.ndarray | None]) -> dict[str, Any]:
+        return self._call_each(op, what, *args, arrays=arrays, replies=1)[0]
+
+    def _call_each(self, op: str, what: str, *args, arrays: list[np.ndarray | None], replies: int) -> list[dict[str, Any]]:
+        """The `replies` replies to one request, one per call of the candidate it asks for, each
+        read within the session's time limit for one call: the process makes its calls one after
+        the other without waiting for the judge, and stops at the first error, which it sends as
+        its last reply. If the judge stops reading early (a malformed reply, an answer it refuses)
+        the process is replaced, so no reply is left to answer a later request."""
         self.process.ensure()
         if self.opened_in != self.process.generation:
             request = ("open", self.sid, self.cfg, self.bulk, self.process.compiled)
             self._raise_error(self.process.call(request, "opening a session", self.timeout, 1 << 20), "opening a session")
             self.opened_in = self.process.generation
+        limit, got, pending = _reply_limit(arrays), [], replies
         try:
-            reply = self.process.call((op, self.sid, *args), what, self.timeout, _reply_limit(arrays))
+            while pending:
+                try:
+                    if not got:
+                        reply = self.process.call((op, self.sid, *args), what, self.timeout, limit)
+                    else:
+                        reply = self.process._ask(None, what, self.timeout, limit)
+                finally:
+                    printed = self.process.printed()
+                    if printed:
+                        self.notes.append(f"the candidate printed: {printed}")
+                pending = 0 if "error" in reply else pending - 1
+                self._raise_error(reply, what)
+                self.findings[:] = [clean(f, lines=False) for f in reply.get("findings", [])]
+                for note in (clean(n, lines=False) for n in reply.get("notes", [])):
+                    if note not in self.notes:
+                        self.notes.append(note)
+                got.append(reply)
         finally:
-            printed = self.process.printed()
-            if printed:
-                self.notes.append(f"the candidate printed: {printed}")
-        self._raise_error(reply, what)
-        self.findings[:] = [clean(f, lines=False) for f in reply.get("findings", [])]
-        for note in (clean(n, lines=False) for n in reply.get("notes", [])):
-            if note not in self.notes:
-                self.notes.append(note)
-        return reply
+            if pending:
+                self.process.stop()
+        return got
 
     def _raise_error(self, reply: dict[str, Any], what: str) -> None:
         """The candidate's error a reply carries, raised as the judge's own exception."""
@@ -366,11 +385,33 @@ class RemoteSession:
 
     def forward(self, obj: Handle, w, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         self._alive(obj, "forward()")
-        reply = self._call("forward", "forward()", obj.number, w, layout, arrays=[w.query, w.key, w.value, *w.extras.values()])
+        return self._forward_reply(self._call("forward", "forward()", obj.number, w, layout, arrays=[w.query, w.key, w.value, *w.extras.values()]))
+
+    def build_and_forward(self, w, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Session.build_and_forward in one round trip (half the finite differences' and probes' calls)."""
+        what = f"{self.candidate.spec}(...) and its forward()"
+        return self._forward_reply(self._call("build_forward", what, w, layout, arrays=[w.query, w.key, w.value, *w.extras.values()]))
+
+    def build_and_forward_each(self, ws: list) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Session.build_and_forward_each as one request, a reply per call (see _call_each)."""
+        if not ws:
+            return []
+        what = f"{self.candidate.spec}(...) and its forward()"
+        arrays = [ws[0].query, ws[0].key, ws[0].value, *ws[0].extras.values()]  # of one call: each reply is one call's
+        results = []
+        for reply in self._call_each("build_forward_each", what, ws, arrays=arrays, replies=len(ws)):
+            self._take_written(reply)
+            results.append(self._forward_reply(reply))
+        return results
+
+    def _take_written(self, reply: dict[str, Any]) -> None:
         written = reply.get("written") or {}
         if not isinstance(written, dict):
             raise CandidateError("the candidate's process answered forward() with written arrays that are not a mapping")
         self.written = {str(k): _array(v, f"forward() left `{k}`") for k, v in written.items()}
+
+    def _forward_reply(self, reply: dict[str, Any]) -> tuple[np.ndarray, np.ndarray | None]:
+        self._take_written(reply)
         return _array(reply.get("output"), "forward() returned an output"), _optional(reply.get("weights"), "forward() returned weights")
 
     def backward(self, obj: Handle, grad_output: np.ndarray, w, grad_second: np.ndarray | None = None) -> dict[str, np.ndarray]:

@@ -52,6 +52,15 @@ KINK_SHRINK = 16.0
 KINK_RETRIES = 3
 
 JOINT_FD = "all (one joint direction)"
+# The most workload bytes sent to the candidate's process in one request of finite differences
+# (the per-quantity rows' forwards go as a few batches, not two round trips each).
+BATCH_BYTES = 64 << 20
+
+
+def _nbytes(w: Workload) -> int:
+    """The bytes of a workload's arrays: its parameters, inputs, masks and extras."""
+    arrays = [*w.params.values(), w.query, w.key, w.value, w.attn_mask, w.key_padding_mask, *w.extras.values()]
+    return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
 
 
 def _largest_finite_fill(w: Workload) -> float:
@@ -106,9 +115,9 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
                 out0, loss0, grads64 = run_grad(session, cfg64, w64)
             second0 = None
             if kind_of(cfg).second_in_loss(cfg):  # the LSE's own terms count in the loss's magnitude
-                out0, second0 = session.forward(session.build(w64.params), w64)
+                out0, second0 = session.build_and_forward(w64)
         else:
-            out0, second0 = session.forward(session.build(w64.params), w64)
+            out0, second0 = session.build_and_forward(w64)
         loss0, _, _, magnitude = total_loss(cfg64, w64, out0, second0)
     except CandidateProblem as err:
         return [call_row("finite-diff", "candidate", err)]
@@ -122,9 +131,12 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
     dirs = directions(cfg, shapes)
     # The loss's rounding is relative to its terms' magnitudes (total_loss's `magnitude`, above).
 
-    def loss_at(wp: Workload) -> float:
-        out, second = session.forward(session.build(wp.params), wp)
-        return total_loss(cfg64, wp, out, second)[0]
+    def losses_at(ws: list[Workload]) -> list[float]:
+        """The candidate's loss at each workload, in order: an object built and called for each, in
+        requests of at most BATCH_BYTES of workloads (one round trip each, not one per call)."""
+        size = max(1, BATCH_BYTES // max(1, _nbytes(ws[0])))
+        outs = [o for i in range(0, len(ws), size) for o in session.build_and_forward_each(ws[i : i + size])]
+        return [total_loss(cfg64, wp, out, second)[0] for wp, (out, second) in zip(ws, outs)]
 
     rows, probes = [], []  # probes: (quantity, name, index) of the finite gradients to check
     for name in shapes:
@@ -145,17 +157,26 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
 
     ulps = FD_NOISE_ULPS + FD_LOGIT_ULPS * logit_magnitude + FD_MASK_ULPS * fill
 
-    def difference(parts: list[tuple[str, tuple]], shrink: float) -> tuple[float, float, float, float, float]:
-        """(analytic, numeric, allowed, second difference, unit) of one central difference along
-        the direction that moves each (name, index) part by its own step / shrink times
-        dirs[name][index], all at once; slopes in units of the first part's step."""
+    def moves_of(parts: list[tuple[str, tuple]], shrink: float) -> dict[str, np.ndarray]:
+        """The direction that moves each (name, index) part by its own step / shrink times dirs[name][index]."""
         moves = {name: np.zeros(shapes[name]) for name, _ in parts}
         for name, index in parts:
             moves[name][index] = step(name) / shrink * dirs[name][index]
+        return moves
+
+    def ends(moves: dict[str, np.ndarray]) -> list[Workload]:
+        """The workloads at +moves and -moves."""
         plus, minus = w64, w64
         for name, move in moves.items():
             plus, minus = _perturbed(cfg, plus, name, move), _perturbed(cfg, minus, name, -move)
-        f_plus, f_minus = loss_at(plus), loss_at(minus)
+        return [plus, minus]
+
+    def difference(parts: list[tuple[str, tuple]], shrink: float, losses: list[float] | None = None) -> tuple[float, float, float, float, float]:
+        """(analytic, numeric, allowed, second difference, unit) of one central difference along
+        moves_of(parts, shrink), all at once; slopes in units of the first part's step. `losses`:
+        the loss at its two ends, where already taken."""
+        moves = moves_of(parts, shrink)
+        f_plus, f_minus = losses if losses is not None else losses_at(ends(moves))
         unit = step(parts[0][0]) / shrink
         numeric = (f_plus - f_minus) / (2 * unit)
         analytic = sum(float(np.sum(grads[name].astype(np.float64) * moves[name])) for name in moves) / unit
@@ -165,11 +186,12 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
         allowed = FD_RTOL * terms + noise + BUDGET_FLOOR["float64"] * grad_scale * reach
         return analytic, numeric, allowed, abs(f_plus - 2 * loss0 + f_minus) / (2 * unit), unit
 
-    def probe_row(quantity, parts: list[tuple[str, tuple]], shape, numel: int) -> Row:
-        """One central difference (see `difference`), retried at smaller steps while a kink of the loss lies within it."""
+    def probe_row(quantity, parts: list[tuple[str, tuple]], shape, numel: int, first: list[float] | None = None) -> Row:
+        """One central difference (see `difference`; `first`: the losses of its first step, where
+        taken), retried at smaller steps while a kink of the loss lies within it."""
         shrink, kinked = 1.0, False
         for _ in range(KINK_RETRIES + 1):
-            analytic, numeric, allowed, second, unit = difference(parts, shrink)
+            analytic, numeric, allowed, second, unit = difference(parts, shrink, first if shrink == 1.0 else None)
             err = abs(numeric - analytic)
             kinked = not err <= allowed and second > 0.5 * err
             if not kinked:
@@ -190,7 +212,10 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
         return decide(row)
 
     def per_quantity() -> list[Row]:
-        return [probe_row(quantity, [(name, index)], dirs[name][index].shape, int(dirs[name][index].size)) for quantity, name, index in probes]
+        # every first step's two losses in one batch (a kink's retries, rare, one by one)
+        losses = losses_at([wp for _, name, index in probes for wp in ends(moves_of([(name, index)], 1.0))])
+        return [probe_row(quantity, [(name, index)], dirs[name][index].shape, int(dirs[name][index].size), losses[2 * i : 2 * i + 2])
+                for i, (quantity, name, index) in enumerate(probes)]  # fmt: skip
 
     try:
         if not probes:

@@ -163,7 +163,7 @@ def batch_invariance(p: Probing, w, within_element: Callable[[int, np.ndarray], 
     cfg_b, w_b = alone
     session = session_for(cfg_b, p.run.candidate)
     try:
-        out_b, _ = session.forward(session.build(w_b.params), w_b)
+        out_b, _ = session.build_and_forward(w_b)
     except CandidateProblem as err:
         return _call_failed("batch_invariance", "batch_invariance", f"{noun} {b} alone", err)
     element = Probing(p.run, p.session, {"output": kind.output_element(cfg, p.first["output"], b)},
@@ -180,7 +180,7 @@ def invariance_switches(p: Probing, w) -> list[Row]:
         label, what = f"batch_invariance: {name}", f"{name} and the case's {', '.join(f'{k} {getattr(cfg, k)}' for k in keys)}"
         session = session_for(cfg.model_copy(update=keys), p.run.candidate)
         try:
-            out, _ = session.forward(session.build(w.params), w)
+            out, _ = session.build_and_forward(w)
         except CandidateProblem as err:
             rows.append(_call_failed("batch_invariance", label, f"the same call with {name}", err))
             continue
@@ -213,7 +213,7 @@ def strides(p: Probing, w, rule: Rule | None = None) -> list[Row]:
     for layout, words in LAYOUTS.items():
         label, what = f"strides: {layout}", f"inputs {words}, strides {strides_text(p.cfg, w, layout)}"
         try:
-            out, _ = p.session.forward(p.session.build(w.params), w, layout)
+            out, _ = p.session.build_and_forward(w, layout)
         except CandidateProblem as err:
             rows.append(_call_failed("strides", label, what, err))
             continue
@@ -271,7 +271,7 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
             continue
         session = session_for(cfg_off, p.run.candidate)
         try:
-            out_off, _ = session.forward(session.build(w_off.params), w_off)
+            out_off, _ = session.build_and_forward(w_off)
         except CandidateProblem as err:
             rows.append(_call_failed("options", label, f"the same call with {name} off", err))
             continue
@@ -290,7 +290,7 @@ def _oracle(cfg, w) -> np.ndarray:
     """The float64 oracle's output for a config and its workload."""
     oracle = Session(oracle_config(cfg), reference_for(cfg))
     w64 = w.astype(np.float64)
-    return oracle.forward(oracle.build(w64.params), w64)[0]
+    return oracle.build_and_forward(w64)[0]
 
 
 # ----------------------------------------------------------------------------------- the checks
@@ -298,7 +298,7 @@ def forward_probes(p: Probing, w, t_out: np.ndarray, rule: Rule, o_out: np.ndarr
     """The probes the config names, for the forward check: each forward-only."""
     named, rows = p.cfg.probes_run, []
     if "determinism" in named:
-        rows.append(determinism(p, lambda: {"output": p.session.forward(p.session.build(w.params), w)[0]}))
+        rows.append(determinism(p, lambda: {"output": p.session.build_and_forward(w)[0]}))
     if "batch_invariance" in named:
         kind = kind_of(p.cfg)
 

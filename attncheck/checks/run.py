@@ -88,7 +88,7 @@ class CheckRun:
         w64 = dataclasses.replace(self.w.astype(np.float64), **masks)
         session = Session(oracle_config(self.cfg), Candidate(f"{self.candidate.spec} (diagnosis)", factory, builtin=True))
         try:
-            return session.forward(session.build(w64.params), w64)
+            return session.build_and_forward(w64)
         except CandidateProblem:
             return None
 

@@ -1,0 +1,102 @@
+"""Many calls in one request (the finite differences' losses, Session.build_and_forward_each): the
+candidate's process answers each call as it ends, so each keeps its own time limit, the first error
+ends the batch, and a batch the judge stops reading leaves no reply to answer a later request."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from attncheck import remote
+from attncheck.candidate import Candidate, make_session
+from attncheck.errors import CandidateError, CandidateProblem
+from attncheck.inputs import make_workload
+from attncheck.reference import MultiheadAttention
+from tests.conftest import cfg
+
+CANDIDATE = textwrap.dedent('''
+    import os, time
+    from attncheck.reference import MultiheadAttention
+
+    CALLS = [0]
+
+    class FailsOnItsThirdForward(MultiheadAttention):
+        def forward(self, *args, **kwargs):
+            CALLS[0] += 1
+            if CALLS[0] == 3:
+                raise ValueError("the third call")
+            return super().forward(*args, **kwargs)
+
+    class HangsOnItsThirdForward(MultiheadAttention):
+        def forward(self, *args, **kwargs):
+            CALLS[0] += 1
+            if CALLS[0] == 3:
+                time.sleep(3600)
+            return super().forward(*args, **kwargs)
+''')
+
+
+@pytest.fixture
+def spec(tmp_path):
+    path = tmp_path / "batched_candidate.py"
+    path.write_text(CANDIDATE)
+    return lambda name: f"{path}:{name}"
+
+
+def _session(spec: str, **overrides):
+    config = cfg(**overrides)
+    remote.load(spec)
+    return remote.RemoteSession(config, Candidate(spec, None, remote=True)), make_workload(config), config
+
+
+def _expected(config, w):
+    local = make_session(config, Candidate("reference", MultiheadAttention))
+    return local.build_and_forward(w)[0]
+
+
+def test_a_batch_gives_what_the_calls_one_by_one_give(spec):
+    session, w, config = _session(spec("FailsOnItsThirdForward"))
+    moved = [w, w.astype(np.float64)]
+    results = session.build_and_forward_each(moved)
+    assert len(results) == 2
+    for (out, _), wp in zip(results, moved):
+        np.testing.assert_array_equal(out, _expected(config, wp))
+
+
+def test_the_first_error_ends_the_batch_and_the_next_request_gets_its_own_reply(spec):
+    session, w, config = _session(spec("FailsOnItsThirdForward"))
+    with pytest.raises(CandidateProblem, match="the third call"):
+        session.build_and_forward_each([w] * 5)
+    generation = session.process.generation
+    out, _ = session.build_and_forward(w)  # the fourth call: in step, same process
+    np.testing.assert_array_equal(out, _expected(config, w))
+    assert session.process.generation == generation
+
+
+def test_each_call_of_a_batch_keeps_its_own_time_limit(spec):
+    session, w, _ = _session(spec("HangsOnItsThirdForward"), timeout=1.0)
+    start = time.monotonic()
+    with pytest.raises(CandidateError, match="no answer in 1 s"):
+        session.build_and_forward_each([w] * 20)
+    assert time.monotonic() - start < 10  # one call's limit after the two that answered, not twenty
+
+
+def test_a_batch_the_judge_stops_reading_replaces_the_process(spec, monkeypatch):
+    """A Ctrl-C after the batch's first reply: the replies still coming must not answer the next request."""
+    session, w, config = _session(spec("FailsOnItsThirdForward"))
+    generation = session.process.generation
+    printed = session.process.printed
+
+    def interrupted():
+        monkeypatch.setattr(session.process, "printed", printed)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(session.process, "printed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        session.build_and_forward_each([w] * 2)
+    out, _ = session.build_and_forward(w)  # not the batch's second reply: a fresh process's first call
+    np.testing.assert_array_equal(out, _expected(config, w))
+    assert session.process.generation == generation + 1
