@@ -4,8 +4,9 @@ or a fork of the judge's fork server (attncheck.forkserver) that calls `main`.
 The only process that imports and calls candidate code. It loads the candidate named by the
 judge's first request, then serves requests one at a time, each answered with one reply
 (attncheck.channel): open a session for a config, build an object from parameters, call its
-forward or backward (or build one and call its forward, in one request). The session (attncheck.candidate.Session and its torch and JAX flavours)
-hands the candidate copies, records in-place changes and unknown keys, and converts what it
+forward or backward, or build one and call its forward; a batch of the last (the finite
+differences' losses) is answered with one reply per call, as each ends, up to the first error.
+The session (attncheck.candidate.Session and its torch and JAX flavours) hands the candidate copies, records in-place changes and unknown keys, and converts what it
 returns to NumPy; the reply carries the arrays and those findings, never a verdict. The judge
 compares. Whatever the candidate does to this process (exits, hangs, crashes, patches modules)
 ends or spoils this process alone, which the judge then replaces.
