@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 # Objects of a session the judge may still call: a check calls its latest few (the object it
@@ -55,8 +56,7 @@ class Child:
             out, weights = session.build_and_forward(rest[0], rest[1])
             return self.with_findings(session, {"output": out, "weights": weights, "written": session.written})
         if op == "build_forward_each":  # a reply per call, as each ends (see `main`)
-            return (self.with_findings(session, {"output": out, "weights": weights, "written": session.written})
-                    for out, weights in map(session.build_and_forward, rest[0]))  # fmt: skip
+            return self._each(session, rest[0])
         if op == "build":
             obj = session.build(rest[0])
             self.counter += 1
@@ -81,6 +81,13 @@ class Child:
         self.candidate = load_candidate(spec, origin)
         return {"framework": self.candidate.framework, "class_without_backward": self.candidate.class_without_backward,
                 "causal_alignment": self.candidate.causal_alignment}  # fmt: skip
+
+    def _each(self, session, workloads: list) -> Iterator[dict[str, Any]]:
+        """A generator function, not an expression over `map`: a StopIteration the candidate
+        raises becomes a RuntimeError here (PEP 479), an error reply, not a batch cut short."""
+        for w in workloads:
+            out, weights = session.build_and_forward(w)
+            yield self.with_findings(session, {"output": out, "weights": weights, "written": session.written})
 
     @staticmethod
     def with_findings(session, body: dict[str, Any]) -> dict[str, Any]:
@@ -122,16 +129,18 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
             request = read_request(lambda n: read_exact(reader.read, n))
         except EOFError:
             return  # the judge is done
-        replies = None
-        while True:  # one reply, or (a generator) one per call until the first error
+        replies: Iterator[dict[str, Any]] | None = None  # one reply, or (a batch) one per call until the first error
+        while True:
             try:
                 if replies is None:
-                    replies = child.handle(request)
-                    if isinstance(replies, dict):
-                        replies = iter([replies])
-                reply = next(replies)
-            except StopIteration:
-                break
+                    handled = child.handle(request)  # a StopIteration from it is an error here, not the end
+                    replies = iter([handled]) if isinstance(handled, dict) else handled
+                    reply = next(replies)
+                else:
+                    try:
+                        reply = next(replies)
+                    except StopIteration:
+                        break
             except Unsupported as exc:
                 reply = _error("unsupported", exc)
             except CandidateProblem as exc:
@@ -148,7 +157,7 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
                 reply = _error("broken", exc)
                 data = encode_reply(reply)
             writer.write(data)
-            if "error" in reply:
+            if reply.get("error") is not None:
                 break
 
 

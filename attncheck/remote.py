@@ -348,7 +348,7 @@ class RemoteSession:
                     printed = self.process.printed()
                     if printed:
                         self.notes.append(f"the candidate printed: {printed}")
-                pending = 0 if "error" in reply else pending - 1
+                pending = 0 if reply.get("error") is not None else pending - 1
                 self._raise_error(reply, what)
                 self.findings[:] = [clean(f, lines=False) for f in reply.get("findings", [])]
                 for note in (clean(n, lines=False) for n in reply.get("notes", [])):
@@ -398,11 +398,7 @@ class RemoteSession:
             return []
         what = f"{self.candidate.spec}(...) and its forward()"
         arrays = [ws[0].query, ws[0].key, ws[0].value, *ws[0].extras.values()]  # of one call: each reply is one call's
-        results = []
-        for reply in self._call_each("build_forward_each", what, ws, arrays=arrays, replies=len(ws)):
-            self._take_written(reply)
-            results.append(self._forward_reply(reply))
-        return results
+        return [self._forward_reply(reply) for reply in self._call_each("build_forward_each", what, ws, arrays=arrays, replies=len(ws))]
 
     def _take_written(self, reply: dict[str, Any]) -> None:
         written = reply.get("written") or {}

@@ -30,6 +30,26 @@ CANDIDATE = textwrap.dedent('''
                 raise ValueError("the third call")
             return super().forward(*args, **kwargs)
 
+    class SlowEveryCall(MultiheadAttention):
+        def forward(self, *args, **kwargs):
+            time.sleep(0.3)
+            return super().forward(*args, **kwargs)
+
+    class StopIterationOnItsSecondForward(MultiheadAttention):
+        """The second object's `forward` is a lookup that raises StopIteration: outside the call
+        the judge guards (the lookup that finds the method)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            CALLS[0] += 1
+            self.number = CALLS[0]
+
+        @property
+        def forward(self):
+            if self.number == 2:
+                raise StopIteration
+            return super().forward
+
     class HangsOnItsThirdForward(MultiheadAttention):
         def forward(self, *args, **kwargs):
             CALLS[0] += 1
@@ -71,9 +91,23 @@ def test_the_first_error_ends_the_batch_and_the_next_request_gets_its_own_reply(
     with pytest.raises(CandidateProblem, match="the third call"):
         session.build_and_forward_each([w] * 5)
     generation = session.process.generation
-    out, _ = session.build_and_forward(w)  # the fourth call: in step, same process
-    np.testing.assert_array_equal(out, _expected(config, w))
+    other = make_workload(config.model_copy(update={"seed": config.seed + 1}))
+    out, _ = session.build_and_forward(other)  # the fourth call, on other inputs: its own reply, not a stale one
+    np.testing.assert_array_equal(out, _expected(config, other))
     assert session.process.generation == generation
+
+
+def test_a_stop_iteration_from_the_candidate_is_its_error_not_the_batch_s_end(spec):
+    session, w, _ = _session(spec("StopIterationOnItsSecondForward"), timeout=30.0)
+    start = time.monotonic()
+    with pytest.raises(CandidateError, match="broke"):
+        session.build_and_forward_each([w] * 3)
+    assert time.monotonic() - start < 10  # answered at once, not after the time limit
+
+
+def test_a_batch_longer_than_one_call_s_limit_is_no_timeout(spec):
+    session, w, _ = _session(spec("SlowEveryCall"), timeout=1.0)
+    assert len(session.build_and_forward_each([w] * 5)) == 5  # 1.5 s in all, 0.3 s a call
 
 
 def test_each_call_of_a_batch_keeps_its_own_time_limit(spec):

@@ -6,7 +6,9 @@ two forward passes per direction, not one per element (jax's check_grads does th
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import replace
 
 import numpy as np
@@ -15,7 +17,7 @@ from attncheck.candidate import Candidate
 from attncheck.checks.run import call_row, oracle_config, session_for
 from attncheck.compare import BUDGET_FLOOR, Evidence, decide
 from attncheck.config import Config
-from attncheck.errors import CandidateProblem
+from attncheck.errors import CandidateError, CandidateProblem
 from attncheck.inputs import Workload, directions, total_loss
 from attncheck.kinds import kind_of
 from attncheck.report import FAIL, INCONCLUSIVE, Reason, Row
@@ -131,12 +133,23 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
     dirs = directions(cfg, shapes)
     # The loss's rounding is relative to its terms' magnitudes (total_loss's `magnitude`, above).
 
-    def losses_at(ws: list[Workload]) -> list[float]:
+    def losses_at(ws: Iterable[Workload]) -> list[float]:
         """The candidate's loss at each workload, in order: an object built and called for each, in
-        requests of at most BATCH_BYTES of workloads (one round trip each, not one per call)."""
-        size = max(1, BATCH_BYTES // max(1, _nbytes(ws[0])))
-        outs = [o for i in range(0, len(ws), size) for o in session.build_and_forward_each(ws[i : i + size])]
-        return [total_loss(cfg64, wp, out, second)[0] for wp, (out, second) in zip(ws, outs)]
+        requests of at most BATCH_BYTES of workloads (one round trip each, not one per call). The
+        workloads are made as they are sent: at large sizes one may be hundreds of MB."""
+        ws, losses = iter(ws), []
+        first = next(ws, None)
+        if first is None:
+            return losses
+        size = max(1, BATCH_BYTES // max(1, _nbytes(first)))
+        chunk = [first, *itertools.islice(ws, size - 1)]
+        while chunk:
+            outs = session.build_and_forward_each(chunk)
+            if len(outs) != len(chunk):
+                raise CandidateError(f"the candidate's process answered {len(outs)} of {len(chunk)} calls")
+            losses += [total_loss(cfg64, wp, out, second)[0] for wp, (out, second) in zip(chunk, outs)]
+            chunk = list(itertools.islice(ws, size))
+        return losses
 
     rows, probes = [], []  # probes: (quantity, name, index) of the finite gradients to check
     for name in shapes:
@@ -213,7 +226,7 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
 
     def per_quantity() -> list[Row]:
         # every first step's two losses in one batch (a kink's retries, rare, one by one)
-        losses = losses_at([wp for _, name, index in probes for wp in ends(moves_of([(name, index)], 1.0))])
+        losses = losses_at(wp for _, name, index in probes for wp in ends(moves_of([(name, index)], 1.0)))
         return [probe_row(quantity, [(name, index)], dirs[name][index].shape, int(dirs[name][index].size), losses[2 * i : 2 * i + 2])
                 for i, (quantity, name, index) in enumerate(probes)]  # fmt: skip
 
