@@ -335,8 +335,10 @@ def capability_table(features: list[Capability]) -> Table:
     table.add_column("supported", overflow="fold")
     table.add_column("verdict")
     for cap in features:
-        if cap.reported:
-            supported = Text(f"reported, not judged: {', '.join(cap.reported)}", style=_STATUS_STYLE[INFO])
+        if cap.reported or cap.skipped:
+            said = [f"reported, not judged: {', '.join(cap.reported)}"] if cap.reported else []
+            said += [f"nothing to compare: {', '.join(cap.skipped)}"] if cap.skipped else []
+            supported = Text("; ".join(said), style=_STATUS_STYLE[INFO])
         elif not cap.unsupported:
             supported = Text("all")
         else:

@@ -403,6 +403,7 @@ class Capability:
     verdict: Status
     checks: tuple[tuple[str, str], ...] = ()  # every (case, command) of the feature
     reported: tuple[str, ...] = ()  # a probe's: the cases whose row reported a difference (INFO) rather than judged one
+    skipped: tuple[str, ...] = ()  # a probe's: the cases where it had nothing to compare (one batch element, say)
 
 
 def capabilities(reports: list[Report]) -> list[Capability]:
@@ -445,6 +446,7 @@ def probe_capabilities(reports: list[Report]) -> list[Capability]:
         cases = tuple(dict.fromkeys(r.name for r, _ in found))
         checks = tuple(dict.fromkeys((r.name, r.command) for r, _ in found))
         reported = tuple(dict.fromkeys(r.name for r, row in found if row.status is INFO))
+        skipped = tuple(dict.fromkeys(r.name for r, row in found if row.status is SKIPPED))
         verdict = aggregate((row.status for _, row in found), unsupported="ignore")
-        table.append(Capability(f"probe: {probe}", cases, (), verdict, checks, reported))
+        table.append(Capability(f"probe: {probe}", cases, (), verdict, checks, reported, skipped))
     return table

@@ -163,3 +163,24 @@ def test_the_config_keys():
         Config(probes=["strides", "strides"])
     with pytest.raises(ValueError):
         Config(probes=["stride"])
+
+
+def test_the_capability_table_lists_the_cases_a_probe_had_nothing_to_compare_in():
+    """One batch element leaves batch invariance nothing to compare: the table names the case,
+    instead of counting it among those the probe judged."""
+    reports = [run_check("forward", Config(module="sdpa", name=name, batch_size=b, probes=["batch_invariance"]))
+               for name, b in (("one", 1), ("two", 2))]  # fmt: skip
+    (probe,) = [c for c in capabilities(reports) if c.feature == "probe: batch_invariance"]
+    assert probe.skipped == ("one",) and probe.cases == ("one", "two") and probe.reported == ()
+    table = render_capabilities(probe)
+    assert "nothing to compare: one" in table and "all" not in table
+
+
+def render_capabilities(cap) -> str:
+    from rich.console import Console
+
+    from attncheck.render import capability_table
+
+    console = Console(width=200, record=True, color_system=None)
+    console.print(capability_table([cap]))
+    return console.export_text()
