@@ -47,6 +47,10 @@ FIXED = [
     ("the torch varlen example added ALiBi in float32 to float64 logits: 1.8e-7 off in float64", "forward",
      dict(module="sdpa_varlen", seed=45400, dtype="float64", head_dim=8, alibi=True, seqlens_q=[13, 0, 1, 20, 7],
           seqlens_k=[29, 6, 1, 20, 3]), "examples/torch_sdpa_varlen.py:flash_attn_varlen_func"),
+    ("the decode kernel's oracle is a function: no logit magnitude reached the forward's floor, and the float32 "
+     "reference failed its own float64 run at 1.001x over 256 cached keys at input_scale 12", "forward",
+     dict(module="sdpa_kvcache", seed=19193, num_heads=6, batch_size=3, tgt_len=1, src_len=256, head_dim=8, input_scale=12.0,
+          need_weights=False), None),
     ("maximize at input_scale 16 over 64 positions: torch's loss 430 -> 2.6e7 in one step, the candidate's step-2 loss "
      "18.8x the loss row's allowance: a loss past DIVERGED_GROWTH is not judged, as the weights after it are not",
      "sgd-step", dict(seed=11862, embed_dim=10, num_heads=2, batch_size=3, tgt_len=64, input_scale=16.0, momentum=0.9,

@@ -85,7 +85,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rotary:
         cos, sin = np.asarray(rotary_cos).astype(compute), np.asarray(rotary_sin).astype(compute)
 
-    outs, lses = [], []
+    outs, lses, magnitudes = [], [], []
     for b in range(B):
         c = int(lengths[b])
         old_rows, old_cols = slots(np.arange(c), b, block_table, page_size)
@@ -109,8 +109,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                      alibi_slopes=None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=compute),
                                      return_lse=True)  # fmt: skip
         outs.append(out[0].transpose(1, 0, 2))  # (Hq, Lq, Ev) -> (Lq, Hq, Ev)
+        if attention.logit_magnitude is not None:
+            magnitudes.append(attention.logit_magnitude)
         lses.append(lse[0])  # (Hq, Lq)
     out = np.stack(outs).astype(storage)  # (B, Lq, Hq, Ev)
+    # The checks floor the forward's budget by the logits' rounding (compare.with_logit_floor), read
+    # from the oracle object as sdpa's and sdpa_varlen's references give it; this oracle is a
+    # function, so its last call's largest |scale q_i . k_j| bound over the sequences is kept on it.
+    # Without it a correct float32 kernel failed at 1.001x (benchmarks/false_alarms.py --seed 5,
+    # #1308: 256 cached keys, input_scale 12, the reference itself as the candidate).
+    flash_attn_with_kvcache.logit_magnitude = max(magnitudes, default=None)
     if not return_softmax_lse:
         return out
     lse_dtype = np.dtype(np.float32) if storage.itemsize < 4 else storage
