@@ -406,10 +406,10 @@ class Session:
         process (RemoteSession), where the two calls would be two round trips."""
         return self.forward(self.build(w.params), w, layout)
 
-    def build_and_forward_each(self, ws: list[Workload]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    def build_and_forward_each(self, ws: list[Workload], layout: str | None = None) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """`build_and_forward` of each workload in order (the finite differences' many losses):
         the same calls, in one request to a candidate's process."""
-        return [self.build_and_forward(w) for w in ws]
+        return [self.build_and_forward(w, layout) for w in ws]
 
     def _call_forward(self, obj: Any, query: Any, key: Any, value: Any, masks: tuple, extras: dict[str, Any]) -> Any:
         """The kind's call of the object's forward; a framework session may compile it (JaxSession)."""

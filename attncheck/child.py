@@ -4,12 +4,13 @@ or a fork of the judge's fork server (attncheck.forkserver) that calls `main`.
 The only process that imports and calls candidate code. It loads the candidate named by the
 judge's first request, then serves requests one at a time, each answered with one reply
 (attncheck.channel): open a session for a config, build an object from parameters, call its
-forward or backward, or build one and call its forward; a batch of the last (the finite
-differences' losses) is answered with one reply per call, as each ends, up to the first error.
-The session (attncheck.candidate.Session and its torch and JAX flavours) hands the candidate copies, records in-place changes and unknown keys, and converts what it
-returns to NumPy; the reply carries the arrays and those findings, never a verdict. The judge
-compares. Whatever the candidate does to this process (exits, hangs, crashes, patches modules)
-ends or spoils this process alone, which the judge then replaces.
+forward or backward; or build objects and call their forward, several in one request (the finite
+differences' losses), answered with one reply per call as each ends, up to the first error. The
+session (attncheck.candidate.Session and its torch and JAX flavours) hands the candidate copies,
+records in-place changes and unknown keys, and converts what it returns to NumPy; the reply
+carries the arrays and those findings, never a verdict. The judge compares. Whatever the
+candidate does to this process (exits, hangs, crashes, patches modules) ends or spoils this
+process alone, which the judge then replaces.
 """
 
 from __future__ import annotations
@@ -52,11 +53,8 @@ class Child:
             return {}
         sid, *rest = args
         session = self.sessions[sid]
-        if op == "build_forward":  # an object used once: not kept
-            out, weights = session.build_and_forward(rest[0], rest[1])
-            return self.with_findings(session, {"output": out, "weights": weights, "written": session.written})
-        if op == "build_forward_each":  # a reply per call, as each ends (see `main`)
-            return self._each(session, rest[0])
+        if op == "build_forward_each":  # objects used once, not kept; a reply per call, as each ends (see `main`)
+            return self._each(session, rest[0], rest[1])
         if op == "build":
             obj = session.build(rest[0])
             self.counter += 1
@@ -82,11 +80,11 @@ class Child:
         return {"framework": self.candidate.framework, "class_without_backward": self.candidate.class_without_backward,
                 "causal_alignment": self.candidate.causal_alignment}  # fmt: skip
 
-    def _each(self, session, workloads: list) -> Iterator[dict[str, Any]]:
+    def _each(self, session, workloads: list, layout: str | None) -> Iterator[dict[str, Any]]:
         """A generator function, not an expression over `map`: a StopIteration the candidate
         raises becomes a RuntimeError here (PEP 479), an error reply, not a batch cut short."""
         for w in workloads:
-            out, weights = session.build_and_forward(w)
+            out, weights = session.build_and_forward(w, layout)
             yield self.with_findings(session, {"output": out, "weights": weights, "written": session.written})
 
     @staticmethod

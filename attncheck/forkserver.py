@@ -74,7 +74,7 @@ class ForkedProcess:
     def poll(self) -> int | None:
         if self.returncode is None and self._ended is not None and not select.select([self._ended], [], [], 0)[0]:
             return None
-        return self.wait(0.0) if self.returncode is None else self.returncode
+        return self.wait(0.0)
 
     def wait(self, timeout: float | None = None) -> int:
         """Its exit status as Popen gives it (-N: killed by signal N); TimeoutExpired if it is still

@@ -85,8 +85,9 @@ FAST_COMPILE = (
 TRACINGS = (False, True)
 # What this process (the child serves every session of a run) compiled, oldest dropped first:
 # _PROGRAMS, traced calls by program text (`_run_traced`); _BULK, a bulk session's calls by
-# config, shapes and masks (`JaxSession._bulk`), or why tracing one failed; _TRACING, by candidate, config, call and
-# shapes, the tracing of TRACINGS that worked, or why none did (then the call runs op by op).
+# config, shapes and masks (`JaxSession._bulk`), or why tracing one failed; _TRACING, by
+# candidate, config, call and shapes, the tracing of TRACINGS that worked, or why none did (then
+# the call runs op by op).
 _PROGRAMS: OrderedDict[str, Callable] = OrderedDict()
 _BULK: OrderedDict[tuple, Any] = OrderedDict()
 _TRACING: OrderedDict[tuple, bool | str] = OrderedDict()

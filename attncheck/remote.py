@@ -385,29 +385,25 @@ class RemoteSession:
 
     def forward(self, obj: Handle, w, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         self._alive(obj, "forward()")
-        return self._forward_reply(self._call("forward", "forward()", obj.number, w, layout, arrays=[w.query, w.key, w.value, *w.extras.values()]))
+        return self._forward_reply(self._call("forward", "forward()", obj.number, w, layout, arrays=_handed(w)))
 
     def build_and_forward(self, w, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Session.build_and_forward in one round trip (half the finite differences' and probes' calls)."""
-        what = f"{self.candidate.spec}(...) and its forward()"
-        return self._forward_reply(self._call("build_forward", what, w, layout, arrays=[w.query, w.key, w.value, *w.extras.values()]))
+        return self.build_and_forward_each([w], layout)[0]
 
-    def build_and_forward_each(self, ws: list) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    def build_and_forward_each(self, ws: list, layout: str | None = None) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """Session.build_and_forward_each as one request, a reply per call (see _call_each)."""
         if not ws:
             return []
         what = f"{self.candidate.spec}(...) and its forward()"
-        arrays = [ws[0].query, ws[0].key, ws[0].value, *ws[0].extras.values()]  # of one call: each reply is one call's
-        return [self._forward_reply(reply) for reply in self._call_each("build_forward_each", what, ws, arrays=arrays, replies=len(ws))]
+        replies = self._call_each("build_forward_each", what, ws, layout, arrays=_handed(ws[0]), replies=len(ws))  # each reply one call's
+        return [self._forward_reply(reply) for reply in replies]
 
-    def _take_written(self, reply: dict[str, Any]) -> None:
+    def _forward_reply(self, reply: dict[str, Any]) -> tuple[np.ndarray, np.ndarray | None]:
         written = reply.get("written") or {}
         if not isinstance(written, dict):
             raise CandidateError("the candidate's process answered forward() with written arrays that are not a mapping")
         self.written = {str(k): _array(v, f"forward() left `{k}`") for k, v in written.items()}
-
-    def _forward_reply(self, reply: dict[str, Any]) -> tuple[np.ndarray, np.ndarray | None]:
-        self._take_written(reply)
         return _array(reply.get("output"), "forward() returned an output"), _optional(reply.get("weights"), "forward() returned weights")
 
     def backward(self, obj: Handle, grad_output: np.ndarray, w, grad_second: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -421,6 +417,11 @@ class RemoteSession:
     def _alive(self, obj: Handle, what: str) -> None:
         if obj.generation != self.process.generation:
             raise CandidateError(f"{what} on an object from the candidate's earlier process, which was replaced after a failure")
+
+
+def _handed(w) -> list[np.ndarray | None]:
+    """The arrays one forward() call hands the candidate, which bound the size of its reply."""
+    return [w.query, w.key, w.value, *w.extras.values()]
 
 
 def _without(message: str, location: str | None) -> str:

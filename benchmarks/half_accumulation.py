@@ -9,8 +9,9 @@ Three float16 accumulators, each the reference with one sum added term by term i
 
   keys      the softmax's sum and P v over S keys (wrong_reach.HalfAccumulatedSoftmax), E=4 H=2 B=1,
             S = L = 130, 256, 512: what the default suite's float16-long case (130) measures
-  out-proj  the out-projection over E features (wrong_reach.HalfAccumulatedOutProjection): E = 10 (H = 2, B = 3, L = 4, the suite's other half
-            cases) and E = 512 (B = 1, L = 3, H = 2, 4, 8; H = 4 is the default suite's float16-wide case)
+  out-proj  the out-projection over E features (wrong_reach.HalfAccumulatedOutProjection): E = 10
+            (H = 2, B = 3, L = 4: the suite's other half cases) and E = 512 (B = 1, L = 3, H = 2, 4, 8;
+            H = 4 is the default suite's float16-wide case)
   q k^T     the logits over D = E / H features, the same shapes
 
 For each, the worst row's candidate error over what the rule allows (cand err / allowed, > 1 is

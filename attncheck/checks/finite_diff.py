@@ -17,7 +17,7 @@ from attncheck.candidate import Candidate
 from attncheck.checks.run import call_row, oracle_config, session_for
 from attncheck.compare import BUDGET_FLOOR, Evidence, decide
 from attncheck.config import Config
-from attncheck.errors import CandidateError, CandidateProblem
+from attncheck.errors import CandidateProblem
 from attncheck.inputs import Workload, directions, total_loss
 from attncheck.kinds import kind_of
 from attncheck.report import FAIL, INCONCLUSIVE, Reason, Row
@@ -144,9 +144,7 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
         size = max(1, BATCH_BYTES // max(1, _nbytes(first)))
         chunk = [first, *itertools.islice(ws, size - 1)]
         while chunk:
-            outs = session.build_and_forward_each(chunk)
-            if len(outs) != len(chunk):
-                raise CandidateError(f"the candidate's process answered {len(outs)} of {len(chunk)} calls")
+            outs = session.build_and_forward_each(chunk)  # one per workload, or it raised
             losses += [total_loss(cfg64, wp, out, second)[0] for wp, (out, second) in zip(chunk, outs)]
             chunk = list(itertools.islice(ws, size))
         return losses
