@@ -11,18 +11,22 @@ How the calls run. The repeat call and the determinism probe compare two calls o
 find state kept between them, so every call runs the candidate's Python as an op-by-op call
 would, once per call, while XLA compiles each distinct program once:
 
-- forward() on the object it is called on, and jax.vjp of build-and-forward, are traced anew on
+- forward() on the object it is called on, and build-and-forward for jax.vjp, are traced anew on
   every call (the candidate's Python runs, and changes whatever it changes in the object, its
   class or its module) and run compiled (`_run_traced`): one compiled program per distinct traced
   program, keyed by its text, with its constants (the object's parameters, the masks) passed as
   arguments. State the Python reads enters the program as a literal or a constant, so a call
-  that reads other state computes with it, as op by op.
+  that reads other state computes with it, as op by op. The vjp's program differentiates the
+  trace (`_run_pulled_back`), so only the candidate's Python is traced on each call, not JAX's
+  differentiation of it; a trace with a custom derivative (custom_jvp, custom_vjp), whose rule is
+  Python that runs where the vjp is traced, is traced under jax.vjp on every call instead.
 - A candidate with a backward of its own runs forward() op by op (its backward reads what forward
   kept: values, not tracers), and its backward as it is.
 - The finite differences' session (`bulk`: hundreds of forward calls of one computation on
-  objects built for one call each, judged by their values alone) traces forward() and jax.vjp
-  once per config, shapes and masks, the candidate built inside from the parameters handed, which
-  are arguments: its Python state is frozen there; the check's own calls above are where state shows.
+  objects built for one call each, judged by their values alone) traces build-and-forward once
+  per config, shapes and masks, the candidate built inside from the parameters handed, which are
+  arguments, and compiles forward() and its vjp as one program (`_bulk_both`): its Python state
+  is frozen there; the check's own calls above are where state shows.
 - A call is traced as jax.jit traces it; where that fails, again with what it computes from
   constants alone (masks, parameters) evaluated as it is traced, as op by op (NumPy may read a
   mask then); where that fails too (NumPy on a traced array, Python control flow on the inputs'
@@ -164,19 +168,75 @@ def _evaluate(jaxpr: Any, consts: list, flat: list) -> list:
     return jax.core.eval_jaxpr(jaxpr, consts, *flat)
 
 
+def _pull_back(jaxpr: Any, consts: list, flat: list, cotangents: list) -> list:
+    """The vjp of a traced function at `flat` (its arguments), pulled back from `cotangents`."""
+    return jax.vjp(lambda *args: _evaluate(jaxpr, consts, list(args)), *flat)[1](cotangents)
+
+
+def _forward_and_pull_back(jaxpr: Any, differentiated: int, consts: list, flat: list, cotangents: list) -> tuple[list, list]:
+    """A traced function's outputs past the first `differentiated` (the call's whole result), and
+    the vjp of those first outputs at `flat` pulled back from `cotangents`."""
+
+    def split(*args):
+        outs = _evaluate(jaxpr, consts, list(args))
+        return outs[:differentiated], outs[differentiated:]
+
+    _, pull_back, result = jax.vjp(split, *flat, has_aux=True)
+    return result, pull_back(cotangents)
+
+
+def _custom_rules(jaxpr: Any) -> bool:
+    """Whether a trace holds a custom derivative (custom_jvp, custom_vjp), in it or in a call it makes."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("custom_"):
+            return True
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+                if hasattr(inner, "eqns") and _custom_rules(inner):
+                    return True
+    return False
+
+
+class _CustomRules(Exception):
+    """A trace holds a custom derivative, whose rule runs when it is differentiated (see _run_pulled_back)."""
+
+
+def _traced_once(fn: Callable, args: tuple, evaluate_constants: bool) -> tuple[Any, Any, str]:
+    """fn traced at args, its Python run once: (the closed trace, its result's shapes, its text)."""
+    global _traced_here
+    _traced_here = True
+    closed, shape = jax.make_jaxpr(_constants_evaluated(fn) if evaluate_constants else fn, return_shape=True)(*args)
+    return closed, shape, str(closed.jaxpr)
+
+
 def _run_traced(fn: Callable, args: tuple, evaluate_constants: bool, quick: bool) -> Any:
     """fn(*args), traced now (its Python runs once, as an op-by-op call runs it) and run compiled:
     one compiled program per distinct traced program, whose constants (closed-over arrays, masks)
     are its arguments. Two traces with the same text compute the same function of their constants
     and arguments (every literal is printed in full); the compiled program is then reused.
     `evaluate_constants`: traced as `_constants_evaluated`; `quick`: see _jit."""
-    global _traced_here
-    _traced_here = True
-    closed, shape = jax.make_jaxpr(_constants_evaluated(fn) if evaluate_constants else fn, return_shape=True)(*args)
-    key = str(closed.jaxpr)
-    program = _PROGRAMS.get(key) or _jit(functools.partial(_evaluate, closed.jaxpr), quick)
-    _kept(_PROGRAMS, key, program)
+    closed, shape, text = _traced_once(fn, args, evaluate_constants)
+    program = _PROGRAMS.get(text) or _jit(functools.partial(_evaluate, closed.jaxpr), quick)
+    _kept(_PROGRAMS, text, program)
     return jax.tree.unflatten(jax.tree.structure(shape), program(closed.consts, jax.tree.leaves(args)))
+
+
+def _run_pulled_back(fn: Callable, primal: Any, cotangent: Any, evaluate_constants: bool, quick: bool) -> Any:
+    """jax.vjp(fn, primal) pulled back from `cotangent`, with fn traced alone (its Python runs
+    once, as jax.vjp runs it) and its trace differentiated by a compiled program, one per distinct
+    trace as in _run_traced: a trace costs a third of tracing fn under jax.vjp, where the
+    differentiation is traced again on every call. A trace with a custom derivative raises
+    _CustomRules: its rule is Python that runs when it is differentiated, on every call (the
+    caller traces jax.vjp of fn then)."""
+    closed, _, text = _traced_once(fn, (primal,), evaluate_constants)
+    if _custom_rules(closed.jaxpr):
+        raise _CustomRules(text)
+    key = "jax.vjp of " + text
+    program = _PROGRAMS.get(key) or _jit(functools.partial(_pull_back, closed.jaxpr), quick)
+    _kept(_PROGRAMS, key, program)
+    grads = program(closed.consts, jax.tree.leaves(primal), jax.tree.leaves(cotangent))
+    return jax.tree.unflatten(jax.tree.structure(primal), grads)
 
 
 def _leaked_tracer(err: BaseException) -> bool:
@@ -260,18 +320,19 @@ class JaxSession(FrameworkSession):
             self.notes.append(note)
         return result
 
-    def _traced(self, what: str, fn: Callable, args: tuple, eager: Callable[[], Any]) -> Any:
-        """_run_traced(fn, args) by the first of TRACINGS that works, the one that worked before
-        for this candidate, config, call and shapes; eager() where none does (none would again)."""
+    def _traced(self, what: str, runs: tuple[Callable[[], Any], ...], args: tuple, eager: Callable[[], Any]) -> Any:
+        """The first of `runs` (ways to trace the call at args and run it compiled, see TRACINGS)
+        that works, the one that worked before for this candidate, config, call and shapes;
+        eager() where none does (none would again)."""
         key = (_fingerprint(self.candidate.factory), self._config_key, what, tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(args)))
         how = _TRACING.get(key)
-        for evaluate_constants in TRACINGS if how is None else (how,) if isinstance(how, bool) else ():
+        for way in range(len(runs)) if how is None else (how,) if isinstance(how, int) else ():
             try:
-                result = _run_traced(fn, args, evaluate_constants, not self.cfg.is_large)
+                result = runs[way]()
             except Exception as exc:  # noqa: BLE001 - whatever it is, the op-by-op call says it as before
                 how = f"tracing {what} under jax.jit raised {type(exc).__name__}"
                 continue
-            _kept(_TRACING, key, evaluate_constants)
+            _kept(_TRACING, key, way)
             return result
         _kept(_TRACING, key, how)
         return self._op_by_op(what, how, eager)
@@ -292,8 +353,13 @@ class JaxSession(FrameworkSession):
 
         built = self._params_of.get(id(obj))
         if not self.bulk or built is None or built[0] is not obj:
-            return self._traced("forward()", called, (inputs,), eager)
+            quick = not cfg.is_large
+            runs = tuple(functools.partial(_run_traced, called, (inputs,), evaluate, quick) for evaluate in TRACINGS)
+            return self._traced("forward()", runs, (inputs,), eager)
         params = built[1]
+        both = None if cfg.is_large else self._bulk_both(params, inputs, masks, extras, kind.second_in_loss(cfg))
+        if both is not None:
+            return both({**params, **inputs}, None)[0]
         return self._bulk("forward()", self._built_and_called(params, inputs, masks, extras), ({**params, **inputs},), (masks, extras), eager)
 
     def _bulk(self, what: str, fn: Callable, args: tuple, closed_over: tuple, eager: Callable[[], Any]) -> Any:
@@ -317,6 +383,49 @@ class JaxSession(FrameworkSession):
                 return result
             _kept(_BULK, key, compiled)
         return self._op_by_op(what, compiled, eager)
+
+    def _bulk_both(self, params: dict[str, Any], inputs: dict[str, Any], masks: tuple, extras: dict[str, Any], with_second: bool) -> Callable | None:
+        """A bulk session's forward() and jax.vjp at small sizes, as one program compiled once per
+        candidate, config, shapes and the values it closes over, from one trace of build-and-forward:
+        `both(diff, cotangent)` -> (forward()'s result, the gradients of its output, and LSE where
+        `with_second`, pulled back from `cotangent`; None for none). The finite differences make
+        hundreds of forward calls and one vjp per check: a vjp program of its own was compiled for
+        that one call (27 of the 111 programs of the Flax MHA default suite, 93 ms each). A forward
+        call pulls back zeros too, microseconds at these sizes. None where one program cannot be
+        had (an output jax.vjp cannot take): then each is compiled alone (_bulk)."""
+        kind, cfg = kind_of(self.cfg), self.cfg
+        diff = {**params, **inputs}
+        key = (_fingerprint(self.candidate.factory), self._config_key, "forward() and jax.vjp", with_second, str(jax.tree.structure(diff)),
+               tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(diff)), _fingerprint((masks, extras)))  # fmt: skip
+        if key not in _BULK:
+            result_of = self._built_and_called(params, inputs, masks, extras)
+
+            def traced(d: dict[str, Any]) -> tuple[Any, Any]:
+                result = result_of(d)
+                out, second = kind.split_result(cfg, result)
+                return ((out, second) if with_second else out), result
+
+            _kept(_BULK, key, None)
+            for evaluate_constants in TRACINGS:
+                try:
+                    closed, (shape, result_shape) = jax.make_jaxpr(_constants_evaluated(traced) if evaluate_constants else traced,
+                                                                   return_shape=True)(diff)  # fmt: skip
+                    if _custom_rules(closed.jaxpr):
+                        break  # a custom rule runs where the vjp is traced: as _run_pulled_back, each compiled alone
+                    differentiated = jax.tree.leaves(shape)
+                    jitted = _jit(functools.partial(_forward_and_pull_back, closed.jaxpr, len(differentiated)), True)
+                    zeros = [jnp.zeros(s.shape, s.dtype) for s in differentiated]
+
+                    def both(d: dict[str, Any], cotangent: Any, jitted=jitted, closed=closed, zeros=zeros, result_shape=result_shape) -> tuple[Any, Any]:
+                        result, grads = jitted(closed.consts, jax.tree.leaves(d), zeros if cotangent is None else jax.tree.leaves(cotangent))
+                        return jax.tree.unflatten(jax.tree.structure(result_shape), result), jax.tree.unflatten(jax.tree.structure(d), grads)
+
+                    both(diff, None)  # compiled now: what it cannot take raises here
+                except Exception:  # noqa: BLE001 - each compiled alone then, which says what it says
+                    continue
+                _kept(_BULK, key, both)
+                break
+        return _BULK[key]
 
     def _gradients(self, obj: Any, grad_output: np.ndarray, grad_second: np.ndarray | None = None) -> tuple[Any, str | None]:
         """The candidate's own backward if it has one; else jax.vjp of build-and-forward (through
@@ -357,7 +466,16 @@ class JaxSession(FrameworkSession):
                 cotangent = jnp.asarray(grad_output, dtype=dtypes[0])
             args = ({**params, **inputs}, cotangent)
             if self.bulk:
+                both = None if cfg.is_large else self._bulk_both(params, inputs, masks, extras, with_second)
+                if both is not None:
+                    return dict(both(args[0], cotangent)[1])
                 return self._bulk("jax.vjp", pulled_back, args, (masks, extras), eager)
-            return self._traced("jax.vjp", pulled_back, args, eager)
+            # The trace of build-and-forward differentiated (_run_pulled_back); where that cannot be,
+            # jax.vjp of it traced: each as jax.jit traces, then with constants evaluated (TRACINGS).
+            quick = not cfg.is_large
+            runs = tuple(way for evaluate in TRACINGS for way in (
+                functools.partial(_run_pulled_back, output_of, args[0], cotangent, evaluate, quick),
+                functools.partial(_run_traced, pulled_back, args, evaluate, quick)))  # fmt: skip
+            return self._traced("jax.vjp", runs, args, eager)
 
         return self._guard("jax.vjp through building and calling the candidate", vjp), where

@@ -3,8 +3,10 @@
 Run: PYTHONPATH=$PWD python benchmarks/jax_speed.py [--repeats N] [--root CHECKOUT ...]
 
 Each pair is a JAX example and the torch candidate of the same kind, on that kind's default suite:
-the Flax encoder layer against the torch one (`run`, 21 checks), and the JAX kernel against
-torch's own F.scaled_dot_product_attention (`forward`, 32 cases). Every command runs `repeats`
+the Flax encoder layer against the torch one (`run`, 30 checks), and the JAX kernel against
+torch's own F.scaled_dot_product_attention (`forward`, 33 cases); and Flax's
+MultiHeadDotProductAttention against torch's SDPA written the same way (`run`, the MHA default
+suite, 119 checks). Every command runs `repeats`
 times, the commands alternating within each round so that load from other work hits them alike;
 the minimum wall time is reported, and the CPU time (the judge and the candidate's process
 together) of that run. `--root` runs the commands of another checkout (a `git worktree` or `git
@@ -22,6 +24,10 @@ import sys
 import time
 
 PAIRS = {
+    "Flax MHA": (
+        ["run", "--impl", "examples/flax_attention.py:MultiheadAttention"],
+        ["run", "--impl", "examples/torch_sdpa.py:MultiheadAttention"],
+    ),
     "Flax encoder layer": (
         ["run", "--module", "transformer_encoder_layer", "--impl", "examples/flax_encoder_layer.py:TransformerEncoderLayer"],
         ["run", "--module", "transformer_encoder_layer", "--impl", "examples/torch_encoder_layer.py:TransformerEncoderLayer"],
@@ -47,10 +53,11 @@ def timed(argv: list[str], root: str) -> tuple[float, float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pair", action="append", choices=list(PAIRS), help="the pairs to run (repeatable; default: all)")
     parser.add_argument("--root", action="append", help="a checkout to run (repeatable; default: the current directory)")
     args = parser.parse_args()
     roots = [os.path.abspath(r) for r in args.root or [os.getcwd()]]
-    commands = {(root, pair, side): argv for root in roots for pair, argvs in PAIRS.items() for side, argv in zip(("jax", "torch"), argvs)}
+    commands = {(root, pair, side): argv for root in roots for pair, argvs in PAIRS.items() if pair in (args.pair or PAIRS) for side, argv in zip(("jax", "torch"), argvs)}
     best: dict[tuple, tuple[float, float, int]] = {}
     for _ in range(args.repeats):
         for key, argv in commands.items():
@@ -62,7 +69,7 @@ def main() -> None:
     print(f"min of {args.repeats} rounds, the commands alternating; load average at the end: {' '.join(load) or '?'}")
     for root in roots:
         print(root)
-        for pair in PAIRS:
+        for pair in args.pair or PAIRS:
             (jw, jc, jrc), (tw, tc, trc) = best[(root, pair, "jax")], best[(root, pair, "torch")]
             print(f"  {pair:<20} JAX {jw:6.2f} s wall ({jc:6.2f} s CPU, exit {jrc})  torch {tw:5.2f} s ({tc:5.2f} s CPU, exit {trc})"
                   f"  ratio {jw / tw:.2f}x wall, {jc / tc:.2f}x CPU")  # fmt: skip

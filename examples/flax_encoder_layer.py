@@ -5,8 +5,9 @@
     attncheck run --module transformer_encoder_layer --impl examples/flax_encoder_layer.py:TransformerEncoderLayer
 
 It has no backward: attncheck takes its gradients from `jax.vjp`. The adapter converts torch's
-layout to Flax's, explicitly: Flax's kernels are `(in, out)` for `x @ W` where torch's weights
-are `(out, in)`; the attention's query/key/value kernels are `(E, H, D)`, its output kernel
+layout to Flax's, explicitly and inside forward (traced and compiled, where __init__ would run
+each operation alone): Flax's kernels are `(in, out)` for `x @ W` where torch's weights are
+`(out, in)`; the attention's query/key/value kernels are `(E, H, D)`, its output kernel
 `(H, D, E)`. torch's masks (bool True = masked, or float added to the logits) become one additive
 bias for `nn.dot_product_attention`.
 
@@ -85,6 +86,13 @@ class TransformerEncoderLayer:
         dtype = params["linear1.weight"].dtype
         adapt.unsupported(half_precision=np.dtype(dtype).itemsize == 2, reason="Flax's layer norm runs half inputs in half precision")
         self.H, self.batch_first = H, batch_first
+        self.params, self.sizes, self.bias = params, (E, H, D), bias  # converted to Flax's inside forward (see _variables)
+        self.apply = _Layer(H, E, F, activation, layer_norm_eps, norm_first, bias, dtype).apply
+
+    def _variables(self):
+        """torch's weights as Flax's variables, inside forward: attncheck compiles a call once per
+        program, where each JAX operation in __init__ would run alone, compiled per shape."""
+        (E, H, D), bias, params = self.sizes, self.bias, self.params
 
         def p(name):
             return params.get(name)
@@ -103,12 +111,11 @@ class TransformerEncoderLayer:
             return {"scale": p(f"norm{i}.weight"), **({"bias": p(f"norm{i}.bias")} if bias else {})}
 
         out = {"kernel": p("self_attn.out_proj.weight").T.reshape(H, D, E), **({"bias": p("self_attn.out_proj.bias")} if bias else {})}
-        self.variables = {"params": {
+        return {"params": {
             "self_attn": {"query": heads_in(w_q, b_q), "key": heads_in(w_k, b_k), "value": heads_in(w_v, b_v), "out": out},
             "linear1": dense(p("linear1.weight"), p("linear1.bias")), "linear2": dense(p("linear2.weight"), p("linear2.bias")),
             "norm1": norm(1), "norm2": norm(2),
         }}  # fmt: skip
-        self.apply = _Layer(H, E, F, activation, layer_norm_eps, norm_first, bias, dtype).apply
 
     def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
         unbatched = src.ndim == 2
@@ -119,5 +126,5 @@ class TransformerEncoderLayer:
         if unbatched and masks[1] is not None:
             masks[1] = masks[1][None]  # (S,) -> (1, S)
         bias = adapt.additive_mask(*masks, (B, self.H, L, L), x.dtype)
-        y = self.apply(self.variables, x, None if bias is None else jnp.asarray(bias))
+        y = self.apply(self._variables(), x, None if bias is None else jnp.asarray(bias))
         return y[0] if unbatched else (y if self.batch_first else jnp.swapaxes(y, 0, 1))
