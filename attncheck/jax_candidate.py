@@ -231,7 +231,7 @@ def _run_pulled_back(fn: Callable, primal: Any, cotangent: Any, evaluate_constan
     caller traces jax.vjp of fn then)."""
     closed, _, text = _traced_once(fn, (primal,), evaluate_constants)
     if _custom_rules(closed.jaxpr):
-        raise _CustomRules(text)
+        raise _CustomRules
     key = "jax.vjp of " + text
     program = _PROGRAMS.get(key) or _jit(functools.partial(_pull_back, closed.jaxpr), quick)
     _kept(_PROGRAMS, key, program)
@@ -391,8 +391,9 @@ class JaxSession(FrameworkSession):
         `with_second`, pulled back from `cotangent`; None for none). The finite differences make
         hundreds of forward calls and one vjp per check: a vjp program of its own was compiled for
         that one call (27 of the 111 programs of the Flax MHA default suite, 93 ms each). A forward
-        call pulls back zeros too, microseconds at these sizes. None where one program cannot be
-        had (an output jax.vjp cannot take): then each is compiled alone (_bulk)."""
+        call pulls back zeros too: a build-and-forward of the Flax example took 0.63 ms against 0.58
+        ms forward alone at the default size, float64 (300 calls, 2026-11-26). None where one
+        program cannot be had (an output jax.vjp cannot take): then each is compiled alone (_bulk)."""
         kind, cfg = kind_of(self.cfg), self.cfg
         diff = {**params, **inputs}
         key = (_fingerprint(self.candidate.factory), self._config_key, "forward() and jax.vjp", with_second, str(jax.tree.structure(diff)),
