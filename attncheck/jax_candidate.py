@@ -39,8 +39,11 @@ would, once per call, while XLA compiles each distinct program once:
 Values agree with an op-by-op call to rounding (XLA fuses a whole call), as for any jitted JAX
 code; the determinism and batch-invariance probes compare the bits of the compiled programs.
 
-float64 needs JAX's 64-bit mode, which this module turns on (`jax_enable_x64`): the finite
-differences and float64 configs run in float64 as for every other candidate. JAX arrays are
+float64 needs JAX's 64-bit mode (`jax_enable_x64`), which is on for a float64 session's calls
+only (float64 configs, and the finite differences' float64 runs, as for every other candidate).
+Every other session runs as JAX runs by default, where a candidate's `jnp.zeros(shape)` or
+Python float is float32: with 64-bit mode on everywhere, such a float32 candidate returned
+float64 and failed its dtype row, where outside attncheck it returns float32 (_x64). JAX arrays are
 immutable, so the in-place check has nothing to find; it runs all the same.
 """
 
@@ -65,8 +68,6 @@ try:
 except ImportError as exc:  # the extra is not installed
     raise UsageError(f"a JAX candidate needs JAX: pip install jax into attncheck's environment "
                      f"(in a checkout: ATTNCHECK_EXTRAS=test,jax bin/setup, which adds Flax too) ({exc})") from None
-
-jax.config.update("jax_enable_x64", True)
 
 
 # Where a call costs milliseconds (a config that is not Config.is_large), its cost is XLA's compile
@@ -140,6 +141,28 @@ def _compiled_quickly(quick: bool) -> Iterator[None]:
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
+
+
+@contextlib.contextmanager
+def _x64(on: bool) -> Iterator[None]:
+    """Inside, JAX's 64-bit mode is `on` (see the module docstring), restored after."""
+    before = jax.config.read("jax_enable_x64")
+    jax.config.update("jax_enable_x64", on)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", before)
+
+
+def _in_session_mode(method: Callable) -> Callable:
+    """A JaxSession method run with 64-bit mode as its config's dtype wants (_x64)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with _x64(self.x64):
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 def _kept(cache: OrderedDict, key: Any, value: Any) -> Any:
@@ -261,6 +284,7 @@ class JaxSession(FrameworkSession):
         # The last forward's (obj, inputs by key, masks, extras, the output's and the second's dtypes)
         self._call: tuple[Any, dict[str, Any], tuple[Any, Any], dict[str, Any], tuple[Any, Any]] | None = None
         self._config_key = cfg.model_dump_json()
+        self.x64 = cfg.dtype == "float64"  # JAX's 64-bit mode for its calls (_x64)
 
     def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None, layout: str | None = None) -> Any:
         # JAX arrays have no strides: a layout changes nothing (the strides probe skips JAX).
@@ -280,9 +304,18 @@ class JaxSession(FrameworkSession):
     def _restore(self, copy: Any, original: np.ndarray) -> None:
         pass  # JAX arrays cannot change in place
 
+    @_in_session_mode
+    def build(self, params):
+        return super().build(params)
+
+    @_in_session_mode
     def forward(self, obj, w, layout=None):
         self._leaves, self._call = {}, None
         return super().forward(obj, w, layout)
+
+    @_in_session_mode
+    def backward(self, obj, grad_output, w, grad_second=None):
+        return super().backward(obj, grad_output, w, grad_second)
 
     def _returned(self, output: Any, obj: Any, inputs: tuple, masks: tuple, second: Any = None) -> None:
         self._call = (obj, self._leaves, masks, self.last_extras, (getattr(output, "dtype", None), getattr(second, "dtype", None)))

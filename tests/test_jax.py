@@ -265,3 +265,28 @@ def test_gradients_of_one_compiled_program_per_trace_are_jax_vjp_s(bulk):
     else:  # a forward program and a vjp program, shared by both seeds
         assert sorted(k.startswith("jax.vjp of ") for k in added) == [False, True], added
 
+
+
+DEFAULT_DTYPE = '''
+import jax
+import jax.numpy as jnp
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    scores = query @ jnp.swapaxes(key, -1, -2) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    out = jnp.zeros(query.shape[:-1] + (value.shape[-1],))  # JAX's default float: float32, float64 in 64-bit mode
+    return out + jax.nn.softmax(scores, axis=-1) @ value
+'''
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_64_bit_mode_is_on_for_float64_calls_only(tmp_path, dtype):
+    # With 64-bit mode on for every call, this float32 kernel returned float64 (its zeros are JAX's
+    # default float) and failed its dtype row, where outside attncheck it returns float32. Its
+    # float64 calls need the mode: computed in float32 they would fail float64's budget, and the
+    # finite differences would be float32's.
+    path = tmp_path / "default_dtype.py"
+    path.write_text(DEFAULT_DTYPE)
+    report = attncheck.check({"module": "sdpa", "dtype": dtype}, "grad", impl=f"{path}:scaled_dot_product_attention")
+    report.assert_passed()
+    assert [r for r in report.rows if r.section == "finite-diff" and r.status is attncheck.report.PASS], report.rows
