@@ -25,8 +25,8 @@ would, once per call, while XLA compiles each distinct program once:
 - The finite differences' session (`bulk`: hundreds of forward calls of one computation on
   objects built for one call each, judged by their values alone) traces build-and-forward once
   per config, shapes and masks, the candidate built inside from the parameters handed, which are
-  arguments, and compiles forward() and its vjp as one program (`_bulk_both`): its Python state
-  is frozen there; the check's own calls above are where state shows.
+  arguments, and compiles forward() and its vjp as one program per distinct trace (`_bulk_both`):
+  its Python state is frozen there; the check's own calls above are where state shows.
 - A call is traced as jax.jit traces it; where that fails, again with what it computes from
   constants alone (masks, parameters) evaluated as it is traced, as op by op (NumPy may read a
   mask then); where that fails too (NumPy on a traced array, Python control flow on the inputs'
@@ -447,7 +447,11 @@ class JaxSession(FrameworkSession):
                     if _custom_rules(closed.jaxpr):
                         break  # a custom rule runs where the vjp is traced: as _run_pulled_back, each compiled alone
                     differentiated = jax.tree.leaves(shape)
-                    jitted = _jit(functools.partial(_forward_and_pull_back, closed.jaxpr, len(differentiated)), True)
+                    # Compiled once per distinct trace, as _run_traced: cases that differ only in what
+                    # the trace does not show (a seed, the input scale) share one program.
+                    text = f"forward and jax.vjp of the first {len(differentiated)} outputs of {closed.jaxpr}"
+                    jitted = _PROGRAMS.get(text) or _jit(functools.partial(_forward_and_pull_back, closed.jaxpr, len(differentiated)), True)
+                    _kept(_PROGRAMS, text, jitted)
                     zeros = [jnp.zeros(s.shape, s.dtype) for s in differentiated]
 
                     def both(d: dict[str, Any], cotangent: Any, jitted=jitted, closed=closed, zeros=zeros, result_shape=result_shape) -> tuple[Any, Any]:
