@@ -1,7 +1,12 @@
-"""Shared test helpers: hypothesis profiles and configs built from overrides."""
+"""Shared test helpers: hypothesis profiles, configs built from overrides, the corpus's reports.
+
+Light to import (no torch, no checks): test modules whose classes a candidate's process imports
+(tests/test_diagnose.py) import it.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 
 from hypothesis import HealthCheck, settings
@@ -16,3 +21,15 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 def cfg(**overrides):
     """A validated Config from keyword overrides of the defaults."""
     return config_from_mapping(overrides, source="<test>")
+
+
+@functools.cache
+def default_suite_catch_report(impl: str):
+    """The report of `impl`'s DEFAULT_SUITE_CATCHES entry (its command on its default-suite case),
+    computed once per process: tests/test_default_suite.py checks which rows fail, and
+    tests/test_diagnose.py what their diagnoses say, on the same report (pytest-xdist may give the
+    two tests to different workers: each then computes it, as each test did before)."""
+    from attncheck.testing import detection
+
+    catch = next(c for c in detection.DEFAULT_SUITE_CATCHES if c.impl == impl)
+    return detection.run(detection.as_case(catch))

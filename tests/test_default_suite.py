@@ -29,6 +29,7 @@ from attncheck.report import FAIL, UNSUPPORTED, Reason, Report, Row, SuiteResult
 from attncheck.suite import prepare
 from attncheck.testing import detection, wrong_diagnoses, wrong_gradients, wrong_impls, wrong_reach, wrong_updates
 from attncheck.testing.detection import DEFAULT_SUITE_CATCHES
+from tests.conftest import default_suite_catch_report
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = "attncheck.testing.wrong_impls:{}"
@@ -45,7 +46,7 @@ def _catch(name: str) -> detection.SuiteCatch:
 
 @pytest.mark.parametrize("catch", DEFAULT_SUITE_CATCHES, ids=[c.impl for c in DEFAULT_SUITE_CATCHES])
 def test_caught_by_its_case(catch):
-    report = detection.run(detection.as_case(catch))
+    report = default_suite_catch_report(catch.impl)
     assert not report.passed
     assert detection.problems(detection.as_case(catch), report) == []
 

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from attncheck.reference import ScaledDotProductAttention
 from attncheck.torch_sdpa import SDPA_PATH, torch_attention
@@ -180,6 +179,10 @@ def independent(c: Case, return_lse=False):
         if c.causal == "upper_left" and only:
             kwargs["is_causal"] = True  # SDPA's own causal
         elif c.causal == "lower_right" and only:
+            # imported here, not at the top: it imports torch._dynamo (1 s), which each pytest-xdist
+            # worker otherwise paid while collecting, whether or not it ran this
+            from torch.nn.attention.bias import causal_lower_right
+
             kwargs["attn_mask"] = causal_lower_right(c.L, c.S)  # torch's own bottom-right causal
         elif bias is not None:
             kwargs["attn_mask"] = bias if allowed is None else bias.masked_fill(~allowed, -math.inf)
