@@ -452,7 +452,7 @@ class JaxSession(FrameworkSession):
                     text = f"forward and jax.vjp of the first {len(differentiated)} outputs of {closed.jaxpr}"
                     jitted = _PROGRAMS.get(text) or _jit(functools.partial(_forward_and_pull_back, closed.jaxpr, len(differentiated)), True)
                     _kept(_PROGRAMS, text, jitted)
-                    zeros = [jnp.zeros(s.shape, s.dtype) for s in differentiated]
+                    zeros = [np.zeros(s.shape, s.dtype) for s in differentiated]  # NumPy's: jnp.zeros compiles a program per shape
 
                     def both(d: dict[str, Any], cotangent: Any, jitted=jitted, closed=closed, zeros=zeros, result_shape=result_shape) -> tuple[Any, Any]:
                         result, grads = jitted(closed.consts, jax.tree.leaves(d), zeros if cotangent is None else jax.tree.leaves(cotangent))
