@@ -303,12 +303,15 @@ class ExhaustsFileDescriptors(Reference):
 
 
 class ForksAndRewritesTheReport(Reference):
-    """Forks a child that waits, then writes a passing report over ATTNCHECK_HOSTILE_JSON; returns zeros."""
+    """Forks a child that waits for the judge's report at ATTNCHECK_HOSTILE_JSON (up to 60 s) and
+    writes a passing one over it as soon as it appears; returns zeros."""
 
     def forward(self, query, key, value, **kwargs):
         target = os.environ.get("ATTNCHECK_HOSTILE_JSON")
         if target and os.fork() == 0:
-            time.sleep(3)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(target) and time.monotonic() < deadline:
+                time.sleep(0.02)
             with open(target, "w") as f:
                 f.write('{"verdict": "pass"}\n')
             os._exit(0)
