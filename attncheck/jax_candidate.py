@@ -39,11 +39,12 @@ would, once per call, while XLA compiles each distinct program once:
 Values agree with an op-by-op call to rounding (XLA fuses a whole call), as for any jitted JAX
 code; the determinism and batch-invariance probes compare the bits of the compiled programs.
 
-float64 needs JAX's 64-bit mode (`jax_enable_x64`), which is on for a float64 session's calls
-only (float64 configs, and the finite differences' float64 runs, as for every other candidate).
-Every other session runs as JAX runs by default, where a candidate's `jnp.zeros(shape)` or
-Python float is float32: with 64-bit mode on everywhere, such a float32 candidate returned
-float64 and failed its dtype row, where outside attncheck it returns float32 (_x64). JAX arrays are
+float64 needs JAX's 64-bit mode (`jax_enable_x64`), which is turned on for a float64 session's
+calls only (float64 configs, and the finite differences' float64 runs, as for every other
+candidate). Every other session runs in the mode the process has, off as JAX starts (unless the
+candidate turns it on), where a candidate's `jnp.zeros(shape)` or Python float is float32: with
+64-bit mode on everywhere, such a float32 candidate returned float64 and failed its dtype row,
+where outside attncheck it returns float32 (_x64). JAX arrays are
 immutable, so the in-place check has nothing to find; it runs all the same.
 """
 
@@ -89,13 +90,14 @@ FAST_COMPILE = (
 # constants alone evaluated as it is traced (`_constants_evaluated`); where both fail, op by op.
 TRACINGS = (False, True)
 # What this process (the child serves every session of a run) compiled, oldest dropped first:
-# _PROGRAMS, traced calls by program text (`_run_traced`); _BULK, a bulk session's calls by
-# config, shapes and masks (`JaxSession._bulk`), or why tracing one failed; _TRACING, by
-# candidate, config, call and shapes, the tracing of TRACINGS that worked, or why none did (then
-# the call runs op by op).
+# _PROGRAMS, programs by the text of the trace they run ("jax.vjp of ...": its vjp; "forward and
+# jax.vjp of ...": both, for the finite differences); _BULK, a bulk session's calls by config,
+# shapes and masks (`JaxSession._bulk`, `_bulk_both`), or why tracing one failed (None: each
+# compiled alone); _TRACING, by candidate, config, call and shapes, the index of the way of
+# tracing that worked (`JaxSession._traced`), or why none did (then the call runs op by op).
 _PROGRAMS: OrderedDict[str, Callable] = OrderedDict()
 _BULK: OrderedDict[tuple, Any] = OrderedDict()
-_TRACING: OrderedDict[tuple, bool | str] = OrderedDict()
+_TRACING: OrderedDict[tuple, int | str] = OrderedDict()
 COMPILED_LIMIT = 64
 _traced_here = False  # whether this process has traced a candidate: a leaked tracer may then be ours
 
@@ -127,16 +129,45 @@ def _fast_compile() -> dict[str, Any]:
 
 
 def _jit(fn: Callable, quick: bool) -> Callable:
-    """jax.jit of fn, compiled quickly where `quick` (see FAST_COMPILE)."""
-    options = _fast_compile() if quick else {}
-    return jax.jit(fn, compiler_options=options) if options else jax.jit(fn)
+    """jax.jit of fn, compiled quickly where `quick` (see FAST_COMPILE, and _Program)."""
+    return _Program(fn, quick)
+
+
+def _finite(result: Any) -> bool:
+    """Whether every floating-point value of a program's result is finite."""
+    return all(np.isfinite(a).all() for a in map(np.asarray, jax.tree.leaves(result)) if jnp.issubdtype(a.dtype, jnp.inexact))
+
+
+class _Program:
+    """fn compiled once by jax.jit, quickly where `quick` (FAST_COMPILE). At optimization level 0
+    XLA computed NaN where its default compile does not (2026-11-26, jax 0.10.2: a float32 MHA
+    adding a float key padding mask holding -inf, softmax by max-subtraction, got NaN in 287 of its
+    gradients; tests/test_jax.py, FLOAT_PADDING): the two differ around infinities and NaN, not in
+    finite arithmetic. So a quick program's call whose result holds NaN or inf is made again with
+    fn compiled as jax.jit compiles by default, which then serves every later call: the result is
+    the one jax.jit gives, at the default compile's cost (about 2.5x) only where a NaN or inf shows."""
+
+    def __init__(self, fn: Callable, quick: bool):
+        options = _fast_compile() if quick else {}
+        self.fn, self.quick = fn, bool(options)
+        self.compiled = jax.jit(fn, compiler_options=options) if options else jax.jit(fn)
+
+    def __call__(self, *args):
+        if self.quick:
+            result = self.compiled(*args)
+            if _finite(result):
+                return result
+            self.quick, self.compiled = False, jax.jit(self.fn)
+        with _compiled_quickly(False):
+            return self.compiled(*args)
 
 
 @contextlib.contextmanager
 def _compiled_quickly(quick: bool) -> Iterator[None]:
-    """Inside, where `quick`, XLA compiles without most optimizations (see FAST_COMPILE)."""
+    """Inside, XLA compiles without most optimizations where `quick` (see FAST_COMPILE), as JAX
+    compiles by default where not."""
     before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", before or quick)
+    jax.config.update("jax_disable_most_optimizations", quick)
     try:
         yield
     finally:
@@ -145,13 +176,18 @@ def _compiled_quickly(quick: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _x64(on: bool) -> Iterator[None]:
-    """Inside, JAX's 64-bit mode is `on` (see the module docstring), restored after."""
+    """Inside, JAX's 64-bit mode is on where `on`, restored after; where not, left as the process
+    has it (off, as JAX starts, unless the candidate turned it on itself). Known gap: an array a
+    candidate makes in a float32 session and keeps (a cache) stays float32 in a float64 session,
+    where one process that always ran in 64-bit mode would have made it float64."""
     before = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", on)
+    if on and not before:
+        jax.config.update("jax_enable_x64", True)
     try:
         yield
     finally:
-        jax.config.update("jax_enable_x64", before)
+        if on and not before:
+            jax.config.update("jax_enable_x64", before)
 
 
 def _in_session_mode(method: Callable) -> Callable:
@@ -353,17 +389,21 @@ class JaxSession(FrameworkSession):
             self.notes.append(note)
         return result
 
-    def _traced(self, what: str, runs: tuple[Callable[[], Any], ...], args: tuple, eager: Callable[[], Any]) -> Any:
-        """The first of `runs` (ways to trace the call at args and run it compiled, see TRACINGS)
+    def _traced(self, what: str, runs: tuple[tuple[Callable[[], Any], type | None], ...], args: tuple, eager: Callable[[], Any]) -> Any:
+        """The first of `runs` (ways to trace the call at args and run it compiled, see TRACINGS,
+        each with the exception the way before it must have raised for it to be tried, or None)
         that works, the one that worked before for this candidate, config, call and shapes;
         eager() where none does (none would again)."""
         key = (_fingerprint(self.candidate.factory), self._config_key, what, tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(args)))
-        how = _TRACING.get(key)
+        how, raised = _TRACING.get(key), None
         for way in range(len(runs)) if how is None else (how,) if isinstance(how, int) else ():
+            run, only_after = runs[way]
+            if how is None and only_after is not None and not isinstance(raised, only_after):
+                continue  # a way for what the previous one raised only: the candidate's Python would run for nothing
             try:
-                result = runs[way]()
+                result = run()
             except Exception as exc:  # noqa: BLE001 - whatever it is, the op-by-op call says it as before
-                how = f"tracing {what} under jax.jit raised {type(exc).__name__}"
+                how, raised = f"tracing {what} under jax.jit raised {type(exc).__name__}", exc
                 continue
             _kept(_TRACING, key, way)
             return result
@@ -387,7 +427,7 @@ class JaxSession(FrameworkSession):
         built = self._params_of.get(id(obj))
         if not self.bulk or built is None or built[0] is not obj:
             quick = not cfg.is_large
-            runs = tuple(functools.partial(_run_traced, called, (inputs,), evaluate, quick) for evaluate in TRACINGS)
+            runs = tuple((functools.partial(_run_traced, called, (inputs,), evaluate, quick), None) for evaluate in TRACINGS)
             return self._traced("forward()", runs, (inputs,), eager)
         params = built[1]
         both = None if cfg.is_large else self._bulk_both(params, inputs, masks, extras, kind.second_in_loss(cfg))
@@ -426,7 +466,8 @@ class JaxSession(FrameworkSession):
         that one call (27 of the 111 programs of the Flax MHA default suite, 93 ms each). A forward
         call pulls back zeros too: a build-and-forward of the Flax example took 0.63 ms against 0.58
         ms forward alone at the default size, float64 (300 calls, 2026-11-26). None where one
-        program cannot be had (an output jax.vjp cannot take): then each is compiled alone (_bulk)."""
+        program cannot be had (an output jax.vjp cannot take, or a custom derivative, whose rule
+        must run where the vjp is traced): then each is compiled alone (_bulk)."""
         kind, cfg = kind_of(self.cfg), self.cfg
         diff = {**params, **inputs}
         key = (_fingerprint(self.candidate.factory), self._config_key, "forward() and jax.vjp", with_second, str(jax.tree.structure(diff)),
@@ -512,8 +553,8 @@ class JaxSession(FrameworkSession):
             # jax.vjp of it traced: each as jax.jit traces, then with constants evaluated (TRACINGS).
             quick = not cfg.is_large
             runs = tuple(way for evaluate in TRACINGS for way in (
-                functools.partial(_run_pulled_back, output_of, args[0], cotangent, evaluate, quick),
-                functools.partial(_run_traced, pulled_back, args, evaluate, quick)))  # fmt: skip
+                (functools.partial(_run_pulled_back, output_of, args[0], cotangent, evaluate, quick), None),
+                (functools.partial(_run_traced, pulled_back, args, evaluate, quick), _CustomRules)))  # fmt: skip
             return self._traced("jax.vjp", runs, args, eager)
 
         return self._guard("jax.vjp through building and calling the candidate", vjp), where

@@ -293,3 +293,40 @@ def test_64_bit_mode_is_on_for_float64_calls_only(tmp_path, dtype):
     report = attncheck.check({"module": "sdpa", "dtype": dtype}, "grad", impl=f"{path}:scaled_dot_product_attention")
     report.assert_passed()
     assert [r for r in report.rows if r.section == "finite-diff" and r.status is attncheck.report.PASS], report.rows
+
+
+# A new user's float32 MHA (its float key padding mask added to the logits, softmax by max-subtraction):
+# compiled at LLVM's optimization level 0 its gradients had NaN in 287 elements (the grad check
+# failed: "NaN in 77 places where torch has a number"), where jax.jit's default compile gives none.
+FLOAT_PADDING = '''
+import jax.numpy as jnp
+
+
+class MHA:
+    def __init__(self, params, *, num_heads, batch_first, **options):
+        self.p, self.H, self.batch_first = params, num_heads, batch_first
+
+    def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, need_weights=True, average_attn_weights=True):
+        p, H = self.p, self.H
+        if not self.batch_first:
+            query, key, value = (jnp.swapaxes(t, 0, 1) for t in (query, key, value))
+        B, L, E = query.shape
+        D = E // H
+        w_q, w_k, w_v = jnp.split(p["in_proj_weight"], 3)
+        b_q, b_k, b_v = jnp.split(p["in_proj_bias"], 3)
+        q, k, v = ((x @ w.T + b).reshape(B, -1, H, D).transpose(0, 2, 1, 3) for x, w, b in ((query, w_q, b_q), (key, w_k, b_k), (value, w_v, b_v)))
+        logits = q @ jnp.swapaxes(k, -1, -2) / jnp.sqrt(jnp.array(D, query.dtype))
+        logits = logits + jnp.asarray(key_padding_mask).astype(query.dtype)[:, None, None, :]
+        e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        out = ((e / e.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(B, L, E)
+        out = out @ p["out_proj.weight"].T + p["out_proj.bias"]
+        return (out if self.batch_first else jnp.swapaxes(out, 0, 1)), None
+'''
+
+
+def test_a_float_mask_with_minus_inf_has_finite_gradients_compiled(tmp_path):
+    path = tmp_path / "float_padding.py"
+    path.write_text(FLOAT_PADDING)
+    config = {"embed_dim": 10, "num_heads": 2, "batch_size": 3, "tgt_len": 4, "seed": 1, "need_weights": False,
+              "key_padding_mask": "random", "key_padding_mask_dtype": "float"}  # fmt: skip
+    attncheck.check(config, "grad", impl=f"{path}:MHA").assert_passed()
