@@ -244,17 +244,30 @@ def _forward_and_pull_back(jaxpr: Any, differentiated: int, consts: list, flat: 
     return result, pull_back(cotangents)
 
 
-def _custom_rules(jaxpr: Any) -> bool:
-    """Whether a trace holds a custom derivative (custom_jvp, custom_vjp), in it or in a call it makes."""
+def _equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of a trace, and of the traces it calls (a jit, a scan, a custom rule's)."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name.startswith("custom_"):
-            return True
+        yield eqn
         for value in eqn.params.values():
             for inner in value if isinstance(value, (tuple, list)) else (value,):
                 inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
-                if hasattr(inner, "eqns") and _custom_rules(inner):
-                    return True
-    return False
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+def _custom_rules(jaxpr: Any) -> bool:
+    """Whether a trace holds a custom derivative (custom_jvp, custom_vjp), in it or in a call it makes."""
+    return any(eqn.primitive.name.startswith("custom_") for eqn in _equations(jaxpr))
+
+
+def _text(jaxpr: Any) -> str:
+    """A trace's text, the key of its compiled program: every literal is printed in full. A host
+    callback (jax.pure_callback, io_callback) is printed by the address of its function's code,
+    not by what its closure holds: the trace's text then names the function objects too, so two
+    callbacks with other closures (a scale each) never share a program."""
+    text = str(jaxpr)
+    callbacks = [id(v) for eqn in _equations(jaxpr) if "callback" in eqn.primitive.name for v in eqn.params.values() if callable(v)]
+    return f"{text}\ncalling back {callbacks}" if callbacks else text
 
 
 class _CustomRules(Exception):
@@ -266,7 +279,7 @@ def _traced_once(fn: Callable, args: tuple, evaluate_constants: bool) -> tuple[A
     global _traced_here
     _traced_here = True
     closed, shape = jax.make_jaxpr(_constants_evaluated(fn) if evaluate_constants else fn, return_shape=True)(*args)
-    return closed, shape, str(closed.jaxpr)
+    return closed, shape, _text(closed.jaxpr)
 
 
 def _run_traced(fn: Callable, args: tuple, evaluate_constants: bool, quick: bool) -> Any:
@@ -490,7 +503,7 @@ class JaxSession(FrameworkSession):
                     differentiated = jax.tree.leaves(shape)
                     # Compiled once per distinct trace, as _run_traced: cases that differ only in what
                     # the trace does not show (a seed, the input scale) share one program.
-                    text = f"forward and jax.vjp of the first {len(differentiated)} outputs of {closed.jaxpr}"
+                    text = f"forward and jax.vjp of the first {len(differentiated)} outputs of {_text(closed.jaxpr)}"
                     jitted = _PROGRAMS.get(text) or _jit(functools.partial(_forward_and_pull_back, closed.jaxpr, len(differentiated)), True)
                     _kept(_PROGRAMS, text, jitted)
                     zeros = [np.zeros(s.shape, s.dtype) for s in differentiated]  # NumPy's: jnp.zeros compiles a program per shape

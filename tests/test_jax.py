@@ -330,3 +330,28 @@ def test_a_float_mask_with_minus_inf_has_finite_gradients_compiled(tmp_path):
     config = {"embed_dim": 10, "num_heads": 2, "batch_size": 3, "tgt_len": 4, "seed": 1, "need_weights": False,
               "key_padding_mask": "random", "key_padding_mask_dtype": "float"}  # fmt: skip
     attncheck.check(config, "grad", impl=f"{path}:MHA").assert_passed()
+
+
+CALLBACK_SCALE = '''
+import jax
+import jax.numpy as jnp
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    s = query.shape[-1] ** -0.5 if scale is None else scale
+
+    def scaled(a):  # host code: the scale is in its closure, not in the trace
+        return (a * s).astype(a.dtype)
+
+    scores = query @ jnp.swapaxes(key, -1, -2)
+    scores = jax.pure_callback(scaled, jax.ShapeDtypeStruct(scores.shape, scores.dtype), scores)
+    return jax.nn.softmax(scores, axis=-1) @ value
+'''
+
+
+def test_host_callbacks_with_other_closures_do_not_share_a_program(tmp_path):
+    # Their traces print the same text: keyed by it alone, the second scale ran the first's program.
+    path = tmp_path / "callback_scale.py"
+    path.write_text(CALLBACK_SCALE)
+    for scale in (0.5, 0.25):  # one candidate process serves both checks
+        attncheck.check({"module": "sdpa", "seed": 1, "scale": scale}, "forward", impl=f"{path}:scaled_dot_product_attention").assert_passed()
