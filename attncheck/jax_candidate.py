@@ -142,10 +142,11 @@ class _Program:
     """fn compiled once by jax.jit, quickly where `quick` (FAST_COMPILE). At optimization level 0
     XLA computed NaN where its default compile does not (2026-11-26, jax 0.10.2: a float32 MHA
     adding a float key padding mask holding -inf, softmax by max-subtraction, got NaN in 287 of its
-    gradients; tests/test_jax.py, FLOAT_PADDING): the two differ around infinities and NaN, not in
-    finite arithmetic. So a quick program's call whose result holds NaN or inf is made again with
-    fn compiled as jax.jit compiles by default, which then serves every later call: the result is
-    the one jax.jit gives, at the default compile's cost (about 2.5x) only where a NaN or inf shows."""
+    gradients; tests/test_jax.py, FLOAT_PADDING). There they differed only around infinities. So a
+    quick program's call whose result holds NaN or inf is made again with fn compiled as jax.jit
+    compiles by default, which then serves every later call: the result is the one jax.jit gives,
+    at the default compile's cost (about 2.5x) only where a NaN or inf shows. A quick compile that
+    differed in finite values would not be caught here (none is known)."""
 
     def __init__(self, fn: Callable, quick: bool):
         options = _fast_compile() if quick else {}
