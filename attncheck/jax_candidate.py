@@ -202,6 +202,11 @@ def _in_session_mode(method: Callable) -> Callable:
     return run
 
 
+def _program(key: str, fn: Callable, quick: bool) -> Callable:
+    """The compiled program of `fn` kept under `key` (a trace's text), compiled on first use (_jit)."""
+    return _kept(_PROGRAMS, key, _PROGRAMS.get(key) or _jit(fn, quick))
+
+
 def _kept(cache: OrderedDict, key: Any, value: Any) -> Any:
     cache[key] = value
     cache.move_to_end(key)
@@ -290,8 +295,7 @@ def _run_traced(fn: Callable, args: tuple, evaluate_constants: bool, quick: bool
     and arguments (every literal is printed in full); the compiled program is then reused.
     `evaluate_constants`: traced as `_constants_evaluated`; `quick`: see _jit."""
     closed, shape, text = _traced_once(fn, args, evaluate_constants)
-    program = _PROGRAMS.get(text) or _jit(functools.partial(_evaluate, closed.jaxpr), quick)
-    _kept(_PROGRAMS, text, program)
+    program = _program(text, functools.partial(_evaluate, closed.jaxpr), quick)
     return jax.tree.unflatten(jax.tree.structure(shape), program(closed.consts, jax.tree.leaves(args)))
 
 
@@ -305,9 +309,7 @@ def _run_pulled_back(fn: Callable, primal: Any, cotangent: Any, evaluate_constan
     closed, _, text = _traced_once(fn, (primal,), evaluate_constants)
     if _custom_rules(closed.jaxpr):
         raise _CustomRules
-    key = "jax.vjp of " + text
-    program = _PROGRAMS.get(key) or _jit(functools.partial(_pull_back, closed.jaxpr), quick)
-    _kept(_PROGRAMS, key, program)
+    program = _program("jax.vjp of " + text, functools.partial(_pull_back, closed.jaxpr), quick)
     grads = program(closed.consts, jax.tree.leaves(primal), jax.tree.leaves(cotangent))
     return jax.tree.unflatten(jax.tree.structure(primal), grads)
 
@@ -449,12 +451,17 @@ class JaxSession(FrameworkSession):
             return both({**params, **inputs}, None)[0]
         return self._bulk("forward()", self._built_and_called(params, inputs, masks, extras), ({**params, **inputs},), (masks, extras), eager)
 
+    def _bulk_key(self, what: str, args: tuple, closed_over: tuple) -> tuple:
+        """A bulk session's program for `what`, by candidate, config, the arguments' structure and
+        shapes, and the values it closes over (masks, extras)."""
+        return (_fingerprint(self.candidate.factory), self._config_key, what, str(jax.tree.structure(args)),
+                tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(args)), _fingerprint(closed_over))  # fmt: skip
+
     def _bulk(self, what: str, fn: Callable, args: tuple, closed_over: tuple, eager: Callable[[], Any]) -> Any:
         """A bulk session's call: fn(*args) jitted once per candidate, config, shapes and the values
         fn closes over (masks, extras), by the first of TRACINGS that traces, and called again
         without tracing; eager() where none traces."""
-        key = (_fingerprint(self.candidate.factory), self._config_key, what, str(jax.tree.structure(args)),
-               tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(args)), _fingerprint(closed_over))  # fmt: skip
+        key = self._bulk_key(what, args, closed_over)
         compiled = _BULK.get(key)
         if callable(compiled):
             return compiled(*args)
@@ -484,8 +491,7 @@ class JaxSession(FrameworkSession):
         must run where the vjp is traced): then each is compiled alone (_bulk)."""
         kind, cfg = kind_of(self.cfg), self.cfg
         diff = {**params, **inputs}
-        key = (_fingerprint(self.candidate.factory), self._config_key, "forward() and jax.vjp", with_second, str(jax.tree.structure(diff)),
-               tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(diff)), _fingerprint((masks, extras)))  # fmt: skip
+        key = self._bulk_key(f"forward() and jax.vjp{' with the LSE' if with_second else ''}", (diff,), (masks, extras))
         if key not in _BULK:
             result_of = self._built_and_called(params, inputs, masks, extras)
 
@@ -497,16 +503,14 @@ class JaxSession(FrameworkSession):
             _kept(_BULK, key, None)
             for evaluate_constants in TRACINGS:
                 try:
-                    closed, (shape, result_shape) = jax.make_jaxpr(_constants_evaluated(traced) if evaluate_constants else traced,
-                                                                   return_shape=True)(diff)  # fmt: skip
+                    closed, (shape, result_shape), text = _traced_once(traced, (diff,), evaluate_constants)
                     if _custom_rules(closed.jaxpr):
                         break  # a custom rule runs where the vjp is traced: as _run_pulled_back, each compiled alone
                     differentiated = jax.tree.leaves(shape)
                     # Compiled once per distinct trace, as _run_traced: cases that differ only in what
                     # the trace does not show (a seed, the input scale) share one program.
-                    text = f"forward and jax.vjp of the first {len(differentiated)} outputs of {_text(closed.jaxpr)}"
-                    jitted = _PROGRAMS.get(text) or _jit(functools.partial(_forward_and_pull_back, closed.jaxpr, len(differentiated)), True)
-                    _kept(_PROGRAMS, text, jitted)
+                    jitted = _program(f"forward and jax.vjp of the first {len(differentiated)} outputs of {text}",
+                                      functools.partial(_forward_and_pull_back, closed.jaxpr, len(differentiated)), True)  # fmt: skip
                     zeros = [np.zeros(s.shape, s.dtype) for s in differentiated]  # NumPy's: jnp.zeros compiles a program per shape
 
                     def both(d: dict[str, Any], cotangent: Any, jitted=jitted, closed=closed, zeros=zeros, result_shape=result_shape) -> tuple[Any, Any]:
