@@ -244,14 +244,15 @@ def measure(
     with np.errstate(invalid="ignore"):
         diff = np.where(valid & (a != e), np.abs(a - e), 0.0)  # equal infinities differ by 0
     diff = np.where(np.isnan(diff), np.inf, diff)
-    if diff.size:
+    if valid.any():  # else no value was compared (every element NaN on one side): no difference of 0 to report
         i = int(np.argmax(diff))
         row.max_abs, row.max_abs_at = float(diff.flat[i]), _index(i, diff.shape)
 
+    budget: float | None = None  # the budget rule's allowed error
     if isinstance(rule, Fixed):
         allowed = rule.atol + rule.rtol * np.abs(np.where(valid, e, 0.0))
         bad = diff > allowed
-        if diff.size:
+        if valid.any():
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio = np.where(diff > 0, diff / allowed, 0.0)
             k = int(np.argmax(np.where(np.isnan(ratio), np.inf, ratio)))
@@ -274,17 +275,20 @@ def measure(
         row.rounding_floor = rounding or None
         row.ratio = _ratio(row.candidate_error, row.allowed)
         bad = cand_err > row.allowed
+        budget = row.allowed
+        if not ok.any():  # no value compared: none of these measured anything (the NaN note says what failed)
+            row.candidate_error = row.torch_error = row.allowed = row.ratio = None
     # The relative difference only where torch's value is more than the error the rule allows
     # (atol; the budget): below that the expected value is rounding noise (say a gradient that
     # is zero in exact arithmetic), and dividing by it measures nothing. None where no value is.
-    noise = rule.atol if isinstance(rule, Fixed) else row.allowed
+    noise = rule.atol if isinstance(rule, Fixed) else budget
     meaningful = valid & (np.abs(np.where(valid, e, 0.0)) > noise)
     if meaningful.any():
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(meaningful & (diff > 0), diff / np.abs(e), 0.0)
         j = int(np.argmax(rel))
         row.max_rel, row.max_rel_at = float(rel.flat[j]), _index(j, rel.shape)
-    row.evidence = Evidence(a, e, None if isinstance(rule, Fixed) else o, allowed if isinstance(rule, Fixed) else row.allowed)
+    row.evidence = Evidence(a, e, None if isinstance(rule, Fixed) else o, allowed if isinstance(rule, Fixed) else budget)
     row.mismatched = int((bad | nan_wrong).sum())
     row.judged = int(valid.sum() + nan_wrong.sum())
     if row.mismatched:

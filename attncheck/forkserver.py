@@ -52,8 +52,10 @@ _POLL_S = 0.005  # how often the server looks for a child's exit while the judge
 def environment() -> dict[str, str]:
     """The environment of a process the judge starts for candidates (the server, a fresh
     interpreter, a fork): the judge's, with its sys.path as PYTHONPATH, so that it imports what
-    the judge would."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    the judge would. JAX takes three quarters of a GPU's memory when it first uses one, unless told
+    not to: candidate processes run side by side (workers) and beside torch on the same GPU, so
+    they are told not to, where the user has not set it."""
+    return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
 
 
 class ForkedProcess:

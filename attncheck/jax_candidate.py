@@ -60,7 +60,7 @@ from typing import Any, Callable
 import numpy as np
 
 from attncheck.candidate import FrameworkSession, _defined_at, unchanged
-from attncheck.errors import CandidateProblem, TracerLeak, UsageError
+from attncheck.errors import CandidateProblem, TracerLeak, Unsupported, UsageError
 from attncheck.kinds import kind_of
 
 try:
@@ -192,14 +192,30 @@ def _x64(on: bool) -> Iterator[None]:
 
 
 def _in_session_mode(method: Callable) -> Callable:
-    """A JaxSession method run with 64-bit mode as its config's dtype wants (_x64)."""
+    """A JaxSession method run with 64-bit mode as its config's dtype wants (_x64), on the config's
+    device (_device)."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        with _x64(self.x64):
+        with _x64(self.x64), jax.default_device(_device(self.cfg.device)):
             return method(self, *args, **kwargs)
 
     return run
+
+
+def _device(device: str) -> Any:
+    """The JAX device of a config's `device`: JAX's CPU for cpu, its first GPU for cuda. JAX itself
+    would run on a GPU wherever it has one, and there computes float32 matrix products with fewer
+    bits by default (jax_default_matmul_precision): a cpu config on a GPU machine failed the whole
+    default suite of examples/flax_attention.py (72 checks, 28-72x; H200, jax 0.11.2), torch's twin
+    of it running on the CPU beside it. Unsupported where JAX has no GPU for a cuda config."""
+    if device == "cpu":
+        return jax.devices("cpu")[0]
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError as exc:
+        raise Unsupported(f"device: cuda, but JAX {jax.__version__} sees no GPU ({exc}); install JAX's CUDA build, "
+                          "or check a JAX candidate with device: cpu") from None
 
 
 def _program(key: str, fn: Callable, quick: bool) -> Callable:

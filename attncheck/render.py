@@ -62,7 +62,8 @@ def header(report: Report) -> Text:
     text.append(" · ".join(facts))
     text.append(f"\ncandidate: {report.impl}", style="dim")
     if report.framework != "numpy" or c.device != "cpu":  # the NumPy contract on the CPU goes without saying
-        text.append(f"  ({report.framework} candidate, torch on {c.device})", style="dim")
+        on = "JAX and torch" if report.framework == "jax" else "torch"
+        text.append(f"  ({report.framework} candidate, {on} on {c.device})", style="dim")
     return text
 
 

@@ -45,7 +45,7 @@ class MultiheadAttention:
     def forward(self, query, key, value, **kwargs):
         logits = query @ np.swapaxes(key, -1, -2)
         return torch.softmax(logits, dim=-1) @ value, None
-''', (), ["must be Tensor, not numpy.ndarray",
+''', (), ["numpy.ndarray",  # torch 2.13: "must be Tensor, not numpy.ndarray"; 2.11: "got (numpy.ndarray, dim=int)"
           "attncheck detected a numpy candidate (its module numpy_calls_torch.py imports NumPy besides torch, which is taken as NumPy)",
           "the error reads as code written for torch: if so, say --framework torch (or `framework: torch` in the config)"]),
     # a torch module told it is NumPy
@@ -141,3 +141,13 @@ def test_written_for_jax_errors():
     assert written_for(_raised(lambda: jnp.exp(TENSOR)), "torch") == ["jax"]
     assert written_for(_raised(lambda: jnp.asarray(TENSOR)), "torch") == ["jax"]  # torch refused, but jax asked
     assert written_for(_raised(lambda: torch.softmax(jnp.zeros(3), -1)), "jax") == ["torch"]
+
+
+@pytest.mark.parametrize("got,handed", [("numpy.ndarray, dim=int", "numpy"), ("ArrayImpl, int", "jax")])
+def test_written_for_torch_2_11_s_wording(got, handed):
+    # torch 2.11 (an H200 machine's) words a torch op on another library's array so, where 2.13 says
+    # "must be Tensor, not numpy.ndarray": the hint was lost there.
+    exc = TypeError(f"softmax() received an invalid combination of arguments - got ({got}), but expected one of:\n"
+                    " * (Tensor input, int dim, torch.dtype dtype = None, *, Tensor out = None)")
+    assert written_for(exc, handed) == ["torch"]
+    assert written_for(TypeError("softmax() received an invalid combination of arguments - got (Tensor, str)"), "torch") == []

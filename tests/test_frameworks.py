@@ -282,8 +282,9 @@ SDPA_BACKENDS = ["MATH", "FLASH", "EFFICIENT", "CUDNN"]
 @pytest.mark.parametrize("backend", SDPA_BACKENDS)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("command", COMMANDS)
-def test_every_sdpa_backend_on_the_gpu(backend, dtype, command):
-    cfg = {"need_weights": False, "attn_mask": "causal", "dtype": dtype, "device": "cuda", "embed_dim": 64, "num_heads": 4, "tgt_len": 16}
+@pytest.mark.parametrize("mask", ["none", "causal"])  # the example hands a mask as attn_mask, which FLASH never takes
+def test_every_sdpa_backend_on_the_gpu(backend, dtype, command, mask):
+    cfg = {"need_weights": False, "attn_mask": mask, "dtype": dtype, "device": "cuda", "embed_dim": 64, "num_heads": 4, "tgt_len": 16}
     report = attncheck.check(cfg, command, impl=f"{ROOT}/examples/torch_sdpa.py:{backend}")
     if report.verdict == "fail" and "No available kernel" in " ".join(r.note for r in report.rows):
         pytest.skip(f"torch has no {backend} kernel for {dtype} on this GPU")

@@ -355,3 +355,35 @@ def test_host_callbacks_with_other_closures_do_not_share_a_program(tmp_path):
     path.write_text(CALLBACK_SCALE)
     for scale in (0.5, 0.25):  # one candidate process serves both checks
         attncheck.check({"module": "sdpa", "seed": 1, "scale": scale}, "forward", impl=f"{path}:scaled_dot_product_attention").assert_passed()
+
+
+PLACED = '''
+import jax
+import jax.numpy as jnp
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    # jax.config.jax_default_device is what jax.default_device sets: None when JAX picks the device itself
+    placed = jax.config.jax_default_device
+    if placed is None or placed.platform != "cpu":
+        raise RuntimeError(f"called on JAX's own choice of device ({placed}), not the config's")
+    scores = query @ jnp.swapaxes(key, -1, -2) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    return jax.nn.softmax(scores, axis=-1) @ value
+'''
+
+
+def test_calls_run_on_the_configs_device(tmp_path):
+    # On a GPU machine JAX ran a cpu config's calls on the GPU, in fewer bits for float32 matrix
+    # products: examples/flax_attention.py failed 72 checks of its default suite (H200, jax 0.11.2).
+    path = tmp_path / "placed.py"
+    path.write_text(PLACED)
+    attncheck.check({"module": "sdpa", "seed": 1}, "grad", impl=f"{path}:scaled_dot_product_attention").assert_passed()
+
+
+def test_a_cuda_config_without_a_jax_gpu_is_unsupported_and_says_why():
+    jax_candidate = pytest.importorskip("attncheck.jax_candidate")
+    if any(d.platform == "gpu" for d in jax_candidate.jax.devices()):
+        pytest.skip("JAX has a GPU here")
+    assert jax_candidate._device("cpu").platform == "cpu"
+    with pytest.raises(attncheck.errors.Unsupported, match=r"device: cuda, but JAX .* sees no GPU"):
+        jax_candidate._device("cuda")

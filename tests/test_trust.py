@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 import attncheck
+from attncheck import compare
 from attncheck.cli import app
 from attncheck.testing import untrusted
 
@@ -266,3 +267,17 @@ def test_unsupported_cases_in_a_suite_are_listed_and_the_rest_judged(tmp_path):
     assert "with-bias-kv  unsupported" in result.output and "add_bias_kv and add_zero_attn are not implemented" in result.output
     only = write_config(tmp_path, "name: none\ncases:\n  - {name: a, add_bias_kv: true}\n  - {name: b, add_zero_attn: true}\n", "n.yaml")
     assert CliRunner().invoke(app, ["forward", "-c", str(only), "--impl", f"{UNTRUSTED}:RefusesBiasKv"]).exit_code == 4
+
+
+@pytest.mark.parametrize("rule", [compare.Budget(2.0, 0.0), compare.Fixed(1e-5, 1e-5)], ids=["budget", "fixed"])
+def test_nan_everywhere_reports_no_difference_of_zero(rule):
+    # torch's own SDPA on an H200 (torch 2.11) returned NaN everywhere for float16 inputs stored
+    # with a padded last dimension: the row said "Greatest absolute difference from torch: 0" and
+    # "up to 0 allowed; torch's own error 0", numbers no value was compared for.
+    expected = np.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    row = compare.compare("forward", "output", np.full_like(expected, np.nan), expected, rule, oracle=expected)
+    assert row.status is attncheck.report.FAIL and row.mismatched == 12
+    text = "\n".join(attncheck.report.failure_lines(row))
+    assert "NaN in 12 places torch has none" in text
+    assert "difference" not in text and "allowed" not in text, text
+    assert row.max_abs is row.ratio is None
