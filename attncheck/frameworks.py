@@ -68,8 +68,9 @@ SHOWN = {"numpy": "NumPy", "torch": "torch", "jax": "JAX"}
 # A candidate's error that names the arrays its code was written for: (pattern, that framework).
 _WRITTEN_FOR = [
     (r"must be Tensor, not |expected Tensor as element \d+ in argument \d+, but got ", "torch"),  # a torch op on another array
-    # ... as torch 2.11 words it for some ops (softmax): "received an invalid combination of arguments - got (numpy.ndarray, dim=int)"
-    (r"received an invalid combination of arguments - got \((?:numpy\.ndarray|ArrayImpl|\w*Tracer)\b", "torch"),
+    # ... as torch 2.11 words it for some ops (softmax): "received an invalid combination of arguments - got (numpy.ndarray, dim=int)",
+    # or "got (jaxlib._jax.ArrayImpl, int)"
+    (r"received an invalid combination of arguments - got \((?:[\w.]*\.)?(?:ndarray|ArrayImpl|\w*Tracer)\b", "torch"),
     (r"as an abstract array|is not a valid JAX type", "jax"),  # a jax.numpy op on a tensor
     (r"TracerArrayConversionError|was called on traced array", "numpy"),  # NumPy on what jax.vjp traces
     (r"JAX arrays are immutable", "numpy"),  # NumPy-style assignment in place

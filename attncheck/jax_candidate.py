@@ -203,6 +203,20 @@ def _in_session_mode(method: Callable) -> Callable:
     return run
 
 
+def _gpu_precision_note(cfg) -> str | None:
+    """What a float32 report on a GPU should say about JAX's default matrix-product precision, which
+    there is fewer bits than float32's (TF32 or bfloat16 passes): on an H200 (jax 0.11.2)
+    examples/flax_attention.py failed 24 of its 41 forward checks at the default and passed them all
+    with jax_default_matmul_precision 'highest'. None where the candidate's process set that."""
+    precision = jax.config.jax_default_matmul_precision  # None: JAX's default
+    if cfg.device != "cuda" or cfg.dtype != "float32" or precision in ("highest", "float32", "F32_F32_F32"):
+        return None
+    setting = "unset" if precision is None else repr(precision)
+    return (f"JAX on a GPU: jax_default_matmul_precision is {setting}, so float32 matrix products the candidate does not give a "
+            "precision of its own run in fewer bits than float32 (TF32 or bfloat16 passes), where torch's are float32; "
+            "jax.config.update('jax_default_matmul_precision', 'highest') makes them float32")
+
+
 def _device(device: str) -> Any:
     """The JAX device of a config's `device`: JAX's CPU for cpu, its first GPU for cuda. JAX itself
     would run on a GPU wherever it has one, and there computes float32 matrix products with fewer
@@ -379,6 +393,9 @@ class JaxSession(FrameworkSession):
     @_in_session_mode
     def forward(self, obj, w, layout=None):
         self._leaves, self._call = {}, None
+        note = _gpu_precision_note(self.cfg)
+        if note and note not in self.notes:
+            self.notes.append(note)
         return super().forward(obj, w, layout)
 
     @_in_session_mode

@@ -143,7 +143,7 @@ def test_written_for_jax_errors():
     assert written_for(_raised(lambda: torch.softmax(jnp.zeros(3), -1)), "jax") == ["torch"]
 
 
-@pytest.mark.parametrize("got,handed", [("numpy.ndarray, dim=int", "numpy"), ("ArrayImpl, int", "jax")])
+@pytest.mark.parametrize("got,handed", [("numpy.ndarray, dim=int", "numpy"), ("ArrayImpl, int", "jax"), ("jaxlib._jax.ArrayImpl, int", "jax")])
 def test_written_for_torch_2_11_s_wording(got, handed):
     # torch 2.11 (an H200 machine's) words a torch op on another library's array so, where 2.13 says
     # "must be Tensor, not numpy.ndarray": the hint was lost there.

@@ -387,3 +387,19 @@ def test_a_cuda_config_without_a_jax_gpu_is_unsupported_and_says_why():
     assert jax_candidate._device("cpu").platform == "cpu"
     with pytest.raises(attncheck.errors.Unsupported, match=r"device: cuda, but JAX .* sees no GPU"):
         jax_candidate._device("cuda")
+
+
+def test_a_float32_report_on_a_gpu_says_what_jax_s_default_precision_does():
+    # Seen on an H200 (jax 0.11.2): examples/flax_attention.py failed 24 of 41 float32 forward checks
+    # with --device cuda at JAX's default precision, and passed all with 'highest'.
+    jax_candidate = pytest.importorskip("attncheck.jax_candidate")
+    from attncheck.config import Config
+
+    on_gpu = Config(device="cuda")
+    assert "jax_default_matmul_precision is unset" in jax_candidate._gpu_precision_note(on_gpu)
+    assert jax_candidate._gpu_precision_note(Config(device="cpu")) is None
+    assert jax_candidate._gpu_precision_note(Config(device="cuda", dtype="float64")) is None
+    with jax_candidate.jax.default_matmul_precision("highest"):
+        assert jax_candidate._gpu_precision_note(on_gpu) is None
+    with jax_candidate.jax.default_matmul_precision("tensorfloat32"):
+        assert "is 'tensorfloat32'" in jax_candidate._gpu_precision_note(on_gpu)
