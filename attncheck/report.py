@@ -404,6 +404,7 @@ class Capability:
     checks: tuple[tuple[str, str], ...] = ()  # every (case, command) of the feature
     reported: tuple[str, ...] = ()  # a probe's: the cases whose row reported a difference (INFO) rather than judged one
     skipped: tuple[str, ...] = ()  # a probe's: the cases where it had nothing to compare (one batch element, say)
+    skipped_why: str = ""  # a probe that had nothing to compare in any case: why, where every case said the same
 
 
 def capabilities(reports: list[Report]) -> list[Capability]:
@@ -448,5 +449,9 @@ def probe_capabilities(reports: list[Report]) -> list[Capability]:
         reported = tuple(dict.fromkeys(r.name for r, row in found if row.status is INFO))
         skipped = tuple(dict.fromkeys(r.name for r, row in found if row.status is SKIPPED))
         verdict = aggregate((row.status for _, row in found), unsupported="ignore")
-        table.append(Capability(f"probe: {probe}", cases, (), verdict, checks, reported, skipped))
+        why = {row.note for _, row in found if row.status is SKIPPED}
+        if skipped == cases:  # not applicable anywhere (JAX arrays have no strides): nothing failed to be judged
+            verdict = SKIPPED
+        table.append(Capability(f"probe: {probe}", cases, (), verdict, checks, reported, skipped,
+                                why.pop() if skipped == cases and len(why) == 1 else ""))  # fmt: skip
     return table

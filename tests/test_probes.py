@@ -176,6 +176,18 @@ def test_the_capability_table_lists_the_cases_a_probe_had_nothing_to_compare_in(
     assert "nothing to compare: one" in table and "all" not in table
 
 
+def test_a_probe_with_nothing_to_compare_anywhere_is_skipped_not_inconclusive():
+    """A JAX kernel's strides probe (JAX arrays have no strides) read "inconclusive" over a list of
+    every case: nothing could fail to be judged there, so it is skipped, with the reason once."""
+    reports = [run_check("forward", Config(module="sdpa", name=name, batch_size=1, seed=seed, probes=["batch_invariance"]))
+               for name, seed in (("one", 1), ("other", 2))]  # fmt: skip
+    (probe,) = [c for c in capabilities(reports) if c.feature == "probe: batch_invariance"]
+    assert probe.verdict is SKIPPED and probe.skipped == probe.cases == ("one", "other")
+    assert probe.skipped_why and all(r.note == probe.skipped_why for rep in reports for r in rep.rows if r.status is SKIPPED)
+    table = render_capabilities(probe)
+    assert f"no case: {probe.skipped_why}" in table and "inconclusive" not in table, table
+
+
 def render_capabilities(cap) -> str:
     from rich.console import Console
 
