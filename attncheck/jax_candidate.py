@@ -20,6 +20,11 @@ would, once per call, while XLA compiles each distinct program once:
   trace (`_run_pulled_back`), so only the candidate's Python is traced on each call, not JAX's
   differentiation of it; a trace with a custom derivative (custom_jvp, custom_vjp), whose rule is
   Python that runs where the vjp is traced, is traced under jax.vjp on every call instead.
+  Where the forward() call just made is that same function of the parameters (the object's
+  first call, or one whose trace has the first's text, reading every parameter as the array it
+  was handed and no other floating-point array but the masks), its own trace is differentiated
+  and build-and-forward is not traced again (`_pulled_back_through_forward`), as torch's
+  autograd differentiates the call it recorded.
 - A candidate with a backward of its own runs forward() op by op (its backward reads what forward
   kept: values, not tracers), and its backward as it is.
 - The finite differences' session (`bulk`: hundreds of forward calls of one computation on
@@ -50,7 +55,6 @@ immutable, so the in-place check has nothing to find; it runs all the same.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 from collections import OrderedDict
@@ -60,45 +64,21 @@ from typing import Any, Callable
 import numpy as np
 
 from attncheck.candidate import FrameworkSession, _defined_at, unchanged
-from attncheck.errors import CandidateProblem, TracerLeak, Unsupported, UsageError
+from attncheck.errors import CandidateProblem, TracerLeak
+from attncheck.jax_programs import _compiled_quickly, _device, _gpu_precision_note, _jit, _kept, _program, _x64, jax, jnp
 from attncheck.kinds import kind_of
 
-try:
-    import jax
-    import jax.numpy as jnp
-except ImportError as exc:  # the extra is not installed
-    raise UsageError(f"a JAX candidate needs JAX: pip install jax into attncheck's environment "
-                     f"(in a checkout: ATTNCHECK_EXTRAS=test,jax bin/setup, which adds Flax too) ({exc})") from None
-
-
-# Where a call costs milliseconds (a config that is not Config.is_large), its cost is XLA's compile
-# time, not its run time: a program is compiled without LLVM's optimizations, with XLA's older CPU
-# fusion emitters, as one LLVM module. Measured on the Flax layer's float32 vjp (2 cores,
-# 2026-11-25): 1.4 s to compile by default, 0.7 s at optimization level 0, 0.17 s with the older
-# emitters too, 0.10-0.12 s as one module (its forward: 0.36, 0.23, 0.065, 0.042 s). An op-by-op
-# call compiles each operation with JAX's jax_disable_most_optimizations (the kernel suite's
-# float16 case, which jax.jit cannot take on CPU: 6.4 s op by op, 3.3 s so). Large configs are
-# compiled as JAX compiles by default. An older XLA lacks the later options: the first set of
-# FAST_COMPILE it takes is used.
-FAST_COMPILE = (
-    {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1},
-    {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False},
-    {"xla_backend_optimization_level": 0},
-)
 
 # How a call is traced: as jax.jit traces it, then, where that fails, with what it computes from
 # constants alone evaluated as it is traced (`_constants_evaluated`); where both fail, op by op.
 TRACINGS = (False, True)
-# What this process (the child serves every session of a run) compiled, oldest dropped first:
-# _PROGRAMS, programs by the text of the trace they run ("jax.vjp of ...": its vjp; "forward and
-# jax.vjp of ...": both, for the finite differences); _BULK, a bulk session's calls by config,
+# What this process (the child serves every session of a run) keeps, oldest dropped first (as
+# jax_programs._PROGRAMS, the compiled programs): _BULK, a bulk session's calls by config,
 # shapes and masks (`JaxSession._bulk`, `_bulk_both`), or why tracing one failed (None: each
 # compiled alone); _TRACING, by candidate, config, call and shapes, the index of the way of
 # tracing that worked (`JaxSession._traced`), or why none did (then the call runs op by op).
-_PROGRAMS: OrderedDict[str, Callable] = OrderedDict()
 _BULK: OrderedDict[tuple, Any] = OrderedDict()
 _TRACING: OrderedDict[tuple, int | str] = OrderedDict()
-COMPILED_LIMIT = 64
 _traced_here = False  # whether this process has traced a candidate: a leaked tracer may then be ours
 
 
@@ -116,81 +96,6 @@ def _fingerprint(value: Any) -> Any:
     return value  # a factory, a flag: itself
 
 
-@functools.cache
-def _fast_compile() -> dict[str, Any]:
-    """The first of FAST_COMPILE this jaxlib takes (a jax before compiler_options takes none)."""
-    for options in FAST_COMPILE:
-        try:
-            jax.jit(lambda x: x + 1, compiler_options=options)(np.float32(0)).block_until_ready()
-        except Exception:  # noqa: BLE001 - an option or compiler_options unknown here
-            continue
-        return options
-    return {}
-
-
-def _jit(fn: Callable, quick: bool) -> Callable:
-    """jax.jit of fn, compiled quickly where `quick` (see FAST_COMPILE, and _Program)."""
-    return _Program(fn, quick)
-
-
-def _finite(result: Any) -> bool:
-    """Whether every floating-point value of a program's result is finite."""
-    return all(np.isfinite(a).all() for a in map(np.asarray, jax.tree.leaves(result)) if jnp.issubdtype(a.dtype, jnp.inexact))
-
-
-class _Program:
-    """fn compiled once by jax.jit, quickly where `quick` (FAST_COMPILE). At optimization level 0
-    XLA computed NaN where its default compile does not (2026-11-26, jax 0.10.2: a float32 MHA
-    adding a float key padding mask holding -inf, softmax by max-subtraction, got NaN in 287 of its
-    gradients; tests/test_jax.py, FLOAT_PADDING). There they differed only around infinities. So a
-    quick program's call whose result holds NaN or inf is made again with fn compiled as jax.jit
-    compiles by default, which then serves every later call: the result is the one jax.jit gives,
-    at the default compile's cost (about 2.5x) only where a NaN or inf shows. A quick compile that
-    differed in finite values would not be caught here (none is known)."""
-
-    def __init__(self, fn: Callable, quick: bool):
-        options = _fast_compile() if quick else {}
-        self.fn, self.quick = fn, bool(options)
-        self.compiled = jax.jit(fn, compiler_options=options) if options else jax.jit(fn)
-
-    def __call__(self, *args):
-        if self.quick:
-            result = self.compiled(*args)
-            if _finite(result):
-                return result
-            self.quick, self.compiled = False, jax.jit(self.fn)
-        with _compiled_quickly(False):
-            return self.compiled(*args)
-
-
-@contextlib.contextmanager
-def _compiled_quickly(quick: bool) -> Iterator[None]:
-    """Inside, XLA compiles without most optimizations where `quick` (see FAST_COMPILE), as JAX
-    compiles by default where not."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", quick)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", before)
-
-
-@contextlib.contextmanager
-def _x64(on: bool) -> Iterator[None]:
-    """Inside, JAX's 64-bit mode is on where `on`, restored after; where not, left as the process
-    has it (off, as JAX starts, unless the candidate turned it on itself). Known gap: an array a
-    candidate makes in a float32 session and keeps (a cache) stays float32 in a float64 session,
-    where one process that always ran in 64-bit mode would have made it float64."""
-    before = jax.config.read("jax_enable_x64")
-    if on and not before:
-        jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        if on and not before:
-            jax.config.update("jax_enable_x64", before)
-
-
 def _in_session_mode(method: Callable) -> Callable:
     """A JaxSession method run with 64-bit mode as its config's dtype wants (_x64), on the config's
     device (_device)."""
@@ -201,48 +106,6 @@ def _in_session_mode(method: Callable) -> Callable:
             return method(self, *args, **kwargs)
 
     return run
-
-
-def _gpu_precision_note(cfg) -> str | None:
-    """What a float32 report on a GPU should say about JAX's default matrix-product precision, which
-    there is fewer bits than float32's (TF32 or bfloat16 passes): on an H200 (jax 0.11.2)
-    examples/flax_attention.py failed 24 of its 41 forward checks at the default and passed them all
-    with jax_default_matmul_precision 'highest'. None where the candidate's process set that."""
-    precision = jax.config.jax_default_matmul_precision  # None: JAX's default
-    if cfg.device != "cuda" or cfg.dtype != "float32" or precision in ("highest", "float32", "F32_F32_F32"):
-        return None
-    setting = "unset" if precision is None else repr(precision)
-    return (f"JAX on a GPU: jax_default_matmul_precision is {setting}, so float32 matrix products the candidate does not give a "
-            "precision of its own run in fewer bits than float32 (TF32 or bfloat16 passes), where torch's are float32; "
-            "jax.config.update('jax_default_matmul_precision', 'highest') makes them float32")
-
-
-def _device(device: str) -> Any:
-    """The JAX device of a config's `device`: JAX's CPU for cpu, its first GPU for cuda. JAX itself
-    would run on a GPU wherever it has one, and there computes float32 matrix products with fewer
-    bits by default (jax_default_matmul_precision): a cpu config on a GPU machine failed the whole
-    default suite of examples/flax_attention.py (72 checks, 28-72x; H200, jax 0.11.2), torch's twin
-    of it running on the CPU beside it. Unsupported where JAX has no GPU for a cuda config."""
-    if device == "cpu":
-        return jax.devices("cpu")[0]
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError as exc:
-        raise Unsupported(f"device: cuda, but JAX {jax.__version__} sees no GPU ({exc}); install JAX's CUDA build, "
-                          "or check a JAX candidate with device: cpu") from None
-
-
-def _program(key: str, fn: Callable, quick: bool) -> Callable:
-    """The compiled program of `fn` kept under `key` (a trace's text), compiled on first use (_jit)."""
-    return _kept(_PROGRAMS, key, _PROGRAMS.get(key) or _jit(fn, quick))
-
-
-def _kept(cache: OrderedDict, key: Any, value: Any) -> Any:
-    cache[key] = value
-    cache.move_to_end(key)
-    while len(cache) > COMPILED_LIMIT:
-        cache.popitem(last=False)
-    return value
 
 
 def _constants_evaluated(fn: Callable) -> Callable:
@@ -324,7 +187,12 @@ def _run_traced(fn: Callable, args: tuple, evaluate_constants: bool, quick: bool
     are its arguments. Two traces with the same text compute the same function of their constants
     and arguments (every literal is printed in full); the compiled program is then reused.
     `evaluate_constants`: traced as `_constants_evaluated`; `quick`: see _jit."""
-    closed, shape, text = _traced_once(fn, args, evaluate_constants)
+    return _run_trace(_traced_once(fn, args, evaluate_constants), args, quick)
+
+
+def _run_trace(trace: tuple[Any, Any, str], args: tuple, quick: bool) -> Any:
+    """A trace (_traced_once) run compiled at args, as _run_traced runs it."""
+    closed, shape, text = trace
     program = _program(text, functools.partial(_evaluate, closed.jaxpr), quick)
     return jax.tree.unflatten(jax.tree.structure(shape), program(closed.consts, jax.tree.leaves(args)))
 
@@ -367,6 +235,9 @@ class JaxSession(FrameworkSession):
         self._call: tuple[Any, dict[str, Any], tuple[Any, Any], dict[str, Any], tuple[Any, Any]] | None = None
         self._config_key = cfg.model_dump_json()
         self.x64 = cfg.dtype == "float64"  # JAX's 64-bit mode for its calls (_x64)
+        self._called: set[int] = set()  # the objects (by id) forward() was called on since they were built
+        self._first_text: dict[int, str] = {}  # by object (id): the text of its first forward() call's trace
+        self._trace: tuple[Any, tuple[Any, Any, str]] | None = None  # (obj, the last forward's trace), where it was traced
 
     def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None, layout: str | None = None) -> Any:
         # JAX arrays have no strides: a layout changes nothing (the strides probe skips JAX).
@@ -388,11 +259,14 @@ class JaxSession(FrameworkSession):
 
     @_in_session_mode
     def build(self, params):
-        return super().build(params)
+        obj = super().build(params)
+        self._called.discard(id(obj))  # a new object, whatever an earlier one of its id did
+        self._first_text.pop(id(obj), None)
+        return obj
 
     @_in_session_mode
     def forward(self, obj, w, layout=None):
-        self._leaves, self._call = {}, None
+        self._leaves, self._call, self._trace = {}, None, None
         note = _gpu_precision_note(self.cfg)
         if note and note not in self.notes:
             self.notes.append(note)
@@ -418,7 +292,7 @@ class JaxSession(FrameworkSession):
         return result_of
 
     def _guard(self, what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
-        """Session._guard, compiling quickly (FAST_COMPILE); a call that meets a tracer left in the
+        """Session._guard, compiling quickly (jax_programs.FAST_COMPILE); a call that meets a tracer left in the
         candidate's state after this process traced it is a TracerLeak, not the candidate's failure."""
         try:
             with _compiled_quickly(not self.cfg.is_large):
@@ -475,8 +349,18 @@ class JaxSession(FrameworkSession):
 
         built = self._params_of.get(id(obj))
         if not self.bulk or built is None or built[0] is not obj:
-            quick = not cfg.is_large
-            runs = tuple((functools.partial(_run_traced, called, (inputs,), evaluate, quick), None) for evaluate in TRACINGS)
+            quick, first = not cfg.is_large, id(obj) not in self._called
+            self._called.add(id(obj))
+
+            def run(evaluate_constants: bool) -> Any:
+                trace = _traced_once(called, (inputs,), evaluate_constants)
+                result = _run_trace(trace, (inputs,), quick)
+                if first:
+                    self._first_text[id(obj)] = trace[2]
+                self._trace = (obj, trace)  # its vjp may be taken from it (_pulled_back_through_forward)
+                return result
+
+            runs = tuple((functools.partial(run, evaluate), None) for evaluate in TRACINGS)
             return self._traced("forward()", runs, (inputs,), eager)
         params = built[1]
         both = None if cfg.is_large else self._bulk_both(params, inputs, masks, extras, kind.second_in_loss(cfg))
@@ -557,6 +441,58 @@ class JaxSession(FrameworkSession):
                 break
         return _BULK[key]
 
+    def _pulled_back_through_forward(self, obj: Any, params: dict[str, Any], inputs: dict[str, Any], masks: tuple, extras: dict[str, Any],
+                                     cotangent: Any, with_second: bool, quick: bool) -> dict[str, Any] | None:  # fmt: skip
+        """jax.vjp of build-and-forward taken from the trace forward() just made on obj, where that
+        trace is the same function of the parameters and inputs: it is the trace of obj's first
+        forward() call since it was built (no state of earlier calls in it), or one of the same text
+        (a later call that computed what the first did), the trace holds no custom derivative,
+        it reads every parameter as the very array the candidate was handed, and every other
+        floating-point array it closes over is a mask or option handed with the call (so nothing in
+        it was computed from the parameters outside the trace, as an __init__ that transposes a
+        weight would). Then differentiating it with respect to those arrays and the inputs is what
+        tracing build-and-forward again under jax.vjp would differentiate, without running the
+        candidate's Python a second time: as torch's autograd differentiates the forward call it
+        recorded. The Flax MHA default suite traced build-and-forward once per gradient call for
+        this, 17% of its candidate process's time (py-spy, 2026-11-26). None where it cannot be
+        (then build-and-forward is traced again, as before)."""
+        if self._trace is None or self._trace[0] is not obj:
+            return None
+        closed, shape, text = self._trace[1]
+        if self._first_text.get(id(obj)) != text:
+            return None  # not obj's first call, and not what that call computed: it may read state the first left
+        if _custom_rules(closed.jaxpr):
+            return None  # its rule is Python that runs where the vjp is traced
+        parameter_at = {id(array): name for name, array in params.items()}
+        handed = {id(array) for array in jax.tree.leaves((masks, extras))}
+        which: list[tuple[int, str]] = []  # (the constant's index, the parameter it is)
+        for i, const in enumerate(closed.consts):
+            if id(const) in parameter_at:
+                which.append((i, parameter_at[id(const)]))
+            elif jnp.issubdtype(getattr(const, "dtype", np.asarray(const).dtype), jnp.inexact) and id(const) not in handed:
+                return None  # a floating-point array from elsewhere: perhaps computed from the parameters
+        if sorted(name for _, name in which) != sorted(params):
+            return None  # a parameter the trace does not read as handed
+        kind, cfg = kind_of(self.cfg), self.cfg
+        indices, structure = tuple(i for i, _ in which), jax.tree.structure(shape)
+
+        def pull_back(jaxpr: Any, consts: list, differentiated: list, flat: list, cotangents: Any) -> tuple[list, list]:
+            def output_of(differentiated: list, flat: list) -> Any:
+                values = list(consts)
+                for i, value in zip(indices, differentiated):
+                    values[i] = value
+                out, second = kind.split_result(cfg, jax.tree.unflatten(structure, _evaluate(jaxpr, values, flat)))
+                return (out, second) if with_second else out
+
+            return jax.vjp(output_of, differentiated, flat)[1](cotangents)
+
+        key = (f"jax.vjp through the constants {list(indices)} and the arguments, of {kind.name}'s result {structure}"
+               f"{' and its second output' if with_second else ''} (pair: {kind.returns_pair(cfg)}), of {text}")  # fmt: skip
+        program = _program(key, functools.partial(pull_back, closed.jaxpr), quick)
+        d_params, d_inputs = program(closed.consts, [closed.consts[i] for i in indices], jax.tree.leaves(inputs), cotangent)
+        by_name = {name: grad for (_, name), grad in zip(which, d_params)}
+        return {**{name: by_name[name] for name in params}, **jax.tree.unflatten(jax.tree.structure(inputs), d_inputs)}
+
     def _gradients(self, obj: Any, grad_output: np.ndarray, grad_second: np.ndarray | None = None) -> tuple[Any, str | None]:
         """The candidate's own backward if it has one; else jax.vjp of build-and-forward (through
         the LSE too, where the kind puts it in the loss), traced on each call and compiled."""
@@ -600,9 +536,12 @@ class JaxSession(FrameworkSession):
                 if both is not None:
                     return dict(both(args[0], cotangent)[1])
                 return self._bulk("jax.vjp", pulled_back, args, (masks, extras), eager)
+            quick = not cfg.is_large
+            through_forward = self._pulled_back_through_forward(called, params, inputs, masks, extras, cotangent, with_second, quick)
+            if through_forward is not None:
+                return through_forward
             # The trace of build-and-forward differentiated (_run_pulled_back); where that cannot be,
             # jax.vjp of it traced: each as jax.jit traces, then with constants evaluated (TRACINGS).
-            quick = not cfg.is_large
             runs = tuple(way for evaluate in TRACINGS for way in (
                 (functools.partial(_run_pulled_back, output_of, args[0], cotangent, evaluate, quick), None),
                 (functools.partial(_run_traced, pulled_back, args, evaluate, quick), _CustomRules)))  # fmt: skip

@@ -182,13 +182,13 @@ def test_each_call_runs_the_candidates_python_and_one_program_serves_them(tmp_pa
     from attncheck.config import config_from_mapping
     from attncheck.inputs import make_workload
 
-    jax_candidate = pytest.importorskip("attncheck.jax_candidate")
+    jax_programs = pytest.importorskip("attncheck.jax_programs")
     path = tmp_path / "recording.py"
     path.write_text(UNTRACEABLE_SDPA.format(check=False).replace("    scores =", "    CALLED.append(query.shape)\n    scores =", 1)
                     + "\n\nCALLED = []\n")  # fmt: skip
     candidate = load_candidate(f"{path}:scaled_dot_product_attention")
     called = sys.modules[candidate.factory.__module__].CALLED
-    programs = set(jax_candidate._PROGRAMS)
+    programs = set(jax_programs._PROGRAMS)
     for seed in (1, 2, 3):  # other inputs of the same shapes
         cfg = config_from_mapping({"module": "sdpa", "seed": seed})
         session = make_session(cfg, candidate, compiled=True)
@@ -197,7 +197,7 @@ def test_each_call_runs_the_candidates_python_and_one_program_serves_them(tmp_pa
         op_by_op = make_session(cfg, candidate)  # compiled=False: as in the judge's own process
         assert np.allclose(out, op_by_op.forward(op_by_op.build(w.params), w)[0], rtol=1e-5, atol=1e-6)
     assert len(called) == 6  # the Python of every call ran, compiled or not
-    assert len(set(jax_candidate._PROGRAMS) - programs) == 1  # one compiled program for the three compiled calls
+    assert len(set(jax_programs._PROGRAMS) - programs) == 1  # one compiled program for the three compiled calls
 
 
 SAVING_BACKWARD = '''
@@ -242,8 +242,9 @@ def test_gradients_of_one_compiled_program_per_trace_are_jax_vjp_s(bulk):
     from attncheck.inputs import make_workload
 
     jax_candidate = pytest.importorskip("attncheck.jax_candidate")
+    jax_programs = pytest.importorskip("attncheck.jax_programs")
     candidate = load_candidate(FLAX)
-    before = set(jax_candidate._PROGRAMS) | set(jax_candidate._BULK)
+    before = set(jax_programs._PROGRAMS) | set(jax_candidate._BULK)
     for seed in (1, 2):  # other inputs of the same shapes
         cfg = config_from_mapping({"need_weights": False, "attn_mask": "causal", "seed": seed, "dtype": "float64" if bulk else "float32"})
         w = make_workload(cfg)
@@ -261,12 +262,12 @@ def test_gradients_of_one_compiled_program_per_trace_are_jax_vjp_s(bulk):
         assert grads.keys() == grads_eager.keys() and len(grads) == 5  # four parameters and the self-attention input
         for name in grads:
             assert np.allclose(grads[name], grads_eager[name], **tolerance), name
-    programs = list(set(jax_candidate._PROGRAMS) - before)
+    programs = list(set(jax_programs._PROGRAMS) - before)
     if bulk:  # traced once per config (the seed is in it), one program for both calls, shared by both seeds
         assert [k[2] for k in set(jax_candidate._BULK) - before] == ["forward() and jax.vjp"] * 2
         assert [k.startswith("forward and jax.vjp of ") for k in programs] == [True], programs
-    else:  # a forward program and a vjp program, shared by both seeds
-        assert sorted(k.startswith("jax.vjp of ") for k in programs) == [False, True], programs
+    else:  # a forward program and a vjp program (through the forward call's own trace), shared by both seeds
+        assert sorted(k.startswith("jax.vjp through the constants ") for k in programs) == [False, True], programs
 
 
 
@@ -381,25 +382,114 @@ def test_calls_run_on_the_configs_device(tmp_path):
 
 
 def test_a_cuda_config_without_a_jax_gpu_is_unsupported_and_says_why():
-    jax_candidate = pytest.importorskip("attncheck.jax_candidate")
-    if any(d.platform == "gpu" for d in jax_candidate.jax.devices()):
+    jax_programs = pytest.importorskip("attncheck.jax_programs")
+    if any(d.platform == "gpu" for d in jax_programs.jax.devices()):
         pytest.skip("JAX has a GPU here")
-    assert jax_candidate._device("cpu").platform == "cpu"
+    assert jax_programs._device("cpu").platform == "cpu"
     with pytest.raises(attncheck.errors.Unsupported, match=r"device: cuda, but JAX .* sees no GPU"):
-        jax_candidate._device("cuda")
+        jax_programs._device("cuda")
 
 
 def test_a_float32_report_on_a_gpu_says_what_jax_s_default_precision_does():
     # Seen on an H200 (jax 0.11.2): examples/flax_attention.py failed 24 of 41 float32 forward checks
     # with --device cuda at JAX's default precision, and passed all with 'highest'.
-    jax_candidate = pytest.importorskip("attncheck.jax_candidate")
+    jax_programs = pytest.importorskip("attncheck.jax_programs")
     from attncheck.config import Config
 
     on_gpu = Config(device="cuda")
-    assert "jax_default_matmul_precision is unset" in jax_candidate._gpu_precision_note(on_gpu)
-    assert jax_candidate._gpu_precision_note(Config(device="cpu")) is None
-    assert jax_candidate._gpu_precision_note(Config(device="cuda", dtype="float64")) is None
-    with jax_candidate.jax.default_matmul_precision("highest"):
-        assert jax_candidate._gpu_precision_note(on_gpu) is None
-    with jax_candidate.jax.default_matmul_precision("tensorfloat32"):
-        assert "is 'tensorfloat32'" in jax_candidate._gpu_precision_note(on_gpu)
+    assert "jax_default_matmul_precision is unset" in jax_programs._gpu_precision_note(on_gpu)
+    assert jax_programs._gpu_precision_note(Config(device="cpu")) is None
+    assert jax_programs._gpu_precision_note(Config(device="cuda", dtype="float64")) is None
+    with jax_programs.jax.default_matmul_precision("highest"):
+        assert jax_programs._gpu_precision_note(on_gpu) is None
+    with jax_programs.jax.default_matmul_precision("tensorfloat32"):
+        assert "is 'tensorfloat32'" in jax_programs._gpu_precision_note(on_gpu)
+
+
+# FLOAT_PADDING's MHA with a weight changed in __init__ (`* 1.0`, computed op by op there): the
+# forward call's trace then reads an array computed from a parameter, not the parameter, so its vjp
+# cannot be taken from that trace; build-and-forward is traced again, and the gradient of that
+# parameter flows through the multiplication.
+DERIVED_IN_INIT = FLOAT_PADDING + '''
+
+class Derived(MHA):
+    def __init__(self, params, **options):
+        super().__init__({**params, "out_proj.weight": params["out_proj.weight"] * 1.0}, **options)
+
+
+class Counting(MHA):  # its second call's output is scaled: a trace of its own
+    def forward(self, *args, **kwargs):
+        self.calls = getattr(self, "calls", 0) + 1
+        out, weights = super().forward(*args, **kwargs)
+        return out * (1 + 1e-3 * (self.calls - 1)), weights
+
+
+CALLS = []
+
+
+class Recorded(MHA):
+    def forward(self, *args, **kwargs):
+        CALLS.append(1)
+        return super().forward(*args, **kwargs)
+'''
+
+
+@pytest.mark.parametrize("name, through_forward", [("Recorded", True), ("Derived", False)])
+def test_the_vjp_is_taken_from_the_forward_calls_trace_only_where_it_reads_the_parameters_as_handed(tmp_path, name, through_forward):
+    from attncheck.candidate import make_session
+    from attncheck.config import config_from_mapping
+    from attncheck.inputs import make_workload
+
+    jax_programs = pytest.importorskip("attncheck.jax_programs")
+    path = tmp_path / "derived_in_init.py"
+    path.write_text(DERIVED_IN_INIT)
+    candidate = load_candidate(f"{path}:{name}")
+    calls = sys.modules[candidate.factory.__module__].CALLS
+    cfg = config_from_mapping({"embed_dim": 10, "num_heads": 2, "tgt_len": 4, "need_weights": False, "key_padding_mask": "random",
+                               "key_padding_mask_dtype": "float", "seed": 3})  # fmt: skip
+    w = make_workload(cfg)
+    before = set(jax_programs._PROGRAMS)
+    results = []
+    for session in (make_session(cfg, candidate, compiled=True), make_session(cfg, candidate)):  # compiled, then op by op
+        obj = session.build(w.params)
+        session.forward(obj, w)
+        results.append(session.backward(obj, w.target, w))
+    compiled, op_by_op = results
+    assert compiled.keys() == op_by_op.keys() and len(compiled) == 5
+    for key in compiled:
+        assert np.allclose(compiled[key], op_by_op[key], rtol=1e-4, atol=1e-5), key
+    vjps = [k for k in set(jax_programs._PROGRAMS) - before if "vjp" in k]
+    assert [k.startswith("jax.vjp through the constants ") for k in vjps] == [through_forward], vjps
+    if name == "Recorded":  # forward's Python ran once for forward() and its vjp compiled, twice op by op (jax.vjp runs it)
+        assert len(calls) == 1 + 2
+
+
+@pytest.mark.parametrize("name, through_forward", [("Recorded", True), ("Counting", False)])
+def test_a_later_call_on_an_object_takes_its_vjp_from_its_trace_only_if_it_computed_what_the_first_did(tmp_path, name, through_forward):
+    # An object's second call may read state its first left (Counting): jax.vjp of build-and-forward
+    # is of a fresh object, so a second call's trace is differentiated only where its text is the first's.
+    jax_programs = pytest.importorskip("attncheck.jax_programs")
+    from attncheck.candidate import make_session
+    from attncheck.config import config_from_mapping
+    from attncheck.inputs import make_workload
+
+    path = tmp_path / "derived_in_init.py"
+    path.write_text(DERIVED_IN_INIT)
+    candidate = load_candidate(f"{path}:{name}")
+    cfg = config_from_mapping({"embed_dim": 10, "num_heads": 2, "tgt_len": 4, "need_weights": False, "key_padding_mask": "random",
+                               "key_padding_mask_dtype": "float", "seed": 4})  # fmt: skip
+    w = make_workload(cfg)
+    session = make_session(cfg, candidate, compiled=True)
+    obj = session.build(w.params)
+    session.forward(obj, w)
+    session.backward(obj, w.target, w)
+    before = set(jax_programs._PROGRAMS)
+    session.forward(obj, w)
+    grads = session.backward(obj, w.target, w)
+    vjps = [k for k in set(jax_programs._PROGRAMS) - before if "vjp" in k]
+    assert [k.startswith("jax.vjp of ") for k in vjps] == ([] if through_forward else [True]), vjps
+    op_by_op = make_session(cfg, candidate)  # jax.vjp of build-and-forward: a fresh object's first call
+    other = op_by_op.build(w.params)
+    op_by_op.forward(other, w)
+    for key, grad in op_by_op.backward(other, w.target, w).items():
+        assert np.allclose(grads[key], grad, rtol=1e-4, atol=1e-5), key

@@ -19,9 +19,9 @@ FLOAT32 = 2e-5
 
 # One shape for all: GQA 4:2, L != S so that every alignment shows. JAX's own calls are jitted, one
 # compilation each instead of one per operation and shape, as attncheck compiles a JAX candidate,
-# and with its options for small programs: the first of attncheck.jax_candidate.FAST_COMPILE this
+# and with its options for small programs: the first of attncheck.jax_programs.FAST_COMPILE this
 # jaxlib takes (jax 0.11.2 has no xla_cpu_use_fusion_emitters: "No such compile option").
-FAST_COMPILE = pytest.importorskip("attncheck.jax_candidate")._fast_compile()
+FAST_COMPILE = pytest.importorskip("attncheck.jax_programs")._fast_compile()
 SHAPE = Case(B=2, Hq=4, Hkv=2, L=5, S=7)
 SUPPORTED = {
     "plain": SHAPE,

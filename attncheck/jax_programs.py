@@ -1,0 +1,163 @@
+"""How a JAX candidate's calls are compiled, kept and placed (for attncheck.jax_candidate): XLA's
+quick compile for small programs with its fallback where it gives NaN or inf (`_Program`), the
+cache of compiled programs by the text of the trace they run (`_program`), and the mode and
+device a session's calls run in (`_x64`, `_device`, `_gpu_precision_note`)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import numpy as np
+
+from attncheck.errors import Unsupported, UsageError
+
+try:
+    import jax
+    import jax.numpy as jnp
+except ImportError as exc:  # the extra is not installed
+    raise UsageError(f"a JAX candidate needs JAX: pip install jax into attncheck's environment "
+                     f"(in a checkout: ATTNCHECK_EXTRAS=test,jax bin/setup, which adds Flax too) ({exc})") from None
+
+
+# Where a call costs milliseconds (a config that is not Config.is_large), its cost is XLA's compile
+# time, not its run time: a program is compiled without LLVM's optimizations, with XLA's older CPU
+# fusion emitters, as one LLVM module. Measured on the Flax layer's float32 vjp (2 cores,
+# 2026-11-25): 1.4 s to compile by default, 0.7 s at optimization level 0, 0.17 s with the older
+# emitters too, 0.10-0.12 s as one module (its forward: 0.36, 0.23, 0.065, 0.042 s). An op-by-op
+# call compiles each operation with JAX's jax_disable_most_optimizations (the kernel suite's
+# float16 case, which jax.jit cannot take on CPU: 6.4 s op by op, 3.3 s so). Large configs are
+# compiled as JAX compiles by default. An older XLA lacks the later options: the first set of
+# FAST_COMPILE it takes is used.
+FAST_COMPILE = (
+    {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1},
+    {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False},
+    {"xla_backend_optimization_level": 0},
+)
+
+# The programs this process (the child serves every session of a run) compiled, by the text of the
+# trace they run ("jax.vjp of ...": its vjp; "forward and jax.vjp of ...": both, for the finite
+# differences), oldest dropped first beyond COMPILED_LIMIT (attncheck.jax_candidate keeps its other
+# caches so too).
+_PROGRAMS: OrderedDict[str, Callable] = OrderedDict()
+COMPILED_LIMIT = 64
+
+
+@functools.cache
+def _fast_compile() -> dict[str, Any]:
+    """The first of FAST_COMPILE this jaxlib takes (a jax before compiler_options takes none)."""
+    for options in FAST_COMPILE:
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=options)(np.float32(0)).block_until_ready()
+        except Exception:  # noqa: BLE001 - an option or compiler_options unknown here
+            continue
+        return options
+    return {}
+
+
+def _jit(fn: Callable, quick: bool) -> Callable:
+    """jax.jit of fn, compiled quickly where `quick` (see FAST_COMPILE, and _Program)."""
+    return _Program(fn, quick)
+
+
+def _finite(result: Any) -> bool:
+    """Whether every floating-point value of a program's result is finite."""
+    return all(np.isfinite(a).all() for a in map(np.asarray, jax.tree.leaves(result)) if jnp.issubdtype(a.dtype, jnp.inexact))
+
+
+class _Program:
+    """fn compiled once by jax.jit, quickly where `quick` (FAST_COMPILE). At optimization level 0
+    XLA computed NaN where its default compile does not (2026-11-26, jax 0.10.2: a float32 MHA
+    adding a float key padding mask holding -inf, softmax by max-subtraction, got NaN in 287 of its
+    gradients; tests/test_jax.py, FLOAT_PADDING). There they differed only around infinities. So a
+    quick program's call whose result holds NaN or inf is made again with fn compiled as jax.jit
+    compiles by default, which then serves every later call: the result is the one jax.jit gives,
+    at the default compile's cost (about 2.5x) only where a NaN or inf shows. A quick compile that
+    differed in finite values would not be caught here (none is known)."""
+
+    def __init__(self, fn: Callable, quick: bool):
+        options = _fast_compile() if quick else {}
+        self.fn, self.quick = fn, bool(options)
+        self.compiled = jax.jit(fn, compiler_options=options) if options else jax.jit(fn)
+
+    def __call__(self, *args):
+        if self.quick:
+            result = self.compiled(*args)
+            if _finite(result):
+                return result
+            self.quick, self.compiled = False, jax.jit(self.fn)
+        with _compiled_quickly(False):
+            return self.compiled(*args)
+
+
+@contextlib.contextmanager
+def _compiled_quickly(quick: bool) -> Iterator[None]:
+    """Inside, XLA compiles without most optimizations where `quick` (see FAST_COMPILE), as JAX
+    compiles by default where not."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", quick)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
+@contextlib.contextmanager
+def _x64(on: bool) -> Iterator[None]:
+    """Inside, JAX's 64-bit mode is on where `on`, restored after; where not, left as the process
+    has it (off, as JAX starts, unless the candidate turned it on itself). Known gap: an array a
+    candidate makes in a float32 session and keeps (a cache) stays float32 in a float64 session,
+    where one process that always ran in 64-bit mode would have made it float64."""
+    before = jax.config.read("jax_enable_x64")
+    if on and not before:
+        jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        if on and not before:
+            jax.config.update("jax_enable_x64", before)
+
+
+def _gpu_precision_note(cfg) -> str | None:
+    """What a float32 report on a GPU should say about JAX's default matrix-product precision, which
+    there is fewer bits than float32's (TF32 or bfloat16 passes): on an H200 (jax 0.11.2)
+    examples/flax_attention.py failed 24 of its 41 forward checks at the default and passed them all
+    with jax_default_matmul_precision 'highest'. None where the candidate's process set that."""
+    precision = jax.config.jax_default_matmul_precision  # None: JAX's default
+    if cfg.device != "cuda" or cfg.dtype != "float32" or precision in ("highest", "float32", "F32_F32_F32"):
+        return None
+    setting = "unset" if precision is None else repr(precision)
+    return (f"JAX on a GPU: jax_default_matmul_precision is {setting}, so float32 matrix products the candidate does not give a "
+            "precision of its own run in fewer bits than float32 (TF32 or bfloat16 passes), where torch's are float32; "
+            "jax.config.update('jax_default_matmul_precision', 'highest') makes them float32")
+
+
+def _device(device: str) -> Any:
+    """The JAX device of a config's `device`: JAX's CPU for cpu, its first GPU for cuda. JAX itself
+    would run on a GPU wherever it has one, and there computes float32 matrix products with fewer
+    bits by default (jax_default_matmul_precision): a cpu config on a GPU machine failed the whole
+    default suite of examples/flax_attention.py (72 checks, 28-72x; H200, jax 0.11.2), torch's twin
+    of it running on the CPU beside it. Unsupported where JAX has no GPU for a cuda config."""
+    if device == "cpu":
+        return jax.devices("cpu")[0]
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError as exc:
+        raise Unsupported(f"device: cuda, but JAX {jax.__version__} sees no GPU ({exc}); install JAX's CUDA build, "
+                          "or check a JAX candidate with device: cpu") from None
+
+
+def _program(key: str, fn: Callable, quick: bool) -> Callable:
+    """The compiled program of `fn` kept under `key` (a trace's text), compiled on first use (_jit)."""
+    return _kept(_PROGRAMS, key, _PROGRAMS.get(key) or _jit(fn, quick))
+
+
+def _kept(cache: OrderedDict, key: Any, value: Any) -> Any:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > COMPILED_LIMIT:
+        cache.popitem(last=False)
+    return value
