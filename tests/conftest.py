@@ -1,7 +1,8 @@
 """Shared test helpers: hypothesis profiles, configs built from overrides, the corpus's reports.
 
-Light to import (no torch, no checks): test modules whose classes a candidate's process imports
-(tests/test_diagnose.py) import it.
+Light to import (no torch, no checks). Candidate classes that a candidate's process imports by
+their module are best kept out of test modules (tests/diagnose_candidates.py): that process would
+import the test module, pytest and hypothesis with it.
 """
 
 from __future__ import annotations

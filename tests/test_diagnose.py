@@ -9,9 +9,10 @@ be ambiguous.
 
 DIAGNOSES: (implementation, command, config, quantity, fragments the diagnosis must contain), on
 configs chosen to show one diagnosis each, held to the same list of what it may not say; the
-implementations are the corpus's and, where it has none with that bug, the small ones below, each
-a variation of the reference whose docstring names its bug. The default config's dimensions differ
-pairwise (B=2, L=5, E=24, H=4, D=6, sqrt(D)=2.45), so a factor there names one of them.
+implementations are the corpus's and, where it has none with that bug, the small ones in
+tests/diagnose_candidates.py, each a variation of the reference whose docstring names its bug.
+The default config's dimensions differ pairwise (B=2, L=5, E=24, H=4, D=6, sqrt(D)=2.45), so a
+factor there names one of them.
 """
 
 from __future__ import annotations
@@ -27,11 +28,21 @@ from attncheck.api import check
 from attncheck.config import load_config
 from attncheck.compare import Evidence
 from attncheck.diagnose import diagnose, factor_meaning
-from attncheck.reference import MultiheadAttention
 from attncheck.report import FAIL, Row
 from attncheck.testing import detection, wrong_impls
 from attncheck.testing.detection import DEFAULT_SUITE_CATCHES
 from tests.conftest import cfg, default_suite_catch_report
+from tests.diagnose_candidates import (
+    CausalOffByOne,
+    HeadsReversed,
+    HeadTwoQGradZero,
+    KeyPaddingIgnored,
+    NoLogitScale,
+    OutBiasGradNegated,
+    OutProjGradTransposed,
+    QGradTimesSqrtD,
+    ZeroKeyWeightDropped,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,85 +177,6 @@ def test_the_corpus_gets_the_right_words_and_no_wrong_ones(catch):
 
 def test_the_corpus_table_names_every_known_bad_implementation():
     assert set(CORPUS) == {c.impl for c in DEFAULT_SUITE_CATCHES}
-
-
-class CausalOffByOne(MultiheadAttention):
-    """The causal mask is shifted one key to the right: query i also sees key i + 1."""
-
-    def forward(self, query, key, value, *, attn_mask=None, **kwargs):
-        shifted = np.zeros_like(attn_mask)
-        shifted[..., 1:] = attn_mask[..., :-1]
-        return super().forward(query, key, value, attn_mask=shifted, **kwargs)
-
-
-class HeadsReversed(MultiheadAttention):
-    """Per-head weights are returned with the heads in reverse order."""
-
-    def forward(self, *args, **kwargs):
-        out, weights = super().forward(*args, **kwargs)
-        return out, weights[:, ::-1].copy()
-
-
-class NoLogitScale(MultiheadAttention):
-    """The logits are not divided by sqrt(D) (built as the reference with Wq and bq times sqrt(D))."""
-
-    def __init__(self, params, **kwargs):
-        super().__init__(params, **kwargs)
-        self.Wq = self.Wq * self.dtype.type(np.sqrt(self.D))
-        self.bq = self.bq * self.dtype.type(np.sqrt(self.D))
-
-
-class QGradTimesSqrtD(MultiheadAttention):
-    """The q block of the in-projection gradient is sqrt(D) times too large (a scale forgotten in the backward)."""
-
-    def backward(self, grad_output):
-        grads = super().backward(grad_output)
-        grads["in_proj_weight"][: self.E] *= self.dtype.type(np.sqrt(self.D))
-        return grads
-
-
-class OutProjGradTransposed(MultiheadAttention):
-    """The output projection's weight gradient is returned transposed (dY^T X taken the wrong way round)."""
-
-    def backward(self, grad_output):
-        grads = super().backward(grad_output)
-        grads["out_proj.weight"] = grads["out_proj.weight"].T.copy()
-        return grads
-
-
-class OutBiasGradNegated(MultiheadAttention):
-    """The output bias gradient has the wrong sign."""
-
-    def backward(self, grad_output):
-        grads = super().backward(grad_output)
-        grads["out_proj.bias"] = -grads["out_proj.bias"]
-        return grads
-
-
-class HeadTwoQGradZero(MultiheadAttention):
-    """Head 2's rows of the q block of the in-projection gradient are left at zero."""
-
-    def backward(self, grad_output):
-        grads = super().backward(grad_output)
-        grads["in_proj_weight"][2 * self.D : 3 * self.D] = 0
-        return grads
-
-
-class KeyPaddingIgnored(MultiheadAttention):
-    """The key padding mask is ignored."""
-
-    def forward(self, query, key, value, *, key_padding_mask=None, **kwargs):
-        return super().forward(query, key, value, key_padding_mask=None, **kwargs)
-
-
-class ZeroKeyWeightDropped(MultiheadAttention):
-    """The weights it returns leave out the zero-attention key's share (set to 0); the output is right."""
-
-    def forward(self, *args, **kwargs):
-        out, weights = super().forward(*args, **kwargs)
-        weights = weights.copy()
-        weights[..., -1] = 0
-        return out, weights
 
 
 PER_HEAD = dict(average_attn_weights=False, batch_size=3)

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from attncheck.api import check
 from attncheck.cli import app
 from attncheck.plot import figures, panels, write_plots
-from tests.test_diagnose import CausalOffByOne, HeadsReversed, HeadTwoQGradZero, KeyPaddingIgnored
+from tests.diagnose_candidates import CausalOffByOne, HeadsReversed, HeadTwoQGradZero, KeyPaddingIgnored
 
 matplotlib.use("Agg")
 runner = CliRunner()
@@ -90,7 +90,7 @@ def test_one_svg_for_one_quantity_and_one_pdf_page_per_quantity(tmp_path):
 @pytest.mark.slow
 def test_cli_plot_and_plot_all(tmp_path):
     one = ["-c", "configs/default.yaml"]  # one config: the default suite would draw every case's quantities
-    result = runner.invoke(app, ["grad", *one, "--impl", "tests/test_diagnose.py:HeadTwoQGradZero", "--plot", str(tmp_path / "g.png")])
+    result = runner.invoke(app, ["grad", *one, "--impl", "tests/diagnose_candidates.py:HeadTwoQGradZero", "--plot", str(tmp_path / "g.png")])
     assert result.exit_code == 1 and (tmp_path / "g.png").is_file()
     result = runner.invoke(app, ["forward", *one, "--plot", str(tmp_path / "pass"), "--plot-all"])
     assert result.exit_code == 0 and len(list((tmp_path / "pass").glob("*.png"))) == 4

@@ -31,7 +31,7 @@ from attncheck.render import fmt, progress_bar, render
 from attncheck.config import Config
 from attncheck.report import FAIL, PASS, Report, Row, SuiteResult
 from tests.helpers import interruptible
-from tests.test_diagnose import QGradTimesSqrtD
+from tests.diagnose_candidates import QGradTimesSqrtD
 
 ROOT = Path(__file__).resolve().parent.parent
 SNAPSHOTS = Path(__file__).parent / "snapshots"

@@ -1,0 +1,93 @@
+"""Small known-bad implementations for the diagnosis tests: each a variation of the reference whose
+docstring names its bug (tests/test_diagnose.py, tests/test_plot.py, tests/test_terminal.py).
+
+A module of their own, light to import (NumPy and attncheck's reference only): the candidate's
+process imports the module a class is defined in, and a test module would bring pytest,
+hypothesis and tests.conftest into every such process (0.2 s of CPU each time, 17 processes in a
+whole run of the suite).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attncheck.reference import MultiheadAttention
+
+
+class CausalOffByOne(MultiheadAttention):
+    """The causal mask is shifted one key to the right: query i also sees key i + 1."""
+
+    def forward(self, query, key, value, *, attn_mask=None, **kwargs):
+        shifted = np.zeros_like(attn_mask)
+        shifted[..., 1:] = attn_mask[..., :-1]
+        return super().forward(query, key, value, attn_mask=shifted, **kwargs)
+
+
+class HeadsReversed(MultiheadAttention):
+    """Per-head weights are returned with the heads in reverse order."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out, weights[:, ::-1].copy()
+
+
+class NoLogitScale(MultiheadAttention):
+    """The logits are not divided by sqrt(D) (built as the reference with Wq and bq times sqrt(D))."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.Wq = self.Wq * self.dtype.type(np.sqrt(self.D))
+        self.bq = self.bq * self.dtype.type(np.sqrt(self.D))
+
+
+class QGradTimesSqrtD(MultiheadAttention):
+    """The q block of the in-projection gradient is sqrt(D) times too large (a scale forgotten in the backward)."""
+
+    def backward(self, grad_output):
+        grads = super().backward(grad_output)
+        grads["in_proj_weight"][: self.E] *= self.dtype.type(np.sqrt(self.D))
+        return grads
+
+
+class OutProjGradTransposed(MultiheadAttention):
+    """The output projection's weight gradient is returned transposed (dY^T X taken the wrong way round)."""
+
+    def backward(self, grad_output):
+        grads = super().backward(grad_output)
+        grads["out_proj.weight"] = grads["out_proj.weight"].T.copy()
+        return grads
+
+
+class OutBiasGradNegated(MultiheadAttention):
+    """The output bias gradient has the wrong sign."""
+
+    def backward(self, grad_output):
+        grads = super().backward(grad_output)
+        grads["out_proj.bias"] = -grads["out_proj.bias"]
+        return grads
+
+
+class HeadTwoQGradZero(MultiheadAttention):
+    """Head 2's rows of the q block of the in-projection gradient are left at zero."""
+
+    def backward(self, grad_output):
+        grads = super().backward(grad_output)
+        grads["in_proj_weight"][2 * self.D : 3 * self.D] = 0
+        return grads
+
+
+class KeyPaddingIgnored(MultiheadAttention):
+    """The key padding mask is ignored."""
+
+    def forward(self, query, key, value, *, key_padding_mask=None, **kwargs):
+        return super().forward(query, key, value, key_padding_mask=None, **kwargs)
+
+
+class ZeroKeyWeightDropped(MultiheadAttention):
+    """The weights it returns leave out the zero-attention key's share (set to 0); the output is right."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        weights = weights.copy()
+        weights[..., -1] = 0
+        return out, weights
