@@ -22,9 +22,10 @@ would, once per call, while XLA compiles each distinct program once:
   Python that runs where the vjp is traced, is traced under jax.vjp on every call instead.
   Where the forward() call just made is that same function of the parameters (the object's
   first call, or one whose trace has the first's text, reading every parameter as the array it
-  was handed and no other floating-point array but the masks), its own trace is differentiated
-  and build-and-forward is not traced again (`_pulled_back_through_forward`), as torch's
-  autograd differentiates the call it recorded.
+  was handed and no other floating-point array but the masks, and build-and-forward traced with
+  the parameters as arguments once per candidate, config and trace is that trace), its own trace
+  is differentiated and build-and-forward is not traced again (`_pulled_back_through_forward`), as
+  torch's autograd differentiates the call it recorded.
 - A candidate with a backward of its own runs forward() op by op (its backward reads what forward
   kept: values, not tracers), and its backward as it is.
 - The finite differences' session (`bulk`: hundreds of forward calls of one computation on
@@ -79,6 +80,9 @@ TRACINGS = (False, True)
 # tracing that worked (`JaxSession._traced`), or why none did (then the call runs op by op).
 _BULK: OrderedDict[tuple, Any] = OrderedDict()
 _TRACING: OrderedDict[tuple, int | str] = OrderedDict()
+# By candidate, config and forward trace: whether build-and-forward, traced with the parameters as
+# arguments, is that trace with its parameter constants made arguments (`JaxSession._same_as_built`).
+_SAME_AS_BUILT: OrderedDict[tuple, bool] = OrderedDict()
 _traced_here = False  # whether this process has traced a candidate: a leaked tracer may then be ours
 
 
@@ -237,7 +241,8 @@ class JaxSession(FrameworkSession):
         self.x64 = cfg.dtype == "float64"  # JAX's 64-bit mode for its calls (_x64)
         self._called: set[int] = set()  # the objects (by id) forward() was called on since they were built
         self._first_text: dict[int, str] = {}  # by object (id): the text of its first forward() call's trace
-        self._trace: tuple[Any, tuple[Any, Any, str]] | None = None  # (obj, the last forward's trace), where it was traced
+        # (obj, the last forward's trace, whether traced with constants evaluated), where it was traced
+        self._trace: tuple[Any, tuple[Any, Any, str], bool] | None = None
 
     def _copy_for_candidate(self, original: np.ndarray, grad_of: str | None, layout: str | None = None) -> Any:
         # JAX arrays have no strides: a layout changes nothing (the strides probe skips JAX).
@@ -357,7 +362,7 @@ class JaxSession(FrameworkSession):
                 result = _run_trace(trace, (inputs,), quick)
                 if first:
                     self._first_text[id(obj)] = trace[2]
-                self._trace = (obj, trace)  # its vjp may be taken from it (_pulled_back_through_forward)
+                self._trace = (obj, trace, evaluate_constants)  # its vjp may be taken from it (_pulled_back_through_forward)
                 return result
 
             runs = tuple((functools.partial(run, evaluate), None) for evaluate in TRACINGS)
@@ -453,12 +458,14 @@ class JaxSession(FrameworkSession):
         weight would). Then differentiating it with respect to those arrays and the inputs is what
         tracing build-and-forward again under jax.vjp would differentiate, without running the
         candidate's Python a second time: as torch's autograd differentiates the forward call it
-        recorded. The Flax MHA default suite traced build-and-forward once per gradient call for
+        recorded. That the arrays are the ones handed does not show what building did to them
+        (stop_gradient in __init__ returns the array it was handed), so build-and-forward is traced
+        once per candidate, config and trace to see that it is this trace (_same_as_built). The Flax MHA default suite traced build-and-forward once per gradient call for
         this, 17% of its candidate process's time (py-spy, 2026-11-26). None where it cannot be
         (then build-and-forward is traced again, as before)."""
         if self._trace is None or self._trace[0] is not obj:
             return None
-        closed, shape, text = self._trace[1]
+        (closed, shape, text), evaluated = self._trace[1:]
         if self._first_text.get(id(obj)) != text:
             return None  # not obj's first call, and not what that call computed: it may read state the first left
         if _custom_rules(closed.jaxpr):
@@ -473,6 +480,8 @@ class JaxSession(FrameworkSession):
                 return None  # a floating-point array from elsewhere: perhaps computed from the parameters
         if sorted(name for _, name in which) != sorted(params):
             return None  # a parameter the trace does not read as handed
+        if not self._same_as_built(closed, text, dict(which), params, inputs, masks, extras, evaluated):
+            return None  # building did more than hand the parameters on (stop_gradient, a custom rule), or an inner jit closes over one
         kind, cfg = kind_of(self.cfg), self.cfg
         indices, structure = tuple(i for i, _ in which), jax.tree.structure(shape)
 
@@ -492,6 +501,37 @@ class JaxSession(FrameworkSession):
         d_params, d_inputs = program(closed.consts, [closed.consts[i] for i in indices], jax.tree.leaves(inputs), cotangent)
         by_name = {name: grad for (_, name), grad in zip(which, d_params)}
         return {**{name: by_name[name] for name in params}, **jax.tree.unflatten(jax.tree.structure(inputs), d_inputs)}
+
+    def _same_as_built(self, closed: Any, text: str, param_at: dict[int, str], params: dict[str, Any], inputs: dict[str, Any],
+                       masks: tuple, extras: dict[str, Any], evaluated: bool) -> bool:  # fmt: skip
+        """Whether build-and-forward traced with the parameters as arguments (as forward() was traced:
+        `evaluated`) is the forward trace `closed` with its parameter constants (`param_at`: index ->
+        name) made arguments, and its other constants the same: then differentiating `closed` through
+        those constants is jax.vjp of build-and-forward. Building can do what the object's arrays
+        do not show: jax.lax.stop_gradient or a custom_vjp identity applied to a parameter in
+        __init__ returns the very array it was handed, outside a trace; an inner jax.jit closing over
+        a parameter keeps it as a constant of its own, which the outer trace does not differentiate.
+        Traced once per candidate, config and forward trace (a candidate whose __init__ builds
+        otherwise on a later call, from global state, is not seen)."""
+        key = (_fingerprint(self.candidate.factory), self._config_key, evaluated, text)
+        if key in _SAME_AS_BUILT:
+            return _kept(_SAME_AS_BUILT, key, _SAME_AS_BUILT[key])
+        same = False
+        try:
+            built, _, _ = _traced_once(self._built_and_called(params, inputs, masks, extras), ({**params, **inputs},), evaluated)
+        except Exception:  # noqa: BLE001 - build-and-forward then traced as before, which says what it raises
+            built = None
+        if built is not None:
+            jaxpr, at = closed.jaxpr, {name: i for i, name in param_at.items()}
+            input_vars = dict(zip(sorted(inputs), jaxpr.invars))  # a dict's leaves: by sorted key
+            argument_vars = [jaxpr.constvars[at[name]] if name in at else input_vars[name] for name in sorted({**params, **inputs})]
+            rest = [i for i in range(len(closed.consts)) if i not in param_at]
+            made = jaxpr.replace(constvars=[jaxpr.constvars[i] for i in rest], invars=argument_vars)
+            consts = [closed.consts[i] for i in rest]
+            same = _text(made) == _text(built.jaxpr) and len(consts) == len(built.consts) and all(
+                a is b or (np.shape(a) == np.shape(b) and np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(a, b))
+                for a, b in zip(consts, built.consts))  # fmt: skip
+        return _kept(_SAME_AS_BUILT, key, same)
 
     def _gradients(self, obj: Any, grad_output: np.ndarray, grad_second: np.ndarray | None = None) -> tuple[Any, str | None]:
         """The candidate's own backward if it has one; else jax.vjp of build-and-forward (through

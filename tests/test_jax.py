@@ -460,8 +460,76 @@ def test_the_vjp_is_taken_from_the_forward_calls_trace_only_where_it_reads_the_p
         assert np.allclose(compiled[key], op_by_op[key], rtol=1e-4, atol=1e-5), key
     vjps = [k for k in set(jax_programs._PROGRAMS) - before if "vjp" in k]
     assert [k.startswith("jax.vjp through the constants ") for k in vjps] == [through_forward], vjps
-    if name == "Recorded":  # forward's Python ran once for forward() and its vjp compiled, twice op by op (jax.vjp runs it)
-        assert len(calls) == 1 + 2
+    if name == "Recorded":  # forward's Python ran for forward(), once more to check the build (_same_as_built), twice op by op
+        assert len(calls) == 2 + 2
+        session = make_session(cfg, candidate, compiled=True)  # a later object's call of the same trace: checked once
+        obj = session.build(w.params)
+        session.forward(obj, w)
+        session.backward(obj, w.target, w)
+        assert len(calls) == 2 + 2 + 1
+
+
+# FLOAT_PADDING's MHA where building or an inner jax.jit does what the forward call's arrays do not
+# show: jax.lax.stop_gradient and a custom_vjp identity, applied to a parameter outside a trace
+# (__init__), return the very array they were handed; an inner jax.jit that closes over a parameter
+# keeps it as a constant of its own trace. Differentiated through the forward call's trace, the
+# first two got torch's gradients (sgd-step passed them) and the third, a correct MHA, got half its
+# out_proj.bias gradient (sgd-step failed it).
+BUILT_OTHERWISE = FLOAT_PADDING + '''
+import jax
+
+
+class Frozen(MHA):  # jax.vjp: no gradient for out_proj.bias
+    def __init__(self, params, **options):
+        super().__init__({**params, "out_proj.bias": jax.lax.stop_gradient(params["out_proj.bias"])}, **options)
+
+
+@jax.custom_vjp
+def doubled_gradient(x):
+    return x
+
+
+doubled_gradient.defvjp(lambda x: (x, None), lambda _, g: (2 * g,))
+
+
+class Doubled(MHA):  # jax.vjp: twice out_proj.weight's gradient
+    def __init__(self, params, **options):
+        super().__init__({**params, "out_proj.weight": doubled_gradient(params["out_proj.weight"])}, **options)
+
+
+class InnerJit(MHA):  # correct: half of out_proj.bias added through a jax.jit closure, half outside it
+    def forward(self, *args, **kwargs):
+        p = self.p
+        half = jax.jit(lambda: p["out_proj.bias"] / 2)()
+        self.p = {**p, "out_proj.bias": p["out_proj.bias"] / 2 + half}
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.p = p
+'''
+
+
+@pytest.mark.parametrize("name", ["Frozen", "Doubled", "InnerJit"])
+def test_the_vjp_is_jax_vjp_of_build_and_forward_where_building_does_what_the_arrays_do_not_show(tmp_path, name):
+    from attncheck.candidate import make_session
+    from attncheck.config import config_from_mapping
+    from attncheck.inputs import make_workload
+
+    path = tmp_path / "built_otherwise.py"
+    path.write_text(BUILT_OTHERWISE)
+    candidate = load_candidate(f"{path}:{name}")
+    cfg = config_from_mapping({"embed_dim": 10, "num_heads": 2, "tgt_len": 4, "need_weights": False, "key_padding_mask": "random",
+                               "key_padding_mask_dtype": "float", "seed": 5})  # fmt: skip
+    w = make_workload(cfg)
+    results = []
+    for session in (make_session(cfg, candidate, compiled=True), make_session(cfg, candidate)):  # compiled, then op by op
+        obj = session.build(w.params)
+        session.forward(obj, w)
+        results.append(session.backward(obj, w.target, w))
+    compiled, op_by_op = results
+    assert compiled.keys() == op_by_op.keys() and len(compiled) == 5
+    for key in compiled:
+        assert np.allclose(compiled[key], op_by_op[key], rtol=1e-4, atol=1e-5), key
 
 
 @pytest.mark.parametrize("name, through_forward", [("Recorded", True), ("Counting", False)])
