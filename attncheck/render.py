@@ -336,7 +336,7 @@ def capability_table(features: list[Capability]) -> Table:
     table.add_column("supported", overflow="fold")
     table.add_column("verdict")
     for cap in features:
-        if cap.skipped == cap.cases:
+        if cap.verdict is SKIPPED and cap.skipped == cap.cases:
             supported = Text(f"no case: {cap.skipped_why or 'nothing to compare'}", style=_STATUS_STYLE[INFO])
         elif cap.reported or cap.skipped:
             said = [f"reported, not judged: {', '.join(cap.reported)}"] if cap.reported else []

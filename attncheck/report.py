@@ -450,8 +450,11 @@ def probe_capabilities(reports: list[Report]) -> list[Capability]:
         skipped = tuple(dict.fromkeys(r.name for r, row in found if row.status is SKIPPED))
         verdict = aggregate((row.status for _, row in found), unsupported="ignore")
         why = {row.note for _, row in found if row.status is SKIPPED}
-        if skipped == cases:  # not applicable anywhere (JAX arrays have no strides): nothing failed to be judged
+        # Not applicable anywhere (JAX arrays have no strides): every row, not every case, skipped (a
+        # case's options probe may skip one option and fail another)
+        nowhere = all(row.status is SKIPPED for _, row in found)
+        if nowhere:
             verdict = SKIPPED
         table.append(Capability(f"probe: {probe}", cases, (), verdict, checks, reported, skipped,
-                                why.pop() if skipped == cases and len(why) == 1 else ""))  # fmt: skip
+                                why.pop() if nowhere and len(why) == 1 else ""))  # fmt: skip
     return table

@@ -188,6 +188,18 @@ def test_a_probe_with_nothing_to_compare_anywhere_is_skipped_not_inconclusive():
     assert f"no case: {probe.skipped_why}" in table and "inconclusive" not in table, table
 
 
+def test_a_probe_that_skipped_one_row_of_each_case_and_failed_another_is_failed():
+    """The options probe has a row per option: one case may skip one (other inputs) and fail another."""
+    from attncheck.report import PROBE_SECTION, Row
+
+    report = run_check("forward", Config(module="sdpa", name="one", seed=1))
+    report.rows += [Row(PROBE_SECTION, "options: causal", SKIPPED, parameter="options", note="turning causal off draws other inputs"),
+                    Row(PROBE_SECTION, "options: scale", FAIL, parameter="options", note="scale changes nothing")]  # fmt: skip
+    (probe,) = [c for c in capabilities([report]) if c.feature == "probe: options"]
+    assert probe.verdict is FAIL and probe.skipped_why == ""
+    assert "no case" not in render_capabilities(probe)
+
+
 def render_capabilities(cap) -> str:
     from rich.console import Console
 
