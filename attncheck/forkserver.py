@@ -16,8 +16,12 @@ an interrupted, late or out-of-step exchange), and the candidate processes end w
 (PR_SET_PDEATHSIG). Each reply echoes its request's number and is a few integers, never a pickle.
 
 torch is imported by the server only once a torch candidate has been loaded (a respawn, another
-torch candidate in the same judge), so a one-candidate NumPy run does not pay for it. JAX is never
-imported there: it starts threads, and forking a threaded process can deadlock.
+torch candidate in the same judge), so a one-candidate NumPy run does not pay for it; JAX likewise
+once a JAX candidate has been (0.55 s of each later JAX candidate process's start, of which a test
+run starts dozens). Importing JAX starts no thread: its backend does, at a process's first
+computation, which happens in the candidate processes only (and JAX installs its at-fork warning
+only then). Forking a threaded process can deadlock, so a server whose imports started a thread
+refuses to fork, and the judge starts fresh interpreters from then on.
 
 `ATTNCHECK_FORK_SERVER=0` turns it off (fresh interpreters, as before); the judge also falls back
 to them for good if the server cannot be started or dies.
@@ -38,6 +42,8 @@ import time
 from typing import Any
 
 ENV = "ATTNCHECK_FORK_SERVER"
+# What the server imports once a candidate of a framework has been loaded (JAX's backend is not started).
+PRELOADS = {"torch": ("torch",), "jax": ("jax", "jax.numpy")}
 PRELOAD = ("numpy", "attncheck.child", "attncheck.channel", "attncheck.candidate", "attncheck.errors", "attncheck.contract")
 _HEADER = struct.Struct("!I")
 _REPLY = struct.Struct("!QBq")  # the request's sequence number, a status, an int: the judge unpickles nothing
@@ -118,15 +124,17 @@ class Server:
             theirs.close()
         self.socket = ours
         self.pid = os.getpid()  # a forked judge (a pool worker) starts a server of its own
-        self.torch = False  # whether the server has been asked to import torch
+        self.preloaded: set[str] = set()  # the frameworks the server has been asked to import
         self.sequence = 0  # of the last request: its reply must echo it
         self.broken = False
 
-    def fork(self, fds: tuple[int, int, int], *, torch: bool) -> ForkedProcess:
+    def fork(self, fds: tuple[int, int, int], *, frameworks: frozenset[str]) -> ForkedProcess:
         """A candidate process running attncheck.child on `fds` (its read and write ends of the
-        channel, and the file for its output)."""
-        request = {"env": environment(), "cwd": os.getcwd(), "path": list(sys.path), "preload": ("torch",) if torch and not self.torch else ()}
-        self.torch |= torch
+        channel, and the file for its output), forked after the server imported `frameworks`'
+        modules (PRELOADS)."""
+        preload = tuple(module for name in sorted(frameworks - self.preloaded) for module in PRELOADS.get(name, ()))
+        request = {"env": environment(), "cwd": os.getcwd(), "path": list(sys.path), "preload": preload}
+        self.preloaded |= frameworks
         pid = self._ask(("fork", request), fds, SERVER_TIMEOUT)
         if pid is None or pid <= 1:
             self._break()
@@ -182,7 +190,7 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0" and sys.platform.startswith("linux") and not _broken
 
 
-def fork(fds: tuple[int, int, int], *, torch: bool) -> ForkedProcess | None:
+def fork(fds: tuple[int, int, int], *, frameworks: frozenset[str] = frozenset()) -> ForkedProcess | None:
     """A forked candidate process, or None where the judge should start a fresh interpreter (the
     server is off, could not start, or died)."""
     global _server, _broken
@@ -191,7 +199,7 @@ def fork(fds: tuple[int, int, int], *, torch: bool) -> ForkedProcess | None:
     try:
         if _server is None or _server.pid != os.getpid():
             _server = Server()
-        return _server.fork(fds, torch=torch)
+        return _server.fork(fds, frameworks=frameworks)
     except (OSError, EOFError, subprocess.SubprocessError):
         _broken = True
         return None
@@ -239,8 +247,11 @@ def _serve(sock: socket.socket) -> None:
 def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
     import importlib
 
+    threads = _threads()
     for name in request["preload"]:
         importlib.import_module(name)  # before the fork: every later candidate process has it
+    if _threads() > threads:
+        raise OSError(f"importing {', '.join(request['preload'])} started a thread: the server forks no more")
     read_fd, write_fd, output_fd = fds
     server = os.getpid()
     pid = os.fork()
@@ -284,6 +295,14 @@ def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
             except BaseException:  # noqa: BLE001 - a candidate may have replaced or closed them
                 pass
         os._exit(code)
+
+
+def _threads() -> int:
+    """The threads of this process (one where /proc cannot say: nothing is refused then)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
 
 
 def _await_session(pid: int) -> bool:

@@ -105,7 +105,7 @@ class CandidateProcess:
         judge_read, child_write = os.pipe()
         child_read, judge_write = os.pipe()
         try:
-            self.process = forkserver.fork((child_read, child_write, self._output.fileno()), torch="torch" in _FRAMEWORKS)
+            self.process = forkserver.fork((child_read, child_write, self._output.fileno()), frameworks=frozenset(_FRAMEWORKS))
             self.process = self.process or subprocess.Popen(
             [sys.executable, "-m", "attncheck.child", str(child_read), str(child_write), str(os.getpid())],
             pass_fds=(child_read, child_write), stdin=subprocess.DEVNULL, stdout=self._output, stderr=self._output,
@@ -235,7 +235,7 @@ class CandidateProcess:
 
 
 _PROCESSES: dict[str, CandidateProcess] = {}
-_FRAMEWORKS: set[str] = set()  # of the candidates loaded so far: the fork server imports torch once one is torch's
+_FRAMEWORKS: set[str] = set()  # of the candidates loaded so far: the fork server imports torch (JAX) once one is torch's (JAX's)
 _EVERY: weakref.WeakSet[CandidateProcess] = weakref.WeakSet()  # evicted ones too, while a session holds one
 # Candidate processes kept alive at once: a run checks one candidate, a test session many; the
 # least recently used is stopped beyond this (and started again if it is asked for again).

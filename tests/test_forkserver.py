@@ -137,3 +137,41 @@ def test_polling_a_live_forked_process_asks_the_server_nothing_and_its_end_is_se
         time.sleep(0.01)
     assert forked.poll() == -signal.SIGKILL and forkserver._server.sequence > asked
     process.stop()
+
+
+JAX_PROBE = textwrap.dedent('''
+    import json, os, sys
+    preloaded = "jax" in sys.modules  # imported by the server before this fork
+    import jax.numpy as jnp
+    total = float(jnp.ones(3).sum())  # JAX's backend starts here, in the candidate's process
+    with open(os.environ["ATTNCHECK_TEST_SEEN"], "a") as f:
+        f.write(json.dumps({"preloaded": preloaded, "total": total}) + "\\n")
+
+
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return query
+''')
+
+
+def test_the_server_imports_jax_once_a_jax_candidate_is_loaded_and_starts_no_thread(tmp_path, monkeypatch):
+    pytest.importorskip("jax", reason="JAX is not installed: ATTNCHECK_EXTRAS=test,jax bin/setup")
+    monkeypatch.setenv(forkserver.ENV, "1")
+    monkeypatch.setattr(forkserver, "_server", None)
+    monkeypatch.setattr(forkserver, "_broken", False)
+    monkeypatch.setattr(remote, "_FRAMEWORKS", set())
+    (tmp_path / "jax_probe.py").write_text(JAX_PROBE)
+    seen = tmp_path / "seen.jsonl"
+    monkeypatch.setenv("ATTNCHECK_TEST_SEEN", str(seen))
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        process = remote.CandidateProcess(str(tmp_path / "jax_probe.py") + ":scaled_dot_product_attention", None)
+        try:
+            process.ensure()
+            assert isinstance(process.process, forkserver.ForkedProcess)
+        finally:
+            process.stop()
+    first, second = (json.loads(line) for line in seen.read_text().splitlines())
+    assert (first["preloaded"], second["preloaded"]) == (False, True) and first["total"] == second["total"] == 3.0
+    assert forkserver._server.preloaded == {"jax"} and not forkserver._broken
+    server = forkserver._server.process.pid
+    assert len(os.listdir(f"/proc/{server}/task")) <= 2  # the main thread, and one NumPy may start at import
