@@ -140,14 +140,14 @@ def _device(device: str) -> Any:
     would run on a GPU wherever it has one, and there computes float32 matrix products with fewer
     bits by default (jax_default_matmul_precision): a cpu config on a GPU machine failed the whole
     default suite of examples/flax_attention.py (72 checks, 28-72x; H200, jax 0.11.2), torch's twin
-    of it running on the CPU beside it. Unsupported where JAX has no GPU for a cuda config."""
-    if device == "cpu":
-        return jax.devices("cpu")[0]
+    of it running on the CPU beside it. Unsupported where JAX has no such device (no GPU for a cuda
+    config; no CPU where JAX_PLATFORMS leaves it out)."""
     try:
-        return jax.devices("gpu")[0]
-    except RuntimeError as exc:
-        raise Unsupported(f"device: cuda, but JAX {jax.__version__} sees no GPU ({exc}); install JAX's CUDA build, "
-                          "or check a JAX candidate with device: cpu") from None
+        return jax.devices("cpu" if device == "cpu" else "gpu")[0]
+    except Exception as exc:  # noqa: BLE001 - RuntimeError; AssertionError where JAX_PLATFORMS names a platform JAX lacks
+        fix = "install JAX's CUDA build, or check a JAX candidate with device: cpu" if device == "cuda" else "let JAX_PLATFORMS include cpu"
+        raise Unsupported(f"device: {device}, but JAX {jax.__version__} has no {'GPU' if device == 'cuda' else 'CPU'} here "
+                          f"({type(exc).__name__}: {exc}); {fix}") from None
 
 
 def _program(key: str, fn: Callable, quick: bool) -> Callable:

@@ -386,7 +386,7 @@ def test_a_cuda_config_without_a_jax_gpu_is_unsupported_and_says_why():
     if any(d.platform == "gpu" for d in jax_programs.jax.devices()):
         pytest.skip("JAX has a GPU here")
     assert jax_programs._device("cpu").platform == "cpu"
-    with pytest.raises(attncheck.errors.Unsupported, match=r"device: cuda, but JAX .* sees no GPU"):
+    with pytest.raises(attncheck.errors.Unsupported, match=r"device: cuda, but JAX .* has no GPU here"):
         jax_programs._device("cuda")
 
 
