@@ -434,38 +434,51 @@ class Recorded(MHA):
 '''
 
 
-@pytest.mark.parametrize("name, through_forward", [("Recorded", True), ("Derived", False)])
-def test_the_vjp_is_taken_from_the_forward_calls_trace_only_where_it_reads_the_parameters_as_handed(tmp_path, name, through_forward):
-    from attncheck.candidate import make_session
+def _float_padding_case(tmp_path, source: str, name: str, tgt_len: int, seed: int) -> tuple:
+    """The candidate `name` of `source` (FLOAT_PADDING's MHA and its kin), a config with a float key
+    padding mask at `tgt_len` (a trace of its own per test: some assert on the programs they add to
+    the process's cache) and its workload."""
     from attncheck.config import config_from_mapping
     from attncheck.inputs import make_workload
 
+    path = tmp_path / "float_padding_kin.py"
+    path.write_text(source)
+    cfg = config_from_mapping({"embed_dim": 10, "num_heads": 2, "tgt_len": tgt_len, "need_weights": False, "key_padding_mask": "random",
+                               "key_padding_mask_dtype": "float", "seed": seed})  # fmt: skip
+    return load_candidate(f"{path}:{name}"), cfg, make_workload(cfg)
+
+
+def _first_call_gradients(session, w) -> dict:
+    """The gradients of a freshly built object's first call."""
+    obj = session.build(w.params)
+    session.forward(obj, w)
+    return session.backward(obj, w.target, w)
+
+
+def _assert_jax_vjp_s(grads: dict, cfg, candidate, w) -> None:
+    """`grads` are jax.vjp's of build-and-forward, as op by op (the judge's own process) has them."""
+    from attncheck.candidate import make_session
+
+    expected = _first_call_gradients(make_session(cfg, candidate), w)
+    assert grads.keys() == expected.keys() and len(grads) == 5  # four parameters and the self-attention input
+    for key in grads:
+        assert np.allclose(grads[key], expected[key], rtol=1e-4, atol=1e-5), key
+
+
+@pytest.mark.parametrize("name, through_forward", [("Recorded", True), ("Derived", False)])
+def test_the_vjp_is_taken_from_the_forward_calls_trace_only_where_it_reads_the_parameters_as_handed(tmp_path, name, through_forward):
+    from attncheck.candidate import make_session
+
     jax_programs = pytest.importorskip("attncheck.jax_programs")
-    path = tmp_path / "derived_in_init.py"
-    path.write_text(DERIVED_IN_INIT)
-    candidate = load_candidate(f"{path}:{name}")
+    candidate, cfg, w = _float_padding_case(tmp_path, DERIVED_IN_INIT, name, tgt_len=4, seed=3)
     calls = sys.modules[candidate.factory.__module__].CALLS
-    cfg = config_from_mapping({"embed_dim": 10, "num_heads": 2, "tgt_len": 4, "need_weights": False, "key_padding_mask": "random",
-                               "key_padding_mask_dtype": "float", "seed": 3})  # fmt: skip
-    w = make_workload(cfg)
     before = set(jax_programs._PROGRAMS)
-    results = []
-    for session in (make_session(cfg, candidate, compiled=True), make_session(cfg, candidate)):  # compiled, then op by op
-        obj = session.build(w.params)
-        session.forward(obj, w)
-        results.append(session.backward(obj, w.target, w))
-    compiled, op_by_op = results
-    assert compiled.keys() == op_by_op.keys() and len(compiled) == 5
-    for key in compiled:
-        assert np.allclose(compiled[key], op_by_op[key], rtol=1e-4, atol=1e-5), key
+    _assert_jax_vjp_s(_first_call_gradients(make_session(cfg, candidate, compiled=True), w), cfg, candidate, w)
     vjps = [k for k in set(jax_programs._PROGRAMS) - before if "vjp" in k]
     assert [k.startswith("jax.vjp through the constants ") for k in vjps] == [through_forward], vjps
     if name == "Recorded":  # forward's Python ran for forward(), once more to check the build (_same_as_built), twice op by op
         assert len(calls) == 2 + 2
-        session = make_session(cfg, candidate, compiled=True)  # a later object's call of the same trace: checked once
-        obj = session.build(w.params)
-        session.forward(obj, w)
-        session.backward(obj, w.target, w)
+        _first_call_gradients(make_session(cfg, candidate, compiled=True), w)  # a later object's call of the same trace: checked once
         assert len(calls) == 2 + 2 + 1
 
 
@@ -512,42 +525,19 @@ class InnerJit(MHA):  # correct: half of out_proj.bias added through a jax.jit c
 @pytest.mark.parametrize("name", ["Frozen", "Doubled", "InnerJit"])
 def test_the_vjp_is_jax_vjp_of_build_and_forward_where_building_does_what_the_arrays_do_not_show(tmp_path, name):
     from attncheck.candidate import make_session
-    from attncheck.config import config_from_mapping
-    from attncheck.inputs import make_workload
 
-    path = tmp_path / "built_otherwise.py"
-    path.write_text(BUILT_OTHERWISE)
-    candidate = load_candidate(f"{path}:{name}")
-    cfg = config_from_mapping({"embed_dim": 10, "num_heads": 2, "tgt_len": 6, "need_weights": False, "key_padding_mask": "random",
-                               "key_padding_mask_dtype": "float", "seed": 5})  # fmt: skip
-    w = make_workload(cfg)
-    results = []
-    for session in (make_session(cfg, candidate, compiled=True), make_session(cfg, candidate)):  # compiled, then op by op
-        obj = session.build(w.params)
-        session.forward(obj, w)
-        results.append(session.backward(obj, w.target, w))
-    compiled, op_by_op = results
-    assert compiled.keys() == op_by_op.keys() and len(compiled) == 5
-    for key in compiled:
-        assert np.allclose(compiled[key], op_by_op[key], rtol=1e-4, atol=1e-5), key
+    candidate, cfg, w = _float_padding_case(tmp_path, BUILT_OTHERWISE, name, tgt_len=6, seed=5)
+    _assert_jax_vjp_s(_first_call_gradients(make_session(cfg, candidate, compiled=True), w), cfg, candidate, w)
 
 
 @pytest.mark.parametrize("name, through_forward", [("Recorded", True), ("Counting", False)])
 def test_a_later_call_on_an_object_takes_its_vjp_from_its_trace_only_if_it_computed_what_the_first_did(tmp_path, name, through_forward):
     # An object's second call may read state its first left (Counting): jax.vjp of build-and-forward
     # is of a fresh object, so a second call's trace is differentiated only where its text is the first's.
-    jax_programs = pytest.importorskip("attncheck.jax_programs")
     from attncheck.candidate import make_session
-    from attncheck.config import config_from_mapping
-    from attncheck.inputs import make_workload
 
-    path = tmp_path / "derived_in_init.py"
-    path.write_text(DERIVED_IN_INIT)
-    candidate = load_candidate(f"{path}:{name}")
-    # tgt_len 5: traces of their own (test_the_vjp_is_taken_from_... asserts on the programs it adds to this process's)
-    cfg = config_from_mapping({"embed_dim": 10, "num_heads": 2, "tgt_len": 5, "need_weights": False, "key_padding_mask": "random",
-                               "key_padding_mask_dtype": "float", "seed": 4})  # fmt: skip
-    w = make_workload(cfg)
+    jax_programs = pytest.importorskip("attncheck.jax_programs")
+    candidate, cfg, w = _float_padding_case(tmp_path, DERIVED_IN_INIT, name, tgt_len=5, seed=4)
     session = make_session(cfg, candidate, compiled=True)
     obj = session.build(w.params)
     session.forward(obj, w)
@@ -557,8 +547,4 @@ def test_a_later_call_on_an_object_takes_its_vjp_from_its_trace_only_if_it_compu
     grads = session.backward(obj, w.target, w)
     vjps = [k for k in set(jax_programs._PROGRAMS) - before if "vjp" in k]
     assert [k.startswith("jax.vjp of ") for k in vjps] == ([] if through_forward else [True]), vjps
-    op_by_op = make_session(cfg, candidate)  # jax.vjp of build-and-forward: a fresh object's first call
-    other = op_by_op.build(w.params)
-    op_by_op.forward(other, w)
-    for key, grad in op_by_op.backward(other, w.target, w).items():
-        assert np.allclose(grads[key], grad, rtol=1e-4, atol=1e-5), key
+    _assert_jax_vjp_s(grads, cfg, candidate, w)  # of a fresh object's first call
