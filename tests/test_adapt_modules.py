@@ -364,6 +364,14 @@ def test_a_prefix_reaches_a_submodule_with_torchs_own_names():
         attncheck.check({"attn_mask": "random", "key_padding_mask": "random", "self_attention": False, "src_len": 7}, command, impl=impl).assert_passed()
 
 
+@pytest.mark.parametrize("command", ["forward", "grad"])
+def test_torchs_own_module_with_unbatched_inputs_and_a_key_padding_mask(command):
+    # The inputs go in with B = 1: a (S,) key padding mask had stayed 1-D, and torch's own
+    # nn.MultiheadAttention refused it ("expected key_padding_mask to be None or 2-D").
+    impl = adapt.torch_module(lambda embed_dim, num_heads, **_: nn.MultiheadAttention(embed_dim, num_heads, batch_first=True))
+    attncheck.check({"unbatched": True, "batch_size": 1, "key_padding_mask": "random", "attn_mask": "random"}, command, impl=impl).assert_passed()
+
+
 # ---------------------------------------------------------------------------- the layouts alone
 def test_layout_sources_against_torchs_blocks():
     E, H, D = 8, 2, 4

@@ -252,6 +252,8 @@ def torch_module(factory: Callable[..., Any], names: Mapping[str, str | Source] 
             q = io.to_ble(query)  # (B, L, E); one tensor stays one (self-attention), so `key is query` holds
             k = q if key is query else io.to_ble(key)  # (B, S, Ek)
             v = k if value is key else q if value is query else io.to_ble(value)  # (B, S, Ev)
+            if io.unbatched and key_padding_mask is not None:
+                key_padding_mask = key_padding_mask[None]  # (S,) -> (1, S), as the inputs got B = 1
             options = dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=need_weights,
                            average_attn_weights=average_attn_weights)  # fmt: skip
             if callable(getattr(call, "check", None)):
