@@ -22,8 +22,8 @@ would, once per call, while XLA compiles each distinct program once:
   Python that runs where the vjp is traced, is traced under jax.vjp on every call instead.
   Where the forward() call just made is that same function of the parameters (the object's
   first call, or one whose trace has the first's text, reading every parameter as the array it
-  was handed and no other floating-point array but the masks, and build-and-forward traced with
-  the parameters as arguments once per candidate, config and trace is that trace), its own trace
+  was handed, and build-and-forward traced with the parameters as arguments once per candidate,
+  config and trace is that trace), its own trace
   is differentiated and build-and-forward is not traced again (`_pulled_back_through_forward`), as
   torch's autograd differentiates the call it recorded.
 - A candidate with a backward of its own runs forward() op by op (its backward reads what forward
@@ -451,16 +451,15 @@ class JaxSession(FrameworkSession):
         """jax.vjp of build-and-forward taken from the trace forward() just made on obj, where that
         trace is the same function of the parameters and inputs: it is the trace of obj's first
         forward() call since it was built (no state of earlier calls in it), or one of the same text
-        (a later call that computed what the first did), the trace holds no custom derivative,
-        it reads every parameter as the very array the candidate was handed, and every other
-        floating-point array it closes over is a mask or option handed with the call (so nothing in
-        it was computed from the parameters outside the trace, as an __init__ that transposes a
-        weight would). Then differentiating it with respect to those arrays and the inputs is what
-        tracing build-and-forward again under jax.vjp would differentiate, without running the
-        candidate's Python a second time: as torch's autograd differentiates the forward call it
-        recorded. That the arrays are the ones handed does not show what building did to them
-        (stop_gradient in __init__ returns the array it was handed), so build-and-forward is traced
-        once per candidate, config and trace to see that it is this trace (_same_as_built). The Flax MHA default suite traced build-and-forward once per gradient call for
+        (a later call that computed what the first did), the trace holds no custom derivative, it
+        reads every parameter as the very array the candidate was handed, and build-and-forward,
+        traced with the parameters as arguments once per candidate, config and trace, is this trace
+        with those constants made arguments and its other constants equal (_same_as_built: an
+        __init__ that transposes a weight, applies stop_gradient to one, or an inner jax.jit that
+        closes over one, each make the two differ). Then differentiating it with respect to those
+        arrays and the inputs is jax.vjp of build-and-forward, without running the candidate's
+        Python a second time per call: as torch's autograd differentiates the forward call it
+        recorded. The Flax MHA default suite traced build-and-forward once per gradient call for
         this, 17% of its candidate process's time (py-spy, 2026-11-26). None where it cannot be
         (then build-and-forward is traced again, as before)."""
         if self._trace is None or self._trace[0] is not obj:
@@ -471,13 +470,10 @@ class JaxSession(FrameworkSession):
         if _custom_rules(closed.jaxpr):
             return None  # its rule is Python that runs where the vjp is traced
         parameter_at = {id(array): name for name, array in params.items()}
-        handed = {id(array) for array in jax.tree.leaves((masks, extras))}
-        which: list[tuple[int, str]] = []  # (the constant's index, the parameter it is)
-        for i, const in enumerate(closed.consts):
-            if id(const) in parameter_at:
-                which.append((i, parameter_at[id(const)]))
-            elif jnp.issubdtype(getattr(const, "dtype", np.asarray(const).dtype), jnp.inexact) and id(const) not in handed:
-                return None  # a floating-point array from elsewhere: perhaps computed from the parameters
+        # Its other constants (masks, an array computed from them, a module's table) are checked by
+        # _same_as_built: one computed from a parameter outside the trace is an operation on the
+        # parameter in build-and-forward's trace, or makes that trace fail, and the two then differ.
+        which = [(i, parameter_at[id(const)]) for i, const in enumerate(closed.consts) if id(const) in parameter_at]
         if sorted(name for _, name in which) != sorted(params):
             return None  # a parameter the trace does not read as handed
         if not self._same_as_built(closed, text, dict(which), params, inputs, masks, extras, evaluated):

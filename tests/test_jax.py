@@ -424,6 +424,13 @@ class Counting(MHA):  # its second call's output is scaled: a trace of its own
         return out * (1 + 1e-3 * (self.calls - 1)), weights
 
 
+class NumpyMask(MHA):  # its mask made a float array with NumPy (as adapt's mask helpers do): a constant of the trace
+    def forward(self, *args, key_padding_mask=None, **kwargs):
+        import numpy as np
+
+        return super().forward(*args, key_padding_mask=np.asarray(key_padding_mask, dtype=np.float32), **kwargs)
+
+
 CALLS = []
 
 
@@ -465,12 +472,13 @@ def _assert_jax_vjp_s(grads: dict, cfg, candidate, w) -> None:
         assert np.allclose(grads[key], expected[key], rtol=1e-4, atol=1e-5), key
 
 
-@pytest.mark.parametrize("name, through_forward", [("Recorded", True), ("Derived", False)])
+@pytest.mark.parametrize("name, through_forward", [("Recorded", True), ("NumpyMask", True), ("Derived", False)])
 def test_the_vjp_is_taken_from_the_forward_calls_trace_only_where_it_reads_the_parameters_as_handed(tmp_path, name, through_forward):
     from attncheck.candidate import make_session
 
     jax_programs = pytest.importorskip("attncheck.jax_programs")
-    candidate, cfg, w = _float_padding_case(tmp_path, DERIVED_IN_INIT, name, tgt_len=4, seed=3)
+    tgt_len = {"Recorded": 4, "NumpyMask": 7, "Derived": 8}[name]  # NumpyMask's trace is Recorded's where their shapes are
+    candidate, cfg, w = _float_padding_case(tmp_path, DERIVED_IN_INIT, name, tgt_len=tgt_len, seed=3)
     calls = sys.modules[candidate.factory.__module__].CALLS
     before = set(jax_programs._PROGRAMS)
     _assert_jax_vjp_s(_first_call_gradients(make_session(cfg, candidate, compiled=True), w), cfg, candidate, w)
