@@ -59,6 +59,12 @@ JOINT_FD = "all (one joint direction)"
 BATCH_BYTES = 64 << 20
 
 
+def _moved_sum(products: np.ndarray, move: np.ndarray) -> float:
+    """The sum of `products` where `move` is not zero: the terms of <grad, u> along a direction u."""
+    with np.errstate(invalid="ignore"):
+        return float(np.sum(np.where(move != 0, products, 0.0)))
+
+
 def _nbytes(w: Workload) -> int:
     """The bytes of a workload's arrays: its parameters, inputs, masks and extras."""
     arrays = [*w.params.values(), w.query, w.key, w.value, w.attn_mask, w.key_padding_mask, *w.extras.values()]
@@ -190,8 +196,10 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
         f_plus, f_minus = losses if losses is not None else losses_at(ends(moves))
         unit = step(parts[0][0]) / shrink
         numeric = (f_plus - f_minus) / (2 * unit)
-        analytic = sum(float(np.sum(grads[name].astype(np.float64) * moves[name])) for name in moves) / unit
-        terms = sum(float(np.sum(np.abs(grads[name]) * np.abs(moves[name]))) for name in moves) / unit
+        # Over the moved elements only: a gradient judged by its block (in_proj_weight[q]) may hold
+        # NaN in another block (v, where a row has no allowed key), and NaN * 0 is NaN.
+        analytic = sum(_moved_sum(grads[name].astype(np.float64) * moves[name], moves[name]) for name in moves) / unit
+        terms = sum(_moved_sum(np.abs(grads[name]) * np.abs(moves[name]), moves[name]) for name in moves) / unit
         reach = sum(float(np.abs(moves[name]).sum()) for name in moves) / unit  # sum |u| over the direction
         noise = ulps * np.finfo(np.float64).eps * magnitude / unit
         allowed = FD_RTOL * terms + noise + BUDGET_FLOOR["float64"] * grad_scale * reach
