@@ -63,9 +63,11 @@ class Layout:
 
 
 def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None,
-                    rerun: Rerun | None = None) -> None:
+                    rerun: Rerun | None = None, autodiff: bool = False) -> None:
     """Fill in `diagnosis` for every failing row of a report that has its arrays; the masks are
-    the ones the check handed both sides, `rerun` the check's way to recompute a suspected bug."""
+    the ones the check handed both sides, `rerun` the check's way to recompute a suspected bug,
+    `autodiff` whether the candidate's gradients came from torch autograd or jax.vjp (it has no
+    backward of its own)."""
     masks = None  # built once, for the first failing attention weights: (B, H, L, S) booleans
     suspects = Suspects(cfg, attn_mask, key_padding_mask, rerun)
     for row in report.rows:
@@ -73,7 +75,7 @@ def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, k
             continue
         if masks is None and row.parameter == "attn_weights":
             masks = Masks.from_arrays(cfg, attn_mask, key_padding_mask)
-        patterns, where = _diagnosis(row, cfg, masks, suspects)
+        patterns, where = _diagnosis(row, cfg, masks, suspects, autodiff)
         # A pattern already says what the candidate holds; else it may hold another quantity's value.
         swapped = "" if patterns else _swapped_with(row, report.rows)
         row.diagnosis = "; ".join(filter(None, [swapped, *patterns, *where]))
@@ -107,7 +109,7 @@ def diagnose(row: Row, cfg: Config, masks: Masks | None = None) -> str:
     return "; ".join(patterns + where)
 
 
-def _diagnosis(row: Row, cfg: Config, masks: Masks | None, suspects: Suspects | None = None) -> tuple[list[str], list[str]]:
+def _diagnosis(row: Row, cfg: Config, masks: Masks | None, suspects: Suspects | None = None, autodiff: bool = False) -> tuple[list[str], list[str]]:
     """(explanations, where): what the candidate's arrays fit (a suspect or a relation to the
     expected value; several named as ambiguous), and where the error lies."""
     ev = row.evidence
@@ -116,7 +118,7 @@ def _diagnosis(row: Row, cfg: Config, masks: Masks | None, suspects: Suspects | 
         return [], []
     allowed = np.broadcast_to(np.asarray(ev.allowed, dtype=np.float64), x.shape)
     if row.section == "finite-diff":
-        return [], list(filter(None, [_finite_difference(float(c), float(x), cfg)]))
+        return [], list(filter(None, [_finite_difference(float(c), float(x), cfg, autodiff)]))
     layout = layout_of(row, cfg, x.ndim)
     small = _too_small(c, x, allowed)
     findings = []
@@ -404,8 +406,12 @@ def _logit_scale(c: np.ndarray, x: np.ndarray) -> float | None:
     return k
 
 
-def _finite_difference(analytic: float, numeric: float, cfg: Config) -> str:
-    """A failing finite-difference row: the candidate's gradient against its own loss's slope."""
+def _finite_difference(analytic: float, numeric: float, cfg: Config, autodiff: bool = False) -> str:
+    """A failing finite-difference row: the candidate's gradient against its own loss's slope.
+    Where the gradient is autograd's or jax.vjp's (`autodiff`), it differentiates the forward as
+    computed, so a slope that differs says the forward is not smooth at the step: a new user's JAX
+    MHA whose softmax ran in float32 inside float64 calls was told its backward did not
+    differentiate its forward, which it had none of."""
     if numeric == 0.0 or not (math.isfinite(analytic) and math.isfinite(numeric)):
         return ""
     k = analytic / numeric
@@ -414,6 +420,9 @@ def _finite_difference(analytic: float, numeric: float, cfg: Config) -> str:
     named = _named(k, cfg)
     if named:
         return f"<grad, u> = {_short(k)} x the finite difference ({named}): the backward misses or adds a scale its forward does not have"
+    if autodiff:
+        return (f"<grad, u> / finite difference = {_short(k)} along a random u, the gradient from autograd or jax.vjp: "
+                "its forward's loss is not smooth at the step (computed in less than float64 inside a float64 call, or a kink)")
     return (f"<grad, u> / finite difference = {_short(k)} along a random u (no dimension of the config): "
             "the backward does not differentiate the candidate's own forward")
 

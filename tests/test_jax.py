@@ -574,3 +574,19 @@ def test_a_nan_in_one_block_of_a_gradient_leaves_the_other_blocks_finite_differe
     fd = {str(r.quantity): r.status for r in report.rows if r.section == "finite-diff"}
     assert fd["in_proj_weight[q]"] is fd["in_proj_bias[k]"] is attncheck.report.PASS, fd
     assert fd["in_proj_weight[v]"] is attncheck.report.INCONCLUSIVE and not report.failures, report.failures
+
+
+def test_a_float64_call_computed_in_float32_is_not_said_to_have_a_wrong_backward(tmp_path):
+    # A new user's JAX MHA with its softmax in float32 inside float64 calls: the finite differences
+    # failed, and the diagnosis said "the backward does not differentiate the candidate's own
+    # forward" of a candidate whose gradients are jax.vjp's of that forward.
+    source = FLOAT_PADDING.replace("e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))",
+                                   "logits = logits.astype(jnp.float32)\n        e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)).astype(query.dtype)")  # fmt: skip
+    assert "astype(jnp.float32)" in source
+    path = tmp_path / "float32_softmax.py"
+    path.write_text(source)
+    config = {"embed_dim": 10, "num_heads": 2, "batch_size": 3, "tgt_len": 4, "seed": 1, "need_weights": False, "dtype": "float64",
+              "key_padding_mask": "random", "key_padding_mask_dtype": "float"}  # fmt: skip
+    report = attncheck.check(config, "grad", impl=f"{path}:MHA")
+    said = [r.diagnosis for r in report.failures if r.section == "finite-diff" and r.diagnosis]
+    assert said and all("jax.vjp" in d and "not smooth" in d and "backward does not" not in d for d in said), said

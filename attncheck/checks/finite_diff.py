@@ -223,9 +223,10 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
                   evidence=Evidence(np.array(analytic), np.array(numeric), None, allowed))  # fmt: skip
         if kinked:
             row.mismatched, row.judged, row.unjudged = 0, 0, 1
-            row.note += (f"; the loss has a kink within the step (a ReLU input within {unit:.0e} of zero along the direction, "
-                         f"say): the second difference is as large as the error at every step down to {unit:.0e}, so the "
-                         "gradient cannot be judged by differences here")  # fmt: skip
+            row.note += (f"; the loss is not smooth within the step (a kink, such as a ReLU input within {unit:.0e} of zero "
+                         "along the direction, or the rounding of a forward computed in less than float64): the second "
+                         f"difference is as large as the error at every step down to {unit:.0e}, so the gradient cannot be "
+                         "judged by differences here")  # fmt: skip
         elif shrink > 1:
             row.note += f"; a kink of the loss within the first step {unit * shrink:.0e}: judged at step {unit:.0e}"
         return decide(row)

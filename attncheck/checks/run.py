@@ -104,6 +104,7 @@ class CheckRun:
     def finish(self) -> Report:
         """The report, each failing row with its diagnosis (attncheck.diagnose), timed."""
         if kind_of(self.cfg).diagnosable:
-            diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun)
+            autodiff = self.candidate is not None and self.candidate.class_without_backward and self.report.framework in ("torch", "jax")
+            diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun, autodiff=autodiff)
         self.report.seconds = time.perf_counter() - self.start
         return self.report
