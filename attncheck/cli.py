@@ -111,6 +111,11 @@ ShardOption = Annotated[
     Optional[str],
     typer.Option("--shard", help="Run shard I of N (1-based, e.g. 2/4): the cases whose index is I-1 modulo N.", show_default=False),
 ]
+CaseOption = Annotated[
+    Optional[str],
+    typer.Option("--case", help="Run only these cases of the suite (comma-separated names, as the summary lists them; "
+                 "e.g. --case float16-long to look at one default-suite case in full).", show_default=False),
+]
 WorkersOption = Annotated[
     int,
     typer.Option("--workers", min=1, help="Run cases in this many local processes. Each first imports torch (1-8 s measured), so "
@@ -188,6 +193,7 @@ def _run(
     device: Device | None = None,
     junit_path: Path | None = None,
     shard_spec: str | None = None,
+    case_names: str | None = None,
     workers: int = 1,
     verbose: bool = False,
     plot_path: Path | None = None,
@@ -202,7 +208,7 @@ def _run(
     from attncheck.config import Suite, load_suite
     from attncheck.config.config_file import impl_file
     from attncheck.files import check_outputs, check_writable, write_atomic
-    from attncheck.suite import parse_shard, prepare, shard
+    from attncheck.suite import chosen_cases, parse_shard, prepare, shard
 
     try:
         commands = parse_commands(commands)
@@ -218,6 +224,8 @@ def _run(
         elif plot_all:
             raise UsageError("--plot-all needs --plot PATH")
         suite = load_suite(config, module=None if module is None else module.value)
+        if case_names is not None:
+            suite = Suite(suite.name, suite.source, chosen_cases(suite, case_names), suite.embedded)
         # One runnable case renders as full reports; with one command it also keeps the
         # single-report JSON. Decided before sharding, so a shard never changes the shape.
         one_case = len(suite.cases) == 1 and suite.cases[0].config is not None
@@ -225,7 +233,7 @@ def _run(
         label = suite.name
         if shard_spec is not None:
             i, n = parse_shard(shard_spec)
-            suite = Suite(suite.name, suite.source, shard(suite.cases, i, n))
+            suite = Suite(suite.name, suite.source, shard(suite.cases, i, n), suite.embedded)
             label += f" · shard {i}/{n}"
         view = View(verbose, tracebacks, keep_evidence=plot_path is not None)
         overrides = parse_settings(settings or [])
@@ -382,11 +390,11 @@ def forward(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
     framework: FrameworkOption = None, device: DeviceOption = None,
     strict: StrictOption = False,
-    junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
+    junit: JunitOption = None, shard: ShardOption = None, case: CaseOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
     module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None,
 ) -> None:  # fmt: skip
-    raise typer.Exit(_run("forward", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
+    raise typer.Exit(_run("forward", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, case_names=case, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings, strict=strict))  # fmt: skip
 
 
@@ -395,11 +403,11 @@ def grad(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
     framework: FrameworkOption = None, device: DeviceOption = None,
     per_head: PerHeadOption = False, strict: StrictOption = False,
-    junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
+    junit: JunitOption = None, shard: ShardOption = None, case: CaseOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
     module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None,
 ) -> None:  # fmt: skip
-    raise typer.Exit(_run("grad", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
+    raise typer.Exit(_run("grad", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, case_names=case, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings,
                           per_head=per_head, strict=strict))  # fmt: skip
 
@@ -408,11 +416,11 @@ def grad(
 def sgd_step(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
     framework: FrameworkOption = None, device: DeviceOption = None,
-    junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
+    junit: JunitOption = None, shard: ShardOption = None, case: CaseOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
     module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None,
 ) -> None:  # fmt: skip
-    raise typer.Exit(_run("sgd-step", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
+    raise typer.Exit(_run("sgd-step", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, case_names=case, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings))  # fmt: skip
 
 
@@ -421,12 +429,12 @@ def run(
     config: ConfigOption = None, json: JsonOption = None, impl: ImplOption = None, tolerance: ToleranceOption = None,
     framework: FrameworkOption = None, device: DeviceOption = None,
     only: Annotated[Optional[str], typer.Option("--only", help="Comma-separated commands to run: forward, grad, sgd-step. Default: all three.", show_default=False)] = None,
-    junit: JunitOption = None, shard: ShardOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
+    junit: JunitOption = None, shard: ShardOption = None, case: CaseOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     per_head: PerHeadOption = False, strict: StrictOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
     module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None,
 ) -> None:  # fmt: skip
-    raise typer.Exit(_run(",".join(NAMES) if only is None else only, config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, workers=workers,
+    raise typer.Exit(_run(",".join(NAMES) if only is None else only, config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, case_names=case, workers=workers,
                           verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings,
                           per_head=per_head, strict=strict))  # fmt: skip
 

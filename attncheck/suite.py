@@ -56,6 +56,21 @@ def parse_shard(spec: str) -> tuple[int, int]:
     return i, n
 
 
+def chosen_cases(suite: Suite, names: str) -> list[Case]:
+    """The cases `--case` names (comma-separated), in the suite's order; a UsageError naming the
+    suite's cases for a name it does not have."""
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    known = [case.name for case in suite.cases]
+    unknown = [name for name in wanted if name not in known]
+    if unknown or not wanted:
+        import difflib
+
+        near = [m for name in unknown for m in difflib.get_close_matches(name, known, n=1)]
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise UsageError(f"--case {names!r}: {suite.name} has no case {', '.join(map(repr, unknown)) or 'named'}{hint}; its cases: {', '.join(known)}")
+    return [case for case in suite.cases if case.name in wanted]
+
+
 def shard(cases: list[Case], i: int, n: int) -> list[Case]:
     """Shard I of N: the cases whose 0-based index is I-1 modulo N, in order."""
     return [case for index, case in enumerate(cases) if index % n == i - 1]

@@ -74,3 +74,21 @@ def test_a_bad_setting_is_one_clear_usage_error(setting, message):
     code, output = run("forward", "-c", CONFIG, "--set", setting)
     assert code == 2 and message in output and "Traceback" not in output, output
     assert len([line for line in output.splitlines() if line.startswith("error:")]) == 1, output  # one message, not one per union member
+
+
+@pytest.mark.parametrize("command", ["forward", "grad", "sgd-step", "run"])
+def test_case_runs_the_named_cases_of_the_default_suite(tmp_path, command):
+    # A new user copied a default-suite case's keys into a YAML file of their own to look at it alone.
+    out = tmp_path / "r.json"
+    code, output = run(command, "--case", "float16-long", "--set", "seed=3", "--json", out)
+    data = json.loads(out.read_text())
+    assert code == 0, output
+    assert {r["name"] for r in data.get("results", [data])} == {"float16-long"}
+    assert "float16-long  float16" in output  # one case: shown in full, as a config of its own is
+    code, output = run("forward", "--case", "basic,causal", "--json", out)
+    assert code == 0 and [r["name"] for r in json.loads(out.read_text())["results"]] == ["basic", "causal"], output
+
+
+def test_an_unknown_case_is_a_usage_error_naming_the_suites_cases():
+    code, output = run("forward", "--case", "float16-lung")
+    assert code == 2 and "no case 'float16-lung' (did you mean float16-long?)" in output and "basic, heads-5x2" in output, output
