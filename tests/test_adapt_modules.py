@@ -404,3 +404,22 @@ def test_gradients_flow_through_the_layouts_to_attnchecks_tensors():
     (grad,) = torch.autograd.grad(out, w, cotangent)
     # the layouts only move entries: the gradient is the cotangent moved back
     assert torch.equal(adapt.transposed(adapt.interleaved_qkv("in_proj_weight")).take({**params, "in_proj_weight": grad}, H, set()), cotangent)
+
+
+def test_the_recipe_for_torchs_own_module_that_the_contract_error_gives_passes_the_default_suite(tmp_path, capsys):
+    # A new user named torch.nn:MultiheadAttention as the candidate: the contract error now gives the
+    # adapter that takes it, and that adapter, as written there, passes every check of the default suite.
+    import re
+
+    from attncheck.cli import main
+    from attncheck.suite import TORCH_MHA_HINT
+
+    with pytest.raises(SystemExit) as ended:
+        main(["forward", "--impl", "torch.nn:MultiheadAttention"])
+    assert ended.value.code == 2 and TORCH_MHA_HINT.strip() in capsys.readouterr().err.replace("error: ", "")
+    recipe = re.search(r"`(MultiheadAttention = adapt\.torch_module\(.*\))`", TORCH_MHA_HINT).group(1)
+    (tmp_path / "torch_own.py").write_text(f"import torch\n\nfrom attncheck import adapt\n\n{recipe}\n")
+    with pytest.raises(SystemExit) as ended:
+        main(["forward", "--impl", f"{tmp_path / 'torch_own.py'}:MultiheadAttention"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert ended.value.code == 0 and re.match(r"PASS +(\d+) of \1 checks pass +\[", last), last  # every check, none unsupported
