@@ -197,7 +197,7 @@ def check_contracts(jobs: list[Job]) -> None:
             where = f"{job.impl_origin}: impl {candidate.spec!r}" if job.impl_origin else f"--impl {candidate.spec!r}"
             raise UsageError(f"{where} does not fit the contract of `module: {kind_of(job.config).name}` (no check was run):\n{why}\n"
                              "The contract: `attncheck forward --help`; attncheck.adapt turns other conventions into it."
-                             + (TORCH_MHA_HINT if _is_torchs_own_mha(candidate.spec) else ""))  # fmt: skip
+                             + (TORCH_MHA_HINT if kind_of(job.config).name == "multihead_attention" and _is_torchs_own_mha(candidate.spec) else ""))  # fmt: skip
 
 
 # torch's own class, named as a candidate: what a new user tries first as a sanity check.
