@@ -81,6 +81,22 @@ def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, k
         row.diagnosis = "; ".join(filter(None, [swapped, *patterns, *where]))
 
 
+def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]]) -> None:
+    """A kind the diagnosis cannot read (its layouts are not a module's): for every failing row
+    whose array's axes `axes` names (by the row's parameter), only where its error lies (the
+    heads, batch entries, rows it is confined to), no pattern. A kernel whose GQA grouping was
+    wrong in 2 of 6 query heads got no line saying so."""
+    for row in report.rows:
+        named = axes.get(row.parameter or "")
+        if row.status is not FAIL or row.evidence is None or row.section == "finite-diff" or named is None:
+            continue
+        c, x = np.asarray(row.evidence.candidate, dtype=np.float64), np.asarray(row.evidence.reference, dtype=np.float64)
+        if c.shape != x.shape or x.ndim != len(named):
+            continue
+        allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), x.shape)
+        row.diagnosis = "; ".join(_where(c, x, allowed, Layout(named), cfg, None))
+
+
 def _swapped_with(row: Row, rows: list[Row]) -> str:
     """'candidate = expected `value`' when a failing row holds another quantity's expected value."""
     c = np.asarray(row.evidence.candidate, dtype=np.float64)

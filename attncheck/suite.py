@@ -197,20 +197,8 @@ def check_contracts(jobs: list[Job]) -> None:
             where = f"{job.impl_origin}: impl {candidate.spec!r}" if job.impl_origin else f"--impl {candidate.spec!r}"
             raise UsageError(f"{where} does not fit the contract of `module: {kind_of(job.config).name}` (no check was run):\n{why}\n"
                              "The contract: `attncheck forward --help`; attncheck.adapt turns other conventions into it."
-                             + (TORCH_MHA_HINT if kind_of(job.config).name == "multihead_attention" and _is_torchs_own_mha(candidate.spec) else ""))  # fmt: skip
+                             + kind_of(job.config).contract_hint(candidate.spec))  # fmt: skip
 
-
-# torch's own class, named as a candidate: what a new user tries first as a sanity check.
-TORCH_MHA_HINT = ("\ntorch's own nn.MultiheadAttention takes its weights from attncheck through attncheck.adapt.torch_module: "
-                  "in a file of yours, `MultiheadAttention = adapt.torch_module(lambda embed_dim, num_heads, kdim, vdim, bias, "
-                  "add_bias_kv, add_zero_attn, **_: torch.nn.MultiheadAttention(embed_dim, num_heads, bias=bias, "
-                  "add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=True), "
-                  "refusing=(\"dropout\",))` (docs/how-to/torch-modules.md)")
-
-
-def _is_torchs_own_mha(spec: str) -> bool:
-    target, _, attr = spec.rpartition(":")
-    return attr == "MultiheadAttention" and target in ("torch.nn", "torch.nn.modules", "torch.nn.modules.activation")
 
 
 def check_devices(jobs: list[Job]) -> None:

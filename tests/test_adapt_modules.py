@@ -412,7 +412,7 @@ def test_the_recipe_for_torchs_own_module_that_the_contract_error_gives_passes_t
     import re
 
     from attncheck.cli import main
-    from attncheck.suite import TORCH_MHA_HINT
+    from attncheck.kinds.mha import TORCH_MHA_HINT
 
     with pytest.raises(SystemExit) as ended:
         main(["forward", "--impl", "torch.nn:MultiheadAttention"])

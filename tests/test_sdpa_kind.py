@@ -202,3 +202,14 @@ def test_an_unknown_keyword_is_unsupported_but_another_type_error_is_a_bug(tmp_p
 
     assert run_check("forward", cfg, load_candidate(f"{path}:no_window")).verdict == "unsupported"
     assert run_check("forward", cfg, load_candidate(f"{path}:broken")).verdict == "fail"
+
+
+def test_a_kernels_failure_says_which_heads_it_is_confined_to():
+    # The diagnosis reads module layouts and says nothing for module: sdpa; a new user's kernel with
+    # GQA groups interleaved failed in 2 of 6 query heads with no line saying where.
+    import attncheck
+
+    report = attncheck.check({"module": "sdpa", "num_heads": 6, "num_kv_heads": 2}, "forward", impl="attncheck.testing.wrong_kernels:GqaHeadModulo")
+    (output,) = [r for r in report.failures if r.parameter == "output"]
+    # h // 3 = 0 0 0 1 1 1 against h % 2 = 0 1 0 1 0 1: heads 1 and 4 read the other key-value head
+    assert output.diagnosis == "only in heads 1, 4 (of 6)", output.diagnosis

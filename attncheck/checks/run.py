@@ -18,7 +18,7 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.candidate import Candidate, Session, make_session, reference_for
 from attncheck.config import Config
-from attncheck.diagnose import diagnose_report
+from attncheck.diagnose import diagnose_report, where_report
 from attncheck.errors import CandidateProblem, Unsupported
 from attncheck.frameworks import framework_of
 from attncheck.inputs import Workload, make_workload
@@ -103,7 +103,10 @@ class CheckRun:
 
     def finish(self) -> Report:
         """The report, each failing row with its diagnosis (attncheck.diagnose), timed."""
-        if kind_of(self.cfg).diagnosable:
+        kind = kind_of(self.cfg)
+        if not kind.diagnosable and kind.where_axes:
+            where_report(self.report, self.cfg, kind.where_axes)
+        elif kind.diagnosable:
             autodiff = self.candidate is not None and self.candidate.class_without_backward and self.report.framework in ("torch", "jax")
             diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun, autodiff=autodiff)
         self.report.seconds = time.perf_counter() - self.start

@@ -46,6 +46,9 @@ class ModuleKind:
     has_parameters: bool = True  # False: a function; the workload's params are empty
     has_fast_path: bool = True  # torch has an inference fast path to compare with
     diagnosable: bool = True  # attncheck.diagnose knows the layouts of its quantities
+    # Where it is not: the axes of each quantity's array (by the rows' parameter), for a diagnosis
+    # that says where the error lies only (attncheck.diagnose.where_report)
+    where_axes: dict[str, tuple[str, ...]] = {}
     # Commands that do not apply to the kind, with the reason the report gives.
     unsupported_commands: dict[str, str] = {}
     features: tuple[Feature, ...] = ()  # the capability table's rows: a case is the first it meets
@@ -103,6 +106,10 @@ class ModuleKind:
     def returns_pair(self, cfg: Config) -> bool:
         """Whether forward returns (output, second) rather than the output alone."""
         return self.returns_weights
+
+    def contract_hint(self, spec: str) -> str:
+        """What to add to the contract error of the candidate `spec` names ("" for nothing)."""
+        return ""
 
     def split_result(self, cfg: Config, result: Any) -> tuple[Any, Any]:
         """(output, second) of what forward returned; second None when it returns the output alone."""

@@ -56,6 +56,14 @@ def mha_fast_path_blocker(cfg) -> str | None:
     return next((why for blocked, why in reasons if blocked), None)
 
 
+# torch's own class, named as a candidate: what a new user tries first as a sanity check.
+TORCH_MHA_HINT = ("\ntorch's own nn.MultiheadAttention takes its weights from attncheck through attncheck.adapt.torch_module: "
+                  "in a file of yours, `MultiheadAttention = adapt.torch_module(lambda embed_dim, num_heads, kdim, vdim, bias, "
+                  "add_bias_kv, add_zero_attn, **_: torch.nn.MultiheadAttention(embed_dim, num_heads, bias=bias, "
+                  "add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=True), "
+                  "refusing=(\"dropout\",))` (docs/how-to/torch-modules.md)")
+
+
 class MultiheadAttentionKind(ModuleKind):
     name = "multihead_attention"
     torch_name = "nn.MultiheadAttention"
@@ -75,6 +83,12 @@ class MultiheadAttentionKind(ModuleKind):
         ("forward options", lambda c: not c.need_weights or not c.average_attn_weights),
         ("shapes", lambda c: True),
     )
+
+
+    def contract_hint(self, spec: str) -> str:
+        target, _, attr = spec.rpartition(":")
+        own = attr == "MultiheadAttention" and target in ("torch.nn", "torch.nn.modules", "torch.nn.modules.activation")
+        return TORCH_MHA_HINT if own else ""
 
     def describe(self, cfg) -> tuple[str, str]:
         what = "self-attention" if cfg.self_attention else ("cross-attention, key is value" if cfg.key_is_value else "cross-attention")

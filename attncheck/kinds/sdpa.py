@@ -86,6 +86,10 @@ class FunctionKind(ModuleKind):
     has_parameters = False
     has_fast_path = False
     diagnosable = False  # the diagnosis reads module layouts (projections, heads of E features)
+    where_axes = {
+        "output": ("batch", "head", "query", "feature"), "query": ("batch", "head", "query", "feature"),
+        "key": ("batch", "head", "key", "feature"), "value": ("batch", "head", "key", "feature"), "lse": ("batch", "head", "query"),
+    }  # fmt: skip
     unsupported_commands = {
         "sgd-step": "the attention function has no parameters: sgd-step does not apply to module: sdpa",
     }

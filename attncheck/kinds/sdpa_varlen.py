@@ -71,6 +71,7 @@ def empty_rows(cfg, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray) -> np.nd
 
 class VarlenKind(FunctionKind):
     name = "sdpa_varlen"
+    where_axes: dict[str, tuple[str, ...]] = {}  # other layouts than SDPA's (B, H, L, E): not read
     torch_name = "flash_attn_varlen_func"
     reference_spec = "attncheck.reference.sdpa_varlen:VarlenAttention"
     first_argument = "q"
