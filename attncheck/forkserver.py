@@ -247,11 +247,12 @@ def _serve(sock: socket.socket) -> None:
 def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
     import importlib
 
-    threads = _threads()
-    for name in request["preload"]:
-        importlib.import_module(name)  # before the fork: every later candidate process has it
-    if _threads() > threads:
-        raise OSError(f"importing {', '.join(request['preload'])} started a thread: the server forks no more")
+    if request["preload"]:
+        threads = _threads()
+        for name in request["preload"]:
+            importlib.import_module(name)  # before the fork: every later candidate process has it
+        if _threads() > threads:
+            raise OSError(f"importing {', '.join(request['preload'])} started a thread: the server forks no more")
     read_fd, write_fd, output_fd = fds
     server = os.getpid()
     pid = os.fork()
