@@ -200,7 +200,6 @@ def check_contracts(jobs: list[Job]) -> None:
                              + kind_of(job.config).contract_hint(candidate.spec))  # fmt: skip
 
 
-
 def check_devices(jobs: list[Job]) -> None:
     """A UsageError before any work when a case asks for a device this machine lacks (cuda)."""
     for job in jobs:
