@@ -39,7 +39,10 @@ class Child:
             return self.load(*args)
         if op == "open":
             sid, cfg, bulk, compiled = args
+            from attncheck import threads
             from attncheck.candidate import make_session
+
+            threads.blas_threads_for(cfg.is_large)  # NumPy's BLAS as the judge runs it (attncheck.threads)
 
             self.sessions[sid], self.objects[sid] = make_session(cfg, self.candidate, bulk, compiled), {}
             return {}

@@ -248,6 +248,7 @@ def _worker_init(environ: dict[str, str]) -> None:
     from attncheck import threads, torch_side
 
     torch_side.use_one_thread()
+    threads.blas_threads_for(large=False)  # as one process runs them (run_jobs): the large calls take their own limit
     threads.set_threads(1)  # K workers on K cores: the reference's large calls stay on their worker's core
 
 
@@ -278,10 +279,10 @@ def run_jobs(
     """Reports for every job, in job order; `progress(done, total, job, report)` as each finishes."""
     total = len(jobs)
     if workers <= 1 or total <= 1:
-        from attncheck import torch_side
+        from attncheck import threads, torch_side
 
         reports = []
-        with torch_side.one_thread():
+        with torch_side.one_thread(), threads.blas_on_one_thread():
             for job in jobs:
                 reports.append(run_job(job, options, keep_evidence))
                 if progress:
