@@ -9,6 +9,8 @@ later problems can point at it too. The embedded default config is package data,
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -175,7 +177,26 @@ def read_text(path: Path, source: str) -> str:
 
 
 def parse_document(text: str, source: str) -> Document:
-    """Parse YAML text whose top level must be a mapping; every YAML failure becomes a ConfigError."""
+    """Parse YAML text whose top level must be a mapping; every YAML failure becomes a ConfigError.
+
+    A text parsed before is not parsed again: PyYAML's pure-Python parser takes 4-9 ms for an
+    embedded suite, which every run loads (and the test suite hundreds of times). The caller gets
+    its own copy of the data (0.1 ms); a text that fails is parsed again, to raise again."""
+    if len(text) > CACHED_TEXT:
+        return _parsed(text, source)
+    doc = _cached(text, source)
+    return Document(doc.source, copy.deepcopy(doc.data), doc.marks)
+
+
+CACHED_TEXT = 64 << 10  # the embedded configs and suites are 5-8 KB
+
+
+@functools.lru_cache(maxsize=32)
+def _cached(text: str, source: str) -> Document:
+    return _parsed(text, source)
+
+
+def _parsed(text: str, source: str) -> Document:
     loader = None
     try:
         loader = _Loader(text)  # the reader already refuses control characters here
