@@ -215,9 +215,10 @@ FLOATING_POINT_WARNINGS = r"(overflow|invalid value|divide by zero|underflow) en
 def run_job(job: Job, options: dict[str, Any], keep_evidence: bool = False) -> Report:
     """Run one job with its candidate (imported once per process). The arrays behind each row
     are dropped unless kept for plots: they would otherwise travel back from every worker."""
+    from attncheck import threads
     from attncheck.checks import run_check
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), threads.blas_on_one_thread(not job.config.is_large):
         # NumPy's floating-point warnings from the judge's own arithmetic (the oracle at input_scale
         # 1e30 overflows): the report judges those values, and the warning lines only cluttered the
         # terminal. On every thread of this process while the check runs (the oracle's workers too).
@@ -248,7 +249,6 @@ def _worker_init(environ: dict[str, str]) -> None:
     from attncheck import threads, torch_side
 
     torch_side.use_one_thread()
-    threads.blas_threads_for(large=False)  # as one process runs them (run_jobs): the large calls take their own limit
     threads.set_threads(1)  # K workers on K cores: the reference's large calls stay on their worker's core
 
 
@@ -279,10 +279,10 @@ def run_jobs(
     """Reports for every job, in job order; `progress(done, total, job, report)` as each finishes."""
     total = len(jobs)
     if workers <= 1 or total <= 1:
-        from attncheck import threads, torch_side
+        from attncheck import torch_side
 
         reports = []
-        with torch_side.one_thread(), threads.blas_on_one_thread():
+        with torch_side.one_thread():
             for job in jobs:
                 reports.append(run_job(job, options, keep_evidence))
                 if progress:

@@ -106,20 +106,25 @@ def _blas_exit() -> None:
             _blas_limiter = None
 
 
-# Outside large calls too, BLAS runs on one thread while attncheck runs checks (`blas_on_one_thread`,
-# in the judge for a whole run and in a candidate's process for each config that is not large):
-# a check's products are small, and on a machine whose cores are busy (the judge, the candidate's
-# process, workers or other jobs) BLAS's second thread waits to be scheduled and then spins. Measured
-# 2026-11-26 on the 2-core machine: a (1, 3, 512) @ (512, 512)^T float32 product (the default
-# suite's float16-wide case) took 0.17 ms quiet and 8.5 ms under load on two threads; the test
-# modules test_default_suite.py and test_suite_reach.py (-n 2) took 40.6-62.3 s wall and 50-54 s of
-# CPU with BLAS's default two threads, 22.2-43.4 s and 40-42 s with OPENBLAS_NUM_THREADS=1.
+# BLAS runs on one thread in the checks of a config that is not large (Config.is_large, the rule
+# torch's side follows), in the judge (`blas_on_one_thread`, per check) and in a candidate's process
+# (`blas_threads_for`, per config): a check's products are small, and on a machine whose cores are
+# busy (the judge, the candidate's process, workers or other jobs) BLAS's second thread waits to be
+# scheduled and then spins. Measured 2026-11-26 on the 2-core machine: a (1, 3, 512) @ (512, 512)^T
+# float32 product (the default suite's float16-wide case) took 0.17 ms quiet and 8.5 ms under load
+# on two threads; test_default_suite.py and test_suite_reach.py (-n 2), with another test run on the
+# machine, took 40.6-62.3 s wall and 50-54 s of CPU with BLAS's two threads, 22.2-43.4 s and 40-42 s
+# with OPENBLAS_NUM_THREADS=1 (on a quiet machine the two were within noise). A large config's calls keep BLAS's threads, and the
+# reference's large calls (DEFAULT_PARALLEL_LOGITS) put BLAS on one thread themselves.
 _one_thread_for_good = False
 
 
 @contextmanager
-def blas_on_one_thread():
-    """BLAS on one thread for the duration (nests with `large_call`'s limit)."""
+def blas_on_one_thread(on: bool = True):
+    """BLAS on one thread for the duration where `on` (nests with `large_call`'s limit)."""
+    if not on:
+        yield
+        return
     _blas_enter()
     try:
         yield
@@ -128,9 +133,8 @@ def blas_on_one_thread():
 
 
 def blas_threads_for(large: bool) -> None:
-    """For a process that runs one config's calls at a time (a candidate's, a worker of the judge):
-    BLAS on one thread from now on unless the config is large, whose calls keep BLAS's own threads
-    (a candidate's NumPy products at long sequences) or take the workers (the reference)."""
+    """For a candidate's process, which runs one config's calls at a time: BLAS on one thread from
+    now on unless the config is large, whose calls keep BLAS's own threads."""
     global _one_thread_for_good
     if _one_thread_for_good != (not large):
         (_blas_exit if large else _blas_enter)()

@@ -239,3 +239,70 @@ def test_ctrl_c_exits_130_and_writes_nothing(suites, tmp_path, monkeypatch):
     result = run("run", "-c", suites["passing"], "--json", out, "--junit", junit)
     assert result.exit_code == 130 and "interrupted" in result.output
     assert set(tmp_path.iterdir()) == {tmp_path / "passing.yaml", tmp_path / "failing.yaml"}  # not even a temp file
+
+
+BLAS_RECORDING = '''
+import threadpoolctl
+
+from attncheck.reference import MultiheadAttention
+
+
+def blas_threads():
+    return max(i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas")
+
+
+class Recording(MultiheadAttention):
+    def forward(self, *args, **kwargs):
+        with open(PATH, "a") as f:
+            f.write(f"{blas_threads()}\\n")
+        return super().forward(*args, **kwargs)
+'''
+
+
+def test_blas_runs_on_one_thread_in_a_small_configs_checks_in_the_judge_and_the_candidates_process(tmp_path, monkeypatch):
+    """attncheck.threads: BLAS's second thread waits and spins on a busy machine, so a config that is
+    not large has BLAS on one thread in the judge's check and in the candidate's calls (where the
+    machine has more than one core to give it)."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    import attncheck
+    import attncheck.checks
+
+    def blas_threads():
+        return max(i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas")
+
+    before = blas_threads()
+    if before < 2:
+        pytest.skip("BLAS has one thread here already")
+    judged = []
+    run_check = attncheck.checks.run_check
+
+    def recording(*args, **kwargs):
+        judged.append(blas_threads())
+        return run_check(*args, **kwargs)
+
+    monkeypatch.setattr(attncheck.checks, "run_check", recording)
+    calls = tmp_path / "calls.txt"
+    source = tmp_path / "recording.py"
+    source.write_text(BLAS_RECORDING.replace("PATH", repr(str(calls))))
+    report = attncheck.check({"embed_dim": 8, "num_heads": 2}, "forward", impl=f"{source}:Recording")
+    assert report.verdict == "pass"
+    assert judged == [1] and blas_threads() == before  # restored after the run
+    assert set(calls.read_text().split()) == {"1"}
+
+
+def test_a_large_configs_calls_keep_blas_s_threads():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from attncheck import threads
+
+    def blas_threads():
+        return max(i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas")
+
+    before = blas_threads()
+    with threads.blas_on_one_thread(False):
+        assert blas_threads() == before
+    with threads.blas_on_one_thread():
+        assert blas_threads() == 1
+    threads.blas_threads_for(large=False)  # as a candidate's process does for a small config, then a large one
+    assert blas_threads() == 1
+    threads.blas_threads_for(large=True)
+    assert blas_threads() == before
