@@ -43,7 +43,6 @@ class Child:
             from attncheck.candidate import make_session
 
             threads.blas_threads_for(cfg.is_large)  # NumPy's BLAS as the judge runs it (attncheck.threads)
-
             self.sessions[sid], self.objects[sid] = make_session(cfg, self.candidate, bulk, compiled), {}
             return {}
         if op == "contract":

@@ -114,8 +114,8 @@ def _blas_exit() -> None:
 # float32 product (the default suite's float16-wide case) took 0.17 ms quiet and 8.5 ms under load
 # on two threads; test_default_suite.py and test_suite_reach.py (-n 2), with another test run on the
 # machine, took 40.6-62.3 s wall and 50-54 s of CPU with BLAS's two threads, 22.2-43.4 s and 40-42 s
-# with OPENBLAS_NUM_THREADS=1 (on a quiet machine the two were within noise). A large config's calls keep BLAS's threads, and the
-# reference's large calls (DEFAULT_PARALLEL_LOGITS) put BLAS on one thread themselves.
+# with OPENBLAS_NUM_THREADS=1 (on a quiet machine the two were within noise). A large config's calls
+# keep BLAS's threads; the reference's large calls (DEFAULT_PARALLEL_LOGITS) limit it themselves.
 _one_thread_for_good = False
 
 
