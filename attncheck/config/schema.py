@@ -234,8 +234,8 @@ class Config(BaseModel):
     @property
     def is_large(self) -> bool:
         """Whether one call costs seconds rather than milliseconds (more than LARGE_LOGITS logits):
-        torch then runs on more threads, the repeat call on shorter inputs and the finite
-        differences along one joint direction."""
+        torch then runs on more threads, NumPy's BLAS keeps its own (attncheck.threads), the repeat
+        call runs on shorter inputs and the finite differences along one joint direction."""
         return self.logits > LARGE_LOGITS
 
     @property
