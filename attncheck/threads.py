@@ -116,7 +116,7 @@ def _blas_exit() -> None:
 # machine, took 40.6-62.3 s wall and 50-54 s of CPU with BLAS's two threads, 22.2-43.4 s and 40-42 s
 # with OPENBLAS_NUM_THREADS=1 (on a quiet machine the two were within noise). A large config's calls
 # keep BLAS's threads; the reference's large calls (DEFAULT_PARALLEL_LOGITS) limit it themselves.
-_one_thread_for_good = False
+_limited_for_config = False  # a candidate's process: BLAS held to one thread for its config (blas_threads_for)
 
 
 @contextmanager
@@ -135,10 +135,10 @@ def blas_on_one_thread(on: bool = True):
 def blas_threads_for(large: bool) -> None:
     """For a candidate's process, which runs one config's calls at a time: BLAS on one thread from
     now on unless the config is large, whose calls keep BLAS's own threads."""
-    global _one_thread_for_good
-    if _one_thread_for_good != (not large):
+    global _limited_for_config
+    if _limited_for_config == large:  # held but large now, or free but small now
         (_blas_exit if large else _blas_enter)()
-        _one_thread_for_good = not large
+        _limited_for_config = not large
 
 
 @contextmanager
@@ -149,11 +149,10 @@ def large_call(large: bool):
         yield
         return
     token = _large.set(True)
-    _blas_enter()
     try:
-        yield
+        with blas_on_one_thread():
+            yield
     finally:
-        _blas_exit()
         _large.reset(token)
 
 

@@ -259,25 +259,27 @@ class Recording(MultiheadAttention):
 '''
 
 
+def _blas_threads() -> int:
+    """BLAS's thread count in this process, as threadpoolctl reads it (the candidate's own copy is in BLAS_RECORDING)."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    return max(i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas")
+
+
 def test_blas_runs_on_one_thread_in_a_small_configs_checks_in_the_judge_and_the_candidates_process(tmp_path, monkeypatch):
     """attncheck.threads: BLAS's second thread waits and spins on a busy machine, so a config that is
     not large has BLAS on one thread in the judge's check and in the candidate's calls (where the
     machine has more than one core to give it)."""
-    threadpoolctl = pytest.importorskip("threadpoolctl")
     import attncheck
     import attncheck.checks
 
-    def blas_threads():
-        return max(i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas")
-
-    before = blas_threads()
+    before = _blas_threads()
     if before < 2:
         pytest.skip("BLAS has one thread here already")
     judged = []
     run_check = attncheck.checks.run_check
 
     def recording(*args, **kwargs):
-        judged.append(blas_threads())
+        judged.append(_blas_threads())
         return run_check(*args, **kwargs)
 
     monkeypatch.setattr(attncheck.checks, "run_check", recording)
@@ -286,23 +288,19 @@ def test_blas_runs_on_one_thread_in_a_small_configs_checks_in_the_judge_and_the_
     source.write_text(BLAS_RECORDING.replace("PATH", repr(str(calls))))
     report = attncheck.check({"embed_dim": 8, "num_heads": 2}, "forward", impl=f"{source}:Recording")
     assert report.verdict == "pass"
-    assert judged == [1] and blas_threads() == before  # restored after the run
+    assert judged == [1] and _blas_threads() == before  # restored after the run
     assert set(calls.read_text().split()) == {"1"}
 
 
 def test_a_large_configs_calls_keep_blas_s_threads():
-    threadpoolctl = pytest.importorskip("threadpoolctl")
     from attncheck import threads
 
-    def blas_threads():
-        return max(i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas")
-
-    before = blas_threads()
+    before = _blas_threads()
     with threads.blas_on_one_thread(False):
-        assert blas_threads() == before
+        assert _blas_threads() == before
     with threads.blas_on_one_thread():
-        assert blas_threads() == 1
+        assert _blas_threads() == 1
     threads.blas_threads_for(large=False)  # as a candidate's process does for a small config, then a large one
-    assert blas_threads() == 1
+    assert _blas_threads() == 1
     threads.blas_threads_for(large=True)
-    assert blas_threads() == before
+    assert _blas_threads() == before

@@ -176,6 +176,9 @@ def read_text(path: Path, source: str) -> str:
     return text.removeprefix("\ufeff")
 
 
+CACHED_TEXT = 64 << 10  # texts up to this long are parsed once (parse_document): the embedded configs and suites are 5-8 KB
+
+
 def parse_document(text: str, source: str) -> Document:
     """Parse YAML text whose top level must be a mapping; every YAML failure becomes a ConfigError.
 
@@ -186,9 +189,6 @@ def parse_document(text: str, source: str) -> Document:
         return _parsed(text, source)
     doc = _cached(text, source)
     return Document(doc.source, copy.deepcopy(doc.data), doc.marks)
-
-
-CACHED_TEXT = 64 << 10  # the embedded configs and suites are 5-8 KB
 
 
 @functools.lru_cache(maxsize=32)

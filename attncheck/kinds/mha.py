@@ -84,7 +84,6 @@ class MultiheadAttentionKind(ModuleKind):
         ("shapes", lambda c: True),
     )
 
-
     def contract_hint(self, spec: str) -> str:
         target, _, attr = spec.rpartition(":")
         own = attr == "MultiheadAttention" and target in ("torch.nn", "torch.nn.modules", "torch.nn.modules.activation")
