@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import json
 import sys
 import time
 import traceback
@@ -207,7 +206,7 @@ def _run(
     """Run commands over every case of a config or suite, render, write outputs, pick the exit code."""
     from attncheck.config import Suite, load_suite
     from attncheck.config.config_file import impl_file
-    from attncheck.files import check_outputs, check_writable, write_atomic
+    from attncheck.files import check_outputs, check_writable, json_text, write_atomic
     from attncheck.suite import chosen_cases, parse_shard, prepare, shard
 
     try:
@@ -254,7 +253,7 @@ def _run(
     stop_all()  # the candidates' processes end before any file is written: none outlives the run to touch one
     if json_path is not None:
         data = result.reports[0].to_dict() if single and result.reports else result.to_dict()
-        write_atomic(json_path, json.dumps(data, indent=2) + "\n")
+        write_atomic(json_path, json_text(data) + "\n")
     if junit_path is not None:
         from attncheck.junit import to_junit
 

@@ -3,6 +3,7 @@ renamed into place after), and the terminal's stream, quiet once its reader has 
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -53,6 +54,26 @@ def _mode_for(path: Path) -> int:
         umask = os.umask(0)
         os.umask(umask)
         return 0o666 & ~umask
+
+
+def json_text(value: Any, indent: str = "") -> str:
+    """`value` as JSON text, indented by two spaces per level, except that a record (a dict of
+    scalars and lists of scalars: a report's row, its config) below the top is written on one
+    line. The same data as json.dumps(value, indent=2), several times faster for a suite's
+    report: the records go through json's C encoder, which json.dumps skips whenever `indent` is set."""
+    inner = indent + "  "
+    if isinstance(value, dict) and value:
+        items = [f"{inner}{json.dumps(str(k))}: {_nested(v, inner)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{indent}}}"
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in value):
+        return "[\n" + ",\n".join(inner + _nested(v, inner) for v in value) + f"\n{indent}]"
+    return json.dumps(value)
+
+
+def _nested(value: Any, indent: str) -> str:
+    flat = isinstance(value, dict) and not any(isinstance(v, dict) or (isinstance(v, (list, tuple)) and any(isinstance(x, (dict, list, tuple)) for x in v))
+                                               for v in value.values())  # fmt: skip
+    return json.dumps(value) if flat else json_text(value, indent)
 
 
 def write_atomic(path: Path, text: str | bytes) -> None:

@@ -22,7 +22,7 @@ import attncheck.cli
 from attncheck.cli import app
 from attncheck.config import MEMORY_LIMIT_ENV
 from attncheck.errors import ConfigError
-from attncheck.files import write_atomic
+from attncheck.files import json_text, write_atomic
 from tests.helpers import interruptible
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,6 +173,37 @@ def test_json_is_written_whole_with_no_temporary_left(tmp_path):
     assert run("forward", "--json", out).exit_code == 0
     assert json.loads(out.read_text())["verdict"] == "pass"
     assert leftovers(tmp_path) == ["out.json"]
+
+
+def test_json_text_is_the_same_data_with_a_row_per_line(tmp_path):
+    out = tmp_path / "out.json"
+    assert run("forward", "--json", out).exit_code == 0
+    text = out.read_text()
+    data = json.loads(text)
+    assert json_text(data) + "\n" == text
+    lines = text.splitlines()
+    rows = [row for report in data["results"] for row in report["rows"]]
+    assert [json.loads(line.strip().rstrip(",")) for line in lines if line.lstrip().startswith('{"section"')] == rows
+    assert '  "verdict": "pass",' in lines and lines[-1] == "}"
+    nested = {"a": [{"b": [1, float("nan")], "c": {"d": None}}, [[1, 2], []], "é"], "e": {}, "f": [], "g": {"h": -0.0}}
+    assert json.dumps(json.loads(json_text(nested))) == json.dumps(nested)
+    assert json_text(nested) == """\
+{
+  "a": [
+    {
+      "b": [1, NaN],
+      "c": {"d": null}
+    },
+    [
+      [1, 2],
+      []
+    ],
+    "\\u00e9"
+  ],
+  "e": {},
+  "f": [],
+  "g": {"h": -0.0}
+}"""
 
 
 def test_a_failed_atomic_write_keeps_the_old_file_and_no_temporary(tmp_path, monkeypatch):
