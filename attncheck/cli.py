@@ -15,7 +15,7 @@ import functools
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -204,7 +204,7 @@ def _run(
     **options,
 ) -> int:
     """Run commands over every case of a config or suite, render, write outputs, pick the exit code."""
-    from attncheck.config import Suite, load_suite
+    from attncheck.config import load_suite
     from attncheck.config.config_file import impl_file
     from attncheck.files import check_outputs, check_writable, json_text, write_atomic
     from attncheck.suite import chosen_cases, parse_shard, prepare, shard
@@ -224,7 +224,7 @@ def _run(
             raise UsageError("--plot-all needs --plot PATH")
         suite = load_suite(config, module=None if module is None else module.value)
         if case_names is not None:
-            suite = Suite(suite.name, suite.source, chosen_cases(suite, case_names), suite.embedded)
+            suite = replace(suite, cases=chosen_cases(suite, case_names))
         # One runnable case renders as full reports; with one command it also keeps the
         # single-report JSON. Decided before sharding, so a shard never changes the shape.
         one_case = len(suite.cases) == 1 and suite.cases[0].config is not None
@@ -232,7 +232,7 @@ def _run(
         label = suite.name
         if shard_spec is not None:
             i, n = parse_shard(shard_spec)
-            suite = Suite(suite.name, suite.source, shard(suite.cases, i, n), suite.embedded)
+            suite = replace(suite, cases=shard(suite.cases, i, n))
             label += f" · shard {i}/{n}"
         view = View(verbose, tracebacks, keep_evidence=plot_path is not None)
         overrides = parse_settings(settings or [])

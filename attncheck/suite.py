@@ -98,7 +98,7 @@ def plan(
         if case.config is not None and overrides:
             case = replace(case, config=with_overrides(case.config, overrides, f"{suite.source}: case {case.name!r} with --set and options"))
         cases.append(case)
-    check_suite_memory(Suite(suite.name, suite.source, cases, suite.embedded))
+    check_suite_memory(replace(suite, cases=cases))
     for case in cases:
         if case.config is None:
             skipped.append(case)
