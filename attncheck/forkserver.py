@@ -44,7 +44,14 @@ from typing import Any
 ENV = "ATTNCHECK_FORK_SERVER"
 # What the server imports once a candidate of a framework has been loaded (JAX's backend is not started).
 PRELOADS = {"torch": ("torch",), "jax": ("jax", "jax.numpy")}
-PRELOAD = ("numpy", "attncheck.child", "attncheck.channel", "attncheck.candidate", "attncheck.errors", "attncheck.contract")
+# What the server imports as it starts: what every candidate process uses, whatever its framework
+# (its loop and wire, the sessions, every module kind with its NumPy reference, the BLAS thread
+# control). Forks that imported the kinds, the references and threadpoolctl themselves took 22-25
+# ms to start (median) and 7-12 ms of their own CPU, against 18-20 ms and 2.5-6 ms (benchmarks/
+# spawn.py --rounds 41, bytecode written; 25-35 ms more CPU without it). The tests fork about 370.
+PRELOAD = ("numpy", "attncheck.child", "attncheck.channel", "attncheck.candidate", "attncheck.errors", "attncheck.contract",
+           "attncheck.kinds.encoder_layer", "attncheck.kinds.mha", "attncheck.kinds.sdpa", "attncheck.kinds.sdpa_kvcache",
+           "attncheck.kinds.sdpa_varlen", "attncheck.sgd", "attncheck.threads")
 _HEADER = struct.Struct("!I")
 _REPLY = struct.Struct("!QBq")  # the request's sequence number, a status, an int: the judge unpickles nothing
 _OK, _NONE, _FAILED = 0, 1, 2

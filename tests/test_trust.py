@@ -175,6 +175,43 @@ def test_error_location_is_in_the_candidates_file_not_numpy(tmp_path):
     assert f"{path}:6" in rows(report, "fail")[0]["note"], rows(report, "fail")[0]["note"]
 
 
+def test_a_candidates_method_is_located_on_the_line_inspect_gives(tmp_path, monkeypatch):
+    """Where a candidate's method is defined (named beside what it returned) is the line
+    inspect.getsourcelines gives, decorators included, read without tokenizing the definition."""
+    import functools
+    import inspect
+
+    from attncheck.candidate import _defined_at
+
+    (tmp_path / "located.py").write_text(textwrap.dedent("""\
+        import functools
+
+        def logged(fn):
+            @functools.wraps(fn)
+            def wrapper(*args, **kwargs):
+                return fn(*args, **kwargs)
+            return wrapper
+
+        class Candidate:
+
+            @logged
+            @staticmethod
+            def build(params):
+                return params
+
+            def forward(self, query,
+                        key, value):
+                return query
+        """))
+    monkeypatch.syspath_prepend(tmp_path)
+    import located
+
+    for fn, line in ((located.Candidate.build, 11), (located.Candidate.forward, 16), (functools.partial(located.Candidate.forward), None)):
+        assert _defined_at(fn) == (None if line is None else f"{tmp_path / 'located.py'}:{line}")
+        if line is not None:
+            assert inspect.getsourcelines(fn)[1] == line
+
+
 def test_reference_judges_step_one_of_a_diverging_run_and_names_the_right_losses(tmp_path):
     config = write_config(tmp_path, "dtype: float64\ninput_scale: 16.0\nsteps: 3\n")
     code, report, output = run_json(tmp_path, "sgd-step", "-c", config)
