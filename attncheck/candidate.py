@@ -23,7 +23,6 @@ candidate.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import importlib.util
@@ -40,7 +39,7 @@ import numpy as np
 
 from attncheck.config.config_file import impl_file
 from attncheck.dtypes import is_float
-from attncheck.errors import CandidateError, Unsupported, UsageError, shorten
+from attncheck.errors import CandidateError, Unsupported, UsageError, did_you_mean, shorten
 from attncheck.frameworks import _type_name, detect_framework, framework_hint, framework_of, written_for
 from attncheck.inputs import Workload
 from attncheck.kinds import kind_of, kinds
@@ -294,11 +293,6 @@ def _guard(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
         raise CandidateError(f"{what} raised {raised}", _located(exc), _traceback(exc), raised) from exc
 
 
-def _nearest(name: str, known: list[str]) -> str:
-    match = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-    return f" (did you mean {match[0]!r}?)" if match else f" (expected one of {', '.join(known)})"
-
-
 # Why grad and sgd-step are unsupported for a NumPy candidate without a backward.
 NO_BACKWARD = "{name} has no backward(grad_output) method: grad and sgd-step need one (torch and JAX candidates get autograd's)"
 
@@ -449,7 +443,7 @@ class Session:
         arrays = {}
         for name, g in grads.items():
             if name not in shapes:
-                finding = f"backward() returned unknown key {shorten(repr(name))}{_nearest(str(name), list(shapes))}"
+                finding = f"backward() returned unknown key {shorten(repr(name))}{did_you_mean(str(name), list(shapes))}"
                 if finding not in self.findings:
                     self.findings.append(finding)
                 continue

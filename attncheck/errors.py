@@ -7,6 +7,7 @@ traceback. Anything else that escapes is a bug in attncheck and keeps its traceb
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # A user's value or a candidate's message is echoed in at most this many characters.
@@ -37,6 +38,21 @@ def shorten(text: str, limit: int = QUOTE_LIMIT) -> str:
     if len(text) <= limit:
         return text
     return f"{text[: limit - 1]}… ({len(text):,} characters)"
+
+
+def nearest(name: str, known: Sequence[str], cutoff: float = 0.6) -> str | None:
+    """The known name most like a mistyped one (difflib's ratio at least `cutoff`), or None: the
+    one rule behind every "did you mean" attncheck prints."""
+    import difflib
+
+    match = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
+    return match[0] if match else None
+
+
+def did_you_mean(name: str, known: Sequence[str]) -> str:
+    """The end of a message about an unknown name: " (did you mean 'x'?)", else the names allowed."""
+    match = nearest(name, known, cutoff=0.5)
+    return f" (did you mean {match!r}?)" if match else f" (expected one of {', '.join(known)})"
 
 
 class AttncheckError(Exception):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from attncheck.config import Case, Config, Suite, check_suite_memory, config_from_mapping
-from attncheck.errors import UsageError
+from attncheck.errors import UsageError, nearest
 from attncheck.report import Report, SuiteResult
 
 if TYPE_CHECKING:
@@ -63,9 +63,7 @@ def chosen_cases(suite: Suite, names: str) -> list[Case]:
     known = [case.name for case in suite.cases]
     unknown = [name for name in wanted if name not in known]
     if unknown or not wanted:
-        import difflib
-
-        near = [m for name in unknown for m in difflib.get_close_matches(name, known, n=1)]
+        near = [match for match in (nearest(name, known) for name in unknown) if match]
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
         raise UsageError(f"--case {names!r}: {suite.name} has no case {', '.join(map(repr, unknown)) or 'named'}{hint}; its cases: {', '.join(known)}")
     return [case for case in suite.cases if case.name in wanted]

@@ -8,7 +8,6 @@ that the file sets; every problem of a file is raised at once, in file order.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
@@ -18,7 +17,7 @@ from pydantic import ValidationError
 from attncheck.config.display import plain, show, type_name
 from attncheck.config.schema import CONFIG_KEYS, INCONSISTENT, OUT_OF_RANGE, Config
 from attncheck.config.yaml_reading import Document, KeyPath
-from attncheck.errors import ConfigError, Problem
+from attncheck.errors import ConfigError, Problem, nearest
 
 
 @dataclass(frozen=True)
@@ -127,9 +126,9 @@ def _explain_one(error: Any, extra_keys: tuple[str, ...]) -> Finding:
 
 def unknown_key_message(key: str, known: tuple[str, ...]) -> str:
     message = f"unknown key {show(key)}"
-    nearest = difflib.get_close_matches(key, known, n=1)
-    if nearest:
-        message += f"; did you mean '{nearest[0]}'?"
+    match = nearest(key, known)
+    if match:
+        message += f"; did you mean '{match}'?"
     return message
 
 
