@@ -93,6 +93,43 @@ def test_setup_installs_test_by_default_and_ci_adds_jax():
     assert re.search(r"^export ATTNCHECK_EXTRAS=test,jax$", ci, re.M), "CI must keep testing the JAX candidates"
 
 
+def _setup_in(tmp_path: Path, installed: str | None) -> Path:
+    """A copy of bin/setup in a tree of its own, whose .venv's python only records what it is asked
+    (a pip install writes nothing else), its stamp saying `installed` and newer than what it covers."""
+    (tmp_path / "bin").mkdir()
+    setup = tmp_path / "bin" / "setup"
+    setup.write_text((ROOT / "bin" / "setup").read_text())
+    (tmp_path / "pyproject.toml").write_text("")
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../calls"\n')
+    python.chmod(0o755)
+    if installed is not None:
+        (tmp_path / ".venv" / ".attncheck-installed").write_text(installed + "\n")
+        os.utime(setup, (1, 1))
+        os.utime(tmp_path / "pyproject.toml", (1, 1))
+    return setup
+
+
+@pytest.mark.parametrize("installed,asked,installs", [
+    ("test,jax", "test", None),  # CI's extras, then a user's default: nothing to install
+    ("test", "test", None),
+    ("test", "test,jax", "test,jax"),  # one missing: installed with what was there
+    ("jax", "test", "test,jax"),
+    (None, "test", "test"),
+])  # fmt: skip
+def test_setup_installs_only_an_extra_it_lacks_and_keeps_the_rest(tmp_path, installed, asked, installs):
+    setup = _setup_in(tmp_path, installed)
+    result = subprocess.run(["bash", str(setup)], env={**os.environ, "ATTNCHECK_EXTRAS": asked}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    calls = tmp_path / ".venv" / "calls"
+    if installs is None:
+        assert not calls.exists() and result.stderr == ""
+    else:
+        assert f"-e {tmp_path}[{installs}]" in calls.read_text()
+        assert (tmp_path / ".venv" / ".attncheck-installed").read_text().strip() == installs
+
+
 # ------------------------------------------------------------------ a missing or broken torch
 # Each makes `import torch` fail in a fresh interpreter the way a real install can: not installed
 # (sitecustomize blocks the name), or installed with a shared library that will not load.
