@@ -34,8 +34,11 @@ from tests.conftest import default_suite_catch_report
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = "attncheck.testing.wrong_impls:{}"
 PER_HEAD = str(ROOT / "examples/per_head_loop.py") + ":MultiheadAttention"
-# The whole no-config run for one implementation of each kind (a mask, a shape, a gradient, an
-# option, a numerics, an SGD and a calls bug): each run is every case x command, a few seconds.
+# A whole no-config command line for one implementation of each kind (a mask, a shape, a gradient,
+# an option, a numerics, an SGD and a calls bug): every case of the default suite under the command
+# that catches it, one candidate process for them all. `attncheck run` (all three commands) is run
+# on the reference and an example below, on the reach corpus (tests/test_suite_reach.py) and on the
+# shipped examples (tests/test_shipped.py); here it took twice as long for nothing more asserted.
 FULL_RUNS = ["KeyPaddingHeadOrder", "EncoderDecoderSharedProjection", "QueryGradScaleMissing", "BiasKvMaskedOut",
              "SoftmaxEpsilon", "NesterovWithoutGradient", "MaskSanitizedInPlace"]  # fmt: skip
 
@@ -96,7 +99,7 @@ def test_each_case_s_dimensions_differ_pairwise(module):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FULL_RUNS)
-def test_no_config_run_exits_1_on_the_expected_rows(tmp_path, name):
+def test_no_config_command_exits_1_on_the_expected_rows(tmp_path, name):
     catch = _catch(name)
     if name in wrong_impls.OPTIMIZERS:
         # A wrong update rule is no SPEC: the reference trained by it, through the same pipeline.
@@ -106,7 +109,7 @@ def test_no_config_run_exits_1_on_the_expected_rows(tmp_path, name):
         data = result.to_dict()
     else:
         out = tmp_path / "r.json"
-        cli = CliRunner().invoke(app, ["run", "--json", str(out), "--impl", SPEC.format(name)])
+        cli = CliRunner().invoke(app, [catch.command, "--json", str(out), "--impl", SPEC.format(name)])
         assert cli.exit_code == 1, cli.output
         assert "Traceback" not in cli.output
         data = json.loads(out.read_text())
