@@ -50,7 +50,8 @@ def nearest(name: str, known: Sequence[str], cutoff: float = 0.6) -> str | None:
 
 
 def did_you_mean(name: str, known: Sequence[str]) -> str:
-    """The end of a message about an unknown name: " (did you mean 'x'?)", else the names allowed."""
+    """The end of a message about an unknown name: " (did you mean 'x'?)", else the names allowed.
+    attncheck.adapt keeps a copy (_nearest_name): it imports nothing of attncheck's but masks and dtypes."""
     match = nearest(name, known, cutoff=0.5)
     return f" (did you mean {match!r}?)" if match else f" (expected one of {', '.join(known)})"
 

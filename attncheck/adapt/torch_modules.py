@@ -12,7 +12,6 @@ from typing import Any
 from attncheck.adapt.layouts import Layout
 from attncheck.adapt.masking import require_causal
 from attncheck.adapt.refusing import refuse, require_self_attention, unsupported
-from attncheck.errors import did_you_mean
 
 
 # ------------------------------------------------------------------- torch modules as they are
@@ -57,7 +56,7 @@ def _named(params: Mapping[str, Any], name: str, used: set) -> Any:
     weight, or k_proj_weight where kdim/vdim keep them apart; "k_proj_weight" is the same block),
     "in_proj_bias[v]"."""
     if name not in TORCH_NAMES and name not in _BLOCKS:
-        raise ValueError(f"names: unknown attncheck parameter {name!r}{did_you_mean(name, [*TORCH_NAMES, *sorted(_BLOCKS)])}")
+        raise ValueError(f"names: unknown attncheck parameter {name!r}{_nearest_name(name, [*TORCH_NAMES, *sorted(_BLOCKS)])}")
     if name in params:
         used.add(name)
         return params[name]
@@ -72,6 +71,15 @@ def _named(params: Mapping[str, Any], name: str, used: set) -> Any:
         used.add(f"{part}_proj_weight")
         return params[f"{part}_proj_weight"]
     raise _Absent(name)
+
+
+def _nearest_name(name: str, known: Sequence[str]) -> str:
+    """attncheck.errors.did_you_mean, which adapt cannot import: it imports nothing of attncheck's
+    but the mask rule and the dtype names (tests/test_masks.py)."""
+    import difflib
+
+    match = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else f" (expected one of {', '.join(known)})"
 
 
 def _take(source: str | Source, params: Mapping[str, Any], num_heads: int, used: set) -> Any:
@@ -229,7 +237,7 @@ def torch_module(factory: Callable[..., Any], names: Mapping[str, str | Source] 
                                                   f"{absent}, but the module has {full}") from None  # fmt: skip
                     continue  # neither has it: the factory built the module without (bias=False)
                 if full not in held:
-                    raise ValueError(f"names: the module has no parameter {full!r}{did_you_mean(full, list(held))}")
+                    raise ValueError(f"names: the module has no parameter {full!r}{_nearest_name(full, list(held))}")
                 if tuple(t.shape) != tuple(held[full].shape):
                     raise ValueError(f"{full}: the module's is {tuple(held[full].shape)}, {source!r} gives {tuple(t.shape)}")
                 tensors["module." + full] = t
