@@ -63,10 +63,18 @@ def test_a_forked_candidate_process_starts_as_a_fresh_interpreter_would(probe, t
     assert first["random"] != second["random"]  # NumPy's global state reseeded, not the server's copy
 
 
-def test_the_judge_survives_the_servers_death_and_starts_fresh_interpreters(probe, monkeypatch):
+def _a_server_of_its_own(monkeypatch) -> None:
+    """The test's own fork server, started on its first fork, importing no framework: not torch or
+    JAX because earlier tests in this process loaded candidates of theirs (1.3 s and more of CPU
+    for a server these tests end, with NumPy candidates)."""
     monkeypatch.setenv(forkserver.ENV, "1")
     monkeypatch.setattr(forkserver, "_server", None)
     monkeypatch.setattr(forkserver, "_broken", False)
+    monkeypatch.setattr(remote, "_FRAMEWORKS", set())
+
+
+def test_the_judge_survives_the_servers_death_and_starts_fresh_interpreters(probe, monkeypatch):
+    _a_server_of_its_own(monkeypatch)
     assert probe("before")["kind"] == "ForkedProcess"
     process = remote.CandidateProcess("attncheck.testing.hostile:LoopsForever", None)
     process.ensure()
@@ -93,9 +101,7 @@ def test_an_interrupted_exchange_ends_the_server_and_the_judge_starts_fresh_inte
     """A Ctrl-C (or any exception) between a request and its reply must not leave the next request
     reading that reply: the judge closes the connection, the server and its forks end, and later
     candidate processes are fresh interpreters."""
-    monkeypatch.setenv(forkserver.ENV, "1")
-    monkeypatch.setattr(forkserver, "_server", None)
-    monkeypatch.setattr(forkserver, "_broken", False)
+    _a_server_of_its_own(monkeypatch)
     process = remote.CandidateProcess("attncheck.testing.hostile:LoopsForever", None)
     process.ensure()
     pid, server = process.process.pid, forkserver._server
@@ -120,9 +126,7 @@ def test_an_interrupted_exchange_ends_the_server_and_the_judge_starts_fresh_inte
 def test_polling_a_live_forked_process_asks_the_server_nothing_and_its_end_is_seen(monkeypatch):
     """The judge polls its candidate's process before every call: that must cost no round trip to
     the server while it lives (its pidfd says so), and must see its end at once."""
-    monkeypatch.setenv(forkserver.ENV, "1")
-    monkeypatch.setattr(forkserver, "_server", None)
-    monkeypatch.setattr(forkserver, "_broken", False)
+    _a_server_of_its_own(monkeypatch)
     process = remote.CandidateProcess("attncheck.reference:MultiheadAttention", None)
     process.ensure()
     forked = process.process
@@ -155,10 +159,7 @@ JAX_PROBE = textwrap.dedent('''
 
 def test_the_server_imports_jax_once_a_jax_candidate_is_loaded_and_starts_no_thread(tmp_path, monkeypatch):
     pytest.importorskip("jax", reason="JAX is not installed: ATTNCHECK_EXTRAS=test,jax bin/setup")
-    monkeypatch.setenv(forkserver.ENV, "1")
-    monkeypatch.setattr(forkserver, "_server", None)
-    monkeypatch.setattr(forkserver, "_broken", False)
-    monkeypatch.setattr(remote, "_FRAMEWORKS", set())
+    _a_server_of_its_own(monkeypatch)
     (tmp_path / "jax_probe.py").write_text(JAX_PROBE)
     seen = tmp_path / "seen.jsonl"
     monkeypatch.setenv("ATTNCHECK_TEST_SEEN", str(seen))
