@@ -41,8 +41,8 @@ def shorten(text: str, limit: int = QUOTE_LIMIT) -> str:
 
 
 def nearest(name: str, known: Sequence[str], cutoff: float = 0.6) -> str | None:
-    """The known name most like a mistyped one (difflib's ratio at least `cutoff`), or None: the
-    one rule behind every "did you mean" attncheck prints."""
+    """The known name most like a mistyped one (difflib's ratio at least `cutoff`), or None: what
+    every "did you mean" of attncheck's judge and config suggests (adapt's: see did_you_mean)."""
     import difflib
 
     match = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)

@@ -44,14 +44,14 @@ from typing import Any
 ENV = "ATTNCHECK_FORK_SERVER"
 # What the server imports once a candidate of a framework has been loaded (JAX's backend is not started).
 PRELOADS = {"torch": ("torch",), "jax": ("jax", "jax.numpy")}
-# What the server imports as it starts: what every candidate process uses, whatever its framework
-# (its loop and wire, the sessions, every module kind with its NumPy reference, the BLAS thread
-# control). Forks that imported the kinds, the references and threadpoolctl themselves took 22-25
-# ms to start (median) and 7-12 ms of their own CPU, against 18-20 ms and 2.5-6 ms (benchmarks/
-# spawn.py --rounds 41, bytecode written; 25-35 ms more CPU without it). The tests fork about 370.
-PRELOAD = ("numpy", "attncheck.child", "attncheck.channel", "attncheck.candidate", "attncheck.errors", "attncheck.contract",
-           "attncheck.kinds.encoder_layer", "attncheck.kinds.mha", "attncheck.kinds.sdpa", "attncheck.kinds.sdpa_kvcache",
-           "attncheck.kinds.sdpa_varlen", "attncheck.sgd", "attncheck.threads")
+# What the server imports as it starts (`_preload`): what every candidate process uses, whatever
+# its framework (its loop and wire, the sessions, BLAS's thread control), with every module kind
+# and the module of each kind's NumPy reference. Forks that imported the kinds, the references and
+# threadpoolctl themselves took 21-25 ms to start (median) and 8-11 ms of their own CPU, against
+# 15-18 ms and 2-3.5 ms (benchmarks/spawn.py --rounds 41, bytecode written; 25-35 ms more CPU
+# without it), for 14 ms more in each server; the tests fork about 370, in about 40 servers.
+PRELOAD = ("numpy", "threadpoolctl", "attncheck.child", "attncheck.channel", "attncheck.candidate", "attncheck.errors",
+           "attncheck.contract", "attncheck.sgd", "attncheck.threads")
 _HEADER = struct.Struct("!I")
 _REPLY = struct.Struct("!QBq")  # the request's sequence number, a status, an int: the judge unpickles nothing
 _OK, _NONE, _FAILED = 0, 1, 2
@@ -340,17 +340,27 @@ def _wait(pid: int, timeout: float | None) -> int | None:
 
 
 def main(fd: int, judge: int) -> None:
-    import importlib
-
     if os.getppid() != judge:
         return  # the judge is gone already
     # It ends when the judge's end of the socket closes (the judge exits, is killed, or gives up
     # on it), not by PR_SET_PDEATHSIG, which would tie it to the judge's thread that started it;
     # its candidate processes end with it.
     sock = socket.socket(fileno=fd)
+    _preload()
+    _serve(sock)
+
+
+def _preload() -> None:
+    """PRELOAD, every module kind, and each kind's NumPy reference: no torch, no JAX and no thread
+    beyond NumPy's own (tests/test_forkserver.py)."""
+    import importlib
+
+    from attncheck.kinds import kinds
+
     for name in PRELOAD:
         importlib.import_module(name)
-    _serve(sock)
+    for kind in kinds().values():
+        importlib.import_module(kind.reference_spec.split(":")[0])
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 
 Run from the repository root:
 
-    PYTHONPATH=$PWD python benchmarks/spawn.py [--rounds 5]
+    PYTHONPATH=$PWD python benchmarks/spawn.py [--rounds 21]
 
 For a NumPy candidate (the corpus) and a torch one (examples/torch_sdpa.py), each started `rounds`
 times one after another, as a run does after each crash or hang and a test session does across
@@ -52,7 +52,7 @@ def starts(spec: str, rounds: int) -> tuple[list[float], list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=21)
     rounds = parser.parse_args().rounds
     print(f"{'candidate':<8} {'start':<7} {'first s':>8} {'median after s':>15} {'its CPU, mean after ms':>23}")
     for mode, flag in (("fresh", "0"), ("forked", "1")):

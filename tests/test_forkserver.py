@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -61,6 +63,28 @@ def test_a_forked_candidate_process_starts_as_a_fresh_interpreter_would(probe, t
         read_fd, write_fd = map(int, seen["argv"][:2])
         assert len(set(seen["fds"]) - {0, 1, 2, read_fd, write_fd}) <= 1, seen
     assert first["random"] != second["random"]  # NumPy's global state reseeded, not the server's copy
+
+
+def test_the_servers_own_imports_load_no_framework_and_start_no_thread():
+    """What the server imports as it starts, before any candidate is loaded: no torch or JAX (a
+    NumPy candidate's process would pay for them) and no thread beyond the one NumPy's BLAS starts
+    (the server forks: a thread of its own could hold a lock in every fork). Every module kind and
+    each kind's reference are among them, so a kind added later is preloaded too."""
+    code = textwrap.dedent("""
+        import json, os, sys
+        import numpy
+        threads = len(os.listdir("/proc/self/task"))
+        from attncheck import forkserver
+        forkserver._preload()
+        from attncheck.kinds import kinds
+        print(json.dumps({"threads": [threads, len(os.listdir("/proc/self/task"))], "modules": sorted(sys.modules),
+                          "references": [kind.reference_spec.split(":")[0] for kind in kinds().values()]}))
+        """)  # fmt: skip
+    seen = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=forkserver.environment()).stdout)
+    assert seen["threads"][1] == seen["threads"][0], seen["threads"]
+    assert not {"torch", "jax", "flax"} & {name.split(".")[0] for name in seen["modules"]}
+    assert set(seen["references"]) | set(forkserver.PRELOAD) <= set(seen["modules"])
+    assert {"attncheck.kinds.sdpa_kvcache", "attncheck.reference.kvcache", "threadpoolctl"} <= set(seen["modules"])
 
 
 def _a_server_of_its_own(monkeypatch) -> None:

@@ -93,9 +93,10 @@ def test_setup_installs_test_by_default_and_ci_adds_jax():
     assert re.search(r"^export ATTNCHECK_EXTRAS=test,jax$", ci, re.M), "CI must keep testing the JAX candidates"
 
 
-def _setup_in(tmp_path: Path, installed: str | None) -> Path:
+def _setup_in(tmp_path: Path, installed: str | None, stale: bool = False) -> Path:
     """A copy of bin/setup in a tree of its own, whose .venv's python only records what it is asked
-    (a pip install writes nothing else), its stamp saying `installed` and newer than what it covers."""
+    (a pip install writes nothing else), its stamp saying `installed` and newer than what it covers
+    (older than pyproject.toml where `stale`)."""
     (tmp_path / "bin").mkdir()
     setup = tmp_path / "bin" / "setup"
     setup.write_text((ROOT / "bin" / "setup").read_text())
@@ -108,18 +109,22 @@ def _setup_in(tmp_path: Path, installed: str | None) -> Path:
         (tmp_path / ".venv" / ".attncheck-installed").write_text(installed + "\n")
         os.utime(setup, (1, 1))
         os.utime(tmp_path / "pyproject.toml", (1, 1))
+        if stale:
+            os.utime(tmp_path / ".venv" / ".attncheck-installed", (0, 0))
     return setup
 
 
-@pytest.mark.parametrize("installed,asked,installs", [
-    ("test,jax", "test", None),  # CI's extras, then a user's default: nothing to install
-    ("test", "test", None),
-    ("test", "test,jax", "test,jax"),  # one missing: installed with what was there
-    ("jax", "test", "test,jax"),
-    (None, "test", "test"),
+@pytest.mark.parametrize("installed,asked,installs,stale", [
+    ("test,jax", "test", None, False),  # CI's extras, then a user's default: nothing to install
+    ("test", "test", None, False),
+    ("test, jax", "jax ,test", None, False),  # spaces and order mean nothing
+    ("test", "test,jax", "test,jax", False),  # one missing: installed with what was there
+    ("jax", "test", "test,jax", False),
+    ("test,jax", "test", "test,jax", True),  # pyproject.toml changed: everything installed again
+    (None, "test", "test", False),
 ])  # fmt: skip
-def test_setup_installs_only_an_extra_it_lacks_and_keeps_the_rest(tmp_path, installed, asked, installs):
-    setup = _setup_in(tmp_path, installed)
+def test_setup_installs_only_an_extra_it_lacks_and_keeps_the_rest(tmp_path, installed, asked, installs, stale):
+    setup = _setup_in(tmp_path, installed, stale)
     result = subprocess.run(["bash", str(setup)], env={**os.environ, "ATTNCHECK_EXTRAS": asked}, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     calls = tmp_path / ".venv" / "calls"
