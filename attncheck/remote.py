@@ -93,6 +93,7 @@ class CandidateProcess:
         self._loading = False  # spawned, and its load reply not read yet
         self._output = tempfile.TemporaryFile()
         self._output_read = 0
+        weakref.finalize(self, self._output.close)  # once no session holds it, or at exit (no ResourceWarning)
         _EVERY.add(self)
 
     # ---------------------------------------------------------------------------- lifetime

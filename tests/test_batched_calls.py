@@ -134,3 +134,16 @@ def test_a_batch_the_judge_stops_reading_replaces_the_process(spec, monkeypatch)
     out, _ = session.build_and_forward(w)  # not the batch's second reply: a fresh process's first call
     np.testing.assert_array_equal(out, _expected(config, w))
     assert session.process.generation == generation + 1
+
+
+def test_a_candidate_process_no_session_holds_closes_its_output_file():
+    """The file a candidate's process prints into is closed once nothing holds the process (an
+    evicted one, or at exit), not left to the garbage collector's ResourceWarning."""
+    import gc
+
+    process = remote.CandidateProcess("attncheck.reference:MultiheadAttention", None)
+    output = process._output
+    assert not output.closed
+    del process
+    gc.collect()
+    assert output.closed
