@@ -24,18 +24,9 @@ import time
 import torch  # noqa: F401 - the judge has torch imported, as a run's judge does
 
 from attncheck import forkserver, remote
+from round_trip import process_cpu  # this folder is on the path when a benchmark runs
 
 CANDIDATES = {"numpy": "attncheck.testing.wrong_impls:HeadsSplitTransposed", "torch": "examples/torch_sdpa.py:MultiheadAttention"}
-
-
-def cpu_of(pid: int) -> float:
-    """CPU seconds (user + system) a live process has used; NaN where /proc cannot say."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def starts(spec: str, rounds: int) -> tuple[list[float], list[float]]:
@@ -45,7 +36,7 @@ def starts(spec: str, rounds: int) -> tuple[list[float], list[float]]:
         begun = time.perf_counter()
         process.ensure()
         times.append(time.perf_counter() - begun)
-        cpus.append(cpu_of(process.process.pid))
+        cpus.append(sum(process_cpu(process.process.pid)))  # user + system
         process.stop()
     return times, cpus
 
