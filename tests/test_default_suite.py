@@ -3,9 +3,9 @@
 Every known-bad implementation is caught by the default-suite case it is annotated with, on
 exactly the expected rows (attncheck/testing/detection.py, DEFAULT_SUITE_CATCHES); a few of them
 also through a whole no-config command line, the command that catches each (exit 1, those rows
-failing, nothing crashed); the
-correct reference and the correct example pass it (exit 0), the example's refusals counted as
-unsupported, not failed; and an all-pass summary is a line per case and at most 16 more.
+failing, nothing crashed); the correct reference and the correct example pass it (exit 0), the
+example's refusals counted as unsupported, not failed; and an all-pass summary is a line per case
+and at most 16 more.
 """
 
 from __future__ import annotations
