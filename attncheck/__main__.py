@@ -1,4 +1,4 @@
-from attncheck.cli import main
+from attncheck.cli import entry
 
 if __name__ == "__main__":
-    main()
+    entry()

@@ -15,6 +15,7 @@ process alone, which the judge then replaces.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -78,7 +79,13 @@ class Child:
     def load(self, spec: str, origin: str | None) -> dict[str, Any]:
         from attncheck.candidate import load_candidate
 
-        self.candidate = load_candidate(spec, origin)
+        try:
+            self.candidate = load_candidate(spec, origin)
+        finally:
+            # What this process has imported, the candidate and its framework with it, is left out
+            # of every later collection (gc.freeze): each full collection scanned all of torch.
+            gc.freeze()
+            gc.enable()
         return {"framework": self.candidate.framework, "class_without_backward": self.candidate.class_without_backward,
                 "causal_alignment": self.candidate.causal_alignment}  # fmt: skip
 
@@ -117,6 +124,7 @@ def die_with(parent: int) -> None:
 
 def main(read_fd: int, write_fd: int, parent: int) -> None:
     die_with(parent)
+    gc.disable()  # until the candidate is loaded (Child.load): importing torch ran 3 to 5 full collections
     from attncheck.channel import encode_reply, read_exact, read_request
     from attncheck.errors import CandidateProblem, TracerLeak, Unsupported, UsageError
 

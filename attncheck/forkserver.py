@@ -30,6 +30,7 @@ to them for good if the server cannot be started or dies.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import pickle
 import select
@@ -262,6 +263,11 @@ def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
             raise OSError(f"importing {', '.join(request['preload'])} started a thread: the server forks no more")
     read_fd, write_fd, output_fd = fds
     server = os.getpid()
+    # Python's recipe for a process that forks without exec (the gc module's documentation): the
+    # collector off in the parent, what it holds frozen before each fork. A fork's collections then
+    # never scan the server's imports (torch's included), and never write to those pages. The fork
+    # turns collecting on once its candidate is loaded (attncheck.child).
+    gc.freeze()
     pid = os.fork()
     if pid:
         if not _await_session(pid):
@@ -346,6 +352,7 @@ def main(fd: int, judge: int) -> None:
     # on it), not by PR_SET_PDEATHSIG, which would tie it to the judge's thread that started it;
     # its candidate processes end with it.
     sock = socket.socket(fileno=fd)
+    gc.disable()  # never turned on here: the server imports and forks (see _fork's gc.freeze)
     _preload()
     _serve(sock)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -66,3 +67,31 @@ def test_help_does_not_import_torch():
     code = "import sys\nfrom attncheck.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("False")
+
+
+def test_its_own_process_collects_garbage_only_once_the_judge_has_imported(monkeypatch, capsys):
+    """`attncheck` (cli.entry) runs with the garbage collector off while the judge imports torch
+    and loads the candidates, then freezes those imports out of every later collection and turns
+    collecting on; a test calling main() keeps the collector as it is."""
+    import gc
+
+    from attncheck import cli, suite
+
+    during = []
+    prepare = suite.prepare
+    monkeypatch.setattr(suite, "prepare", lambda *a, **k: (during.append(gc.isenabled()), prepare(*a, **k))[1])
+    monkeypatch.setattr(cli, "_OWN_PROCESS", False)  # restored after entry() sets it
+    monkeypatch.setattr(sys, "argv", ["attncheck", "forward", "-c", "configs/default.yaml"])
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    frozen = gc.get_freeze_count()
+    try:
+        with pytest.raises(SystemExit) as ended:
+            cli.entry()
+        assert ended.value.code == 0, capsys.readouterr()
+        assert during == [False] and gc.isenabled() and gc.get_freeze_count() > frozen
+    finally:
+        gc.enable()
+    cli._OWN_PROCESS = False
+    with pytest.raises(SystemExit):
+        cli.main(["forward", "-c", "configs/default.yaml"])
+    assert during == [False, True]

@@ -17,9 +17,10 @@ import pytest
 from attncheck import forkserver, remote
 
 PROBE = textwrap.dedent('''
-    import json, os, sys
+    import gc, json, os, sys
     import numpy as np
     seen = {"marker": os.environ.get("ATTNCHECK_TEST_MARKER"), "cwd": os.getcwd(), "own_session": os.getsid(0) == os.getpid(),
+            "collecting": gc.isenabled(), "frozen": gc.get_freeze_count(),
             "argv": sys.argv[1:], "random": float(np.random.random()), "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")),
             "stdin": os.readlink("/proc/self/fd/0"), "patched_before": getattr(np, "patched_by_a_candidate", False),
             "path_has_tmp": os.path.dirname(__file__) in sys.path or any(p == os.path.dirname(__file__) for p in sys.path)}
@@ -63,6 +64,30 @@ def test_a_forked_candidate_process_starts_as_a_fresh_interpreter_would(probe, t
         read_fd, write_fd = map(int, seen["argv"][:2])
         assert len(set(seen["fds"]) - {0, 1, 2, read_fd, write_fd}) <= 1, seen
     assert first["random"] != second["random"]  # NumPy's global state reseeded, not the server's copy
+    # No collection while the candidate is imported; a fork's collections never scan what the server imported.
+    assert not any(seen["collecting"] for seen in (fresh, first, second))
+    assert fresh["frozen"] == 0 and first["frozen"] > 10_000 and second["frozen"] > 10_000, (fresh, first, second)
+
+
+def test_a_candidate_process_collects_garbage_once_its_candidate_is_loaded():
+    """Child.load freezes what the process imported (the candidate and its framework) out of every
+    later collection and turns collecting on, whether or not the candidate could be loaded."""
+    code = textwrap.dedent("""
+        import gc, json
+        from attncheck.child import Child
+        seen = []
+        for spec in ("attncheck.reference:MultiheadAttention", "attncheck.no_such_module:X"):
+            gc.disable()
+            frozen = gc.get_freeze_count()
+            try:
+                Child().load(spec, None)
+            except Exception:
+                pass
+            seen.append([gc.isenabled(), gc.get_freeze_count() > frozen])
+        print(json.dumps(seen))
+        """)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=forkserver.environment()).stdout
+    assert json.loads(out) == [[True, True], [True, True]]
 
 
 def test_the_servers_own_imports_load_no_framework_and_start_no_thread():
