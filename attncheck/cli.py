@@ -448,12 +448,14 @@ def _interrupted() -> int:
 # Whether this process is attncheck's own (`entry`): its garbage collector waits until the judge has
 # imported torch (and the candidates' processes are loaded), then never scans those imports again.
 # Each full collection while torch imported scanned everything imported so far: 4 to 5 of them in
-# a run, 0.25-0.3 s of CPU (`python -m attncheck run` with gc.callbacks timing them).
+# a run, 0.25-0.35 s of CPU, and the one at exit (`python -m attncheck run` with gc.callbacks
+# timing them; docs/development/performance.md).
 _OWN_PROCESS = False
 
 
 def entry() -> None:
-    """The console script and `python -m attncheck`: main() in a process of its own."""
+    """main() with the garbage collector held off until the judge has imported (`_imported`): the
+    console script and `python -m attncheck`, in a process of attncheck's own."""
     global _OWN_PROCESS
     _OWN_PROCESS = True
     gc.disable()
@@ -469,7 +471,7 @@ def _imported() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: exit codes for usage errors, interrupts and bugs."""
+    """The command line in the caller's process: exit codes for usage errors, interrupts and bugs."""
     try:
         code = app(args=argv, standalone_mode=False)
     except typer.Exit as e:

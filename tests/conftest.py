@@ -42,7 +42,7 @@ def default_suite_catch_report(impl: str):
 def pytest_collection(session):
     """Collecting (importing torch, JAX and every test module) with the garbage collector off, and
     what it imported frozen out of every later collection (gc.freeze): each full collection during
-    the tests scanned all of it. A worker spent 3.8-5.0 s of CPU in collections, 1.5-2.4 s after
+    the tests scanned all of it. A worker spent 3.8-5.0 s of CPU in collections, 1.0-2.4 s after
     (gc.callbacks timing them, one run of the whole suite each)."""
     gc.disable()
     try:

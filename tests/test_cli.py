@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -72,14 +73,19 @@ def test_help_does_not_import_torch():
 def test_its_own_process_collects_garbage_only_once_the_judge_has_imported(monkeypatch, capsys):
     """`attncheck` (cli.entry) runs with the garbage collector off while the judge imports torch
     and loads the candidates, then freezes those imports out of every later collection and turns
-    collecting on; a test calling main() keeps the collector as it is."""
-    import gc
-
+    collecting on; main(), which tests call in their own process, leaves the collector as it is.
+    (entry() here freezes what this worker holds at that moment, once: a bounded leak, as in the
+    tool's own process.)"""
     from attncheck import cli, suite
 
-    during = []
+    collecting_at_prepare = []
     prepare = suite.prepare
-    monkeypatch.setattr(suite, "prepare", lambda *a, **k: (during.append(gc.isenabled()), prepare(*a, **k))[1])
+
+    def recorded(*args, **kwargs):
+        collecting_at_prepare.append(gc.isenabled())
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(suite, "prepare", recorded)
     monkeypatch.setattr(cli, "_OWN_PROCESS", False)  # restored after entry() sets it
     monkeypatch.setattr(sys, "argv", ["attncheck", "forward", "-c", "configs/default.yaml"])
     monkeypatch.chdir(Path(__file__).resolve().parent.parent)
@@ -88,10 +94,12 @@ def test_its_own_process_collects_garbage_only_once_the_judge_has_imported(monke
         with pytest.raises(SystemExit) as ended:
             cli.entry()
         assert ended.value.code == 0, capsys.readouterr()
-        assert during == [False] and gc.isenabled() and gc.get_freeze_count() > frozen
+        assert collecting_at_prepare == [False] and gc.isenabled() and gc.get_freeze_count() > frozen
     finally:
         gc.enable()
     cli._OWN_PROCESS = False
+    frozen = gc.get_freeze_count()
     with pytest.raises(SystemExit):
         cli.main(["forward", "-c", "configs/default.yaml"])
-    assert during == [False, True]
+    # No freeze: the count only falls, as frozen objects are freed (a freeze adds thousands).
+    assert collecting_at_prepare == [False, True] and gc.get_freeze_count() <= frozen

@@ -94,19 +94,24 @@ def test_the_servers_own_imports_load_no_framework_and_start_no_thread():
     """What the server imports as it starts, before any candidate is loaded: no torch or JAX (a
     NumPy candidate's process would pay for them) and no thread beyond the one NumPy's BLAS starts
     (the server forks: a thread of its own could hold a lock in every fork). Every module kind and
-    each kind's reference are among them, so a kind added later is preloaded too."""
+    each kind's reference are among them, so a kind added later is preloaded too. What it imports
+    once a torch candidate has been loaded starts no thread either (it would fork no more, and
+    the judge would start fresh interpreters from then on); JAX's: the test below."""
     code = textwrap.dedent("""
-        import json, os, sys
+        import importlib, json, os, sys
         import numpy
-        threads = len(os.listdir("/proc/self/task"))
+        threads = [len(os.listdir("/proc/self/task"))]
         from attncheck import forkserver
         forkserver._preload()
         from attncheck.kinds import kinds
-        print(json.dumps({"threads": [threads, len(os.listdir("/proc/self/task"))], "modules": sorted(sys.modules),
-                          "references": [kind.reference_spec.split(":")[0] for kind in kinds().values()]}))
+        threads.append(len(os.listdir("/proc/self/task")))
+        seen = {"modules": sorted(sys.modules), "references": [kind.reference_spec.split(":")[0] for kind in kinds().values()]}
+        for name in forkserver.PRELOADS["torch"]:
+            importlib.import_module(name)
+        print(json.dumps({**seen, "threads": threads + [len(os.listdir("/proc/self/task"))]}))
         """)  # fmt: skip
     seen = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=forkserver.environment()).stdout)
-    assert seen["threads"][1] == seen["threads"][0], seen["threads"]
+    assert seen["threads"][2] == seen["threads"][1] == seen["threads"][0], seen["threads"]
     assert not {"torch", "jax", "flax"} & {name.split(".")[0] for name in seen["modules"]}
     assert set(seen["references"]) | set(forkserver.PRELOAD) <= set(seen["modules"])
     assert {"attncheck.kinds.sdpa_kvcache", "attncheck.reference.kvcache", "threadpoolctl"} <= set(seen["modules"])
