@@ -447,7 +447,7 @@ def _interrupted() -> int:
 
 # Whether this process is attncheck's own (`entry`): its garbage collector waits until the judge has
 # imported torch (and the candidates' processes are loaded), then never scans those imports again.
-# Each full collection while torch imported scanned everything imported so far: 4 to 5 of them in
+# Each full collection while torch was imported scanned everything imported so far: 4 to 5 of them in
 # a run, 0.25-0.35 s of CPU, and the one at exit (`python -m attncheck run` with gc.callbacks
 # timing them; docs/development/performance.md).
 _OWN_PROCESS = False

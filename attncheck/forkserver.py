@@ -46,7 +46,8 @@ ENV = "ATTNCHECK_FORK_SERVER"
 # What the server imports once a candidate of a framework has been loaded (JAX's backend is not started).
 # torch's symbolic-shapes module (and sympy, 0.28-0.31 s of CPU) is imported by torch's first
 # autograd.grad given grad_outputs (as attncheck's torch session calls it) and by its
-# MultiheadAttention's key-padding check, so by most torch candidates' processes: in one run of the test suite, 12 forks of the 2 servers that had imported torch.
+# MultiheadAttention's key-padding check, so by most torch candidates' processes: in one run of
+# the test suite, 12 forks of the 2 servers that had imported torch.
 PRELOADS = {"torch": ("torch", "torch.fx.experimental.symbolic_shapes"), "jax": ("jax", "jax.numpy")}
 # What the server imports as it starts (`_preload`): what every candidate process uses, whatever
 # its framework (its loop and wire, the sessions, BLAS's thread control), with every module kind
