@@ -249,7 +249,9 @@ def _worker_init(environ: dict[str, str]) -> None:
 
     torch_side.use_one_thread()
     threads.set_threads(1)  # K workers on K cores: the reference's large calls stay on their worker's core
-    gc.freeze()  # what multiprocessing's fork server imported (WORKER_PRELOAD: torch) is never scanned by this worker's collections
+    # What this worker holds now (torch: WORKER_PRELOAD, imported by multiprocessing's fork server, or
+    # by the lines above in a spawned worker) is never scanned by its collections.
+    gc.freeze()
 
 
 # What multiprocessing's fork server imports once per judge, so that each worker is a fork of a
