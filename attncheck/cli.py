@@ -24,7 +24,7 @@ import typer
 
 from attncheck import __version__
 from attncheck.commands import COMMANDS, NAMES, parse_commands
-from attncheck.errors import UsageError
+from attncheck.errors import ServerFork, UsageError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_BUG, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
@@ -205,6 +205,10 @@ def _run(
     **options,
 ) -> int:
     """Run commands over every case of a config or suite, render, write outputs, pick the exit code."""
+    if _OWN_PROCESS:
+        from attncheck import forkserver
+
+        forkserver.fork_from_here()  # before anything imports NumPy
     from attncheck.config import load_suite
     from attncheck.config.config_file import impl_file
     from attncheck.files import check_outputs, check_writable, json_text, write_atomic
@@ -455,17 +459,29 @@ _OWN_PROCESS = False
 
 def entry() -> None:
     """main() with the garbage collector held off until the judge has imported (`_imported`): the
-    console script and `python -m attncheck`, in a process of attncheck's own."""
+    console script and `python -m attncheck`, in a process of attncheck's own. Its fork server is
+    a fork of it (attncheck.forkserver.fork_from_here), which serves from here."""
     global _OWN_PROCESS
     _OWN_PROCESS = True
     gc.disable()
-    main()
+    try:
+        main()
+    except ServerFork as fork:  # in the fork that is to be the server, its judge's stack unwound
+        from attncheck import forkserver
+
+        forkserver.serve_forked(fork.fd)
 
 
 def _imported() -> None:
     """In a process of attncheck's own, what the judge has imported is frozen out of the garbage
-    collector's scans (gc.freeze), and collecting starts."""
-    if _OWN_PROCESS and not gc.isenabled():
+    collector's scans (gc.freeze), and collecting starts; a fork server started from now on is a
+    fresh interpreter."""
+    if not _OWN_PROCESS:
+        return
+    from attncheck import forkserver
+
+    forkserver.fork_from_here_no_more()
+    if not gc.isenabled():
         gc.freeze()
         gc.enable()
 

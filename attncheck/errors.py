@@ -124,3 +124,15 @@ class Unsupported(CandidateProblem):
     """The candidate raised NotImplementedError (or lacks what the check needs, such as a backward):
     it declares the feature unsupported, which is not a failure. The check reports the reason
     instead of a verdict on values."""
+
+
+class ServerFork(BaseException):
+    """Raised in the child of the fork that makes a command-line judge's fork server
+    (attncheck.forkserver.Server.forked), and caught by attncheck.cli.entry, which turns that child
+    into the server there: the child leaves the judge's call stack as a fresh server would have
+    none. A BaseException, so that no `except Exception` on the way takes it for an error; every
+    handler on the way re-raises it (tests/test_forkserver.py checks the server's stack)."""
+
+    def __init__(self, fd: int):
+        super().__init__(fd)
+        self.fd = fd  # the server's end of its socket to the judge

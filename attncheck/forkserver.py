@@ -15,13 +15,17 @@ server ends when the judge's end of their socket closes (the judge ends, or give
 an interrupted, late or out-of-step exchange), and the candidate processes end with the server
 (PR_SET_PDEATHSIG). Each reply echoes its request's number and is a few integers, never a pickle.
 
-torch is imported by the server only once a torch candidate has been loaded (a respawn, another
-torch candidate in the same judge), so a one-candidate NumPy run does not pay for it; JAX likewise
-once a JAX candidate has been (0.55 s of each later JAX candidate process's start, of which a test
-run starts dozens). Importing JAX starts no thread: its backend does, at a process's first
-computation, which happens in the candidate processes only (and JAX installs its at-fork warning
-only then). Forking a threaded process can deadlock, so a server whose imports started a thread
-refuses to fork, and the judge starts fresh interpreters from then on.
+The command line's own process (attncheck.cli) forks its server from itself instead, once it has
+imported torch for its own side of the checks and before any check or thread (`fork_from_here`):
+that server, and every candidate process, has torch from the start. Elsewhere (the Python API,
+the pytest plugin, a `--workers` pool's process), torch is imported by the server only once a
+torch candidate has been loaded (a respawn, another torch candidate in the same judge), so a
+one-candidate NumPy run does not pay for it. Every server imports JAX once a JAX candidate has
+been loaded (0.55 s of each later JAX candidate process's start, of which a test run starts
+dozens). Importing JAX starts no thread: its backend does, at a process's first computation,
+which happens in the candidate processes only (and JAX installs its at-fork warning only then).
+Forking a threaded process can deadlock, so a server whose imports started a thread refuses to
+fork, and the judge starts fresh interpreters from then on.
 
 `ATTNCHECK_FORK_SERVER=0` turns it off (fresh interpreters, as before); the judge also falls back
 to them for good if the server cannot be started or dies.
@@ -40,7 +44,7 @@ import struct
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 ENV = "ATTNCHECK_FORK_SERVER"
 # What the server imports once a candidate of a framework has been loaded (JAX's backend is not started).
@@ -124,21 +128,49 @@ class ForkedProcess:
 class Server:
     """The judge's connection to its fork server."""
 
-    def __init__(self) -> None:
+    def __init__(self, process: subprocess.Popen | _ForkedServer, sock: socket.socket, preloaded: frozenset[str] = frozenset()):
+        self.process, self.socket = process, sock
+        self.pid = os.getpid()  # a forked judge (a pool worker) starts a server of its own
+        self.preloaded: set[str] = set(preloaded)  # the frameworks the server has imported or been asked to
+        self.sequence = 0  # of the last request: its reply must echo it
+        self.broken = False
+
+    @classmethod
+    def fresh(cls) -> Server:
+        """A server in a fresh interpreter: `python -m attncheck.forkserver`."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.process = subprocess.Popen(
+            process = subprocess.Popen(
                 [sys.executable, "-m", "attncheck.forkserver", str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True, env=environment(), close_fds=True,
             )  # fmt: skip
         finally:
             theirs.close()
-        self.socket = ours
-        self.pid = os.getpid()  # a forked judge (a pool worker) starts a server of its own
-        self.preloaded: set[str] = set()  # the frameworks the server has been asked to import
-        self.sequence = 0  # of the last request: its reply must echo it
-        self.broken = False
+        return cls(process, ours)
+
+    @classmethod
+    def forked(cls) -> Server:
+        """A server forked from this process, which has imported torch and started no thread
+        beyond NumPy's (`fork_from_here`).
+
+        The child raises ServerFork, which unwinds the judge's call stack (the command line's,
+        typer's, the suite's) up to attncheck.cli.entry, where it becomes the server
+        (`serve_forked`). Serving from the depth of the fork instead made a Flax candidate's
+        process (forked from there) run with the judge's frames beneath its own, where Python
+        3.11 allocated and freed a 16 KB chunk of its frame stack on call after call: 177,000
+        page faults and 1.2-1.3 s of system CPU in the Flax encoder layer's `run` against 73,000
+        and 0.4 s (tests/test_forkserver.py; docs/development/performance.md)."""
+        from attncheck.errors import ServerFork
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        gc.freeze()  # as before the server's own forks: the copy's collections never scan these pages
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()  # out of the terminal's process group at once: a Ctrl-C is the judge's alone
+            raise ServerFork(theirs.detach())  # detached: the socket object's collection must not close it
+        theirs.close()
+        return cls(_ForkedServer(pid), ours, preloaded=frozenset({"torch"}))
 
     def fork(self, fds: tuple[int, int, int], *, frameworks: frozenset[str]) -> ForkedProcess:
         """A candidate process running attncheck.child on `fds` (its read and write ends of the
@@ -210,11 +242,80 @@ def fork(fds: tuple[int, int, int], *, frameworks: frozenset[str] = frozenset())
         return None
     try:
         if _server is None or _server.pid != os.getpid():
-            _server = Server()
+            _server = Server.forked() if _may_fork_here() else Server.fresh()
         return _server.fork(fds, frameworks=frameworks)
     except (OSError, EOFError, subprocess.SubprocessError):
         _broken = True
         return None
+
+
+class _ForkedServer:
+    """A server forked from the judge, as `Server.close` waits for it: the part of Popen it uses."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = _wait(self.pid, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0.0)
+        return code
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+
+# Where the server may be forked from the judge rather than started as a fresh interpreter: the
+# command line's own process (`fork_from_here`), with its threads once NumPy was imported.
+_forks_from: tuple[int, frozenset[str]] | None = None
+
+
+def fork_from_here() -> None:
+    """Let this process's server be a fork of it, taken once it has imported torch, where nothing
+    but NumPy's BLAS started a thread: for the command line's own process (attncheck.cli), which
+    imports torch for its side of the checks before any candidate's process starts. Called before
+    anything imports NumPy; otherwise the server stays a fresh interpreter.
+
+    A fresh server imports NumPy and attncheck's candidate side, and torch once a torch candidate
+    has been loaded: the first torch candidate's process imports torch itself. A fork of a judge
+    that has imported them has them all: `run` of a torch candidate took 28-31% less CPU
+    (benchmarks/jax_speed.py, docs/development/performance.md). A JAX candidate's process no
+    longer imports JAX while the judge imports torch, but after: 0.2-0.8 s more wall time, the
+    same CPU. The fork is taken before any check has run, and the server it becomes drops what a
+    fresh one would not have (`serve_forked`)."""
+    global _forks_from
+    before = _thread_ids()
+    if "numpy" in sys.modules or before is None or len(before) != 1:
+        return  # the threads NumPy's import starts could not be told from others
+    import numpy  # noqa: F401 - OpenBLAS starts its threads here; a fresh server's forks leave them behind too
+
+    after = _thread_ids()
+    if after is not None:
+        _forks_from = (os.getpid(), after)
+
+
+def fork_from_here_no_more() -> None:
+    """The judge's pre-flight is over (attncheck.cli): a server started later, by a check,
+    is a fresh interpreter. Its fork would unwind through the checks' own code (context managers
+    that restore torch's settings, a progress display) in the child."""
+    global _forks_from
+    _forks_from = None
+
+
+def _may_fork_here() -> bool:
+    """Whether this process may fork its server (`fork_from_here`): torch imported, and no thread
+    started since NumPy was. Forking a process whose other threads hold locks can deadlock the fork."""
+    if _forks_from is None or _forks_from[0] != os.getpid():
+        return False
+    import importlib
+
+    try:
+        for name in PRELOADS["torch"]:
+            importlib.import_module(name)
+    except (ImportError, OSError):  # the judge says what is wrong with torch when it imports it itself
+        return False
+    now = _thread_ids()
+    return now is not None and now <= _forks_from[1]
 
 
 @atexit.register  # after attncheck.remote's stop_all (registered later, run earlier), which ends its forks
@@ -313,6 +414,40 @@ def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
             except BaseException:  # noqa: BLE001 - a candidate may have replaced or closed them
                 pass
         os._exit(code)
+
+
+def serve_forked(fd: int) -> NoReturn:
+    """A server's life in a fork of the judge (`Server.forked`), called by attncheck.cli.entry
+    with the judge's stack unwound: what `main` does in a fresh interpreter, once the fork has
+    dropped what a fresh server would not have: the judge's descriptors (it left the judge's
+    session as it was forked), its environment and Ctrl-C handling."""
+    code = 0
+    try:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for std in (0, 1, 2):
+            os.dup2(devnull, std)
+        keep = sorted({0, 1, 2, fd})
+        for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
+            os.closerange(low + 1, high)
+        env = environment()
+        os.environ.clear()
+        os.environ.update(env)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        gc.disable()
+        _preload()
+        _serve(socket.socket(fileno=fd))
+    except BaseException:  # noqa: BLE001 - the judge sees the socket close and starts fresh interpreters
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _thread_ids() -> frozenset[str] | None:
+    """The ids of this process's threads; None where /proc cannot say."""
+    try:
+        return frozenset(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
 
 
 def _threads() -> int:

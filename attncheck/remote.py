@@ -254,7 +254,8 @@ def process_for(spec: str, origin: str | None = None) -> CandidateProcess:
 
 def start_loading(spec: str, origin: str | None = None) -> None:
     """Start the candidate's process importing it, and return at once: the judge meanwhile imports
-    its own torch, and the two imports share the cores. `load` collects the result."""
+    its own torch, unless it has already (attncheck.forkserver.fork_from_here), and the two imports
+    share the cores. `load` collects the result."""
     process = process_for(spec, origin)
     if process.process is None:
         try:

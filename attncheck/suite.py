@@ -162,7 +162,8 @@ def _candidate(spec: str | Candidate | None, origin: str | None = None) -> Any:
 
 def check_candidates(jobs: list[Job]) -> None:
     """Import every candidate before any work, each in its own process, so a bad SPEC is a usage
-    error up front; the judge imports its own checks (and torch) while they do."""
+    error up front; the judge imports its own checks (and torch) while they do, or before, where
+    its fork server is a fork of it (attncheck.forkserver.fork_from_here)."""
     from attncheck.candidate import builtin
     from attncheck.remote import start_loading
 

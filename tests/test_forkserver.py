@@ -230,3 +230,68 @@ def test_the_server_imports_jax_once_a_jax_candidate_is_loaded_and_starts_no_thr
     assert forkserver._server.preloaded == {"jax"} and not forkserver._broken
     server = forkserver._server.process.pid
     assert len(os.listdir(f"/proc/{server}/task")) <= 2  # the main thread, and one NumPy may start at import
+
+
+JUDGES_OWN = textwrap.dedent('''
+    import json, os, sys, traceback
+    server = os.getppid()
+    seen = {"torch_before_the_candidate": "torch" in sys.modules, "server": server,
+            "stack": [f"{frame.filename}:{frame.name}" for frame in traceback.extract_stack()],
+            "servers_parent": int(open(f"/proc/{server}/stat").read().rpartition(")")[2].split()[1]),
+            "servers_command": open(f"/proc/{server}/cmdline").read().split("\\0"),
+            "servers_fds": {f: os.readlink(f"/proc/{server}/fd/{f}") for f in os.listdir(f"/proc/{server}/fd")},
+            "servers_session": os.getsid(server)}
+    with open(os.environ["ATTNCHECK_TEST_SEEN"], "a") as f:
+        f.write(json.dumps(seen) + "\\n")
+    from attncheck.reference import MultiheadAttention as Reference
+
+    class MultiheadAttention(Reference):
+        def forward(self, *args, **kwargs):
+            crashed = os.environ["ATTNCHECK_TEST_SEEN"] + ".crashed"
+            if not os.path.exists(crashed):
+                open(crashed, "w").close()
+                os._exit(3)  # once: grad's check runs in another process, forked from the same server
+            return super().forward(*args, **kwargs)
+''')
+
+
+def test_the_command_lines_own_process_forks_its_server_from_itself_once_torch_is_imported(tmp_path):
+    """`attncheck` in a process of its own (cli.entry) imports torch before any candidate's process
+    starts, and its server is a fork of it taken then (forkserver.fork_from_here): no server or
+    candidate process imports torch again. The server keeps nothing of the judge's that a fresh one
+    would not have: no descriptor but its socket and /dev/null, a session of its own, and none of
+    the judge's frames beneath a candidate's (Python's frame stack thrashed at that depth)."""
+    (tmp_path / "judges_own.py").write_text(JUDGES_OWN)
+    seen = tmp_path / "seen.jsonl"
+    judge = subprocess.Popen([sys.executable, "-m", "attncheck", "run", "--only", "forward,grad", "-c", "configs/causal.yaml",
+                              "--impl", f"{tmp_path / 'judges_own.py'}:MultiheadAttention"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "ATTNCHECK_TEST_SEEN": str(seen), forkserver.ENV: "1"},
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fmt: skip
+    out = judge.communicate(timeout=300)[0]
+    assert judge.returncode == 1 and "exited with code 3 during forward()" in out, out
+    first, second = (json.loads(line) for line in seen.read_text().splitlines())
+    assert first["server"] == second["server"] and first["torch_before_the_candidate"] and second["torch_before_the_candidate"]
+    assert first["servers_parent"] == judge.pid and first["servers_command"][1:3] == ["-m", "attncheck"], first
+    assert first["servers_session"] == first["server"], first
+    # The fork left the judge's stack (typer's, the suite's) before serving: cli.entry serves.
+    assert not [f for f in first["stack"] if any(part in f for part in ("click", "typer", "attncheck/suite.py", "attncheck/remote.py"))], first
+    assert any(f.endswith("attncheck/cli.py:entry") for f in first["stack"]), first
+    fds = first["servers_fds"]  # stdin, stdout and stderr on /dev/null, and its socket to the judge
+    assert len(fds) == 4 and [fds[str(i)] for i in (0, 1, 2)] == [os.devnull] * 3 and fds[max(fds, key=int)].startswith("socket:"), fds
+
+
+def test_the_server_is_forked_from_a_process_only_if_nothing_but_numpy_started_a_thread():
+    """fork_from_here records the threads once NumPy is imported; the fork is refused if another
+    thread has started since, or if NumPy was imported before (its threads could not be told apart)."""
+    code = textwrap.dedent("""
+        import sys, threading, time
+        from attncheck import forkserver
+        forkserver.fork_from_here()
+        seen = [forkserver._may_fork_here(), "torch" in sys.modules]
+        threading.Thread(target=time.sleep, args=(3,), daemon=True).start()
+        print(seen + [forkserver._may_fork_here()])
+        """)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=forkserver.environment()).stdout
+    assert out.strip() == "[True, True, False]"
+    forkserver.fork_from_here()  # in this worker, which has imported NumPy
+    assert not forkserver._may_fork_here()
