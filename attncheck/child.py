@@ -108,6 +108,17 @@ def _error(kind: str, exc: BaseException) -> dict[str, Any]:
                       "traceback": clean(getattr(exc, "traceback", "") or traceback.format_exc()), "raised": clean(getattr(exc, "raised", ""))}}  # fmt: skip
 
 
+def _flush(streams: tuple[Any, ...]) -> None:
+    """What the candidate printed reaches its output file before the judge reads that file (after
+    each reply: attncheck.remote's `printed`). A stream that is not a terminal is block-buffered
+    unless PYTHONUNBUFFERED is set, and this process ends killed, never flushing."""
+    for stream in streams:
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001 - closed by the candidate: what it printed is lost with it
+            pass
+
+
 def die_with(parent: int) -> None:
     """Ask the kernel to kill this process when `parent`, the process that started it (the judge,
     or the judge's fork server), dies (Linux), so that no candidate outlives a judge killed by a
@@ -130,6 +141,7 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
 
     reader = os.fdopen(read_fd, "rb", buffering=0)
     writer = os.fdopen(write_fd, "wb", buffering=0)
+    streams = (sys.stdout, sys.stderr)  # the interpreter's own, before the candidate may replace them
 
     child = Child()
     while True:
@@ -164,6 +176,7 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
             except BaseException as exc:  # noqa: BLE001 - say so rather than die
                 reply = _error("broken", exc)
                 data = encode_reply(reply)
+            _flush(streams)
             writer.write(data)
             if reply.get("error") is not None:
                 break

@@ -205,10 +205,6 @@ def _run(
     **options,
 ) -> int:
     """Run commands over every case of a config or suite, render, write outputs, pick the exit code."""
-    if _OWN_PROCESS:
-        from attncheck import forkserver
-
-        forkserver.fork_from_here()  # before anything imports NumPy
     from attncheck.config import load_suite
     from attncheck.config.config_file import impl_file
     from attncheck.files import check_outputs, check_writable, json_text, write_atomic
@@ -221,6 +217,7 @@ def _run(
         check_outputs({"--json": json_path, "--junit": junit_path},
                       {"the config": config, "the candidate's file": Path(named_file[0]) if named_file else None})  # fmt: skip
         if plot_path is not None:
+            _server_from_here()  # before attncheck.plot imports NumPy
             from attncheck.plot import plot_target, require_matplotlib
 
             require_matplotlib()
@@ -244,6 +241,7 @@ def _run(
         overrides.update({k: v.value for k, v in (("tolerance", tolerance), ("framework", framework), ("device", device)) if v is not None})
         if timeout is not None:
             overrides["timeout"] = timeout
+        _server_from_here()
         plan = prepare(suite, commands, impl=impl, overrides=overrides)
         _imported()
         result = _run_plan(plan, label, len(suite.cases), workers, view, options, many=not one_case)
@@ -470,6 +468,16 @@ def entry() -> None:
         from attncheck import forkserver
 
         forkserver.serve_forked(fork.fd)
+
+
+def _server_from_here() -> None:
+    """In a process of attncheck's own, its fork server may be a fork of it, taken once the judge
+    has imported torch (attncheck.forkserver.fork_from_here); called before anything imports NumPy,
+    but not before a config has been read: a usage error does not wait for NumPy."""
+    if _OWN_PROCESS:
+        from attncheck import forkserver
+
+        forkserver.fork_from_here()
 
 
 def _imported() -> None:

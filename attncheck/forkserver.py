@@ -3,8 +3,8 @@
 A fresh `python -m attncheck.child` spends 0.3-0.5 s importing NumPy, pydantic and attncheck
 before it imports the candidate, and 1.5-5 s more on torch for a torch candidate; a run starts one
 per candidate and again after each crash, hang or exit. The judge instead starts one *server*
-(`python -m attncheck.forkserver`, a process of its own) that imports those modules once and never
-runs candidate code; each candidate process is a fork of it, so it starts with pristine modules
+(`python -m attncheck.forkserver`, a process of its own, or a fork of the command line's own
+process: below) that imports those modules once and never runs candidate code; each candidate process is a fork of it, so it starts with pristine modules
 (nothing a previous candidate patched) in milliseconds.
 
 A forked candidate process is set up as a fresh one would be: a session of its own, stdin from
@@ -17,7 +17,8 @@ an interrupted, late or out-of-step exchange), and the candidate processes end w
 
 The command line's own process (attncheck.cli) forks its server from itself instead, once it has
 imported torch for its own side of the checks and before any check or thread (`fork_from_here`):
-that server, and every candidate process, has torch from the start. Elsewhere (the Python API,
+that server, and every candidate process, has torch from the start (and the judge's command line
+in `ps`). Elsewhere (the Python API,
 the pytest plugin, a `--workers` pool's process), torch is imported by the server only once a
 torch candidate has been loaded (a respawn, another torch candidate in the same judge), so a
 one-candidate NumPy run does not pay for it. Every server imports JAX once a JAX candidate has
@@ -154,21 +155,42 @@ class Server:
         """A server forked from this process, which has imported torch and started no thread
         beyond NumPy's (`fork_from_here`).
 
-        The child raises ServerFork, which unwinds the judge's call stack (the command line's,
-        typer's, the suite's) up to attncheck.cli.entry, where it becomes the server
-        (`serve_forked`). Serving from the depth of the fork instead made a Flax candidate's
-        process (forked from there) run with the judge's frames beneath its own, where Python
-        3.11 allocated and freed a 16 KB chunk of its frame stack on call after call: 177,000
-        page faults and 1.2-1.3 s of system CPU in the Flax encoder layer's `run` against 73,000
-        and 0.4 s (tests/test_forkserver.py; docs/development/performance.md)."""
+        The child leaves the terminal's session at once, with Ctrl-C blocked until it has (a
+        Ctrl-C is the judge's alone), and raises ServerFork, which unwinds the judge's call stack
+        (the command line's, typer's, the suite's) up to attncheck.cli.entry, where it becomes the
+        server (`serve_forked`): nothing else of the judge's runs in it, and anything that fails
+        before it raises ends it. Serving from the depth of the fork instead made a Flax
+        candidate's process, forked from there, run with the judge's frames beneath its own,
+        where Python 3.11 allocated and freed a 16 KB chunk of its frame stack on call after
+        call: 177,000 page faults and 1.2-1.3 s of system CPU in the Flax encoder layer's `run`,
+        against 73,000 and 0.4 s (docs/development/performance.md)."""
         from attncheck.errors import ServerFork
 
+        for stream in (sys.stdout, sys.stderr):  # nothing the judge wrote is left in the copies' buffers
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a reader gone, a stream closed: the judge finds out itself
+                pass
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         gc.freeze()  # as before the server's own forks: the copy's collections never scan these pages
-        pid = os.fork()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            pid = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            ours.close()
+            theirs.close()
+            raise
         if pid == 0:
-            os.setsid()  # out of the terminal's process group at once: a Ctrl-C is the judge's alone
-            raise ServerFork(theirs.detach())  # detached: the socket object's collection must not close it
+            try:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                os.setsid()  # out of the terminal's process group
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+                fd = theirs.detach()  # detached: the socket object's collection must not close it
+            except BaseException:  # noqa: BLE001 - it must not go on as a second judge
+                os._exit(1)
+            raise ServerFork(fd)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C pressed meanwhile arrives now
         theirs.close()
         return cls(_ForkedServer(pid), ours, preloaded=frozenset({"torch"}))
 
@@ -303,9 +325,12 @@ def fork_from_here_no_more() -> None:
 
 
 def _may_fork_here() -> bool:
-    """Whether this process may fork its server (`fork_from_here`): torch imported, and no thread
-    started since NumPy was. Forking a process whose other threads hold locks can deadlock the fork."""
-    if _forks_from is None or _forks_from[0] != os.getpid():
+    """Whether this process may fork its server (`fork_from_here`): torch imported, no thread
+    started since NumPy was (forking a process whose other threads hold locks can deadlock the
+    fork), and no option given to its interpreter. A fresh server is started without the judge's
+    options; a fork would keep them, and `python -O` (asserts skipped) or `-W error` (warnings
+    raised) in a candidate's process changes what its calls do."""
+    if _forks_from is None or _forks_from[0] != os.getpid() or _interpreter_options():
         return False
     import importlib
 
@@ -429,6 +454,7 @@ def serve_forked(fd: int) -> NoReturn:
         keep = sorted({0, 1, 2, fd})
         for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
             os.closerange(low + 1, high)
+        _fresh_stdio()
         env = environment()
         os.environ.clear()
         os.environ.update(env)
@@ -440,6 +466,34 @@ def serve_forked(fd: int) -> NoReturn:
         code = 1
     finally:
         os._exit(code)
+
+
+def _fresh_stdio() -> None:
+    """sys.stdin, sys.stdout and sys.stderr made again on descriptors 0-2, as a fresh interpreter
+    makes them (create_stdio in CPython's pylifecycle.c), not the judge's objects: line buffering
+    follows the new descriptors (stderr's always), not the judge's terminal, so what a candidate
+    prints reaches its output file when it would from a fresh server."""
+    import io
+
+    buffered = not os.environ.get("PYTHONUNBUFFERED")  # as a fresh interpreter reads it (-u refuses the fork)
+    for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        binary = io.open(fd, "wb" if fd else "rb", buffering=-1 if buffered or not fd else 0, closefd=False)
+        raw = getattr(binary, "raw", binary)
+        raw.name = f"<{name}>"
+        stream = io.TextIOWrapper(binary, encoding=getattr(old, "encoding", None), errors=getattr(old, "errors", None), newline="\n",
+                                  line_buffering=buffered and (fd == 2 or raw.isatty()), write_through=not buffered)  # fmt: skip
+        stream.mode = "w" if fd else "r"
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _interpreter_options() -> bool:
+    """Whether this interpreter was started with options before what it runs (`-m MODULE`, `-c
+    CODE`, a script): `python -O -m attncheck` was, the console script and `python -m attncheck`
+    were not. Options set by the environment (PYTHONOPTIMIZE, PYTHONWARNINGS) reach a fresh server too."""
+    first = getattr(sys, "orig_argv", [])[1:2]
+    return bool(first) and first[0].startswith("-") and first[0] not in ("-m", "-c", "-")
 
 
 def _thread_ids() -> frozenset[str] | None:

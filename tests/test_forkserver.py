@@ -251,6 +251,9 @@ JUDGES_OWN = textwrap.dedent('''
             if not os.path.exists(crashed):
                 open(crashed, "w").close()
                 os._exit(3)  # once: grad's check runs in another process, forked from the same server
+            if not os.path.exists(crashed + ".printed"):
+                open(crashed + ".printed", "w").close()
+                print("printed by the candidate, not flushed")
             return super().forward(*args, **kwargs)
 ''')
 
@@ -259,16 +262,19 @@ def test_the_command_lines_own_process_forks_its_server_from_itself_once_torch_i
     """`attncheck` in a process of its own (cli.entry) imports torch before any candidate's process
     starts, and its server is a fork of it taken then (forkserver.fork_from_here): no server or
     candidate process imports torch again. The server keeps nothing of the judge's that a fresh one
-    would not have: no descriptor but its socket and /dev/null, a session of its own, and none of
-    the judge's frames beneath a candidate's (Python's frame stack thrashed at that depth)."""
+    would not have: no descriptor but its socket and /dev/null, a session of its own, standard
+    streams made afresh (block-buffered here), and none of the judge's frames beneath a
+    candidate's (Python's frame stack thrashed at that depth)."""
     (tmp_path / "judges_own.py").write_text(JUDGES_OWN)
     seen = tmp_path / "seen.jsonl"
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}  # print()s block-buffered
     judge = subprocess.Popen([sys.executable, "-m", "attncheck", "run", "--only", "forward,grad", "-c", "configs/causal.yaml",
                               "--impl", f"{tmp_path / 'judges_own.py'}:MultiheadAttention"], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "ATTNCHECK_TEST_SEEN": str(seen), forkserver.ENV: "1"},
+                             stderr=subprocess.STDOUT, text=True, env={**env, "ATTNCHECK_TEST_SEEN": str(seen), forkserver.ENV: "1"},
                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fmt: skip
     out = judge.communicate(timeout=300)[0]
     assert judge.returncode == 1 and "exited with code 3 during forward()" in out, out
+    assert "the candidate printed: printed by the candidate, not flushed" in out, out  # flushed after the call
     first, second = (json.loads(line) for line in seen.read_text().splitlines())
     assert first["server"] == second["server"] and first["torch_before_the_candidate"] and second["torch_before_the_candidate"]
     assert first["servers_parent"] == judge.pid and first["servers_command"][1:3] == ["-m", "attncheck"], first
@@ -280,9 +286,10 @@ def test_the_command_lines_own_process_forks_its_server_from_itself_once_torch_i
     assert len(fds) == 4 and [fds[str(i)] for i in (0, 1, 2)] == [os.devnull] * 3 and fds[max(fds, key=int)].startswith("socket:"), fds
 
 
-def test_the_server_is_forked_from_a_process_only_if_nothing_but_numpy_started_a_thread():
+def test_the_server_is_forked_from_a_process_only_if_nothing_but_numpy_started_a_thread_and_no_option_was_given():
     """fork_from_here records the threads once NumPy is imported; the fork is refused if another
-    thread has started since, or if NumPy was imported before (its threads could not be told apart)."""
+    thread has started since, if NumPy was imported before (its threads could not be told apart),
+    or if the interpreter was given options that a fresh server would not get (`python -O`)."""
     code = textwrap.dedent("""
         import sys, threading, time
         from attncheck import forkserver
@@ -293,5 +300,28 @@ def test_the_server_is_forked_from_a_process_only_if_nothing_but_numpy_started_a
         """)  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=forkserver.environment()).stdout
     assert out.strip() == "[True, True, False]"
+    options = "from attncheck import forkserver; forkserver.fork_from_here(); print(forkserver._interpreter_options(), forkserver._may_fork_here())"
+    out = subprocess.run([sys.executable, "-O", "-W", "error", "-c", options], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True False"
     forkserver.fork_from_here()  # in this worker, which has imported NumPy
     assert not forkserver._may_fork_here()
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_a_forked_servers_standard_streams_are_made_as_a_fresh_interpreter_makes_them(unbuffered):
+    """serve_forked replaces the judge's sys.stdin, sys.stdout and sys.stderr (their buffers, the
+    terminal's line buffering) with streams made as Python makes them at start-up."""
+    code = textwrap.dedent("""
+        import sys
+        from attncheck import forkserver
+        def described():
+            return [(s.line_buffering, s.write_through, s.encoding, s.errors, s.mode, type(s.buffer).__name__,
+                     getattr(s.buffer, "raw", s.buffer).name) for s in (sys.stdin, sys.stdout, sys.stderr)]
+        made = described()
+        before = sys.stdout
+        forkserver._fresh_stdio()
+        print(sys.stdout is not before and sys.__stdout__ is sys.stdout and described() == made)
+        """)  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
+    out = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True, check=True, env=env).stdout
+    assert out.strip() == "True"
