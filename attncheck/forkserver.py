@@ -4,8 +4,9 @@ A fresh `python -m attncheck.child` spends 0.3-0.5 s importing NumPy, pydantic a
 before it imports the candidate, and 1.5-5 s more on torch for a torch candidate; a run starts one
 per candidate and again after each crash, hang or exit. The judge instead starts one *server*
 (`python -m attncheck.forkserver`, a process of its own, or a fork of the command line's own
-process: below) that imports those modules once and never runs candidate code; each candidate process is a fork of it, so it starts with pristine modules
-(nothing a previous candidate patched) in milliseconds.
+process: below) that imports those modules once and never runs candidate code; each candidate
+process is a fork of it, so it starts with pristine modules (nothing a previous candidate
+patched) in milliseconds.
 
 A forked candidate process is set up as a fresh one would be: a session of its own, stdin from
 /dev/null, stdout and stderr to the judge's file, the judge's environment, working directory and
@@ -18,10 +19,9 @@ an interrupted, late or out-of-step exchange), and the candidate processes end w
 The command line's own process (attncheck.cli) forks its server from itself instead, once it has
 imported torch for its own side of the checks and before any check or thread (`fork_from_here`):
 that server, and every candidate process, has torch from the start (and the judge's command line
-in `ps`). Elsewhere (the Python API,
-the pytest plugin, a `--workers` pool's process), torch is imported by the server only once a
-torch candidate has been loaded (a respawn, another torch candidate in the same judge), so a
-one-candidate NumPy run does not pay for it. Every server imports JAX once a JAX candidate has
+in `ps`). Elsewhere (the Python API, the pytest plugin, a `--workers` pool's process), torch is
+imported by the server only once a torch candidate has been loaded (a respawn, another torch
+candidate in the same judge), so a one-candidate NumPy run does not pay for it. Every server imports JAX once a JAX candidate has
 been loaded (0.55 s of each later JAX candidate process's start, of which a test run starts
 dozens). Importing JAX starts no thread: its backend does, at a process's first computation,
 which happens in the candidate processes only (and JAX installs its at-fork warning only then).
