@@ -21,12 +21,12 @@ imported torch for its own side of the checks and before any check or thread (`f
 that server, and every candidate process, has torch from the start (and the judge's command line
 in `ps`). Elsewhere (the Python API, the pytest plugin, a `--workers` pool's process), torch is
 imported by the server only once a torch candidate has been loaded (a respawn, another torch
-candidate in the same judge), so a one-candidate NumPy run does not pay for it. Every server imports JAX once a JAX candidate has
-been loaded (0.55 s of each later JAX candidate process's start, of which a test run starts
-dozens). Importing JAX starts no thread: its backend does, at a process's first computation,
-which happens in the candidate processes only (and JAX installs its at-fork warning only then).
-Forking a threaded process can deadlock, so a server whose imports started a thread refuses to
-fork, and the judge starts fresh interpreters from then on.
+candidate in the same judge), so a one-candidate NumPy run does not pay for it. Every server
+imports JAX once a JAX candidate has been loaded (0.55 s of each later JAX candidate process's
+start, of which a test run starts dozens). Importing JAX starts no thread: its backend does, at a
+process's first computation, which happens in the candidate processes only (and JAX installs its
+at-fork warning only then). Forking a threaded process can deadlock, so a server whose imports
+started a thread refuses to fork, and the judge starts fresh interpreters from then on.
 
 `ATTNCHECK_FORK_SERVER=0` turns it off (fresh interpreters, as before); the judge also falls back
 to them for good if the server cannot be started or dies.
@@ -386,10 +386,11 @@ def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
     import importlib
 
     if request["preload"]:
-        threads = _threads()
+        before = _thread_ids()
         for name in request["preload"]:
             importlib.import_module(name)  # before the fork: every later candidate process has it
-        if _threads() > threads:
+        after = _thread_ids()
+        if before is not None and after is not None and not after <= before:  # where /proc cannot say, nothing is refused
             raise OSError(f"importing {', '.join(request['preload'])} started a thread: the server forks no more")
     read_fd, write_fd, output_fd = fds
     server = os.getpid()
@@ -413,9 +414,7 @@ def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
         os.dup2(devnull, 0)
         os.dup2(output_fd, 1)
         os.dup2(output_fd, 2)
-        keep = sorted({0, 1, 2, read_fd, write_fd})
-        for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
-            os.closerange(low + 1, high)
+        _close_all_but(read_fd, write_fd)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -451,9 +450,7 @@ def serve_forked(fd: int) -> NoReturn:
         devnull = os.open(os.devnull, os.O_RDWR)
         for std in (0, 1, 2):
             os.dup2(devnull, std)
-        keep = sorted({0, 1, 2, fd})
-        for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
-            os.closerange(low + 1, high)
+        _close_all_but(fd)
         _fresh_stdio()
         env = environment()
         os.environ.clear()
@@ -504,12 +501,11 @@ def _thread_ids() -> frozenset[str] | None:
         return None
 
 
-def _threads() -> int:
-    """The threads of this process (one where /proc cannot say: nothing is refused then)."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return 1
+def _close_all_but(*fds: int) -> None:
+    """Close every descriptor of this process but 0, 1, 2 and `fds`."""
+    keep = sorted({0, 1, 2, *fds})
+    for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
+        os.closerange(low + 1, high)
 
 
 def _await_session(pid: int) -> bool:
