@@ -423,3 +423,25 @@ def test_the_recipe_for_torchs_own_module_that_the_contract_error_gives_passes_t
         main(["forward", "--impl", f"{tmp_path / 'torch_own.py'}:MultiheadAttention"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert ended.value.code == 0 and re.match(r"PASS +(\d+) of \1 checks pass +\[", last), last  # every check, none unsupported
+
+
+def test_the_recipe_for_torchs_own_encoder_layer_that_the_contract_error_gives_passes_the_layer_suite(tmp_path, capsys):
+    # The same for `--module transformer_encoder_layer --impl torch.nn:TransformerEncoderLayer`: the
+    # contract error prints the lines that build torch's own layer from the contract, and those
+    # lines, as printed, pass the layer's default suite in all three commands (it has no backward).
+    import re
+    import textwrap
+
+    from attncheck.cli import main
+    from attncheck.kinds.encoder_layer import TORCH_LAYER_HINT
+
+    with pytest.raises(SystemExit) as ended:
+        main(["forward", "--module", "transformer_encoder_layer", "--impl", "torch.nn:TransformerEncoderLayer"])
+    printed = capsys.readouterr().err
+    assert ended.value.code == 2 and TORCH_LAYER_HINT.strip() in re.sub(r"(?m)^error: ", "", printed), printed
+    recipe = textwrap.dedent(TORCH_LAYER_HINT.split(":\n", 1)[1])
+    (tmp_path / "torch_own_layer.py").write_text(recipe + "\n")
+    with pytest.raises(SystemExit) as ended:
+        main(["run", "--module", "transformer_encoder_layer", "--impl", f"{tmp_path / 'torch_own_layer.py'}:TransformerEncoderLayer"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert ended.value.code == 0 and re.match(r"PASS +(\d+) of \1 checks pass +\[", last), last  # every check, none unsupported

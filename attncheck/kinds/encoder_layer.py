@@ -13,6 +13,20 @@ from attncheck.kinds.mha import attention_shapes
 from attncheck.layer_reference import ATTENTION_PREFIX
 
 
+# Added to the contract error of `--impl torch.nn:TransformerEncoderLayer`: torch's own class is built by its
+# own constructor, so it needs these lines (examples/torch_encoder_layer.py, which passes the layer's
+# default suite in all three commands; tests/test_adapt_modules.py runs the recipe as printed).
+TORCH_LAYER_HINT = """
+torch's own nn.TransformerEncoderLayer takes its parameters from attncheck by their own names once built from the contract; in a file of yours (as examples/torch_encoder_layer.py):
+    import torch
+
+    class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
+        def __init__(self, params, *, num_heads, batch_first, **options):
+            some = next(iter(params.values()))
+            super().__init__(nhead=num_heads, batch_first=batch_first, dtype=some.dtype, device=some.device, **options)
+            self.load_state_dict(params)"""
+
+
 class EncoderLayerKind(ModuleKind):
     name = "transformer_encoder_layer"
     torch_name = "nn.TransformerEncoderLayer"
@@ -31,6 +45,11 @@ class EncoderLayerKind(ModuleKind):
     )
 
     default_suite = ("default_layer_suite.yaml", "<default layer suite>", "default-layer-suite")
+
+    def contract_hint(self, spec: str) -> str:
+        target, _, attr = spec.rpartition(":")
+        own = attr == "TransformerEncoderLayer" and target in ("torch.nn", "torch.nn.modules", "torch.nn.modules.transformer")
+        return TORCH_LAYER_HINT if own else ""
 
     def describe(self, cfg) -> tuple[str, str]:
         shape = f"E={cfg.embed_dim} H={cfg.num_heads} F={cfg.dim_feedforward_eff} B={cfg.effective_batch} L={cfg.tgt_len}"
