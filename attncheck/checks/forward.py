@@ -55,7 +55,7 @@ def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bo
     elif weights is not None:
         report.rows.append(Row("forward", "attn_weights", FAIL, reason=Reason.CONTRACT, note="need_weights is false: expected None"))
     report.rows.extend(kind.forward_rows(cfg, w, session, obj, out, t_out, rule))
-    report.rows.extend(fast_path_rows(cfg, w, out, weights, rule, o_out, o_weights, masked))
+    report.rows.extend(fast_path_rows(cfg, w, (out, weights), (t_out, t_weights), rule, (o_out, o_weights), masked))
     report.rows.extend(dtype_rows("forward", cfg, returned, report.framework))
     report.rows.extend(repeat_rows(report, "forward", session, obj, cfg, w, backward=False))
     if cfg.probes_run:
@@ -101,29 +101,30 @@ def lse_rows(cfg: Config, w, lse, t_lse, rule, o_lse) -> list[Row]:
     return rows + [row]
 
 
-def fast_path_rows(cfg, w, out, weights, rule, o_out, o_weights, masked) -> list[Row]:
-    """torch's inference fast path against the candidate, where torch would take it."""
+def fast_path_rows(cfg, w, candidate, standard, rule, oracle, masked) -> list[Row]:
+    """torch's inference fast path against the candidate, where torch would take it. Each of
+    `candidate`, `standard` (torch's standard path) and `oracle` is (output, attention weights).
+    torch ships both paths, so the candidate is held to the less accurate of the two (`also`)."""
     if not kind_of(cfg).has_fast_path:
         return []
     blocker = torch_side.fast_path_blocker(cfg)
     if blocker is not None:
         return [Row("fast-path", "output", SKIPPED, note=f"torch takes no fast path here: {blocker}")]
-    f_out, f_weights = torch_side.forward_fast_path(cfg, w)
+    fast = torch_side.forward_fast_path(cfg, w)
+    names = ("output", "attn_weights") if cfg.need_weights else ("output",)
+    nan_rows = (w.undefined, weights_rows(cfg, masked) if masked.any() else None)
     rows = []
-    pairs = [("output", out, f_out, o_out, w.undefined)]
-    if cfg.need_weights:
-        pairs.append(("attn_weights", weights, f_weights, o_weights, weights_rows(cfg, masked) if masked.any() else None))
-    for name, mine, fast, oracle, rows_nan in pairs:
+    for i, name in enumerate(names):
+        mine, theirs, std, o, rows_nan = candidate[i], fast[i], standard[i], oracle[i], nan_rows[i]
         note = ""
         if masked.any() and not cfg.need_weights:
             # The fast path gives NaN for fully masked rows where the SDPA path gives zeros: rows
             # with no defined value, so compare the other rows only.
-            keep = ~np.isnan(fast)
+            keep = ~np.isnan(theirs)
             note = "fully masked rows: NaN on torch's fast path, zeros on its standard path; other rows compared"
-            mine, fast = np.where(keep, mine, 0).astype(mine.dtype), np.where(keep, fast, 0).astype(fast.dtype)
-            oracle = None if oracle is None else np.where(keep, oracle, 0)
-            rows_nan = None
-        row = compare("fast-path", name, mine, fast, rule, oracle=oracle, nan_ok=rows_nan)
-        row.note = row.note or note
+            zero = lambda a: None if a is None else np.where(keep, a, 0).astype(a.dtype)  # noqa: E731
+            mine, theirs, std, o, rows_nan = zero(mine), zero(theirs), zero(std), zero(o), None
+        row = compare("fast-path", name, mine, theirs, rule, oracle=o, nan_ok=rows_nan, also=std)
+        row.note = "; ".join(filter(None, [row.note, note]))
         rows.append(row)
     return rows
