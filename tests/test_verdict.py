@@ -12,6 +12,7 @@ import attncheck
 from attncheck.cli import EXIT_INCONCLUSIVE, EXIT_MISMATCH, EXIT_OK, exit_code
 from attncheck.config import Config
 from attncheck.junit import to_junit
+from attncheck.reference import MultiheadAttention as Reference
 from attncheck.pytest_plugin import Check
 from attncheck.report import (FAIL, INCONCLUSIVE, INFO, NOT_PROVIDED, PASS, SKIPPED, UNSUPPORTED, Report, Row, Status, SuiteResult,
                               aggregate, capabilities, case_verdict)  # fmt: skip
@@ -106,3 +107,32 @@ def test_a_suite_a_case_and_a_capability_take_their_verdict_from_their_checks():
     assert SuiteResult("s", ("forward",), reports[2:3]).verdict is UNSUPPORTED
     [shapes] = capabilities(reports)
     assert shapes.verdict is FAIL and shapes.unsupported == (("a", "grad", "no weights here"), ("b", "forward", "no weights here"))
+
+
+class _Backward(Reference):
+    """The reference, its backward returning only the gradients named in KEEP."""
+
+    KEEP: tuple[str, ...] = ()
+
+    def backward(self, grad_output):
+        return {k: v for k, v in super().backward(grad_output).items() if k in self.KEEP}
+
+
+class ReturnsNoGradient(_Backward):
+    KEEP = ()
+
+
+class ReturnsTheInputGradientOnly(_Backward):
+    KEEP = ("query", "key", "value")  # torch's `input`, in self-attention
+
+
+def test_a_backward_that_returns_no_gradient_is_never_a_pass():
+    # Found by a new user: `backward` returning {} got "PASS all 2 compared quantities agree (18 not
+    # provided)" and exit 0; only the forward output and the loss had been compared.
+    none = attncheck.check(None, "grad", impl=ReturnsNoGradient)
+    assert none.verdict is INCONCLUSIVE and exit_code(none.verdict) == EXIT_INCONCLUSIVE
+    assert [r.quantity for r in none.rows_with(INCONCLUSIVE)] == ["gradients"]
+    assert attncheck.check(None, "grad", impl=ReturnsNoGradient, strict=True).verdict is FAIL
+    # one gradient given is judged, and the others are "not provided" as documented
+    some = attncheck.check(None, "grad", impl=ReturnsTheInputGradientOnly)
+    assert some.verdict is PASS and some.rows_with(NOT_PROVIDED) and not some.rows_with(INCONCLUSIVE)

@@ -19,7 +19,7 @@ from attncheck.dtypes import HALF
 from attncheck.errors import CandidateProblem
 from attncheck.inputs import Workload, lse_magnitude, loss_magnitude, total_loss
 from attncheck.kinds import kind_of
-from attncheck.report import FAIL, NOT_PROVIDED, LossStep, Quantity, Reason, Report, Row
+from attncheck.report import FAIL, INCONCLUSIVE, NOT_PROVIDED, LossStep, Quantity, Reason, Report, Row
 
 
 def grad_quantities(cfg: Config, name: str, per_head: bool) -> list[tuple[Quantity, tuple]]:
@@ -138,6 +138,11 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
                                        candidate_nan_ok=spread,
                                        rounding=floor_of(moves, name, index)))  # fmt: skip
 
+    if not strict and all(cand.get(name) is None for name in t.grads):
+        # Each gradient left out is "not provided", not failed; with none given, grad judged no
+        # gradient at all, and a check that proved nothing of what it checks is never a pass.
+        report.rows.append(Row("grad", "gradients", INCONCLUSIVE, reason=Reason.MISSING,
+                               note=f"none of {', '.join(t.grads)} was returned: grad judged no gradient"))  # fmt: skip
     note = kind_of(cfg).input_gradients(cfg, grads)[1]
     if note:
         report.notes.append(note)
@@ -155,9 +160,9 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
 
         def again() -> dict[str, np.ndarray | None]:
             out2, _, grads2 = run_grad(session, cfg, w)
-            return {"output": out2, **{k: v for k, v in all_gradients(cfg, grads2).items() if k in t.grads}}
+            return {"output": out2, **{k: v for k, v in all_gradients(cfg, grads2).items() if k in first}}
 
-        first = {"output": out, **{k: v for k, v in cand.items() if k in t.grads}}
+        first = {"output": out, **{k: v for k, v in cand.items() if k in t.grads and v is not None}}  # what was returned
         report.rows.extend(probes.grad_probes(probes.Probing(run, session, first, within, 0.0), again))
     del obj  # nor the candidate's, through the float64 finite differences
     report.rows.extend(finding_rows("grad", session))
