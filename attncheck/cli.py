@@ -207,7 +207,7 @@ def _run(
     """Run commands over every case of a config or suite, render, write outputs, pick the exit code."""
     from attncheck.config import load_suite
     from attncheck.config.config_file import impl_file
-    from attncheck.files import check_outputs, check_writable, json_text, write_atomic
+    from attncheck.files import check_outputs, json_text, write_reports
     from attncheck.suite import chosen_cases, parse_shard, prepare, shard
 
     try:
@@ -255,19 +255,29 @@ def _run(
     from attncheck.remote import stop_all
 
     stop_all()  # the candidates' processes end before any file is written: none outlives the run to touch one
+    reports = []
     if json_path is not None:
         data = result.reports[0].to_dict() if single and result.reports else result.to_dict()
-        write_atomic(json_path, json_text(data) + "\n")
+        reports.append(("--json", json_path, json_text(data) + "\n"))
     if junit_path is not None:
         from attncheck.junit import to_junit
 
-        write_atomic(junit_path, to_junit(result))
+        reports.append(("--junit", junit_path, to_junit(result)))
+    try:
+        write_reports(reports)
+        if plot_path is not None:
+            from attncheck.plot import write_plots
+
+            written = write_plots(result.reports, plot_path, every_row=plot_all)
+    except UsageError as err:
+        typer.echo(f"error: {err}", err=True)
+        return EXIT_USAGE
+    except OSError as err:  # a plot's file: each is written whole, the reports already are
+        typer.echo(f"error: --plot {str(plot_path)!r}: could not be written ({err.strerror or err})", err=True)
+        return EXIT_USAGE
     for option, path in replaced:  # a report file of an earlier run: replaced whole, and said so
         typer.echo(f"{option}: replaced the existing {str(path)!r}", err=True)
     if plot_path is not None:
-        from attncheck.plot import write_plots
-
-        written = write_plots(result.reports, plot_path, every_row=plot_all)
         if not written:
             typer.echo("plot: nothing failed, nothing drawn (--plot-all draws every quantity)", err=True)
         for path in written:

@@ -78,6 +78,36 @@ def _nested(value: Any, indent: str) -> str:
 
 def write_atomic(path: Path, text: str | bytes) -> None:
     """Write text (or bytes) to a temporary file beside `path`, then rename it into place."""
+    tmp = _staged(path, text)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_reports(files: list[tuple[str, Path, str | bytes]]) -> None:
+    """Write the (option, path, text) report files of a run: each to a temporary file beside its
+    path first, then all renamed into place, so a write that fails (a full disk, a directory
+    removed, a path `os.access` let through) leaves no report file, not one of two. That failure
+    is a UsageError naming the option and the path."""
+    staged: list[str] = []
+    try:
+        for option, path, text in files:
+            try:
+                staged.append(_staged(path, text))
+            except OSError as err:
+                raise UsageError(f"{option} {str(path)!r}: could not be written ({err.strerror or err}); "
+                                 f"no report file was written") from None  # fmt: skip
+        for tmp, (_, path, _) in zip(staged, files):
+            os.replace(tmp, path)
+    finally:
+        for tmp in staged:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _staged(path: Path, text: str | bytes) -> str:
+    """`text` written whole to a new temporary file beside `path`, with the mode `path` would get: its name."""
     fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, _mode_for(path))
@@ -86,10 +116,10 @@ def write_atomic(path: Path, text: str | bytes) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return tmp
 
 
 class QuietWhenClosed:

@@ -19,6 +19,7 @@ import attncheck.checks
 import attncheck.checks.forward
 import attncheck.suite
 import attncheck.cli
+import attncheck.files
 from attncheck.cli import app
 from attncheck.config import MEMORY_LIMIT_ENV
 from attncheck.errors import ConfigError
@@ -218,3 +219,22 @@ def test_a_failed_atomic_write_keeps_the_old_file_and_no_temporary(tmp_path, mon
         write_atomic(out, "new")
     assert out.read_text() == "old"
     assert leftovers(tmp_path) == ["out.json"]
+
+
+def test_a_report_that_cannot_be_written_at_the_end_exits_2_and_leaves_no_report(tmp_path, monkeypatch):
+    # Found by a new user: `--junit /proc/x.xml` passes the check before any work (os.access, as
+    # root), then mkstemp raised after the run: exit 3, a traceback, and the JSON written alone.
+    staged = attncheck.files._staged
+
+    def full_disk(path, text):
+        if path.suffix == ".xml":
+            raise OSError(28, "No space left on device")
+        return staged(path, text)
+
+    monkeypatch.setattr(attncheck.files, "_staged", full_disk)
+    old = tmp_path / "r.json"
+    old.write_text("old")
+    result = run("forward", "--case", "basic", "--json", old, "--junit", tmp_path / "r.xml")
+    assert result.exit_code == 2, result.output
+    assert "--junit" in result.output and "No space left on device" in result.output and "Traceback" not in result.output
+    assert old.read_text() == "old" and leftovers(tmp_path) == ["r.json"]  # neither report, no temporary
