@@ -7,6 +7,7 @@ import sys
 from attncheck.candidate import candidate_from_object
 from attncheck.checks import run_check
 from attncheck.config import Config
+from attncheck.checks.grad import NAN_SPREAD_REMEDY
 from attncheck.report import FAIL, INCONCLUSIVE, PASS, Report
 
 
@@ -28,6 +29,7 @@ def assert_agrees(report: Report, *, spreads_nan: bool = False) -> None:
         unjudged = [r for r in report.rows if r.status == INCONCLUSIVE]
         assert unjudged and all("spread from the NaN" in r.note or "not finite" in r.note for r in unjudged), problems
         assert not report.failures, problems
+        assert NAN_SPREAD_REMEDY in report.notes, report.notes  # what to do about it, said once
         return
     assert report.verdict == PASS, (report.verdict, problems, report.notes)
 

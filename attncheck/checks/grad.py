@@ -49,6 +49,14 @@ def grad_quantities(cfg: Config, name: str, per_head: bool) -> list[tuple[Quanti
     return quantities
 
 
+# Said once per check whose gradients a candidate's own NaN left unjudged (exit 4 for that check).
+NAN_SPREAD_REMEDY = ("The candidate gives NaN in query rows with no allowed key, and its backward spreads that NaN into the "
+                     "gradients, which cannot be judged where it reaches (torch's are taken where such rows get zero weight). "
+                     "To have them judged, give such rows zero weight in the backward (attncheck's reference does) and in the "
+                     "output where torch does (need_weights: false, its SDPA path), or declare them unsupported by raising "
+                     "NotImplementedError (attncheck.adapt.refuse_fully_masked_rows does, for a module).")
+
+
 def not_returned(section: str, quantity: Quantity | str, strict: bool) -> Row:
     """A gradient the candidate did not return: not provided, or a failure under `strict`."""
     return Row(section, quantity, FAIL if strict else NOT_PROVIDED, missing=True, reason=Reason.MISSING, note="not returned by backward()")
@@ -168,4 +176,6 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     report.rows.extend(finding_rows("grad", session))
     report.rows.extend(finite_difference_rows(cfg, run.candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict,
                                               spread, notes=report.notes, logit_magnitude=logits, grad_scale=grad_scale))  # fmt: skip
+    if spread and report.rows_with(INCONCLUSIVE):
+        report.notes.append(NAN_SPREAD_REMEDY)
     return run.finish()

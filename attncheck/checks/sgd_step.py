@@ -9,7 +9,7 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.candidate import Candidate, Session
 from attncheck.checks.calls import dtype_rows, finding_rows
-from attncheck.checks.grad import grad_quantities, gradient_rounding
+from attncheck.checks.grad import NAN_SPREAD_REMEDY, grad_quantities, gradient_rounding
 from attncheck.checks.rounding import floor_of
 from attncheck.checks.run import CheckRun, oracle_config
 from attncheck.compare import compare, decide, measure, rule_for, sgd_rule
@@ -17,7 +17,7 @@ from attncheck.config import Config
 from attncheck.dtypes import eps as machine_eps
 from attncheck.errors import CandidateProblem
 from attncheck.inputs import Workload, loss_and_grad
-from attncheck.report import LossStep, Report
+from attncheck.report import INCONCLUSIVE, LossStep, Report
 from attncheck.sgd import SGD, sgd_options
 
 
@@ -161,6 +161,8 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
     if loss_row.max_abs_at:
         loss_row.note = (loss_row.note + "; " if loss_row.note else "") + f"largest difference at step {loss_row.max_abs_at[0] + 1}"
     report.rows.append(loss_row)
+    if mine.nan_where_undefined and report.rows_with(INCONCLUSIVE):
+        report.notes.append(NAN_SPREAD_REMEDY)
     if last < n:
         report.notes.append(f"weights judged at steps 1-{last} of {n}: {why}. Lower lr, steps or input_scale to judge them all.")
     report.rows.extend(dtype_rows("sgd", cfg, mine.returned, report.framework))
