@@ -17,7 +17,7 @@ from rich.text import Text
 from attncheck.files import QuietWhenClosed
 from attncheck.kinds import kind_of
 from attncheck.report import (FAIL, INCONCLUSIVE, INFO, NOT_PROVIDED, PASS, SKIPPED, UNSUPPORTED, Capability, Reason, Report, Row,
-                              Status, SuiteResult, capabilities, case_verdict, failure_lines)  # fmt: skip
+                              SuiteResult, capabilities, case_verdict, failure_lines)  # fmt: skip
 
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", NOT_PROVIDED: "yellow", SKIPPED: "dim", INFO: "cyan",
                  INCONCLUSIVE: "bold magenta", UNSUPPORTED: "yellow"}  # fmt: skip
@@ -184,10 +184,11 @@ def details(report: Report, limit: int | None = None) -> list[Any]:
     """Each failing row in the one failure shape (report.failure_lines), `limit` of them when given
     (then a line saying how many more): those whose diagnosis points somewhere first, since "everywhere"
     or none says least; each other note, one line."""
-    lines = []
+    lines: list[Any] = []
     failing = [r for r in report.rows if r.failed]
     pointed = sorted(failing, key=lambda r: not r.diagnosis or r.diagnosis.startswith("everywhere"))  # stable: run order within
     shown = {id(r) for r in pointed[:limit]}  # all of them when limit is None
+    noted: dict[tuple, list[Row]] = {}  # rows of one section and status with the same note: one line
     for r in report.rows:
         if r.failed:
             if id(r) not in shown:
@@ -196,7 +197,13 @@ def details(report: Report, limit: int | None = None) -> list[Any]:
             lines.append(Padding(Text(head, style=_STATUS_STYLE[r.status]), (0, 0, 0, 2), expand=False))
             lines += [Padding(Text(line), (0, 0, 0, 4), expand=False) for line in rest]
         elif r.note and not (r.status == PASS and r.rule_kind == "finite-diff"):  # that note only restates the table
-            lines.append(Text(f"  {r.section} {r.quantity}: {r.note}", style=_STATUS_STYLE[r.status]))
+            key = (r.section, r.status, r.note)
+            if key not in noted:
+                noted[key] = []
+                lines.append(key)  # rendered below, once every row that shares it is known
+            noted[key].append(r)
+    lines = [Text(f"  {key[0]} {', '.join(str(r.quantity) for r in noted[key])}: {key[2]}", style=_STATUS_STYLE[key[1]])
+             if isinstance(key, tuple) else key for key in lines]  # fmt: skip
     if limit is not None and len(failing) > limit:
         lines.append(Text(f"  ... and {len(failing) - limit} more failing quantities in this shape (--verbose shows them)", style="dim"))
     return lines
