@@ -52,7 +52,8 @@ def check(
     from attncheck.suite import prepare
 
     # The arrays behind each row stay on the report, for plots and the user's own inspection.
-    return prepare(suite, (command,), impl=_candidate(impl, suite.cases[0].config)).run(options, keep_evidence=True).reports[0]
+    plan = prepare(suite, (command,), impl=_candidate(impl, suite.cases[0].config), impl_origin="attncheck.check()")
+    return plan.run(options, keep_evidence=True).reports[0]
 
 
 def _one_case(config: Config | Mapping[str, Any] | str | PathLike | None) -> Suite:

@@ -246,6 +246,7 @@ MAX_LIVE = 4
 def process_for(spec: str, origin: str | None = None) -> CandidateProcess:
     """The process of one candidate, started and loaded on first use, then reused."""
     process = _PROCESSES.pop(spec, None) or CandidateProcess(spec, origin)
+    process.origin = origin  # where this use wrote the SPEC: what a load error names
     _PROCESSES[spec] = process  # the most recently used last
     for stale in list(_PROCESSES)[:-MAX_LIVE]:
         _PROCESSES.pop(stale).stop()  # a session still holding it may start it again

@@ -83,19 +83,22 @@ def with_overrides(cfg: Config, overrides: dict[str, Any] | None, source: str = 
 
 
 def plan(
-    suite: Suite, commands: tuple[str, ...], *, impl: str | Candidate | None = None, overrides: dict[str, Any] | None = None
+    suite: Suite, commands: tuple[str, ...], *, impl: str | Candidate | None = None, overrides: dict[str, Any] | None = None,
+    impl_origin: str | None = None,
 ) -> tuple[list[Job], list[Case]]:
     """The jobs to run (case x command, case-major) and the skipped cases, in suite order.
 
     `overrides` replace config keys in every case (the command line's --tolerance, --framework,
     --device), validated as the config file's own keys are. A case whose check would not fit in
-    memory is a ConfigError here, before any work.
+    memory is a ConfigError here, before any work. `impl_origin` names where `impl` was given
+    for its load errors (the Python API's `attncheck.check()`); they name `--impl` otherwise.
     """
     jobs, skipped = [], []
     cases = []
+    given = ", ".join(f"{key}={value}" for key, value in (overrides or {}).items())  # --set and the options that set keys
     for case in suite.cases:
         if case.config is not None and overrides:
-            case = replace(case, config=with_overrides(case.config, overrides, f"{suite.source}: case {case.name!r} with --set and options"))
+            case = replace(case, config=with_overrides(case.config, overrides, f"{suite.source}: case {case.name!r} with {given}"))
         cases.append(case)
     check_suite_memory(replace(suite, cases=cases))
     for case in cases:
@@ -105,6 +108,7 @@ def plan(
         cfg = case.config
         spec = impl if impl is not None else cfg.impl
         origin = f"{suite.source}:{case.impl_line}" if impl is None and cfg.impl is not None and case.impl_line else None
+        origin = impl_origin if impl is not None else origin
         from attncheck.kinds import kind_of
 
         # With several commands (`run`: everything the module supports), one the kind has no use
@@ -134,11 +138,12 @@ class Plan:
 
 
 def prepare(
-    suite: Suite, commands: tuple[str, ...], *, impl: str | Candidate | None = None, overrides: dict[str, Any] | None = None
+    suite: Suite, commands: tuple[str, ...], *, impl: str | Candidate | None = None, overrides: dict[str, Any] | None = None,
+    impl_origin: str | None = None,
 ) -> Plan:
     """Plan a suite's checks and run every pre-flight check, before any work: overrides valid,
     memory enough, every candidate importable, every device present."""
-    jobs, skipped = plan(suite, commands, impl=impl, overrides=overrides)
+    jobs, skipped = plan(suite, commands, impl=impl, overrides=overrides, impl_origin=impl_origin)
     check_candidates(jobs)
     check_devices(jobs)
     return Plan(suite.name, commands, jobs, skipped)

@@ -89,3 +89,9 @@ def test_the_api_names_the_config_file_of_an_impl_it_cannot_load(project):
     config.write_text("impl: cand.py:Nope\n")
     with pytest.raises(UsageError, match=rf"^{re.escape(str(config))}:\d+: impl '.*cand.py:Nope': .* has no attribute 'Nope'"):
         attncheck.check(config)
+
+
+def test_the_api_names_its_own_impl_argument_not_the_command_lines_option(project):
+    # A new user's `attncheck.check(None, "forward", impl="nothere.py:X")` raised "--impl 'nothere.py:X': ...".
+    with pytest.raises(UsageError, match=r"^attncheck\.check\(\): impl 'gone\.py:Candidate': no such file"):
+        attncheck.check(None, "forward", impl="gone.py:Candidate")
