@@ -19,11 +19,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
 from attncheck.config import Config
 from attncheck.kinds import kind_of
+from attncheck import masks
 from attncheck.masks import additive
 
 # A relation fits when the candidate is the transformed expected value to within the row's own
@@ -162,6 +164,33 @@ def _value_suspects(base: type, cfg: Config) -> list[Suspect]:
     return suspects
 
 
+# ------------------------------------------------------------------------------ softmax
+SOFTMAX_AXIS_WORDS = ("the softmax is taken over the queries (axis -2) instead of the keys: each key's weights sum to 1 "
+                      "over the queries, not each query's over the keys")  # fmt: skip
+
+
+def _softmax_over_queries(base: type) -> dict:
+    """The attention core, dense, with the softmax over the query axis (forward only: the
+    diagnosis reruns forward)."""
+
+    def _attention_forward(self, qh, kh, vh, attn_mask, kpm, need_weights, average_attn_weights):
+        G, L, _ = qh.shape
+        logits = np.matmul(qh * self.scale, kh.transpose(0, 2, 1))  # (G, L, S)
+        mask = masks.added(attn_mask, None if kpm is None else kpm[masks.group_batches(0, G, self.H)][:, None, :])
+        if mask is not None:
+            logits = logits + mask
+        with np.errstate(invalid="ignore", over="ignore"):
+            p = np.exp(logits - logits.max(axis=-2, keepdims=True))
+            p /= p.sum(axis=-2, keepdims=True)
+        weights = None
+        if need_weights:
+            weights = p.reshape(G // self.H, self.H, L, -1)
+            weights = weights.mean(axis=1) if average_attn_weights else weights
+        return np.matmul(p, vh), weights, SimpleNamespace(logit_magnitude=None)
+
+    return {"_attention_forward": _attention_forward}
+
+
 # ------------------------------------------------------------------------------ masks
 def _mask_suspects(cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None) -> list[Suspect]:
     """Each mask ignored or (bool) read inverted; a per-group mask taken in the wrong group order."""
@@ -207,6 +236,8 @@ class Suspects:
             self.suspects += [Suspect(words, detail, methods) for words, detail, methods in HEAD_LAYOUTS]
         if callable(getattr(base, "_attention_forward", None)):
             self.suspects += _scale_suspects(base, cfg)
+            if cfg.tgt_len > 1:  # one query: its softmax over the queries is 1 everywhere, not a bug's shape
+                self.suspects.append(Suspect(SOFTMAX_AXIS_WORDS, methods=_softmax_over_queries(base)))
         if all(hasattr(base, name) for name in ("_in_projection_forward", "forward")):
             self.suspects += _value_suspects(base, cfg)
         if not cfg.unbatched and cfg.effective_batch > 1 and callable(getattr(base, "_to_internal", None)):

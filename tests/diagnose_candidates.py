@@ -91,3 +91,25 @@ class ZeroKeyWeightDropped(MultiheadAttention):
         weights = weights.copy()
         weights[..., -1] = 0
         return out, weights
+
+
+class SoftmaxOverQueries:
+    """Written out densely (not the reference's core): the softmax is taken over the query axis,
+    so each key's weights sum to 1 over the queries. Batch-first inputs, no masks."""
+
+    def __init__(self, params, *, num_heads, embed_dim, **kwargs):
+        self.p, self.H, self.E = params, num_heads, embed_dim
+
+    def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, need_weights=True, average_attn_weights=True):
+        if attn_mask is not None or key_padding_mask is not None:
+            raise NotImplementedError("no masks")
+        (B, L, E), S, H = query.shape, key.shape[1], self.H
+        W, b = self.p["in_proj_weight"], self.p["in_proj_bias"]
+        heads = lambda x, i, n: (x @ W[i * E:(i + 1) * E].T + b[i * E:(i + 1) * E]).reshape(B, n, H, E // H).transpose(0, 2, 1, 3)  # noqa: E731
+        q, k, v = heads(query, 0, L), heads(key, 1, S), heads(value, 2, S)
+        logits = q @ k.transpose(0, 1, 3, 2) / np.sqrt(E // H)
+        p = np.exp(logits - logits.max(axis=-2, keepdims=True))
+        p /= p.sum(axis=-2, keepdims=True)  # the bug: axis -2 (queries), where softmax runs over -1 (keys)
+        out = (p @ v).transpose(0, 2, 1, 3).reshape(B, L, E) @ self.p["out_proj.weight"].T + self.p["out_proj.bias"]
+        weights = (p.mean(axis=1) if average_attn_weights else p) if need_weights else None
+        return out.astype(query.dtype), None if weights is None else weights.astype(query.dtype)

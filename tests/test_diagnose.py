@@ -41,6 +41,7 @@ from tests.diagnose_candidates import (
     OutBiasGradNegated,
     OutProjGradTransposed,
     QGradTimesSqrtD,
+    SoftmaxOverQueries,
     ZeroKeyWeightDropped,
 )
 
@@ -132,7 +133,8 @@ CORPUS = {
 CAUSES = ["heads split", "heads merged", "heads permuted", "laid out head-major", "is read head-major", "wrong order",
           "is ignored", "read inverted", "off by one", "averaged over the batch", "dropout", "sign flip", "transposed",
           "shifted by one", "swapped with", "x expected", "logits are", "are read as",
-          "value is projected", "gives weight to", "gives them weight", "positions torch masks", "ambiguous"]  # fmt: skip
+          "value is projected", "gives weight to", "gives them weight", "positions torch masks", "ambiguous",
+          "softmax is taken over"]  # fmt: skip
 
 
 def _wrong_words(diagnosis: str, expected: list[str], config) -> list[str]:
@@ -192,6 +194,8 @@ DIAGNOSES = [
     (OutBiasGradNegated, "grad", {}, "out_proj.bias", ["sign flip"]),
     (HeadTwoQGradZero, "grad", {}, "in_proj_weight[q]", ["only in head 2 (of 4)", "only in rows 12-17 (of 24)"]),
     (KeyPaddingIgnored, "forward", dict(key_padding_mask="random"), "attn_weights", ["the key_padding_mask (2, 5) is ignored"]),
+    (SoftmaxOverQueries, "forward", {}, "output", ["the softmax is taken over the queries (axis -2) instead of the keys"]),
+    (SoftmaxOverQueries, "forward", PER_HEAD, "attn_weights", ["the softmax is taken over the queries (axis -2) instead of the keys"]),
     (KeyPaddingIgnored, "forward", dict(key_padding_mask="random"), "output", ["the key_padding_mask (2, 5) is ignored"]),
     (wrong_impls.HeadsSplitByReshape, "forward", dict(embed_dim=12, num_heads=3, batch_size=3), "output",
      ["heads split with a plain reshape (no transpose)", "merged back with a plain reshape"]),
