@@ -95,6 +95,20 @@ HEAD_LAYOUTS = (  # (words, detail, methods)
 )  # fmt: skip
 
 
+def _query_split_by_reshape(base: type) -> dict:
+    """The query's heads alone split with a plain reshape; the key's and value's as torch splits them."""
+
+    def _in_projection_forward(self, x_q, x_k, x_v):
+        qh, kh, vh = base._in_projection_forward(self, x_q, x_k, x_v)
+        return _split_by_reshape(self, base._merge_heads(self, qh, x_q.shape[0])), kh, vh
+
+    return {"_in_projection_forward": _in_projection_forward}
+
+
+QUERY_SPLIT_WORDS = ("the query's heads split with a plain reshape (no transpose), the key's and value's with it: head h "
+                     "of the query takes the flat features h*L*D onward")  # fmt: skip
+
+
 # ------------------------------------------------------------------------------ logits
 def _logits_scaled(base: type, factor: float) -> dict:
     """The attention core with the logits multiplied by `factor` (q scaled before q k^T)."""
@@ -234,6 +248,8 @@ class Suspects:
         base = kind_of(cfg).reference
         if cfg.num_heads > 1 and all(callable(getattr(base, name, None)) for name in ("_split_heads", "_merge_heads")):
             self.suspects += [Suspect(words, detail, methods) for words, detail, methods in HEAD_LAYOUTS]
+            if callable(getattr(base, "_in_projection_forward", None)):
+                self.suspects.append(Suspect(QUERY_SPLIT_WORDS, methods=_query_split_by_reshape(base)))
         if callable(getattr(base, "_attention_forward", None)):
             self.suspects += _scale_suspects(base, cfg)
             if cfg.tgt_len > 1:  # one query: its softmax over the queries is 1 everywhere, not a bug's shape

@@ -93,9 +93,12 @@ class ZeroKeyWeightDropped(MultiheadAttention):
         return out, weights
 
 
-class SoftmaxOverQueries:
-    """Written out densely (not the reference's core): the softmax is taken over the query axis,
-    so each key's weights sum to 1 over the queries. Batch-first inputs, no masks."""
+class _Dense:
+    """Multi-head attention written out densely (not the reference's code), batch-first, no masks,
+    with one bug a subclass switches on."""
+
+    SOFTMAX_AXIS = -1  # the keys
+    QUERY_SPLIT_BY_RESHAPE = False
 
     def __init__(self, params, *, num_heads, embed_dim, **kwargs):
         self.p, self.H, self.E = params, num_heads, embed_dim
@@ -105,11 +108,26 @@ class SoftmaxOverQueries:
             raise NotImplementedError("no masks")
         (B, L, E), S, H = query.shape, key.shape[1], self.H
         W, b = self.p["in_proj_weight"], self.p["in_proj_bias"]
-        heads = lambda x, i, n: (x @ W[i * E:(i + 1) * E].T + b[i * E:(i + 1) * E]).reshape(B, n, H, E // H).transpose(0, 2, 1, 3)  # noqa: E731
-        q, k, v = heads(query, 0, L), heads(key, 1, S), heads(value, 2, S)
+        project = lambda x, i: x @ W[i * E:(i + 1) * E].T + b[i * E:(i + 1) * E]  # noqa: E731
+        heads = lambda x, n: x.reshape(B, n, H, E // H).transpose(0, 2, 1, 3)  # noqa: E731
+        q = project(query, 0).reshape(B, H, L, E // H) if self.QUERY_SPLIT_BY_RESHAPE else heads(project(query, 0), L)
+        k, v = heads(project(key, 1), S), heads(project(value, 2), S)
         logits = q @ k.transpose(0, 1, 3, 2) / np.sqrt(E // H)
-        p = np.exp(logits - logits.max(axis=-2, keepdims=True))
-        p /= p.sum(axis=-2, keepdims=True)  # the bug: axis -2 (queries), where softmax runs over -1 (keys)
+        p = np.exp(logits - logits.max(axis=self.SOFTMAX_AXIS, keepdims=True))
+        p /= p.sum(axis=self.SOFTMAX_AXIS, keepdims=True)
         out = (p @ v).transpose(0, 2, 1, 3).reshape(B, L, E) @ self.p["out_proj.weight"].T + self.p["out_proj.bias"]
         weights = (p.mean(axis=1) if average_attn_weights else p) if need_weights else None
         return out.astype(query.dtype), None if weights is None else weights.astype(query.dtype)
+
+
+class SoftmaxOverQueries(_Dense):
+    """The softmax is taken over the query axis: each key's weights sum to 1 over the queries."""
+
+    SOFTMAX_AXIS = -2
+
+
+class QuerySplitByReshape(_Dense):
+    """The query's heads alone are split with a plain reshape (B, L, E) -> (B, H, L, D); the key's
+    and value's with the transpose."""
+
+    QUERY_SPLIT_BY_RESHAPE = True

@@ -41,6 +41,7 @@ from tests.diagnose_candidates import (
     OutBiasGradNegated,
     OutProjGradTransposed,
     QGradTimesSqrtD,
+    QuerySplitByReshape,
     SoftmaxOverQueries,
     ZeroKeyWeightDropped,
 )
@@ -196,6 +197,8 @@ DIAGNOSES = [
     (KeyPaddingIgnored, "forward", dict(key_padding_mask="random"), "attn_weights", ["the key_padding_mask (2, 5) is ignored"]),
     (SoftmaxOverQueries, "forward", {}, "output", ["the softmax is taken over the queries (axis -2) instead of the keys"]),
     (SoftmaxOverQueries, "forward", PER_HEAD, "attn_weights", ["the softmax is taken over the queries (axis -2) instead of the keys"]),
+    (QuerySplitByReshape, "forward", {}, "output", ["the query's heads split with a plain reshape"]),
+    (QuerySplitByReshape, "forward", PER_HEAD, "attn_weights", ["the query's heads split with a plain reshape"]),
     (KeyPaddingIgnored, "forward", dict(key_padding_mask="random"), "output", ["the key_padding_mask (2, 5) is ignored"]),
     (wrong_impls.HeadsSplitByReshape, "forward", dict(embed_dim=12, num_heads=3, batch_size=3), "output",
      ["heads split with a plain reshape (no transpose)", "merged back with a plain reshape"]),
