@@ -213,3 +213,60 @@ def test_a_kernels_failure_says_which_heads_it_is_confined_to():
     (output,) = [r for r in report.failures if r.parameter == "output"]
     # h // 3 = 0 0 0 1 1 1 against h % 2 = 0 1 0 1 0 1: heads 1 and 4 read the other key-value head
     assert output.diagnosis == "only in heads 1, 4 (of 6)", output.diagnosis
+
+
+# ------------------------------------------------------------------- the finite differences' float64
+class LseInFloat32(ScaledDotProductAttention):
+    """FlashAttention's convention, which the contract allows: the LSE in float32 whatever the dtype."""
+
+    def forward(self, *args, **kwargs):
+        result = super().forward(*args, **kwargs)
+        return (result[0], result[1].astype(np.float32)) if isinstance(result, tuple) else result
+
+
+class RefusesFloat64(ScaledDotProductAttention):
+    """FlashAttention takes no float64."""
+
+    def forward(self, query, *args, **kwargs):
+        if np.asarray(query).dtype == np.float64:
+            raise NotImplementedError("float32 accumulators only")
+        return super().forward(query, *args, **kwargs)
+
+
+class Float32Inside(ScaledDotProductAttention):
+    """Computes in float32 whatever the inputs, and returns the inputs' dtype."""
+
+    def forward(self, query, key, value, *args, **kwargs):
+        self._dtype = np.asarray(query).dtype
+        result = super().forward(*(np.asarray(a, dtype=np.float32) for a in (query, key, value)), *args, **kwargs)
+        return tuple(r.astype(self._dtype) for r in result) if isinstance(result, tuple) else result.astype(self._dtype)
+
+    def backward(self, grad_out, grad_lse=None):
+        narrow = lambda a: None if a is None else np.asarray(a, dtype=np.float32)  # noqa: E731
+        return {k: g.astype(self._dtype) for k, g in super().backward(narrow(grad_out), narrow(grad_lse)).items()}
+
+
+class WrongKeyGradient(LseInFloat32):
+    """The key's gradient doubled: torch's and the oracle's rows catch it without finite differences."""
+
+    def backward(self, grad_out, grad_lse=None):
+        grads = super().backward(grad_out, grad_lse)
+        return {**grads, "key": 2 * grads["key"]}
+
+
+@pytest.mark.parametrize("kernel, why", [
+    (LseInFloat32, "its LSE is float32"),
+    (RefusesFloat64, "declares float64 unsupported (float32 accumulators only)"),
+    (Float32Inside, "times float64 rounding (float32 arithmetic inside?)"),
+])  # fmt: skip
+def test_a_kernel_whose_float64_call_is_not_float64_is_judged_without_finite_differences(kernel, why):
+    # A new user's FlashAttention-style kernels: the LSE in float32 failed the finite-difference
+    # rows (float32 rounding over a step of 1e-6), a kernel refusing float64 had grad unsupported,
+    # and one computing in float32 inside failed them: each is correct, and its gradients agree.
+    report = run_check("grad", _cfg(return_lse=True, num_heads=4, num_kv_heads=2), Candidate(kernel.__name__, kernel))
+    assert report.verdict == "pass", [(r.section, r.quantity, r.status, r.note) for r in report.rows if r.status != "pass"]
+    assert {r.quantity for r in report.rows if r.section == "grad" and r.status == "pass"} >= {"query", "key", "value"}
+    [fd] = [r for r in report.rows if r.section == "finite-diff"]
+    assert fd.status == "info" and why in fd.note and "judged against torch's and the float64 oracle's" in fd.note
+    wrong = run_check("grad", _cfg(return_lse=True), Candidate("wrong-key", WrongKeyGradient))
+    assert wrong.verdict == "fail" and [r.quantity for r in wrong.failures] == ["key"]

@@ -19,7 +19,7 @@ from attncheck.dtypes import HALF
 from attncheck.errors import CandidateProblem
 from attncheck.inputs import Workload, lse_magnitude, loss_magnitude, total_loss
 from attncheck.kinds import kind_of
-from attncheck.report import FAIL, INCONCLUSIVE, NOT_PROVIDED, LossStep, Quantity, Reason, Report, Row
+from attncheck.report import FAIL, INCONCLUSIVE, NOT_PROVIDED, PASS, LossStep, Quantity, Reason, Report, Row
 
 
 def grad_quantities(cfg: Config, name: str, per_head: bool) -> list[tuple[Quantity, tuple]]:
@@ -120,14 +120,14 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     o_grads = None if o_grads is None else all_gradients(cfg, o_grads)
     # torch's output comes from the path its gradients were taken on (ModuleKind.gradient_config).
     t_cfg = kind_of(cfg).gradient_config(cfg, w)
-    report.rows.append(compare_output("forward", t_cfg, w, out, t.output, forward_rule, o_out))
+    output_row = compare_output("forward", t_cfg, w, out, t.output, forward_rule, o_out)
+    report.rows.append(output_row)
     scale = loss_magnitude(cfg, t.output, w.target, w.undefined)
     if t.second is not None:
         scale += lse_magnitude(t.second, w.target_lse, w.lse_undefined)
-    report.rows.append(
-        compare("forward", "loss", np.array(loss, dtype=out.dtype), np.array(t.loss, dtype=t.output.dtype), forward_rule,
-                oracle=None if o_loss is None else np.array(o_loss), scale=scale)
-    )  # fmt: skip
+    loss_row = compare("forward", "loss", np.array(loss, dtype=out.dtype), np.array(t.loss, dtype=t.output.dtype), forward_rule,
+                       oracle=None if o_loss is None else np.array(o_loss), scale=scale)  # fmt: skip
+    report.rows.append(loss_row)
     report.losses.append(LossStep(0, loss, t.loss))
 
     cand = all_gradients(cfg, grads)
@@ -175,7 +175,8 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     del obj  # nor the candidate's, through the float64 finite differences
     report.rows.extend(finding_rows("grad", session))
     report.rows.extend(finite_difference_rows(cfg, run.candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict,
-                                              spread, notes=report.notes, logit_magnitude=logits, grad_scale=grad_scale))  # fmt: skip
+                                              spread, notes=report.notes, logit_magnitude=logits, grad_scale=grad_scale,
+                                              forward_agrees=all(r.status == PASS for r in (output_row, loss_row))))  # fmt: skip
     if spread and report.rows_with(INCONCLUSIVE):
         report.notes.append(NAN_SPREAD_REMEDY)
     return run.finish()
