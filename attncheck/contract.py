@@ -49,6 +49,20 @@ def _mismatch(target: Any, args: tuple, kwargs: dict[str, Any], bound_self: bool
     return None
 
 
+def _forward_arguments(kind, cfg) -> tuple[tuple, dict[str, Any]]:
+    """The kind's forward call with placeholders, its extra arrays included (the decode kernel's
+    cache_seqlens, block_table, rotary tables): each named as the kind asks for it."""
+    extras: dict[str, Any] = {}
+    while True:
+        try:
+            return kind.forward_arguments(cfg, _Named("query"), _Named("key"), _Named("value"), None, None, **extras)
+        except KeyError as missing:  # an extra array this config passes
+            name = missing.args[0]
+            if name in extras:
+                raise
+            extras[name] = _Named(name)
+
+
 def breach(cfg, factory: Any) -> str:
     """Why the kind's calls cannot reach `factory` (see the module's docstring); "" when they can
     or its signatures do not say."""
@@ -73,7 +87,7 @@ def breach(cfg, factory: Any) -> str:
         else:
             return ""  # no forward (a failing row of every check says so), or one of another kind
         called = f"{name}(...).forward"
-    args, kwargs = kind.forward_arguments(cfg, _Named("query"), _Named("key"), _Named("value"), None, None)
+    args, kwargs = _forward_arguments(kind, cfg)
     wrong = _mismatch(forward, args, kwargs, bound_self)
     if wrong is None or kind.unsupported_call(cfg, f"TypeError: {wrong[1]}") is not None:
         return ""

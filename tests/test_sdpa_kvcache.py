@@ -190,3 +190,14 @@ def test_decode_keys_are_refused_for_other_modules():
 def test_the_reference_spec_loads_and_runs_in_the_judge():
     candidate = load_candidate("attncheck.reference.kvcache:flash_attn_with_kvcache")
     assert candidate.builtin and run_check("forward", _cfg(rotary="interleaved", causal="lower_right"), candidate).verdict == "pass"
+
+
+def test_a_function_of_another_kinds_signature_is_one_contract_error_before_any_check(tmp_path):
+    # A new user's varlen function handed as the decode kernel failed all 18 checks alike with
+    # "multiple values for argument 'k'": the pre-flight's call had no cache_seqlens to pass.
+    path = tmp_path / "kernels.py"
+    path.write_text("def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False):\n"
+                    "    raise AssertionError('not reached')\n")  # fmt: skip
+    result = CliRunner().invoke(app, ["forward", "--module", "sdpa_kvcache", "--impl", f"{path}:varlen"])
+    assert result.exit_code == 2, result.output
+    assert "does not fit the contract of `module: sdpa_kvcache`" in result.output and "multiple values for argument 'k'" in result.output
