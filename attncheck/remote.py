@@ -243,10 +243,13 @@ _EVERY: weakref.WeakSet[CandidateProcess] = weakref.WeakSet()  # evicted ones to
 MAX_LIVE = 4
 
 
-def process_for(spec: str, origin: str | None = None) -> CandidateProcess:
-    """The process of one candidate, started and loaded on first use, then reused."""
+def process_for(spec: str, origin: str | None = None, *, loading: bool = False) -> CandidateProcess:
+    """The process of one candidate, started and loaded on first use, then reused. `loading`: a
+    run loads it (start_loading, load), and `origin` is where that run wrote the SPEC, which its
+    load errors name; other uses keep the origin it has."""
     process = _PROCESSES.pop(spec, None) or CandidateProcess(spec, origin)
-    process.origin = origin  # where this use wrote the SPEC: what a load error names
+    if loading:
+        process.origin = origin
     _PROCESSES[spec] = process  # the most recently used last
     for stale in list(_PROCESSES)[:-MAX_LIVE]:
         _PROCESSES.pop(stale).stop()  # a session still holding it may start it again
@@ -257,7 +260,7 @@ def start_loading(spec: str, origin: str | None = None) -> None:
     """Start the candidate's process importing it, and return at once: the judge meanwhile imports
     its own torch, unless it has already (attncheck.forkserver.fork_from_here), and the two imports
     share the cores. `load` collects the result."""
-    process = process_for(spec, origin)
+    process = process_for(spec, origin, loading=True)
     if process.process is None:
         try:
             process.spawn()
@@ -268,7 +271,7 @@ def start_loading(spec: str, origin: str | None = None) -> None:
 def load(spec: str, origin: str | None = None) -> Candidate:
     """The candidate a SPEC names, loaded in its own process, before any check: what the judge
     may know of it. One that cannot be imported there is a UsageError (exit 2)."""
-    process = process_for(spec, origin)
+    process = process_for(spec, origin, loading=True)
     try:
         process.ensure()
     except CandidateError as exc:
