@@ -51,11 +51,14 @@ def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, 
     torch_side.require_device(cfg)
     with torch_side.deterministic(cfg):
         try:
-            return which.check(cfg, candidate, **options_for(command, options))
+            report = which.check(cfg, candidate, **options_for(command, options))
         except TracerLeak as leak:  # its process was replaced, and calls it op by op from now on
             report = which.check(cfg, candidate, **options_for(command, options))
             report.notes.append(str(leak))
-            return report
+    claim = None if embedded else kind.claim_note(cfg, candidate)
+    if claim:
+        report.notes.insert(0, claim)
+    return report
 
 
 __all__ = ["run_check", "check_forward", "check_grad", "check_sgd"]

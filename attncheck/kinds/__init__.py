@@ -149,6 +149,12 @@ class ModuleKind:
         """Why a case of the default suite does not apply to this candidate (None: it does)."""
         return None
 
+    def claim_note(self, cfg: Config, candidate: Any) -> str | None:
+        """Where a user's config checks what the candidate declares it does not implement (a case
+        the default suite would skip: unsupported_case): a note for its report, which checks the
+        config as written (None: nothing to say)."""
+        return None
+
     def unsupported_call(self, cfg: Config, raised: str) -> str | None:
         """Why a call that raised `raised` (e.g. "TypeError: ...") is an unsupported option, not a bug (None: it is a bug)."""
         return None

@@ -194,6 +194,13 @@ class FunctionKind(ModuleKind):
         return (f"{name} declares causal_alignment = {declared!r}; this default-suite case checks causal {cfg.causal} with "
                 f"L={cfg.tgt_len} != S={cfg.S}, where the two differ (set causal_alignment, or check it with a config's causal:)")
 
+    def claim_note(self, cfg, candidate) -> str | None:
+        if self.unsupported_case(cfg, candidate) is None:
+            return None
+        name = candidate.spec.rpartition(":")[2]
+        return (f"{name} declares causal_alignment = {candidate.causal_alignment!r}; this config checks causal {cfg.causal} "
+                f"with L={cfg.tgt_len} != S={cfg.S}, as written, where the two alignments differ")
+
     def unsupported_call(self, cfg, raised: str) -> str | None:
         """A TypeError for a FlashAttention keyword the function does not take: it has no such
         option (F.scaled_dot_product_attention takes no window_size), which is a gap, not a bug."""
