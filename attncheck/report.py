@@ -27,7 +27,7 @@ class Status(str, enum.Enum):
     unsupported   the candidate declared the feature unsupported (it raised NotImplementedError)
     not provided  the candidate returned no value for an optional quantity (rows only)
     skipped       torch has nothing to compare against here (rows only)
-    info          a fact about the run that judges nothing (rows only)
+    info          a fact about the run that judges nothing (rows, and a probe that only reported)
     """
 
     PASS = "pass"
@@ -455,6 +455,8 @@ def probe_capabilities(reports: list[Report]) -> list[Capability]:
         nowhere = all(row.status is SKIPPED for _, row in found)
         if nowhere:
             verdict = SKIPPED
+        elif reported and all(row.status in (INFO, SKIPPED) for _, row in found):
+            verdict = INFO  # it only reported differences nothing promised against: not "nothing proven"
         table.append(Capability(f"probe: {probe}", cases, (), verdict, checks, reported, skipped,
                                 why.pop() if nowhere and len(why) == 1 else ""))  # fmt: skip
     return table

@@ -136,3 +136,20 @@ def test_a_backward_that_returns_no_gradient_is_never_a_pass():
     # one gradient given is judged, and the others are "not provided" as documented
     some = attncheck.check(None, "grad", impl=ReturnsTheInputGradientOnly)
     assert some.verdict is PASS and some.rows_with(NOT_PROVIDED) and not some.rows_with(INCONCLUSIVE)
+
+
+def test_a_probe_that_only_reported_differences_is_info_not_inconclusive():
+    # A new user's nondeterministic kernel: the run passed, and the capability table said its
+    # determinism probe was "inconclusive" where every row only reported (nothing promised).
+    from attncheck.report import probe_capabilities
+
+    def probed(name: str, status: Status) -> Report:
+        return Report("forward", name, "mine:Impl", Config(name=name),
+                      rows=[Row("forward", "output", PASS), Row("probe", "determinism", status, note="differs")])  # fmt: skip
+
+    [reported] = probe_capabilities([probed("a", INFO), probed("b", SKIPPED)])
+    assert reported.verdict is INFO and reported.reported == ("a",)
+    [mixed] = probe_capabilities([probed("a", INFO), probed("b", PASS)])
+    assert mixed.verdict is PASS
+    [failed] = probe_capabilities([probed("a", INFO), probed("b", FAIL)])
+    assert failed.verdict is FAIL
