@@ -254,27 +254,31 @@ def _run(
 
     from attncheck.remote import stop_all
 
-    stop_all()  # the candidates' processes end before any file is written: none outlives the run to touch one
-    reports = []
-    if json_path is not None:
-        data = result.reports[0].to_dict() if single and result.reports else result.to_dict()
-        reports.append(("--json", json_path, json_text(data) + "\n"))
-    if junit_path is not None:
-        from attncheck.junit import to_junit
-
-        reports.append(("--junit", junit_path, to_junit(result)))
     try:
+        stop_all()  # the candidates' processes end before any file is written: none outlives the run to touch one
+        reports = []
+        if json_path is not None:
+            data = result.reports[0].to_dict() if single and result.reports else result.to_dict()
+            reports.append(("--json", json_path, json_text(data) + "\n"))
+        if junit_path is not None:
+            from attncheck.junit import to_junit
+
+            reports.append(("--junit", junit_path, to_junit(result)))
+        if plot_path is not None:
+            from attncheck.plot import plot_files, write_plot_files
+
+            plots = plot_files(result.reports, plot_path, every_row=plot_all)  # drawn before any file is written
         write_reports(reports)
         if plot_path is not None:
-            from attncheck.plot import write_plots
-
-            written = write_plots(result.reports, plot_path, every_row=plot_all)
+            written = write_plot_files(plots, plot_path)
     except UsageError as err:
         typer.echo(f"error: {err}", err=True)
         return EXIT_USAGE
     except OSError as err:  # a plot's file: each is written whole, the reports already are
         typer.echo(f"error: --plot {str(plot_path)!r}: could not be written ({err.strerror or err})", err=True)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # typer would turn it into a silent exit 130
+        return _interrupted()
     for option, path in replaced:  # a report file of an earlier run: replaced whole, and said so
         typer.echo(f"{option}: replaced the existing {str(path)!r}", err=True)
     if plot_path is not None:

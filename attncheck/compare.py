@@ -278,9 +278,9 @@ def measure(
         with np.errstate(invalid="ignore"):
             cand_err = np.where(ok, np.abs(a - o), 0.0)
             torch_err = np.where(ok, np.abs(e - o), 0.0)
+            own_err = torch_err  # this path's alone
             if other is not None:
                 other_err = np.where(ok & other_ok, np.abs(other - o), 0.0)
-                other_wider = bool(np.nanmax(other_err, initial=0.0) > np.nanmax(torch_err, initial=0.0))
                 torch_err = np.maximum(torch_err, other_err)
         cand_err = np.where(np.isnan(cand_err), np.inf, cand_err)
         torch_err = np.where(np.isnan(torch_err), np.inf, torch_err)
@@ -288,6 +288,9 @@ def measure(
         row.candidate_error = float(cand_err.max()) if o.size else 0.0
         row.torch_error = float(torch_err.max()) if o.size else 0.0
         row.allowed = rule.factor * row.torch_error + max(rule.floor * scale, rounding)
+        if other is not None and o.size:  # said only where this path's error alone would not have allowed the candidate's
+            own = float(np.where(np.isnan(own_err), np.inf, own_err).max())
+            other_wider = row.candidate_error > rule.factor * own + max(rule.floor * scale, rounding)
         row.rounding_floor = rounding or None
         row.ratio = _ratio(row.candidate_error, row.allowed)
         bad = cand_err > row.allowed

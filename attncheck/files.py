@@ -90,7 +90,8 @@ def write_reports(files: list[tuple[str, Path, str | bytes]]) -> None:
     """Write the (option, path, text) report files of a run: each to a temporary file beside its
     path first, then all renamed into place, so a write that fails (a full disk, a directory
     removed, a path `os.access` let through) leaves no report file, not one of two. That failure
-    is a UsageError naming the option and the path."""
+    is a UsageError naming the option and the path. A rename that fails after all (the path made a
+    directory during the run) is one too, and says which report is in place."""
     staged: list[str] = []
     try:
         for option, path, text in files:
@@ -99,8 +100,14 @@ def write_reports(files: list[tuple[str, Path, str | bytes]]) -> None:
             except OSError as err:
                 raise UsageError(f"{option} {str(path)!r}: could not be written ({err.strerror or err}); "
                                  f"no report file was written") from None  # fmt: skip
-        for tmp, (_, path, _) in zip(staged, files):
-            os.replace(tmp, path)
+        placed: list[str] = []
+        for tmp, (option, path, _) in zip(staged, files):
+            try:
+                os.replace(tmp, path)
+            except OSError as err:
+                done = f"{' and '.join(placed)} written" if placed else "no report file was written"
+                raise UsageError(f"{option} {str(path)!r}: could not be written ({err.strerror or err}); {done}") from None
+            placed.append(f"{option} {str(path)!r}")
     finally:
         for tmp in staged:
             Path(tmp).unlink(missing_ok=True)

@@ -180,14 +180,17 @@ def _hatch(ax, masked: np.ndarray) -> None:
 
 
 def write_plots(reports: list[Report], path: Path, *, every_row: bool = False) -> list[Path]:
-    """Draw the figures of every report and write them: one multi-page file (.pdf), one file per
-    figure named after PATH (.png, .svg; PATH itself when there is one figure), or one PNG per
-    figure in a directory. Returns the files written."""
-    from attncheck.files import write_atomic
+    """Draw the figures of every report and write them (`plot_files`, `write_plot_files`)."""
+    return write_plot_files(plot_files(reports, path, every_row=every_row), path)
 
+
+def plot_files(reports: list[Report], path: Path, *, every_row: bool = False) -> list[tuple[Path, bytes]]:
+    """The figures of every report drawn, as (file, contents), nothing written yet: one multi-page
+    file (.pdf), one file per figure named after PATH (.png, .svg; PATH itself when there is one
+    figure), or one PNG per figure in a directory. Drawing is the slow part: a run draws them all
+    before it writes any file, so that Ctrl-C meanwhile leaves none."""
     named = [item for report in reports for item in figures(report, every_row=every_row)]
     suffix = path.suffix.lower()
-    written = []
     if suffix == ".pdf":
         from matplotlib.backends.backend_pdf import PdfPages
 
@@ -195,18 +198,26 @@ def write_plots(reports: list[Report], path: Path, *, every_row: bool = False) -
         with PdfPages(buffer) as pdf:
             for _, fig in named:
                 pdf.savefig(fig)
-        if named:
-            write_atomic(path, buffer.getvalue())
-            written.append(path)
-        return written
+        return [(path, buffer.getvalue())] if named else []
     if suffix in (".png", ".svg"):
         targets = [path] if len(named) == 1 else [path.with_name(f"{path.stem}-{_slug(name)}{suffix}") for name, _ in named]
     else:
-        path.mkdir(parents=True, exist_ok=True)
         targets = [path / f"{_slug(name)}.png" for name, _ in named]
+    files = []
     for target, (_, fig) in zip(targets, named):
         buffer = io.BytesIO()
         fig.savefig(buffer, format=target.suffix[1:], dpi=110)
-        write_atomic(target, buffer.getvalue())
-        written.append(target)
-    return written
+        files.append((target, buffer.getvalue()))
+    return files
+
+
+def write_plot_files(files: list[tuple[Path, bytes]], path: Path) -> list[Path]:
+    """Write what `plot_files` drew for PATH, each file whole; PATH is made a directory unless it
+    names a file (.pdf, .png, .svg). Returns the files written."""
+    from attncheck.files import write_atomic
+
+    if path.suffix.lower() not in (".pdf", ".png", ".svg"):
+        path.mkdir(parents=True, exist_ok=True)
+    for target, data in files:
+        write_atomic(target, data)
+    return [target for target, _ in files]

@@ -109,3 +109,19 @@ def test_plot_without_matplotlib_is_a_usage_error(tmp_path, monkeypatch):
 def test_bad_plot_options_are_usage_errors(args, fragment):
     result = runner.invoke(app, ["forward", *args])
     assert result.exit_code == 2 and fragment in result.output
+
+
+def test_ctrl_c_while_the_plots_are_drawn_leaves_no_file_and_says_so(tmp_path, monkeypatch):
+    # The reports were renamed into place before the figures were drawn, and typer turned the
+    # KeyboardInterrupt into a silent exit 130: both reports written, no message (drawing
+    # --plot-all over the default suite takes about a second).
+    import attncheck.plot
+
+    def interrupted(report, every_row=False):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attncheck.plot, "figures", interrupted)
+    result = runner.invoke(app, ["forward", "--case", "basic", "--plot", str(tmp_path / "plots"), "--plot-all",
+                                 "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml")])  # fmt: skip
+    assert result.exit_code == 130 and "interrupted; no output file was written" in result.output, result.output
+    assert list(tmp_path.iterdir()) == []

@@ -80,6 +80,24 @@ def test_fast_path_skipped_with_torchs_reason(overrides, reason):
     assert row.status == "skipped" and reason in row.note
 
 
+def test_the_standard_paths_allowance_is_noted_only_where_it_decided():
+    # The note said "the candidate is allowed the less accurate one's error" wherever torch's
+    # standard path was further from the oracle, by any amount: on the default config's
+    # attn_weights at a ratio of 0.009, and 10 times on the default suite for the reference.
+    from attncheck.compare import Budget, measure
+
+    o = np.linspace(-1.0, 1.0, 8)
+    fast, standard = o + 1e-3, o + 1e-1  # torch's errors: 1e-3 and 1e-1
+    rule = Budget(2.0, 0.0)
+    inside = measure("fast-path", "output", o + 1e-3, fast, rule, oracle=o, also=standard)
+    wider = measure("fast-path", "output", o + 1e-2, fast, rule, oracle=o, also=standard)
+    beyond = measure("fast-path", "output", o + 1.0, fast, rule, oracle=o, also=standard)
+    assert not inside.mismatched and "standard path" not in inside.note
+    assert not wider.mismatched and "standard path" in wider.note  # 1e-2 > 2 x 1e-3: the standard path's allowance let it in
+    assert beyond.mismatched and "standard path" in beyond.note  # what it was allowed, and why that much
+    assert not any("standard path" in r.note for r in _rows(check_forward(cfg()), "fast-path").values())
+
+
 def test_fast_path_nan_rows_differ_legitimately_from_the_sdpa_path():
     report = check_forward(cfg(key_padding_mask="full_row", need_weights=False))
     assert report.passed

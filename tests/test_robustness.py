@@ -238,3 +238,21 @@ def test_a_report_that_cannot_be_written_at_the_end_exits_2_and_leaves_no_report
     assert result.exit_code == 2, result.output
     assert "--junit" in result.output and "No space left on device" in result.output and "Traceback" not in result.output
     assert old.read_text() == "old" and leftovers(tmp_path) == ["r.json"]  # neither report, no temporary
+
+
+def test_a_report_path_made_a_directory_during_the_run_is_named_with_what_was_written(tmp_path, monkeypatch):
+    # The rename into place failed after the JSON's: "error: --plot 'None': could not be written
+    # (Is a directory)", naming an option not given, and not the JSON left written alone.
+    ran = attncheck.cli._run_plan
+
+    def then_a_directory(*args, **kwargs):
+        result = ran(*args, **kwargs)
+        (tmp_path / "r.xml").mkdir()
+        return result
+
+    monkeypatch.setattr(attncheck.cli, "_run_plan", then_a_directory)
+    result = run("forward", "--case", "basic", "--json", tmp_path / "r.json", "--junit", tmp_path / "r.xml")
+    assert result.exit_code == 2, result.output
+    assert f"--junit {str(tmp_path / 'r.xml')!r}: could not be written" in result.output and "--plot" not in result.output
+    assert f"--json {str(tmp_path / 'r.json')!r} written" in result.output and "Traceback" not in result.output
+    assert leftovers(tmp_path) == ["r.json", "r.xml"] and (tmp_path / "r.xml").is_dir()  # no temporary left

@@ -153,3 +153,19 @@ def test_a_probe_that_only_reported_differences_is_info_not_inconclusive():
     assert mixed.verdict is PASS
     [failed] = probe_capabilities([probed("a", INFO), probed("b", FAIL)])
     assert failed.verdict is FAIL
+
+
+def test_an_sgd_step_that_no_gradient_moved_is_never_a_pass():
+    # In bfloat16 at lr 0.1 one step moves the weights less than the rule allows (16x torch's error,
+    # whose rounding of the updated weights dominates), so a backward returning {} got "PASS all 9
+    # compared quantities agree" on the default suite's bfloat16 case, and on 26 of its 39 cases
+    # under --set dtype=bfloat16.
+    from attncheck.config import load_suite
+
+    bf16 = next(case.config for case in load_suite(None).cases if case.name == "bfloat16")
+    none = attncheck.check(bf16, "sgd-step", impl=ReturnsNoGradient)
+    assert not none.failures  # every weight agreed with torch's, unmoved: what passed
+    assert none.verdict is INCONCLUSIVE and [r.quantity for r in none.rows_with(INCONCLUSIVE)] == ["gradients"]
+    assert attncheck.check(None, "sgd-step", impl=ReturnsNoGradient).verdict is FAIL  # float32: torch's step shows
+    assert attncheck.check(bf16, "sgd-step", impl=ReturnsTheInputGradientOnly).verdict is INCONCLUSIVE
+    assert attncheck.check(bf16, "sgd-step", impl=Reference).verdict is PASS

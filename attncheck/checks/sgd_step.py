@@ -17,7 +17,7 @@ from attncheck.config import Config
 from attncheck.dtypes import eps as machine_eps
 from attncheck.errors import CandidateProblem
 from attncheck.inputs import Workload, loss_and_grad
-from attncheck.report import INCONCLUSIVE, LossStep, Report
+from attncheck.report import INCONCLUSIVE, LossStep, Reason, Report, Row
 from attncheck.sgd import SGD, sgd_options
 
 
@@ -28,6 +28,7 @@ class Trajectory:
     returned: dict[str, np.dtype] = field(default_factory=dict)  # dtypes of what the candidate returned
     nan_where_undefined: bool = False  # its output had NaN where no value is defined (accepted there)
     first_grads: dict[str, np.ndarray] = field(default_factory=dict)  # the gradients of step 1, at the starting weights
+    updated: set[str] = field(default_factory=set)  # the parameters a returned gradient moved, at any step
 
 
 def train(session: Session, cfg: Config, w: Workload, optimizer: type = SGD) -> Trajectory:
@@ -47,6 +48,7 @@ def train(session: Session, cfg: Config, w: Workload, optimizer: type = SGD) -> 
         # The update runs in the parameters' dtype, as torch's does; a gradient in another dtype
         # is reported by the dtype row, not silently passed.
         params = opt.step(params, {k: np.asarray(v, dtype=params[k].dtype) for k, v in grads.items() if k in params})
+        traj.updated.update(k for k in grads if k in params)
         traj.losses.append(loss)
         traj.params.append(params)
     return traj
@@ -161,6 +163,11 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
     if loss_row.max_abs_at:
         loss_row.note = (loss_row.note + "; " if loss_row.note else "") + f"largest difference at step {loss_row.max_abs_at[0] + 1}"
     report.rows.append(loss_row)
+    if not mine.updated:
+        # Weights no gradient moved can still agree with torch's, where its step is within the rule
+        # (bfloat16 at lr 0.1, float32 at lr 1e-9): the check then judged nothing of what it checks.
+        report.rows.append(Row("sgd", "gradients", INCONCLUSIVE, reason=Reason.MISSING,
+                               note=f"none of {', '.join(t.params[0])} was returned: no weight was moved by a gradient"))  # fmt: skip
     if mine.nan_where_undefined and report.rows_with(INCONCLUSIVE):
         report.notes.append(NAN_SPREAD_REMEDY)
     if last < n:
