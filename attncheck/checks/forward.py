@@ -24,6 +24,8 @@ def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bo
     run = CheckRun.begin("forward", cfg, candidate)
     report, w, masked = run.report, run.w, run.masked
     t_out, t_weights = torch_side.forward(cfg, w)
+    other_cfg = kind_of(cfg).other_path(cfg)
+    t_other = None if other_cfg is None else torch_side.forward(other_cfg, w)[0]  # the same output by another path
     rule = rule_for(cfg, "forward")
     o_out = o_weights = None
     if rule.needs_oracle:
@@ -40,7 +42,7 @@ def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bo
     except CandidateProblem as err:
         return run.ended_at("forward", err)
     report.notes.extend(session.notes)
-    output_row = compare_output("forward", cfg, w, out, t_out, rule, o_out)
+    output_row = compare_output("forward", cfg, w, out, t_out, rule, o_out, also=(t_other,))
     report.rows.append(output_row)
     returned = {"output": out.dtype}
     kind = kind_of(cfg)
@@ -55,19 +57,20 @@ def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bo
     elif weights is not None:
         report.rows.append(Row("forward", "attn_weights", FAIL, reason=Reason.CONTRACT, note="need_weights is false: expected None"))
     report.rows.extend(kind.forward_rows(cfg, w, session, obj, out, t_out, rule))
-    report.rows.extend(fast_path_rows(cfg, w, (out, weights), (t_out, t_weights), rule, (o_out, o_weights), masked))
+    report.rows.extend(fast_path_rows(cfg, w, (out, weights), (t_out, t_weights), rule, (o_out, o_weights), masked, t_other))
     report.rows.extend(dtype_rows("forward", cfg, returned, report.framework))
     report.rows.extend(repeat_rows(report, "forward", session, obj, cfg, w, backward=False))
     if cfg.probes_run:
-        within = lambda name, a: compare_output(probes.SECTION, cfg, w, a, t_out, rule, o_out)  # noqa: E731
+        within = lambda name, a: compare_output(probes.SECTION, cfg, w, a, t_out, rule, o_out, also=(t_other,))  # noqa: E731
         probing = probes.Probing(run, session, {"output": out}, within, probes.budget_of(output_row, rule, t_out))
-        report.rows.extend(probes.forward_probes(probing, w, t_out, rule, o_out, compare_output))
+        report.rows.extend(probes.forward_probes(probing, w, t_out, rule, o_out, compare_output, t_other))
     report.rows.extend(finding_rows("forward", session))
     return run.finish()
 
 
-def compare_output(section: str, cfg: Config, w, out, t_out, rule, o_out) -> Row:
-    """The output against torch's, with the convention for rows that have no allowed key.
+def compare_output(section: str, cfg: Config, w, out, t_out, rule, o_out, also: tuple = ()) -> Row:
+    """The output against torch's, with the convention for rows that have no allowed key; `also`:
+    the same output on torch's other paths (compare.measure).
 
     On torch's standard path (need_weights) their NaN is explained by the masks. On its SDPA path
     they are zeros, and a candidate's NaN there is as good (no defined value), unless the config
@@ -75,12 +78,13 @@ def compare_output(section: str, cfg: Config, w, out, t_out, rule, o_out) -> Row
     """
     undefined = w.undefined
     if undefined is None or cfg.need_weights:
-        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined)
+        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined, also=also)
     if cfg.fully_masked_rows == "nan":
         t_out = np.where(undefined, np.nan, t_out).astype(t_out.dtype)
         o_out = None if o_out is None else np.where(undefined, np.nan, o_out)
-        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined)
-    return compare(section, "output", out, t_out, rule, oracle=o_out, undefined=None if cfg.fully_masked_rows == "zero" else undefined)
+        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined, also=also)
+    return compare(section, "output", out, t_out, rule, oracle=o_out, undefined=None if cfg.fully_masked_rows == "zero" else undefined,
+                   also=also)
 
 
 def lse_rows(cfg: Config, w, lse, t_lse, rule, o_lse) -> list[Row]:
@@ -101,10 +105,11 @@ def lse_rows(cfg: Config, w, lse, t_lse, rule, o_lse) -> list[Row]:
     return rows + [row]
 
 
-def fast_path_rows(cfg, w, candidate, standard, rule, oracle, masked) -> list[Row]:
+def fast_path_rows(cfg, w, candidate, standard, rule, oracle, masked, other_out=None) -> list[Row]:
     """torch's inference fast path against the candidate, where torch would take it. Each of
-    `candidate`, `standard` (torch's standard path) and `oracle` is (output, attention weights).
-    torch ships both paths, so the candidate is held to the less accurate of the two (`also`)."""
+    `candidate`, `standard` (torch's standard path) and `oracle` is (output, attention weights);
+    `other_out` the output on torch's other path (ModuleKind.other_path). torch ships them all, so
+    the candidate is held to the least accurate (`also`)."""
     if not kind_of(cfg).has_fast_path:
         return []
     blocker = torch_side.fast_path_blocker(cfg)
@@ -116,6 +121,7 @@ def fast_path_rows(cfg, w, candidate, standard, rule, oracle, masked) -> list[Ro
     rows = []
     for i, name in enumerate(names):
         mine, theirs, std, o, rows_nan = candidate[i], fast[i], standard[i], oracle[i], nan_rows[i]
+        other = other_out if name == "output" else None
         note = ""
         if masked.any() and not cfg.need_weights:
             # The fast path gives NaN for fully masked rows where the SDPA path gives zeros: rows
@@ -123,8 +129,8 @@ def fast_path_rows(cfg, w, candidate, standard, rule, oracle, masked) -> list[Ro
             keep = ~np.isnan(theirs)
             note = "fully masked rows: NaN on torch's fast path, zeros on its standard path; other rows compared"
             zero = lambda a: None if a is None else np.where(keep, a, 0).astype(a.dtype)  # noqa: E731
-            mine, theirs, std, o, rows_nan = zero(mine), zero(theirs), zero(std), zero(o), None
-        row = compare("fast-path", name, mine, theirs, rule, oracle=o, nan_ok=rows_nan, also=std)
+            mine, theirs, std, o, other, rows_nan = zero(mine), zero(theirs), zero(std), zero(o), zero(other), None
+        row = compare("fast-path", name, mine, theirs, rule, oracle=o, nan_ok=rows_nan, also=(std, other))
         row.note = "; ".join(filter(None, [row.note, note]))
         rows.append(row)
     return rows

@@ -97,6 +97,8 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     run = CheckRun.begin("grad", cfg, candidate)
     report, w = run.report, run.w
     t = torch_side.grad(cfg, w)
+    other_cfg = kind_of(cfg).other_path(cfg)
+    t_alt = None if other_cfg is None else torch_side.grad(other_cfg, w)  # torch's other path (compare.measure's `also`)
     forward_rule, grad_rule = rule_for(cfg, "forward"), rule_for(cfg, "grad")
     oracle, moves, logits = None, {}, 0.0
     w64 = w.astype(np.float64)
@@ -120,13 +122,15 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     o_grads = None if o_grads is None else all_gradients(cfg, o_grads)
     # torch's output comes from the path its gradients were taken on (ModuleKind.gradient_config).
     t_cfg = kind_of(cfg).gradient_config(cfg, w)
-    output_row = compare_output("forward", t_cfg, w, out, t.output, forward_rule, o_out)
+    also = lambda pick: () if t_alt is None else (pick(t_alt),)  # noqa: E731
+    output_row = compare_output("forward", t_cfg, w, out, t.output, forward_rule, o_out, also=also(lambda a: a.output))
     report.rows.append(output_row)
     scale = loss_magnitude(cfg, t.output, w.target, w.undefined)
     if t.second is not None:
         scale += lse_magnitude(t.second, w.target_lse, w.lse_undefined)
     loss_row = compare("forward", "loss", np.array(loss, dtype=out.dtype), np.array(t.loss, dtype=t.output.dtype), forward_rule,
-                       oracle=None if o_loss is None else np.array(o_loss), scale=scale)  # fmt: skip
+                       oracle=None if o_loss is None else np.array(o_loss), scale=scale,
+                       also=also(lambda a: np.array(a.loss, dtype=a.output.dtype)))  # fmt: skip
     report.rows.append(loss_row)
     report.losses.append(LossStep(0, loss, t.loss))
 
@@ -143,8 +147,8 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
                 continue
             o = None if o_grads is None else o_grads[name][index]
             report.rows.append(compare("grad", quantity, actual[index], expected[index], grad_rule, oracle=o, scale=grad_scale,
-                                       candidate_nan_ok=spread,
-                                       rounding=floor_of(moves, name, index)))  # fmt: skip
+                                       candidate_nan_ok=spread, rounding=floor_of(moves, name, index),
+                                       also=also(lambda a: a.grads[name][index])))  # fmt: skip
 
     if not strict and all(cand.get(name) is None for name in t.grads):
         # Each gradient left out is "not provided", not failed; with none given, grad judged no
@@ -161,10 +165,11 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
         def within(name: str, a: np.ndarray) -> Row:
             """A result of the determinism probe's second run, judged as the first run's."""
             if name == "output":
-                return compare_output(probes.SECTION, t_cfg, w, a, t.output, forward_rule, o_out)
+                return compare_output(probes.SECTION, t_cfg, w, a, t.output, forward_rule, o_out, also=also(lambda r: r.output))
             o = None if o_grads is None else o_grads.get(name)
             return compare(probes.SECTION, name, a, t.grads[name], grad_rule, oracle=o, scale=grad_scale,
-                           candidate_nan_ok=spread, rounding=floor_of(moves, name, (slice(None),)))  # fmt: skip
+                           candidate_nan_ok=spread, rounding=floor_of(moves, name, (slice(None),)),
+                           also=also(lambda r: r.grads[name]))  # fmt: skip
 
         def again() -> dict[str, np.ndarray | None]:
             out2, _, grads2 = run_grad(session, cfg, w)

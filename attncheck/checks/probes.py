@@ -294,8 +294,10 @@ def _oracle(cfg, w) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------- the checks
-def forward_probes(p: Probing, w, t_out: np.ndarray, rule: Rule, o_out: np.ndarray | None, compare_output) -> list[Row]:
-    """The probes the config names, for the forward check: each forward-only."""
+def forward_probes(p: Probing, w, t_out: np.ndarray, rule: Rule, o_out: np.ndarray | None, compare_output,
+                   t_other: np.ndarray | None = None) -> list[Row]:  # fmt: skip
+    """The probes the config names, for the forward check: each forward-only. `t_other`: torch's
+    output on its other path (ModuleKind.other_path), which `compare_output` also allows."""
     named, rows = p.cfg.probes_run, []
     if "determinism" in named:
         rows.append(determinism(p, lambda: {"output": p.session.build_and_forward(w)[0]}))
@@ -305,7 +307,8 @@ def forward_probes(p: Probing, w, t_out: np.ndarray, rule: Rule, o_out: np.ndarr
         def within_element(b: int, out_b: np.ndarray) -> Row:
             cfg_b, w_b = kind.batch_element(p.cfg, w, b)
             o_b = None if o_out is None else kind.output_element(p.cfg, o_out, b)
-            return compare_output(SECTION, cfg_b, w_b, out_b, kind.output_element(p.cfg, t_out, b), rule, o_b)
+            also = () if t_other is None else (kind.output_element(p.cfg, t_other, b),)
+            return compare_output(SECTION, cfg_b, w_b, out_b, kind.output_element(p.cfg, t_out, b), rule, o_b, also=also)
 
         rows.append(batch_invariance(p, w, within_element))
         rows.extend(invariance_switches(p, w))

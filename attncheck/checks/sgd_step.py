@@ -17,6 +17,7 @@ from attncheck.config import Config
 from attncheck.dtypes import eps as machine_eps
 from attncheck.errors import CandidateProblem
 from attncheck.inputs import Workload, loss_and_grad
+from attncheck.kinds import kind_of
 from attncheck.report import INCONCLUSIVE, LossStep, Reason, Report, Row
 from attncheck.sgd import SGD, sgd_options
 
@@ -113,6 +114,8 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
     run = CheckRun.begin("sgd-step", cfg, candidate)
     report, w = run.report, run.w
     t = torch_side.sgd(cfg, w)
+    other_cfg = kind_of(cfg).other_path(cfg)
+    t_alt = None if other_cfg is None else torch_side.sgd(other_cfg, w)  # torch's other path (compare.measure's `also`)
     oracle, moves = None, {}
     if rule_for(cfg, "sgd").needs_oracle:
         w64 = w.astype(np.float64)
@@ -138,7 +141,8 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
                 o = None if oracle is None else oracle.params[step - 1][name][index]
                 row = measure("sgd", quantity, mine.params[step - 1][name][index], t.params[step - 1][name][index], sgd_rule(cfg, step),
                               oracle=o, candidate_nan_ok=mine.nan_where_undefined,
-                              rounding=reach * step * floor_of(moves, name, index))  # fmt: skip
+                              rounding=reach * step * floor_of(moves, name, index),
+                              also=() if t_alt is None else (t_alt.params[step - 1][name][index],))  # fmt: skip
                 if row.mismatched:
                     first_bad = step
                     break  # the row shows the step that decided
@@ -157,7 +161,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
         k -= 1
     loss_row = compare(
         "sgd", f"loss (steps 1-{k})", np.array(mine.losses[:k]), np.array(t.losses[:k]), sgd_rule(cfg, k),
-        oracle=None if oracle is None else np.array(oracle.losses[:k]),
+        oracle=None if oracle is None else np.array(oracle.losses[:k]), also=() if t_alt is None else (np.array(t_alt.losses[:k]),),
     )  # fmt: skip
     loss_row.parameter = "loss"  # the label names the steps; what it compares is the loss
     if loss_row.max_abs_at:

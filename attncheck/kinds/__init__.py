@@ -149,6 +149,11 @@ class ModuleKind:
         """Why a case of the default suite does not apply to this candidate (None: it does)."""
         return None
 
+    def other_path(self, cfg: Config) -> Config | None:
+        """A config on which torch computes this call's output by another path, as valid: the
+        candidate is held to the least accurate (compare.measure's `also`). None: one path."""
+        return None
+
     def claim_note(self, cfg: Config, candidate: Any) -> str | None:
         """Where a user's config checks what the candidate declares it does not implement (a case
         the default suite would skip: unsupported_case): a note for its report, which checks the

@@ -165,6 +165,12 @@ class MultiheadAttentionKind(ModuleKind):
         return (f"{rows} of {total} query rows have every key masked: {fate}; NaN from a candidate is accepted there. "
                 "The loss leaves those output rows out.")
 
+    def other_path(self, cfg):
+        # need_weights picks the path, not the output: the standard path (softmax in the input's
+        # dtype, in half precision) or the SDPA one (torch's fused kernel), which differ by more
+        # than either's budget in half precision at large inputs (compare.measure's `also`).
+        return cfg.model_copy(update={"need_weights": not cfg.need_weights})
+
     def gradient_config(self, cfg, w):
         # need_weights=True softmaxes a row of -inf to NaN, and NaN * 0 spreads it through the
         # backward's matmuls into every gradient, although the loss leaves the row out. The SDPA
