@@ -141,3 +141,14 @@ def test_torchs_own_sdpa_path_passes_where_it_is_less_accurate_than_the_standard
         assert report.verdict in ("pass", "unsupported") and not report.failures, (command, [(r.section, r.quantity) for r in report.failures])
     forward = attncheck.check(settings, "forward", impl=example)
     assert any("another of torch's paths" in r.note for r in forward.rows if r.quantity == "output")
+
+
+def test_a_half_precision_failure_beyond_the_measured_scales_says_the_budgets_were_not_measured_there():
+    from attncheck.checks.run import HALF_LARGE_NOTE
+
+    wrong = "attncheck.testing.wrong_impls:HeadWeightsSummed"
+    beyond = attncheck.check(dict(dtype="float16", input_scale=12.0), "forward", impl=wrong)
+    assert beyond.verdict == "fail" and HALF_LARGE_NOTE in beyond.notes
+    within = attncheck.check(dict(dtype="float16", input_scale=4.0), "forward", impl=wrong)
+    assert within.verdict == "fail" and HALF_LARGE_NOTE not in within.notes
+    assert HALF_LARGE_NOTE not in attncheck.check(dict(dtype="float16", input_scale=12.0), "forward").notes  # a pass says nothing

@@ -18,12 +18,20 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.candidate import Candidate, Session, make_session, reference_for
 from attncheck.config import Config
+from attncheck.dtypes import HALF
 from attncheck.diagnose import diagnose_report, where_report
 from attncheck.errors import CandidateProblem, Unsupported
 from attncheck.frameworks import framework_of
 from attncheck.inputs import Workload, make_workload
 from attncheck.kinds import kind_of
 from attncheck.report import FAIL, UNSUPPORTED, Reason, Report, Row
+
+
+# The half-precision budgets were measured at input_scale 1 to 4 (docs/explanation/budget.md); beyond,
+# correct candidates failed some checks in 12 of 28 default-suite runs at scales 12 and 20.
+HALF_MEASURED_SCALE = 4.0
+HALF_LARGE_NOTE = ("half precision at input_scale above 4: the budgets were measured at 1 to 4, and beyond them correct "
+                   "implementations fail some checks too (docs/explanation/budget.md): a failure here may be rounding")
 
 
 def oracle_config(cfg: Config) -> Config:
@@ -104,6 +112,8 @@ class CheckRun:
     def finish(self) -> Report:
         """The report, each failing row with its diagnosis (attncheck.diagnose), timed."""
         kind = kind_of(self.cfg)
+        if self.report.verdict is FAIL and self.cfg.dtype in HALF and self.cfg.input_scale > HALF_MEASURED_SCALE:
+            self.report.notes.append(HALF_LARGE_NOTE)
         if not kind.diagnosable and kind.where_axes:
             where_report(self.report, self.cfg, kind.where_axes)
         elif kind.diagnosable:
