@@ -274,3 +274,18 @@ def test_a_kernel_whose_float64_call_is_not_float64_is_judged_without_finite_dif
     assert fd.status == "info" and why in fd.note and "judged against torch's and the float64 oracle's" in fd.note
     wrong = run_check("grad", _cfg(return_lse=True), Candidate("wrong-key", WrongKeyGradient))
     assert wrong.verdict == "fail" and [r.quantity for r in wrong.failures] == ["key"]
+
+
+def test_a_wrong_float64_forward_is_not_taken_for_float32_arithmetic():
+    # SoftmaxEpsilon divides by sum + 1e-5 and differentiates the plain softmax: its float64 loss
+    # is about 1e9 float64 roundings off the oracle's (beyond what float32 arithmetic explains,
+    # 2^29), while its float32 output agrees with torch's. The finite differences still see its
+    # backward is not its forward's derivative; they were an info row ('float32 inside?') and
+    # grad passed on the default suite's basic case.
+    from attncheck.testing.wrong_impls import SoftmaxEpsilon
+
+    basic = next(case.config for case in load_suite(None).cases if case.name == "basic")
+    report = run_check("grad", basic, Candidate("attncheck.testing.wrong_impls:SoftmaxEpsilon", SoftmaxEpsilon))
+    assert report.verdict == "fail"
+    assert {r.section for r in report.failures} == {"finite-diff"}, [(r.section, r.quantity) for r in report.failures]
+    assert not [r for r in report.rows if r.section == "finite-diff" and r.status == "info"]
