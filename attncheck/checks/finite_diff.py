@@ -97,29 +97,32 @@ JOINT_NOTE = ("finite differences: one random direction over every gradient at o
 JUDGED_ABOVE = "its gradients are judged against torch's and the float64 oracle's above"
 # A candidate's float64 loss further from the oracle's than this many times the loss's float64
 # rounding (the rows' own model: FD_NOISE_ULPS, FD_LOGIT_ULPS, FD_MASK_ULPS) while its output
-# agrees with torch's is computed in float32 inside: float32 rounds 2^29 (5e8) times coarser, and
-# its noise over a step of 1e-6 swamps any difference. Measured (2026-11-26, the default suites'
+# agrees with torch's may be computed in float32 inside. Measured (2026-11-26, the default suites'
 # grad, the largest of each): correct float64 candidates 0.04-0.11 of these units (torch's SDPA,
 # examples/torch_sdpa.py, nanogpt_attention.py, torch_encoder_layer.py, numpy_flash_attention.py
 # and its varlen twin, a new user's NumPy flash kernel; the references 0), a new user's kernel
-# computing its logits in float32 whatever the input 1.9e6. 1e3 sits between.
+# computing its logits in float32 whatever the input 1.9e6. Past this margin `not_float64` asks
+# the candidate itself (NUDGE); below it, the finite differences run without that extra call.
 FLOAT64_MARGIN = 1e3
-# Nor can float32 arithmetic put the loss further off than the same model at float32's epsilon
-# (2^29 times float64's): further is a wrong float64 forward, whose finite differences still say
-# whether its backward differentiates it. Measured (2026-11-26, the default suite's grad, every
-# non-float64 case): Float32Internally (attncheck.testing.wrong_impls, float32 inside) at most
-# 2.4e7 of these units (0.044 of float32's); SoftmaxEpsilon (its softmax divides by sum + 1e-5)
-# 3e6-4e9, a backward that is not its forward's derivative, which the finite differences caught in
-# every case and this bound keeps caught where it is over 2^29.
-FLOAT32_ROUNDING = float(2**29)
+# Each parameter and input moved, one at a time, by this relative amount: float32 rounds it away
+# (2^-24 is 6e-8) from values the workload holds exactly in float32 or half, so a candidate whose
+# path from that value is float32 (a kernel's logits, say) returns the very same bits, where
+# float64 arithmetic moves by about 1e-10 of the output. A distance
+# from the oracle alone cannot tell float32 inside from a wrong float64 forward: SoftmaxEpsilon
+# (attncheck.testing.wrong_impls: sum + 1e-5, and a backward that is not its forward's
+# derivative) was 3e6-4e9 of the units above on the default suite, Float32Internally 8.8e3-2.4e7
+# (a review, 2026-11-26); the first must keep its finite differences, which catch it.
+NUDGE = 1e-10
 
 
-def not_float64(cfg, out0, second0, loss0: float, oracle, magnitude: float, logit_magnitude: float, fill: float,
-                forward_agrees: bool) -> str:  # fmt: skip
-    """Why the candidate's float64 call is not float64 arithmetic ("" when it is, as far as can
-    be told): an output or LSE returned in a narrower dtype (FlashAttention returns its LSE in
-    float32 always, as the contract allows), or, where its output agrees with torch's, a float64
-    loss further from the oracle's than float64 rounding explains (float32 inside)."""
+def not_float64(cfg, w64: Workload, out0, second0, loss0: float, oracle, magnitude: float, logit_magnitude: float, fill: float,
+                forward_agrees: bool, forward_at) -> str:  # fmt: skip
+    """Why the candidate's float64 call is not float64 arithmetic ("" when it is): an output or
+    LSE returned in a narrower dtype (FlashAttention returns its LSE in float32 always, as the
+    contract allows), or, where its output agrees with torch's and its float64 loss is further
+    from the oracle's than float64 rounding explains, an output that every parameter and input
+    moved by NUDGE leaves bit for bit the same (float32 inside on its path). `forward_at(workloads)`
+    is the candidate's (output, second output) at each."""
     narrow = [f"its {name} is {a.dtype}" for name, a in (("output", out0), ("LSE", second0))
               if isinstance(a, np.ndarray) and a.dtype != np.float64]  # fmt: skip
     if narrow:
@@ -128,10 +131,17 @@ def not_float64(cfg, out0, second0, loss0: float, oracle, magnitude: float, logi
         return ""
     rounding = np.finfo(np.float64).eps * magnitude * (FD_NOISE_ULPS + FD_LOGIT_ULPS * logit_magnitude + FD_MASK_ULPS * fill)
     off = abs(loss0 - oracle[1])
-    if FLOAT64_MARGIN * rounding < off <= FLOAT32_ROUNDING * rounding:
-        return (f"the candidate's float64 loss is {off:.3g} off the oracle's, {off / rounding:.3g} times float64 rounding "
-                "(float32 arithmetic inside?)")
-    return ""
+    if off <= FLOAT64_MARGIN * rounding:
+        return ""
+    values = _values(cfg, w64)
+    nudged = [_perturbed(cfg, w64, name, value * NUDGE) for name, value in values.items()]  # one at a time: a path
+    same = lambda a, b: a is None and b is None or (a is not None and b is not None and np.array_equal(a, b, equal_nan=True))  # noqa: E731
+    still = [name for name, (out1, second1) in zip(values, forward_at(nudged)) if same(out0, out1) and same(second0, second1)]
+    if not still:
+        return ""  # float64 arithmetic: a wrong float64 forward, whose finite differences still judge its backward
+    return (f"the candidate's float64 loss is {off:.3g} off the oracle's ({off / rounding:.3g} times float64 rounding), and its "
+            f"output keeps every bit when {', '.join(still)} {'moves' if len(still) == 1 else 'move'} by {NUDGE:g} relative: "
+            "float32 arithmetic inside")
 
 
 def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, strict: bool = False, grads_nan: bool = False,
@@ -179,7 +189,11 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
 
     grads = all_gradients(cfg64, grads64)
     fill = _largest_finite_fill(w64)
-    coarse = not_float64(cfg, out0, second0, loss0, oracle, magnitude, logit_magnitude, fill, forward_agrees)
+    try:
+        coarse = not_float64(cfg, w64, out0, second0, loss0, oracle, magnitude, logit_magnitude, fill, forward_agrees,
+                             session.build_and_forward_each)  # fmt: skip
+    except CandidateProblem as err:
+        return [call_row("finite-diff", "candidate", err)]
     if coarse:
         return [Row("finite-diff", "all", INFO, note=f"{coarse}: finite differences of its loss would measure that rounding, "
                                                      f"not its gradients; {JUDGED_ABOVE}")]  # fmt: skip
