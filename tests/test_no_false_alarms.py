@@ -141,6 +141,12 @@ def test_torchs_own_sdpa_path_passes_where_it_is_less_accurate_than_the_standard
         assert report.verdict in ("pass", "unsupported") and not report.failures, (command, [(r.section, r.quantity) for r in report.failures])
     forward = attncheck.check(settings, "forward", impl=example)
     assert any("another of torch's paths" in r.note for r in forward.rows if r.quantity == "output")
+    # not at large sizes: a torch pass costs seconds there, and the standard path holds (B, H, L, S) weights
+    from attncheck.config import config_from_mapping
+    from attncheck.kinds import kind_of
+
+    large = config_from_mapping({"tgt_len": 4096, "embed_dim": 64, "num_heads": 8, "batch_size": 1, "need_weights": False})
+    assert large.is_large and kind_of(large).other_path(large) is None
 
 
 def test_a_half_precision_failure_beyond_the_measured_scales_says_the_budgets_were_not_measured_there():

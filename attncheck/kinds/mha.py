@@ -168,8 +168,10 @@ class MultiheadAttentionKind(ModuleKind):
     def other_path(self, cfg):
         # need_weights picks the path, not the output: the standard path (softmax in the input's
         # dtype, in half precision) or the SDPA one (torch's fused kernel), which differ by more
-        # than either's budget in half precision at large inputs (compare.measure's `also`).
-        return cfg.model_copy(update={"need_weights": not cfg.need_weights})
+        # than either's budget in half precision at large inputs (compare.measure's `also`). Not
+        # for a large call: each torch pass there costs seconds, and the standard path holds the
+        # (B, H, L, S) weights that need_weights: false spares (2 GiB at L=8192, H=8).
+        return None if cfg.is_large else cfg.model_copy(update={"need_weights": not cfg.need_weights})
 
     def gradient_config(self, cfg, w):
         # need_weights=True softmaxes a row of -inf to NaN, and NaN * 0 spreads it through the
