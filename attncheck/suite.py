@@ -107,8 +107,10 @@ def plan(
             continue
         cfg = case.config
         spec = impl if impl is not None else cfg.impl
-        origin = f"{suite.source}:{case.impl_line}" if impl is None and cfg.impl is not None and case.impl_line else None
-        origin = impl_origin if impl is not None else origin
+        if impl is not None:
+            origin = impl_origin
+        else:
+            origin = f"{suite.source}:{case.impl_line}" if cfg.impl is not None and case.impl_line else None
         from attncheck.kinds import kind_of
 
         # With several commands (`run`: everything the module supports), one the kind has no use

@@ -57,6 +57,12 @@ NAN_SPREAD_REMEDY = ("The candidate gives NaN in query rows with no allowed key,
                      "NotImplementedError (attncheck.adapt.refuse_fully_masked_rows does, for a module).")
 
 
+def none_returned(section: str, names, what: str) -> Row:
+    """Each gradient left out is "not provided", not failed; with none of `names` returned, the
+    check judged nothing of what it checks (`what`), and that is never a pass."""
+    return Row(section, "gradients", INCONCLUSIVE, reason=Reason.MISSING, note=f"none of {', '.join(names)} was returned: {what}")
+
+
 def not_returned(section: str, quantity: Quantity | str, strict: bool) -> Row:
     """A gradient the candidate did not return: not provided, or a failure under `strict`."""
     return Row(section, quantity, FAIL if strict else NOT_PROVIDED, missing=True, reason=Reason.MISSING, note="not returned by backward()")
@@ -97,7 +103,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     run = CheckRun.begin("grad", cfg, candidate)
     report, w = run.report, run.w
     t = torch_side.grad(cfg, w)
-    other_cfg = kind_of(cfg).other_path(cfg)
+    other_cfg = kind_of(cfg).other_gradient_path(cfg, w)
     t_alt = None if other_cfg is None else torch_side.grad(other_cfg, w)  # torch's other path (compare.measure's `also`)
     forward_rule, grad_rule = rule_for(cfg, "forward"), rule_for(cfg, "grad")
     oracle, moves, logits = None, {}, 0.0
@@ -151,10 +157,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
                                        also=also(lambda a: a.grads[name][index])))  # fmt: skip
 
     if not strict and all(cand.get(name) is None for name in t.grads):
-        # Each gradient left out is "not provided", not failed; with none given, grad judged no
-        # gradient at all, and a check that proved nothing of what it checks is never a pass.
-        report.rows.append(Row("grad", "gradients", INCONCLUSIVE, reason=Reason.MISSING,
-                               note=f"none of {', '.join(t.grads)} was returned: grad judged no gradient"))  # fmt: skip
+        report.rows.append(none_returned("grad", t.grads, "grad judged no gradient"))
     note = kind_of(cfg).input_gradients(cfg, grads)[1]
     if note:
         report.notes.append(note)

@@ -9,7 +9,7 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.candidate import Candidate, Session
 from attncheck.checks.calls import dtype_rows, finding_rows
-from attncheck.checks.grad import NAN_SPREAD_REMEDY, grad_quantities, gradient_rounding
+from attncheck.checks.grad import NAN_SPREAD_REMEDY, grad_quantities, gradient_rounding, none_returned
 from attncheck.checks.rounding import floor_of
 from attncheck.checks.run import CheckRun, oracle_config
 from attncheck.compare import compare, decide, measure, rule_for, sgd_rule
@@ -18,7 +18,7 @@ from attncheck.dtypes import eps as machine_eps
 from attncheck.errors import CandidateProblem
 from attncheck.inputs import Workload, loss_and_grad
 from attncheck.kinds import kind_of
-from attncheck.report import INCONCLUSIVE, LossStep, Reason, Report, Row
+from attncheck.report import INCONCLUSIVE, LossStep, Report
 from attncheck.sgd import SGD, sgd_options
 
 
@@ -114,7 +114,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
     run = CheckRun.begin("sgd-step", cfg, candidate)
     report, w = run.report, run.w
     t = torch_side.sgd(cfg, w)
-    other_cfg = kind_of(cfg).other_path(cfg)
+    other_cfg = kind_of(cfg).other_gradient_path(cfg, w)
     t_alt = None if other_cfg is None else torch_side.sgd(other_cfg, w)  # torch's other path (compare.measure's `also`)
     oracle, moves = None, {}
     if rule_for(cfg, "sgd").needs_oracle:
@@ -170,8 +170,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
     if not mine.updated:
         # Weights no gradient moved can still agree with torch's, where its step is within the rule
         # (bfloat16 at lr 0.1, float32 at lr 1e-9): the check then judged nothing of what it checks.
-        report.rows.append(Row("sgd", "gradients", INCONCLUSIVE, reason=Reason.MISSING,
-                               note=f"none of {', '.join(t.params[0])} was returned: no weight was moved by a gradient"))  # fmt: skip
+        report.rows.append(none_returned("sgd", t.params[0], "no weight was moved by a gradient"))
     if mine.nan_where_undefined and report.rows_with(INCONCLUSIVE):
         report.notes.append(NAN_SPREAD_REMEDY)
     if last < n:

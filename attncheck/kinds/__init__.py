@@ -154,6 +154,13 @@ class ModuleKind:
         candidate is held to the least accurate (compare.measure's `also`). None: one path."""
         return None
 
+    def other_gradient_path(self, cfg: Config, w: Workload) -> Config | None:
+        """other_path for gradients and SGD steps: None where gradient_config takes both configs
+        to one path (a row with no allowed key puts both on the SDPA path), which torch would only
+        run twice."""
+        other = self.other_path(cfg)
+        return None if other is None or self.gradient_config(other, w) == self.gradient_config(cfg, w) else other
+
     def claim_note(self, cfg: Config, candidate: Any) -> str | None:
         """Where a user's config checks what the candidate declares it does not implement (a case
         the default suite would skip: unsupported_case): a note for its report, which checks the
