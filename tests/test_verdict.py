@@ -122,6 +122,10 @@ class ReturnsNoGradient(_Backward):
     KEEP = ()
 
 
+class AllButTheOutputBias(_Backward):
+    KEEP = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "query", "key", "value")
+
+
 class ReturnsTheInputGradientOnly(_Backward):
     KEEP = ("query", "key", "value")  # torch's `input`, in self-attention
 
@@ -169,3 +173,9 @@ def test_an_sgd_step_that_no_gradient_moved_is_never_a_pass():
     assert attncheck.check(None, "sgd-step", impl=ReturnsNoGradient).verdict is FAIL  # float32: torch's step shows
     assert attncheck.check(bf16, "sgd-step", impl=ReturnsTheInputGradientOnly).verdict is INCONCLUSIVE
     assert attncheck.check(bf16, "sgd-step", impl=Reference).verdict is PASS
+    # One gradient left out: that weight is "not provided" there, as in `grad`, not a pass it did
+    # not earn; in float32 torch's step shows, and the unmoved weight fails (contract.md).
+    one_short = attncheck.check(bf16, "sgd-step", impl=AllButTheOutputBias)
+    assert one_short.verdict is PASS and [str(r.quantity) for r in one_short.rows_with(NOT_PROVIDED)] == ["out_proj.bias"]
+    assert "never updated" in one_short.rows_with(NOT_PROVIDED)[0].note
+    assert attncheck.check(None, "sgd-step", impl=AllButTheOutputBias).failures[0].quantity == "out_proj.bias"

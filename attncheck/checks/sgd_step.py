@@ -9,7 +9,7 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.candidate import Candidate, Session
 from attncheck.checks.calls import dtype_rows, finding_rows
-from attncheck.checks.grad import NAN_SPREAD_REMEDY, grad_quantities, gradient_rounding, none_returned
+from attncheck.checks.grad import NAN_SPREAD_REMEDY, grad_quantities, gradient_rounding, none_returned, not_returned
 from attncheck.checks.rounding import floor_of
 from attncheck.checks.run import CheckRun, oracle_config
 from attncheck.compare import compare, decide, measure, rule_for, sgd_rule
@@ -146,6 +146,13 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
                 if row.mismatched:
                     first_bad = step
                     break  # the row shows the step that decided
+            if first_bad is None and name not in mine.updated:
+                # Unmoved, as torch leaves a parameter with no gradient, and still within the rule
+                # of torch's moved weights (bfloat16 at lr 0.1): that agreement judged no gradient.
+                row = not_returned("sgd", quantity, strict=False)
+                row.note += f": `{name}` was never updated, and is within the rule of torch's updated weights here, so they judge no gradient"
+                report.rows.append(row)
+                continue
             if first_bad is None and last < n:
                 row.note = (row.note + "; " if row.note else "") + f"judged at steps 1-{last} of {n}"
             report.rows.append(decide(row, first_failing_step=first_bad))
