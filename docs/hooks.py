@@ -1,4 +1,9 @@
-"""mkdocs hook: fill the reference pages' `<!-- generated: NAME -->` markers from the code at build time.
+"""mkdocs hook: fill the reference pages' generated sections from the code.
+
+A section is the text between `<!-- generated: NAME -->` and `<!-- end generated: NAME -->`. It is
+checked in, so the pages read whole where Markdown is shown as it is (GitHub), and the site build
+fills it again from the code. `python docs/hooks.py` rewrites the pages' sections from the code;
+tests/test_docs.py fails while one differs from what the code gives.
 
     cli             each command's options, from the typer app (attncheck.cli.app) through click
     config-keys     every key of the pydantic `Config` model: type or allowed values, default, and
@@ -24,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-MARKER = re.compile(r"<!-- generated: ([a-z-]+) -->")
+MARKER = re.compile(r"<!-- generated: ([a-z-]+) -->(?:.*?<!-- end generated: \1 -->)?", re.DOTALL)
+PAGES = ROOT / "docs" / "reference"
 CONFIG_DIR = ROOT / "attncheck" / "config"
 
 # What each exit code means, keyed by its constant in attncheck/cli.py.
@@ -251,11 +257,29 @@ def adapt() -> str:
 GENERATORS = {"cli": cli, "config-keys": config_keys, "default-suites": default_suites, "exit-codes": exit_codes, "adapt": adapt}
 
 
-def on_page_markdown(markdown: str, page, config, files) -> str:
-    def fill(match: re.Match) -> str:
+def fill(markdown: str, where: str) -> str:
+    """`markdown` with each generated section (see the module's docstring) as the code gives it now."""
+
+    def section(match: re.Match) -> str:
         name = match.group(1)
         if name not in GENERATORS:
-            raise ValueError(f"{page.file.src_path}: unknown generated section {name!r}; known: {', '.join(GENERATORS)}")
-        return GENERATORS[name]()
+            raise ValueError(f"{where}: unknown generated section {name!r}; known: {', '.join(GENERATORS)}")
+        return f"<!-- generated: {name} -->\n\n{GENERATORS[name]().strip()}\n\n<!-- end generated: {name} -->"
 
-    return MARKER.sub(fill, markdown)
+    return MARKER.sub(section, markdown)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    return fill(markdown, page.file.src_path)
+
+
+def stale_pages() -> dict[Path, str]:
+    """Each reference page whose generated sections differ from the code's, with its text as they should be."""
+    pages = {path: path.read_text() for path in sorted(PAGES.glob("*.md"))}
+    return {path: filled for path, text in pages.items() if (filled := fill(text, str(path.relative_to(ROOT)))) != text}
+
+
+if __name__ == "__main__":  # python docs/hooks.py: rewrite the pages' generated sections from the code
+    for path, text in stale_pages().items():
+        path.write_text(text)
+        print(f"rewrote {path.relative_to(ROOT)}")
