@@ -377,23 +377,25 @@ class Session:
         handed_extras = {name: self._copy_for_candidate(a, None, in_place) if name in writable else self._hand(f"its `{name}` argument", a)
                          for name, a in w.extras.items()}  # fmt: skip
         self.last_extras = handed_extras
-        result = self._call_guarded("forward()", self._call_forward, obj, query, key, value, handed_masks, handed_extras)
-        self._check_handed("forward()")
+        # A function kernel is called as itself: its messages name it, not a forward() it does not have.
+        called = "forward()" if method is not obj else f"{getattr(obj, '__name__', type(obj).__name__)}()"
+        result = self._call_guarded(called, self._call_forward, obj, query, key, value, handed_masks, handed_extras)
+        self._check_handed(called)
         where = _defined_at(method)
-        self.written = {name: self._as_numpy(handed_extras[name], f"its `{name}` argument after forward()", where)
+        self.written = {name: self._as_numpy(handed_extras[name], f"its `{name}` argument after {called}", where)
                         for name in writable if name in handed_extras}  # fmt: skip
         second_name = kind.second_output
         if kind.returns_pair(self.cfg) and not (isinstance(result, tuple) and len(result) == 2):
             pair = "weights" if second_name == "attn_weights" else second_name
-            raise CandidateError(f"forward() returned {type(result).__name__}, expected a tuple (output, {pair})", where)
+            raise CandidateError(f"{called} returned {type(result).__name__}, expected a tuple (output, {pair})", where)
         output, second = kind.split_result(self.cfg, result)
         self._returned(output, obj, (query, key, value), handed_masks, second)
-        out = self._as_numpy(output, "forward() returned an output", where)
+        out = self._as_numpy(output, f"{called} returned an output", where)
         expected = kind.output_shape(self.cfg, w)  # the modules: the first argument's own shape
         if out.shape != expected:
             what = f"{kind.first_argument}'s {expected}" if expected == w.query.shape else f"{expected}"
-            raise CandidateError(f"forward() returned an output of shape {out.shape}, expected {what}", where)
-        return out, None if second is None else self._as_numpy(second, f"forward() returned {second_name}", where)
+            raise CandidateError(f"{called} returned an output of shape {out.shape}, expected {what}", where)
+        return out, None if second is None else self._as_numpy(second, f"{called} returned {second_name}", where)
 
     def build_and_forward(self, w: Workload, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """`forward` of an object built from the workload's parameters: one request to a candidate's

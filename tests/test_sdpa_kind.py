@@ -205,7 +205,10 @@ def test_an_unknown_keyword_is_unsupported_but_another_type_error_is_a_bug(tmp_p
     from attncheck.candidate import load_candidate
 
     assert run_check("forward", cfg, load_candidate(f"{path}:no_window")).verdict == "unsupported"
-    assert run_check("forward", cfg, load_candidate(f"{path}:broken")).verdict == "fail"
+    broken = run_check("forward", cfg, load_candidate(f"{path}:broken"))
+    assert broken.verdict == "fail"
+    # a function is called as itself: the message names it, not a forward() it does not have
+    assert broken.failures[0].note.startswith("broken() raised TypeError"), broken.failures[0].note
 
 
 def test_a_kernels_failure_says_which_heads_it_is_confined_to():
