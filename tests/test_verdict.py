@@ -178,4 +178,7 @@ def test_an_sgd_step_that_no_gradient_moved_is_never_a_pass():
     one_short = attncheck.check(bf16, "sgd-step", impl=AllButTheOutputBias)
     assert one_short.verdict is PASS and [str(r.quantity) for r in one_short.rows_with(NOT_PROVIDED)] == ["out_proj.bias"]
     assert "never updated" in one_short.rows_with(NOT_PROVIDED)[0].note
-    assert attncheck.check(None, "sgd-step", impl=AllButTheOutputBias).failures[0].quantity == "out_proj.bias"
+    [unmoved] = attncheck.check(None, "sgd-step", impl=AllButTheOutputBias).failures
+    assert unmoved.quantity == "out_proj.bias"
+    # its failure says why, not only the torch paths and step that a wrong update would show
+    assert "`out_proj.bias` was never updated: backward() returned no gradient for it" in unmoved.note

@@ -150,9 +150,13 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
                 # Unmoved, as torch leaves a parameter with no gradient, and still within the rule
                 # of torch's moved weights (bfloat16 at lr 0.1): that agreement judged no gradient.
                 row = not_returned("sgd", quantity, strict=False)
-                row.note += f": `{name}` was never updated, and is within the rule of torch's updated weights here, so they judge no gradient"
+                row.note += (f", so `{name}` was never updated; torch's steps move it by less than the rule allows here, "
+                             "so agreeing with torch's weights judged no gradient")  # fmt: skip
                 report.rows.append(row)
                 continue
+            if name not in mine.updated:
+                # Failed because it never moved: say so, or the row reads as a wrong update.
+                row.note = (row.note + "; " if row.note else "") + f"`{name}` was never updated: backward() returned no gradient for it"
             if first_bad is None and last < n:
                 row.note = (row.note + "; " if row.note else "") + f"judged at steps 1-{last} of {n}"
             report.rows.append(decide(row, first_failing_step=first_bad))
