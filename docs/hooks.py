@@ -1,8 +1,9 @@
 """mkdocs hook: fill the reference pages' generated sections from the code.
 
-A section is the text between `<!-- generated: NAME -->` and `<!-- end generated: NAME -->`. It is
-checked in, so the pages read whole where Markdown is shown as it is (GitHub), and the site build
-fills it again from the code. `python docs/hooks.py` rewrites the pages' sections from the code;
+A section is the text between `<!-- generated: NAME -->` and `<!-- end generated: NAME -->`, each
+marker a line of its own (one written inline, in prose, is left as text). It is checked in, so
+the pages read whole where Markdown is shown as it is (GitHub), and the site build fills it again
+from the code. `python docs/hooks.py` rewrites the pages' sections from the code;
 tests/test_docs.py fails while one differs from what the code gives.
 
     cli             each command's options, from the typer app (attncheck.cli.app) through click
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-MARKER = re.compile(r"<!-- generated: ([a-z-]+) -->(?:.*?<!-- end generated: \1 -->)?", re.DOTALL)
+MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$(?:.*?^<!-- end generated: \1 -->$)?", re.DOTALL | re.MULTILINE)
 PAGES = ROOT / "docs" / "reference"
 CONFIG_DIR = ROOT / "attncheck" / "config"
 

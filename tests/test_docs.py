@@ -116,15 +116,30 @@ def test_the_known_bad_count_is_the_corpus():
     assert f"**{count} of {count}** (100%)" in page("development/detection.md")
 
 
-def test_the_reference_pages_generated_sections_are_the_codes():
-    # Checked in, so the pages read whole on GitHub; the site build fills them again from the code.
+def _hooks():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
     hooks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hooks)
-    stale = [str(path.relative_to(ROOT)) for path in hooks.stale_pages()]
+    return hooks
+
+
+def test_the_reference_pages_generated_sections_are_the_codes():
+    # Checked in, so the pages read whole on GitHub; the site build fills them again from the code.
+    stale = [str(path.relative_to(ROOT)) for path in _hooks().stale_pages()]
     assert stale == [], f"run `python docs/hooks.py` to rewrite the generated sections of {', '.join(stale)}"
+
+
+def test_a_marker_written_inline_is_text_not_a_section():
+    # A page saying "between `<!-- generated: exit-codes -->` and ..." was filled there, and the
+    # section's match ran on to the real end marker, deleting the prose between.
+    page = ("The table between `<!-- generated: exit-codes -->` and its end marker is generated.\n\n"
+            "<!-- generated: exit-codes -->\n\nold\n\n<!-- end generated: exit-codes -->\n\nAfter.\n")  # fmt: skip
+    filled = _hooks().fill(page, "page.md")
+    prose, _, rest = filled.partition("\n\n")
+    assert prose == page.partition("\n\n")[0] and rest.startswith("<!-- generated: exit-codes -->\n\n| code |")
+    assert filled.count("<!-- end generated: exit-codes -->") == 1 and "old" not in filled and filled.endswith("\n\nAfter.\n")
 
 
 # ------------------------------------------------------------------------------- exit codes
