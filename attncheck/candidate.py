@@ -249,6 +249,11 @@ def _traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
 
 
+def call_name(obj: Any, method: Any) -> str:
+    """How messages name calling `method` of `obj`: "forward()", or a function kernel's own name ("broken()")."""
+    return "forward()" if method is not obj else f"{getattr(obj, '__name__', type(obj).__name__)}()"
+
+
 def _defined_at(fn: Any) -> str | None:
     """file:line where a candidate's method is defined: the place to look when it returns junk."""
     try:
@@ -377,8 +382,7 @@ class Session:
         handed_extras = {name: self._copy_for_candidate(a, None, in_place) if name in writable else self._hand(f"its `{name}` argument", a)
                          for name, a in w.extras.items()}  # fmt: skip
         self.last_extras = handed_extras
-        # A function kernel is called as itself: its messages name it, not a forward() it does not have.
-        called = "forward()" if method is not obj else f"{getattr(obj, '__name__', type(obj).__name__)}()"
+        called = call_name(obj, method)
         result = self._call_guarded(called, self._call_forward, obj, query, key, value, handed_masks, handed_extras)
         self._check_handed(called)
         where = _defined_at(method)

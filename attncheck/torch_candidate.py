@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from attncheck import torch_side
-from attncheck.candidate import PAD, FrameworkSession, _defined_at, unchanged
+from attncheck.candidate import PAD, FrameworkSession, _defined_at, call_name, unchanged
 from attncheck.frameworks import framework_hint, returned_by
 from attncheck.errors import CandidateError
 from attncheck.kinds import kind_of
@@ -98,12 +98,13 @@ class TorchSession(FrameworkSession):
         if callable(getattr(obj, "backward", None)):
             return super()._gradients(obj, grad_output, grad_second)
         kind = kind_of(self.cfg)
-        where = _defined_at(kind.forward_of(obj))
+        method = kind.forward_of(obj)
+        where, called = _defined_at(method), call_name(obj, method)
         out = self._output
         if not isinstance(out, torch.Tensor) or out.grad_fn is None:
             hint = framework_hint(self.cfg, self.candidate, returned_by(out, "torch"))
             raise CandidateError(
-                "forward() returned an output autograd cannot differentiate (no grad_fn: computed under no_grad, "
+                f"{called} returned an output autograd cannot differentiate (no grad_fn: computed under no_grad, "
                 "detached, or not a tensor): give the object a backward(grad_output), or keep the graph" + (f"; {hint}" if hint else ""), where)  # fmt: skip
         outputs = [out]
         cotangents = [torch_side.tensor(np.ascontiguousarray(grad_output), out.device).to(out.dtype)]
@@ -117,7 +118,7 @@ class TorchSession(FrameworkSession):
         # parameter of the same state_dict() name (a module may copy the values into its own).
         sources = [(name, leaf) for name, leaf in {**params, **self._inputs}.items()]
         sources += [(name, p) for name, p in own.items() if name in params and p is not params[name] and p.requires_grad]
-        found = self._guard("autograd through forward()", torch.autograd.grad, outputs, [t for _, t in sources],
+        found = self._guard(f"autograd through {called}", torch.autograd.grad, outputs, [t for _, t in sources],
                        grad_outputs=cotangents, allow_unused=True)  # fmt: skip
         grads: dict[str, torch.Tensor | None] = {name: None for name in {**params, **self._inputs}}
         for (name, _), g in zip(sources, found):
@@ -125,7 +126,7 @@ class TorchSession(FrameworkSession):
                 grads[name] = g if grads[name] is None else grads[name] + g
         unreached = [name for name in params if grads[name] is None]
         if unreached:
-            note = (f"autograd: no gradient reaches {', '.join(unreached)} from forward()'s output (through the tensor "
+            note = (f"autograd: no gradient reaches {', '.join(unreached)} from {called}'s output (through the tensor "
                     "handed in, or the module's parameter of that name): not provided")  # fmt: skip
             if note not in self.notes:
                 self.notes.append(note)

@@ -211,6 +211,21 @@ def test_an_unknown_keyword_is_unsupported_but_another_type_error_is_a_bug(tmp_p
     assert broken.failures[0].note.startswith("broken() raised TypeError"), broken.failures[0].note
 
 
+def test_a_torch_kernel_that_autograd_cannot_differentiate_is_named_by_itself(tmp_path):
+    pytest.importorskip("torch")
+    path = tmp_path / "torch_kernels.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        def detached(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **extras):
+            return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale).detach()
+    """))
+    from attncheck.candidate import load_candidate
+
+    report = run_check("grad", _cfg(), load_candidate(f"{path}:detached"))
+    assert report.verdict == "fail"
+    assert report.failures[0].note.startswith("detached() returned an output autograd cannot differentiate"), report.failures[0].note
+
+
 def test_a_kernels_failure_says_which_heads_it_is_confined_to():
     # The diagnosis reads module layouts and says nothing for module: sdpa; a new user's kernel with
     # GQA groups interleaved failed in 2 of 6 query heads with no line saying where.
