@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$(?:.*?^<!-- end generated: \1 -->$)?", re.DOTALL | re.MULTILINE)
-PAGES = ROOT / "docs" / "reference"
+DOCS = ROOT / "docs"
 CONFIG_DIR = ROOT / "attncheck" / "config"
 
 # What each exit code means, keyed by its constant in attncheck/cli.py.
@@ -275,8 +275,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 
 def stale_pages() -> dict[Path, str]:
-    """Each reference page whose generated sections differ from the code's, with its text as they should be."""
-    pages = {path: path.read_text() for path in sorted(PAGES.glob("*.md"))}
+    """Each page whose generated sections differ from the code's, with its text as they should be."""
+    pages = {path: path.read_text() for path in sorted(DOCS.rglob("*.md"))}  # every page the site build fills
     return {path: filled for path, text in pages.items() if (filled := fill(text, str(path.relative_to(ROOT)))) != text}
 
 
