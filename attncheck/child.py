@@ -108,14 +108,15 @@ def _error(kind: str, exc: BaseException) -> dict[str, Any]:
                       "traceback": clean(getattr(exc, "traceback", "") or traceback.format_exc()), "raised": clean(getattr(exc, "raised", ""))}}  # fmt: skip
 
 
-def _flush(streams: tuple[Any, ...]) -> None:
+def flush(streams: tuple[Any, ...]) -> None:
     """What the candidate printed reaches its output file before the judge reads that file (after
-    each reply: attncheck.remote's `printed`). A stream that is not a terminal is block-buffered
-    unless PYTHONUNBUFFERED is set, and this process ends killed, never flushing."""
+    each reply: attncheck.remote's `printed`; and as a forked candidate process ends, in
+    attncheck.forkserver). A stream that is not a terminal is block-buffered unless
+    PYTHONUNBUFFERED is set, and this process ends killed or by os._exit, never flushing."""
     for stream in streams:
         try:
             stream.flush()
-        except BaseException:  # noqa: BLE001 - closed by the candidate: what it printed is lost with it
+        except BaseException:  # noqa: BLE001 - replaced or closed by the candidate: what it printed is lost with it
             pass
 
 
@@ -176,7 +177,7 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
             except BaseException as exc:  # noqa: BLE001 - say so rather than die
                 reply = _error("broken", exc)
                 data = encode_reply(reply)
-            _flush(streams)
+            flush(streams)
             writer.write(data)
             if reply.get("error") is not None:
                 break

@@ -394,6 +394,8 @@ def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
             raise OSError(f"importing {', '.join(request['preload'])} started a thread: the server forks no more")
     read_fd, write_fd, output_fd = fds
     server = os.getpid()
+    from attncheck.child import flush  # bound here, before any candidate code could break an import in the fork
+
     # Python's recipe for a process that forks without exec (the gc module's documentation): the
     # collector off in the parent, what it holds frozen before each fork. A fork's collections then
     # never scan the server's imports (torch's included), and never write to those pages. The fork
@@ -432,11 +434,7 @@ def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
         traceback.print_exc()
         code = 1
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:  # noqa: BLE001 - a candidate may have replaced or closed them
-                pass
+        flush((sys.stdout, sys.stderr))
         os._exit(code)
 
 
