@@ -170,6 +170,7 @@ def test_an_sgd_step_that_no_gradient_moved_is_never_a_pass():
     none = attncheck.check(bf16, "sgd-step", impl=ReturnsNoGradient)
     assert not none.failures  # every weight agreed with torch's, unmoved: what passed
     assert none.verdict is INCONCLUSIVE and [r.quantity for r in none.rows_with(INCONCLUSIVE)] == ["gradients"]
+    assert len({r.note for r in none.rows_with(NOT_PROVIDED)}) == 1  # one line of notes for all of them (render.details)
     assert attncheck.check(None, "sgd-step", impl=ReturnsNoGradient).verdict is FAIL  # float32: torch's step shows
     assert attncheck.check(bf16, "sgd-step", impl=ReturnsTheInputGradientOnly).verdict is INCONCLUSIVE
     assert attncheck.check(bf16, "sgd-step", impl=Reference).verdict is PASS

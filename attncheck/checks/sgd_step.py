@@ -150,8 +150,9 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
                 # Unmoved, as torch leaves a parameter with no gradient, and still within the rule
                 # of torch's moved weights (bfloat16 at lr 0.1): that agreement judged no gradient.
                 row = not_returned("sgd", quantity, strict=False)
-                row.note += (f", so `{name}` was never updated; torch's steps move it by less than the rule allows here, "
-                             "so agreeing with torch's weights judged no gradient")  # fmt: skip
+                # The row names the weight, so such rows share one line of notes (render.details).
+                row.note += (", so never updated; torch's steps move these weights by less than the rule allows here, "
+                             "so agreeing with torch's judged no gradient")  # fmt: skip
                 report.rows.append(row)
                 continue
             if name not in mine.updated:
