@@ -30,8 +30,9 @@ from attncheck.report import FAIL, UNSUPPORTED, Reason, Report, Row
 # The half-precision budgets were measured at input_scale 1 to 4 (docs/explanation/budget.md); beyond,
 # correct candidates failed some checks in 12 of 28 default-suite runs at scales 12 and 20.
 HALF_MEASURED_SCALE = 4.0
-HALF_LARGE_NOTE = ("half precision at input_scale above 4: the budgets were measured at 1 to 4, and beyond them correct "
-                   "implementations fail some checks too (docs/explanation/budget.md): a failure here may be rounding")
+HALF_LARGE_NOTE = (f"half precision at input_scale above {HALF_MEASURED_SCALE:g}: the budgets were measured at 1 to "
+                   f"{HALF_MEASURED_SCALE:g}, and beyond them correct implementations fail some checks too "
+                   "(docs/explanation/budget.md): a failure here may be rounding")
 
 
 def oracle_config(cfg: Config) -> Config:
