@@ -555,6 +555,9 @@ def _preload() -> None:
         importlib.import_module(name)
     for kind in kinds().values():
         importlib.import_module(kind.reference_spec.split(":")[0])
+    from attncheck import threads
+
+    threads.blas_threads_for(large=False)  # inherited by every fork: see blas_threads_for
 
 
 if __name__ == "__main__":

@@ -134,7 +134,15 @@ def blas_on_one_thread(on: bool = True):
 
 def blas_threads_for(large: bool) -> None:
     """For a candidate's process, which runs one config's calls at a time: BLAS on one thread from
-    now on unless the config is large, whose calls keep BLAS's own threads."""
+    now on unless the config is large, whose calls keep BLAS's own threads.
+
+    The fork server calls it (small) before its first fork, so that its candidate processes start
+    with BLAS held to one thread and change nothing for a small config. Setting OpenBLAS's thread
+    count in a forked process restarts the thread pool its fork shut down, and the restarted thread
+    spins on a core until OpenBLAS's timeout: 0.1 s of CPU in every candidate process, which does
+    nothing with it (forks of a NumPy process, 2026-11-26, 2 cores; the test suite took 20 s less
+    CPU with OPENBLAS_NUM_THREADS=1, benchmarks/suite_cpu.py, before this). A large config's
+    process restarts it, and uses it."""
     global _limited_for_config
     if _limited_for_config == large:  # held but large now, or free but small now
         (_blas_exit if large else _blas_enter)()

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+import attncheck
 from attncheck import forkserver, remote
 
 PROBE = textwrap.dedent('''
@@ -115,6 +116,64 @@ def test_the_servers_own_imports_load_no_framework_and_start_no_thread():
     assert not {"torch", "jax", "flax"} & {name.split(".")[0] for name in seen["modules"]}
     assert set(seen["references"]) | set(forkserver.PRELOAD) <= set(seen["modules"])
     assert {"attncheck.kinds.sdpa_kvcache", "attncheck.reference.kvcache", "threadpoolctl"} <= set(seen["modules"])
+
+
+BLAS_PROBE = textwrap.dedent('''
+    import json, os
+    from threadpoolctl import threadpool_info
+    from attncheck.reference import MultiheadAttention as Reference
+
+    class MultiheadAttention(Reference):
+        def forward(self, *args, **kwargs):
+            blas = [info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"]
+            with open(os.environ["ATTNCHECK_TEST_SEEN"], "a") as f:
+                f.write(json.dumps({"threads": len(os.listdir("/proc/self/task")), "blas": blas}) + "\\n")
+            return super().forward(*args, **kwargs)
+''')
+
+
+def test_a_candidate_process_starts_with_blas_on_one_thread_and_no_thread_restarted(tmp_path, monkeypatch):
+    """The server holds BLAS to one thread before it forks (attncheck.threads.blas_threads_for): a
+    candidate process of a small config runs on its one thread, with no BLAS thread restarted by
+    setting the limit after the fork (it spun for 0.1 s of CPU in every candidate process)."""
+    _a_server_of_its_own(monkeypatch)
+    (tmp_path / "blas_probe.py").write_text(BLAS_PROBE)
+    seen = tmp_path / "seen.jsonl"
+    monkeypatch.setenv("ATTNCHECK_TEST_SEEN", str(seen))
+    report = attncheck.check(None, "forward", impl=f"{tmp_path / 'blas_probe.py'}:MultiheadAttention")
+    assert report.passed
+    calls = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert calls and all(call == {"threads": 1, "blas": [1]} for call in calls), calls
+
+
+def test_a_large_configs_candidate_process_gets_blas_threads_back():
+    """A fork of a process that held BLAS to one thread (the server) gives BLAS its own thread count
+    back for a large config, and holds it to one again for a small one."""
+    code = textwrap.dedent("""
+        import json, os
+        from threadpoolctl import threadpool_info
+        from attncheck import threads
+        def blas():
+            return [info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"]
+        own = blas()
+        threads.blas_threads_for(False)
+        held = blas()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            threads.blas_threads_for(False)
+            small = blas()
+            threads.blas_threads_for(True)
+            large = blas()
+            threads.blas_threads_for(False)
+            os.write(write, json.dumps([small, large, blas()]).encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print(json.dumps([own, held, *json.loads(os.read(read, 1000))]))
+        """)  # fmt: skip
+    own, held, small, large, small_again = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                                                     env=forkserver.environment()).stdout)  # fmt: skip
+    assert held == small == small_again == [1] * len(own) and large == own, (own, held, small, large, small_again)
 
 
 def _a_server_of_its_own(monkeypatch) -> None:
