@@ -65,7 +65,13 @@ class Child:
             objects[self.counter] = obj
             while len(objects) > KEEP_OBJECTS:
                 del objects[next(iter(objects))]
-            return self.with_findings(session, {"handle": self.counter})
+            from attncheck.candidate import call_name
+            from attncheck.kinds import kind_of
+
+            # How the judge's messages name calling it (a function kernel by its own name), for
+            # those it writes itself: the process died during the call, gave no answer in time.
+            calls = call_name(obj, kind_of(session.cfg).forward_of(obj))
+            return self.with_findings(session, {"handle": self.counter, "calls": calls})
         obj = self.objects[sid].get(rest[0])
         if obj is None:
             raise LookupError(f"object {rest[0]} is gone")

@@ -64,7 +64,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from attncheck.candidate import FrameworkSession, _defined_at, unchanged
+from attncheck.candidate import FrameworkSession, _defined_at, call_name, unchanged
 from attncheck.errors import CandidateProblem, TracerLeak
 from attncheck.jax_programs import _compiled_quickly, _device, _gpu_precision_note, _jit, _kept, _program, _x64, jax, jnp
 from attncheck.kinds import kind_of
@@ -347,6 +347,7 @@ class JaxSession(FrameworkSession):
             # Arrays to write into; or a backward of its own, which reads what forward kept (values, not tracers)
             return eager()
         inputs = dict(self._leaves)  # by gradient key: one array for query, key and value under self-attention
+        what = call_name(obj, kind.forward_of(obj))  # "forward()", or a function kernel's name
 
         def called(named: dict[str, Any]) -> Any:
             q, k, v = kind.arguments(cfg, named)
@@ -366,12 +367,12 @@ class JaxSession(FrameworkSession):
                 return result
 
             runs = tuple((functools.partial(run, evaluate), None) for evaluate in TRACINGS)
-            return self._traced("forward()", runs, (inputs,), eager)
+            return self._traced(what, runs, (inputs,), eager)
         params = built[1]
         both = None if cfg.is_large else self._bulk_both(params, inputs, masks, extras, kind.second_in_loss(cfg))
         if both is not None:
             return both({**params, **inputs}, None)[0]
-        return self._bulk("forward()", self._built_and_called(params, inputs, masks, extras), ({**params, **inputs},), (masks, extras), eager)
+        return self._bulk(what, self._built_and_called(params, inputs, masks, extras), ({**params, **inputs},), (masks, extras), eager)
 
     def _bulk_key(self, what: str, args: tuple, closed_over: tuple) -> tuple:
         """A bulk session's program for `what`, by candidate, config, the arguments' structure and

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import re
 import select
 import signal
 import subprocess
@@ -327,6 +328,7 @@ class RemoteSession:
         self.opened_in = 0  # the process generation this session was opened in
         self.timeout = timeout_for(cfg)
         self.written: dict[str, np.ndarray] = {}  # as Session.written, from the candidate's process
+        self.calls = "forward()"  # how messages name calling a built object: a function kernel by its name (`build`)
 
     def _call(self, op: str, what: str, *args, arrays: list[np.ndarray | None]) -> dict[str, Any]:
         return self._call_each(op, what, *args, arrays=arrays, replies=1)[0]
@@ -387,11 +389,12 @@ class RemoteSession:
 
     def build(self, params: dict[str, np.ndarray]) -> Handle:
         reply = self._call("build", f"{self.candidate.spec}(...)", params, arrays=[])
+        self.calls = _call_name(reply.get("calls"))
         return Handle(_int(reply.get("handle")), self.process.generation)
 
     def forward(self, obj: Handle, w, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-        self._alive(obj, "forward()")
-        return self._forward_reply(self._call("forward", "forward()", obj.number, w, layout, arrays=_handed(w)))
+        self._alive(obj, self.calls)
+        return self._forward_reply(self._call("forward", self.calls, obj.number, w, layout, arrays=_handed(w)))
 
     def build_and_forward(self, w, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Session.build_and_forward in one round trip (half the finite differences' and probes' calls)."""
@@ -401,16 +404,16 @@ class RemoteSession:
         """Session.build_and_forward_each as one request, a reply per call (see _call_each)."""
         if not ws:
             return []
-        what = f"{self.candidate.spec}(...) and its forward()"
+        what = f"{self.candidate.spec}(...) and its forward()" if self.calls == "forward()" else self.calls
         replies = self._call_each("build_forward_each", what, ws, layout, arrays=_handed(ws[0]), replies=len(ws))  # each reply one call's
         return [self._forward_reply(reply) for reply in replies]
 
     def _forward_reply(self, reply: dict[str, Any]) -> tuple[np.ndarray, np.ndarray | None]:
         written = reply.get("written") or {}
         if not isinstance(written, dict):
-            raise CandidateError("the candidate's process answered forward() with written arrays that are not a mapping")
-        self.written = {str(k): _array(v, f"forward() left `{k}`") for k, v in written.items()}
-        return _array(reply.get("output"), "forward() returned an output"), _optional(reply.get("weights"), "forward() returned weights")
+            raise CandidateError(f"the candidate's process answered {self.calls} with written arrays that are not a mapping")
+        self.written = {str(k): _array(v, f"{self.calls} left `{k}`") for k, v in written.items()}
+        return _array(reply.get("output"), f"{self.calls} returned an output"), _optional(reply.get("weights"), f"{self.calls} returned weights")
 
     def backward(self, obj: Handle, grad_output: np.ndarray, w, grad_second: np.ndarray | None = None) -> dict[str, np.ndarray]:
         self._alive(obj, "backward()")
@@ -434,6 +437,12 @@ def _without(message: str, location: str | None) -> str:
     """The message without the ` (at file:line)` the error adds again."""
     suffix = f" (at {location})"
     return message[: -len(suffix)] if location and message.endswith(suffix) else message
+
+
+def _call_name(value: Any) -> str:
+    """The name a build reply gives its object's call ("forward()", "broken()"); "forward()" for
+    anything else (the reply is the candidate's process's, which a candidate may have broken)."""
+    return value if isinstance(value, str) and re.fullmatch(r"[\w.<>]{1,78}\(\)", value) else "forward()"
 
 
 def _int(value: Any) -> int:

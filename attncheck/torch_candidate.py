@@ -105,7 +105,8 @@ class TorchSession(FrameworkSession):
             hint = framework_hint(self.cfg, self.candidate, returned_by(out, "torch"))
             raise CandidateError(
                 f"{called} returned an output autograd cannot differentiate (no grad_fn: computed under no_grad, "
-                "detached, or not a tensor): give the object a backward(grad_output), or keep the graph" + (f"; {hint}" if hint else ""), where)  # fmt: skip
+                "detached, or not a tensor): " + ("keep the graph (a function kernel's gradients are autograd's)" if method is obj else "give the object a backward(grad_output), or keep the graph")
+                + (f"; {hint}" if hint else ""), where)  # fmt: skip
         outputs = [out]
         cotangents = [torch_side.tensor(np.ascontiguousarray(grad_output), out.device).to(out.dtype)]
         second = self._second

@@ -224,6 +224,41 @@ def test_a_torch_kernel_that_autograd_cannot_differentiate_is_named_by_itself(tm
     report = run_check("grad", _cfg(), load_candidate(f"{path}:detached"))
     assert report.verdict == "fail"
     assert report.failures[0].note.startswith("detached() returned an output autograd cannot differentiate"), report.failures[0].note
+    assert "backward(grad_output)" not in report.failures[0].note  # a function has no method to give it
+
+
+def test_the_judges_own_messages_name_a_function_kernel_by_itself(tmp_path):
+    """What the judge says of a call the candidate's process could not answer (it exited, hung)
+    names a function kernel as the candidate's own messages do, not a forward() it does not have."""
+    import attncheck
+
+    path = tmp_path / "exiting.py"
+    path.write_text(textwrap.dedent("""
+        import os
+        def exits(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **extras):
+            os._exit(3)
+    """))
+    report = attncheck.check({"module": "sdpa", "seed": 3}, "forward", impl=f"{path}:exits")
+    assert report.verdict == "fail"
+    assert report.failures[0].note == "the candidate's process exited with code 3 during exits()", report.failures[0].note
+
+
+def test_a_jax_kernel_jit_cannot_take_is_named_by_itself_in_the_note(tmp_path):
+    pytest.importorskip("jax")
+    import attncheck
+
+    path = tmp_path / "jax_kernels.py"
+    path.write_text(textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        def branchy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **extras):
+            if float(jnp.abs(query).max()) < 0:  # Python control flow on a value: jax.jit cannot trace it
+                raise AssertionError
+            logits = jnp.einsum("bhld,bhsd->bhls", query, key) * (query.shape[-1] ** -0.5 if scale is None else scale)
+            return jnp.einsum("bhls,bhsd->bhld", jax.nn.softmax(logits, axis=-1), value)
+    """))
+    report = attncheck.check({"module": "sdpa", "seed": 3, "framework": "jax"}, "forward", impl=f"{path}:branchy")
+    notes = [n for n in report.notes if "jax.jit" in n]
+    assert notes and all("tracing branchy() under jax.jit raised" in n and "branchy() ran op by op" in n for n in notes), report.notes
 
 
 def test_a_kernels_failure_says_which_heads_it_is_confined_to():

@@ -58,7 +58,7 @@ def cache_rows(kind, cfg, w, written: dict[str, np.ndarray], rule) -> list[Row]:
         if changed.any():
             at = tuple(int(i) for i in np.argwhere(changed)[0])
             rows.append(Row("forward", "contract", FAIL, reason=Reason.CONTRACT, mismatched=int(changed.sum()), numel=changed.size,
-                            note=f"forward() wrote `{name}` outside the appended slots: {int(changed.sum())} elements changed, "
+                            note=f"the call wrote `{name}` outside the appended slots: {int(changed.sum())} elements changed, "
                                  f"e.g. at {at} (only slots cache_seqlens .. cache_seqlens + new_tokens may be written)"))  # fmt: skip
         if cfg.new_tokens:
             row = compare("forward", f"{name}[appended]", _gathered(after, places), _gathered(expected[name], places), rule,
