@@ -1,7 +1,8 @@
 """mkdocs hook: fill the reference pages' generated sections from the code.
 
 A section is the text between `<!-- generated: NAME -->` and `<!-- end generated: NAME -->`, each
-marker a line of its own (one written inline, in prose, is left as text). It is checked in, so
+marker a line of its own (one written inline, in prose, or inside a fenced code block, is left as
+text). It is checked in, so
 the pages read whole where Markdown is shown as it is (GitHub), and the site build fills it again
 from the code. `python docs/hooks.py` rewrites the pages' sections from the code;
 tests/test_docs.py fails while one differs from what the code gives.
@@ -31,6 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$(?:.*?^<!-- end generated: \1 -->$)?", re.DOTALL | re.MULTILINE)
+FENCE = re.compile(r"^[ \t]*(?:```|~~~)", re.MULTILINE)  # a line opening or closing a fenced code block
 DOCS = ROOT / "docs"
 CONFIG_DIR = ROOT / "attncheck" / "config"
 
@@ -262,6 +264,8 @@ def fill(markdown: str, where: str) -> str:
     """`markdown` with each generated section (see the module's docstring) as the code gives it now."""
 
     def section(match: re.Match) -> str:
+        if len(FENCE.findall(markdown, 0, match.start())) % 2:  # inside a code block: an example of a marker
+            return match.group(0)
         name = match.group(1)
         if name not in GENERATORS:
             raise ValueError(f"{where}: unknown generated section {name!r}; known: {', '.join(GENERATORS)}")

@@ -142,6 +142,15 @@ def test_a_marker_written_inline_is_text_not_a_section():
     assert filled.count("<!-- end generated: exit-codes -->") == 1 and "old" not in filled and filled.endswith("\n\nAfter.\n")
 
 
+def test_a_marker_inside_a_code_block_is_text_not_a_section():
+    # A page showing how a section is written, in a fenced block, must keep its example as written.
+    example = "```markdown\n<!-- generated: exit-codes -->\n\n(the table)\n\n<!-- end generated: exit-codes -->\n```\n"
+    page = f"How a section is written:\n\n{example}\n<!-- generated: exit-codes -->\n\nold\n\n<!-- end generated: exit-codes -->\n"
+    filled = _hooks().fill(page, "page.md")
+    assert filled.startswith(f"How a section is written:\n\n{example}\n<!-- generated: exit-codes -->\n\n| code |"), filled
+    assert "old" not in filled and filled.count("(the table)") == 1
+
+
 # ------------------------------------------------------------------------------- exit codes
 def test_the_readme_lists_every_exit_code():
     from attncheck import cli
