@@ -19,7 +19,7 @@ import gc
 import os
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # Objects of a session the judge may still call: a check calls its latest few (the object it
@@ -42,10 +42,13 @@ class Child:
             sid, cfg, bulk, compiled = args
             from attncheck import threads
             from attncheck.candidate import make_session
+            from attncheck.kinds import kind_of
 
             threads.blas_threads_for(cfg.is_large)  # NumPy's BLAS as the judge runs it (attncheck.threads)
             self.sessions[sid], self.objects[sid] = make_session(cfg, self.candidate, bulk, compiled), {}
-            return {}
+            factory = self.candidate.factory
+            function = kind_of(cfg).build_arguments(cfg, factory, {}) is None  # the kind calls the factory itself
+            return {"calls": _call_name(factory, lambda: factory) if function else "forward()"}
         if op == "contract":
             from attncheck.contract import breach
 
@@ -65,12 +68,9 @@ class Child:
             objects[self.counter] = obj
             while len(objects) > KEEP_OBJECTS:
                 del objects[next(iter(objects))]
-            from attncheck.candidate import call_name
             from attncheck.kinds import kind_of
 
-            # How the judge's messages name calling it (a function kernel by its own name), for
-            # those it writes itself: the process died during the call, gave no answer in time.
-            calls = call_name(obj, kind_of(session.cfg).forward_of(obj))
+            calls = _call_name(obj, lambda: kind_of(session.cfg).forward_of(obj))
             return self.with_findings(session, {"handle": self.counter, "calls": calls})
         obj = self.objects[sid].get(rest[0])
         if obj is None:
@@ -105,6 +105,19 @@ class Child:
     @staticmethod
     def with_findings(session, body: dict[str, Any]) -> dict[str, Any]:
         return {**body, "findings": list(session.findings), "notes": list(session.notes)}
+
+
+def _call_name(obj: Any, look_up: Callable[[], Any]) -> str:
+    """How the judge's messages name calling `obj`, whose forward `look_up()` finds (a function
+    kernel: obj itself, named by its own name), for those the judge writes itself (the process died
+    during the call, or gave no answer in time). Told as a session opens, and again for each object
+    built, whose lookup runs the candidate's code: one that raises is left to the call to raise."""
+    from attncheck.candidate import call_name
+
+    try:
+        return call_name(obj, look_up())
+    except Exception:  # noqa: BLE001 - a forward that raises when looked up raises again when called
+        return "forward()"
 
 
 def _error(kind: str, exc: BaseException) -> dict[str, Any]:

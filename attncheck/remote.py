@@ -328,7 +328,9 @@ class RemoteSession:
         self.opened_in = 0  # the process generation this session was opened in
         self.timeout = timeout_for(cfg)
         self.written: dict[str, np.ndarray] = {}  # as Session.written, from the candidate's process
-        self.calls = "forward()"  # how messages name calling a built object: a function kernel by its name (`build`)
+        # How messages name calling a built object: a function kernel by its own name, as the
+        # candidate's process says when the session opens and when it builds an object.
+        self.calls = "forward()"
 
     def _call(self, op: str, what: str, *args, arrays: list[np.ndarray | None]) -> dict[str, Any]:
         return self._call_each(op, what, *args, arrays=arrays, replies=1)[0]
@@ -339,11 +341,7 @@ class RemoteSession:
         the other without waiting for the judge, and stops at the first error, which it sends as
         its last reply. If the judge stops reading early (a malformed reply, an answer it refuses)
         the process is replaced, so no reply is left to answer a later request."""
-        self.process.ensure()
-        if self.opened_in != self.process.generation:
-            request = ("open", self.sid, self.cfg, self.bulk, self.process.compiled)
-            self._raise_error(self.process.call(request, "opening a session", self.timeout, 1 << 20), "opening a session")
-            self.opened_in = self.process.generation
+        self._open()
         limit, got, pending = _reply_limit(arrays), [], replies
         try:
             while pending:
@@ -367,6 +365,15 @@ class RemoteSession:
             if pending:
                 self.process.stop()
         return got
+
+    def _open(self) -> None:
+        """The session opened in the candidate's current process (started if need be)."""
+        self.process.ensure()
+        if self.opened_in != self.process.generation:
+            request = ("open", self.sid, self.cfg, self.bulk, self.process.compiled)
+            opened = self.process.call(request, "opening a session", self.timeout, 1 << 20)
+            self._raise_error(opened, "opening a session")
+            self.calls, self.opened_in = _call_name(opened.get("calls")), self.process.generation
 
     def _raise_error(self, reply: dict[str, Any], what: str) -> None:
         """The candidate's error a reply carries, raised as the judge's own exception."""
@@ -404,6 +411,7 @@ class RemoteSession:
         """Session.build_and_forward_each as one request, a reply per call (see _call_each)."""
         if not ws:
             return []
+        self._open()  # which says how the kernel is called
         what = f"{self.candidate.spec}(...) and its forward()" if self.calls == "forward()" else self.calls
         replies = self._call_each("build_forward_each", what, ws, layout, arrays=_handed(ws[0]), replies=len(ws))  # each reply one call's
         return [self._forward_reply(reply) for reply in replies]
@@ -416,12 +424,13 @@ class RemoteSession:
         return _array(reply.get("output"), f"{self.calls} returned an output"), _optional(reply.get("weights"), f"{self.calls} returned weights")
 
     def backward(self, obj: Handle, grad_output: np.ndarray, w, grad_second: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        self._alive(obj, "backward()")
-        reply = self._call("backward", "backward()", obj.number, grad_output, w, grad_second, arrays=[*w.params.values(), w.query, w.key, w.value])
+        what = "backward()" if self.calls == "forward()" else f"the backward of {self.calls}"  # a function kernel's is autograd's
+        self._alive(obj, what)
+        reply = self._call("backward", what, obj.number, grad_output, w, grad_second, arrays=[*w.params.values(), w.query, w.key, w.value])
         grads = reply.get("grads")
         if not isinstance(grads, dict):
-            raise CandidateError("the candidate's process answered backward() with no gradients")
-        return {str(k): _array(v, f"backward() returned {k!r}") for k, v in grads.items()}
+            raise CandidateError(f"the candidate's process answered {what} with no gradients")
+        return {str(k): _array(v, f"{what} returned {k!r}") for k, v in grads.items()}
 
     def _alive(self, obj: Handle, what: str) -> None:
         if obj.generation != self.process.generation:

@@ -243,6 +243,34 @@ def test_the_judges_own_messages_name_a_function_kernel_by_itself(tmp_path):
     assert report.failures[0].note == "the candidate's process exited with code 3 during exits()", report.failures[0].note
 
 
+def test_a_session_that_calls_before_it_builds_names_a_function_kernel_by_itself_too(tmp_path):
+    """A probe's session calls before it builds (build_and_forward): what the judge says of that
+    call names the kernel as the check's own session learned it; so does autograd's backward."""
+    import attncheck
+
+    path = tmp_path / "exiting_alone.py"
+    path.write_text(textwrap.dedent("""
+        import os, torch
+        class Dies(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+            @staticmethod
+            def backward(ctx, g):
+                os._exit(4)
+        def alone(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **extras):
+            if query.shape[0] == 1:  # the batch-invariance probe's one batch element
+                os._exit(3)
+            return Dies.apply(torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                                                               scale=scale, enable_gqa=enable_gqa))
+    """))  # fmt: skip
+    report = attncheck.check({"module": "sdpa", "seed": 3, "probes": ["batch_invariance"]}, "forward", impl=f"{path}:alone")
+    notes = [row.note for row in report.rows if row.quantity == "batch_invariance"]
+    assert notes == ["batch element 1 alone raised: the candidate's process exited with code 3 during alone()"], notes
+    report = attncheck.check({"module": "sdpa", "seed": 3}, "grad", impl=f"{path}:alone")
+    assert report.failures[0].note == "the candidate's process exited with code 4 during the backward of alone()", report.failures[0].note
+
+
 def test_a_jax_kernel_jit_cannot_take_is_named_by_itself_in_the_note(tmp_path):
     pytest.importorskip("jax")
     import attncheck
