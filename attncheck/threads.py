@@ -142,11 +142,39 @@ def blas_threads_for(large: bool) -> None:
     spins on a core until OpenBLAS's timeout: 0.1 s of CPU in every candidate process, which does
     nothing with it (forks of a NumPy process, 2026-11-26, 2 cores; the test suite took 20 s less
     CPU with OPENBLAS_NUM_THREADS=1, benchmarks/suite_cpu.py, before this). A large config's
-    process restarts it, and uses it."""
+    process restarts it, and uses it. A BLAS library loaded after the server's hold (a candidate's
+    own: SciPy's OpenBLAS) is held too: found as the process's first small config opens, once
+    the candidate is loaded (threadpoolctl's scan, 0.6 ms)."""
     global _limited_for_config
     if _limited_for_config == large:  # held but large now, or free but small now
         (_blas_exit if large else _blas_enter)()
         _limited_for_config = not large
+    _hold_loaded_later(not large)
+
+
+_loaded_later = None  # (pid, threadpoolctl's controller of the BLAS libraries loaded after the hold): found once per process
+_loaded_later_limit = None  # its limit to one thread, while one is held
+
+
+def _hold_loaded_later(on: bool) -> None:
+    """The BLAS libraries the hold does not cover (those on more than one thread when first looked
+    for: not set again if on one already, see blas_threads_for) held to one thread where `on`, given
+    their own count back where not."""
+    global _loaded_later, _loaded_later_limit
+    if on and _loaded_later_limit is not None:
+        return  # held already
+    if _loaded_later_limit is not None:
+        _loaded_later_limit.restore_original_limits()
+        _loaded_later_limit = None
+    if not on or not _blas_controller:
+        return
+    if _loaded_later is None or _loaded_later[0] != os.getpid():  # a fork looks again: its candidate loads after the server's hold
+        from threadpoolctl import ThreadpoolController
+
+        blas = ThreadpoolController().select(user_api="blas")
+        _loaded_later = (os.getpid(), blas.select(filepath=[lib.filepath for lib in blas.lib_controllers if lib.num_threads > 1]))
+    if _loaded_later[1].lib_controllers:
+        _loaded_later_limit = _loaded_later[1].limit(limits=1)
 
 
 @contextmanager

@@ -146,6 +146,19 @@ def test_a_candidate_process_starts_with_blas_on_one_thread_and_no_thread_restar
     assert calls and all(call == {"threads": 1, "blas": [1]} for call in calls), calls
 
 
+def test_a_blas_library_the_candidate_loads_is_held_to_one_thread_too(tmp_path, monkeypatch):
+    """SciPy's own OpenBLAS, loaded by the candidate after the server's hold: held as the session opens."""
+    pytest.importorskip("scipy.linalg")
+    _a_server_of_its_own(monkeypatch)
+    (tmp_path / "scipy_probe.py").write_text("import scipy.linalg\n" + BLAS_PROBE)
+    seen = tmp_path / "seen.jsonl"
+    monkeypatch.setenv("ATTNCHECK_TEST_SEEN", str(seen))
+    report = attncheck.check(None, "forward", impl=f"{tmp_path / 'scipy_probe.py'}:MultiheadAttention")
+    assert report.passed
+    calls = [json.loads(line)["blas"] for line in seen.read_text().splitlines()]
+    assert calls and all(len(blas) >= 2 and set(blas) == {1} for blas in calls), calls
+
+
 def test_a_large_configs_candidate_process_gets_blas_threads_back():
     """A fork of a process that held BLAS to one thread (the server) gives BLAS its own thread count
     back for a large config, and holds it to one again for a small one."""
