@@ -46,9 +46,10 @@ class Child:
 
             threads.blas_threads_for(cfg.is_large)  # NumPy's BLAS as the judge runs it (attncheck.threads)
             self.sessions[sid], self.objects[sid] = make_session(cfg, self.candidate, bulk, compiled), {}
-            factory = self.candidate.factory
-            function = kind_of(cfg).build_arguments(cfg, factory, {}) is None  # the kind calls the factory itself
-            return {"calls": _call_name(factory, lambda: factory) if function else "forward()"}
+            kind, factory = kind_of(cfg), self.candidate.factory
+            # A kind that calls the factory itself (build_arguments None) calls what forward_of finds
+            # on it: the function, or an instance's forward(); an object built is named as it is built.
+            return {"calls": _call_name(factory, lambda: kind.forward_of(factory) if kind.build_arguments(cfg, factory, {}) is None else None)}
         if op == "contract":
             from attncheck.contract import breach
 

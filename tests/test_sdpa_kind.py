@@ -271,6 +271,27 @@ def test_a_session_that_calls_before_it_builds_names_a_function_kernel_by_itself
     assert report.failures[0].note == "the candidate's process exited with code 4 during the backward of alone()", report.failures[0].note
 
 
+def test_a_kernel_given_as_an_instance_is_named_by_the_forward_it_is_called_through(tmp_path):
+    """An instance (an nn.Module's) is called through its forward(), not by its own name, in a
+    session that calls before it builds as in one that builds: the opening reply asks forward_of."""
+    import attncheck
+
+    path = tmp_path / "exiting_instance.py"
+    path.write_text(textwrap.dedent("""
+        import os, torch
+        class Attention(torch.nn.Module):
+            def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **extras):
+                if query.shape[0] == 1:  # the batch-invariance probe's one batch element
+                    os._exit(3)
+                return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                                                        scale=scale, enable_gqa=enable_gqa)
+        attention = Attention()
+    """))  # fmt: skip
+    report = attncheck.check({"module": "sdpa", "seed": 3, "probes": ["batch_invariance"]}, "forward", impl=f"{path}:attention")
+    notes = [row.note for row in report.rows if row.quantity == "batch_invariance"]
+    assert notes == [f"batch element 1 alone raised: the candidate's process exited with code 3 during {path}:attention(...) and its forward()"], notes
+
+
 def test_a_jax_kernel_jit_cannot_take_is_named_by_itself_in_the_note(tmp_path):
     pytest.importorskip("jax")
     import attncheck
