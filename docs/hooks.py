@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$(?:.*?^<!-- end generated: \1 -->$)?", re.DOTALL | re.MULTILINE)
-FENCE = re.compile(r"^[ \t]*(?:```|~~~)", re.MULTILINE)  # a line opening or closing a fenced code block
+START = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.MULTILINE)
+FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})(.*)$", re.MULTILINE)  # a line that may open or close a fenced code block
 DOCS = ROOT / "docs"
 CONFIG_DIR = ROOT / "attncheck" / "config"
 
@@ -262,16 +262,43 @@ GENERATORS = {"cli": cli, "config-keys": config_keys, "default-suites": default_
 
 def fill(markdown: str, where: str) -> str:
     """`markdown` with each generated section (see the module's docstring) as the code gives it now."""
+    blocks = _code_blocks(markdown)
 
-    def section(match: re.Match) -> str:
-        if len(FENCE.findall(markdown, 0, match.start())) % 2:  # inside a code block: an example of a marker
-            return match.group(0)
-        name = match.group(1)
+    def in_block(position: int) -> bool:  # an example of a marker, left as written
+        return any(start <= position < end for start, end in blocks)
+
+    out, done = [], 0
+    for start in START.finditer(markdown):
+        if start.start() < done or in_block(start.start()):
+            continue
+        name = start.group(1)
         if name not in GENERATORS:
             raise ValueError(f"{where}: unknown generated section {name!r}; known: {', '.join(GENERATORS)}")
-        return f"<!-- generated: {name} -->\n\n{GENERATORS[name]().strip()}\n\n<!-- end generated: {name} -->"
+        ends = re.finditer(rf"^<!-- end generated: {name} -->$", markdown[start.end():], re.MULTILINE)
+        end = next((start.end() + e.end() for e in ends if not in_block(start.end() + e.start())), start.end())  # a new marker: its line alone
+        out += [markdown[done:start.start()], f"<!-- generated: {name} -->\n\n{GENERATORS[name]().strip()}\n\n<!-- end generated: {name} -->"]
+        done = end
+    return "".join(out) + markdown[done:]
 
-    return MARKER.sub(section, markdown)
+
+def _code_blocks(markdown: str) -> list[tuple[int, int]]:
+    """Where `markdown`'s fenced code blocks are, (start, end): from a line opening one (three or
+    more ` or ~, indented or not, a language after them or not) to the first line closing it (the
+    same character, at least as many, nothing after), or to the page's end where none does. A
+    line of ``` with a ` after it is inline code, not a fence."""
+    blocks: list[tuple[int, int]] = []
+    opened: tuple[int, str] | None = None
+    for line in FENCE.finditer(markdown):
+        fence, rest = line.group(1), line.group(2)
+        if opened is None:
+            if not (fence[0] == "`" and "`" in rest):
+                opened = (line.start(), fence)
+        elif fence[0] == opened[1][0] and len(fence) >= len(opened[1]) and not rest.strip():
+            blocks.append((opened[0], line.end()))
+            opened = None
+    if opened is not None:
+        blocks.append((opened[0], len(markdown)))
+    return blocks
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

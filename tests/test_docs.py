@@ -151,6 +151,19 @@ def test_a_marker_inside_a_code_block_is_text_not_a_section():
     assert "old" not in filled and filled.count("(the table)") == 1
 
 
+def test_a_code_block_is_found_as_markdown_fences_it():
+    # Counting fence lines (odd: inside) filled a marker in a 4-backtick block around a ``` one, or
+    # in a ``` block after a ~~~ line; an example's start marker alone ran on to the real section's
+    # end marker, which was then never filled; a line starting with ``` inline code hid the next one.
+    section = "<!-- generated: exit-codes -->\n\nold\n\n<!-- end generated: exit-codes -->\n"
+    for example in (f"````markdown\n```markdown\n{section}```\n````\n", f"```text\n~~~\n{section}```\n", f"~~~\n{section}~~~\n",
+                    f"1. An item:\n\n    ```markdown\n{section}    ```\n", f"```\n{section}"):  # fmt: skip
+        assert _hooks().fill(example, "page.md") == example, example
+    for before in ("```\n<!-- generated: exit-codes -->\n```\n\n", "```code``` is inline.\n\n"):
+        filled = _hooks().fill(before + section, "page.md")
+        assert filled.startswith(before + "<!-- generated: exit-codes -->\n\n| code |") and "old" not in filled, filled
+
+
 # ------------------------------------------------------------------------------- exit codes
 def test_the_readme_lists_every_exit_code():
     from attncheck import cli
