@@ -189,6 +189,45 @@ def test_a_large_configs_candidate_process_gets_blas_threads_back():
     assert held == small == small_again == [1] * len(own) and large == own, (own, held, small, large, small_again)
 
 
+def test_a_blas_library_a_fork_loads_is_held_for_small_configs_alone_and_numpys_is_not_set_again():
+    """In a fork of the holding server that then loads SciPy's own OpenBLAS: the first small config
+    holds that library alone (NumPy's, on one thread already, is not set: setting it restarts a
+    spinning thread), a large one gives both their counts back, a small one holds both again."""
+    pytest.importorskip("scipy.linalg")
+    code = textwrap.dedent("""
+        import json, os
+        from threadpoolctl import threadpool_info
+        from attncheck import threads
+        def blas():
+            return sorted((info["filepath"], info["num_threads"]) for info in threadpool_info() if info["user_api"] == "blas")
+        numpys = dict(blas())  # NumPy's own counts, before the hold
+        threads.blas_threads_for(False)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            import scipy.linalg
+            own = blas()
+            threads.blas_threads_for(False)
+            held = [lib.filepath for lib in threads._loaded_later[1].lib_controllers]
+            seen = [blas()]
+            for large in (True, False, False):
+                threads.blas_threads_for(large)
+                seen.append(blas())
+            os.write(write, json.dumps([numpys, own, held, seen]).encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print(os.read(read, 100000).decode())
+        """)  # fmt: skip
+    numpys, own, held, (small, large, small_again, small_still) = json.loads(subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=forkserver.environment()).stdout)  # fmt: skip
+    later = sorted(path for path, count in own if path not in numpys and count > 1)
+    if not later:
+        pytest.skip("SciPy's BLAS is NumPy's here, or on one thread")
+    assert sorted(held) == later, (held, later)  # NumPy's not among them
+    assert small == small_again == small_still == [[path, 1] for path, _ in own], (own, small, small_again, small_still)
+    assert large == [[path, numpys.get(path, count)] for path, count in own], (numpys, own, large)
+
+
 def _a_server_of_its_own(monkeypatch) -> None:
     """The test's own fork server, started on its first fork, importing no framework: not torch or
     JAX because earlier tests in this process loaded candidates of theirs (1.3 s and more of CPU
