@@ -5,7 +5,8 @@ when a plot is asked for; the figures are drawn off-screen (Agg), so no display 
 
 One figure per quantity: attention weights as one panel per head over (query, key), outputs
 and input gradients over (position, feature), weight gradients over (row, column) with the
-head blocks marked. The reference is the float64 oracle under the budget rule, torch under the
+head blocks marked; a kernel's (module: sdpa) outputs and input gradients as one panel per head
+over (query or key, feature), its LSE over (head, query), as the kind names their axes. The reference is the float64 oracle under the budget rule, torch under the
 fixed rule; 1 on the colour bar is what the rule allowed. Masked positions are hatched. Where a
 quantity has a batch axis, the panel shows the batch entry with the largest error.
 """
@@ -23,6 +24,7 @@ import numpy as np
 from attncheck.config import Config
 from attncheck.diagnose import Layout, Masks, layout_of
 from attncheck.errors import UsageError
+from attncheck.kinds import kind_of
 from attncheck.report import FAIL, Report, Row
 
 FORMATS = (".png", ".svg", ".pdf")
@@ -73,7 +75,9 @@ def panels(row: Row, cfg: Config) -> list[Panel]:
         ratio = np.abs(c - x) / np.where(allowed > 0, allowed, np.inf)
     both_nan = np.isnan(c) & np.isnan(x)
     ratio = np.where(both_nan, 0.0, np.where(np.isnan(ratio), np.inf, ratio))
-    layout = layout_of(row, cfg, x.ndim)
+    kind = kind_of(cfg)
+    # A kind whose layouts the diagnosis cannot read (a kernel's (batch, head, query, feature)) names its quantities' axes itself.
+    layout = layout_of(row, cfg, x.ndim) if kind.diagnosable else Layout(kind.where_axes.get(row.parameter or "", ()))
     axes = layout.axes
     if len(axes) != ratio.ndim:
         return []
@@ -90,8 +94,8 @@ def panels(row: Row, cfg: Config) -> list[Panel]:
         batch = f", batch {worst}"
     else:
         batch = ""
-    if axes and axes[0] == "head":
-        return [Panel(f"head {h}{batch}", ratio[h], None if masked is None else masked[h], "query", "key") for h in range(ratio.shape[0])]
+    if axes and axes[0] == "head" and len(axes) == 3:  # (head, query, key) weights, or a kernel's (head, query, feature)
+        return [Panel(f"head {h}{batch}", ratio[h], None if masked is None else masked[h], axes[1], axes[2]) for h in range(ratio.shape[0])]
     if ratio.ndim == 1:
         ratio, masked = ratio[None, :], None
         axes = ("", axes[0])

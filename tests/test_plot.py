@@ -65,6 +65,26 @@ def test_one_figure_per_failing_quantity_with_a_panel_per_head():
     assert len(figures(report, every_row=True)) == 4  # outputs too, passing
 
 
+def test_a_kernels_output_is_drawn_per_head_over_query_and_feature(tmp_path):
+    # A kernel's arrays are (batch, head, query, feature): --plot drew nothing for them and said
+    # "nothing failed" under a failing verdict.
+    (tmp_path / "doubled.py").write_text(
+        "from attncheck.reference import ScaledDotProductAttention\n"
+        "class HeadOneDoubled(ScaledDotProductAttention):\n"
+        "    def forward(self, *args, **kwargs):\n"
+        "        out = super().forward(*args, **kwargs).copy()\n"
+        "        out[:, 1] *= 2\n"
+        "        return out\n")  # fmt: skip
+    report = check({"module": "sdpa", "seed": 3}, "forward", impl=f"{tmp_path / 'doubled.py'}:HeadOneDoubled")
+    ps = panels(_row(report, "output"), report.config)
+    assert [p.title.split(",")[0] for p in ps] == [f"head {h}" for h in range(report.config.num_heads)]
+    assert all((p.ylabel, p.xlabel) == ("query", "feature") for p in ps)
+    assert (ps[1].ratio > 1).any() and all((p.ratio <= 1).all() for h, p in enumerate(ps) if h != 1)
+    result = runner.invoke(app, ["forward", "--module", "sdpa", "--case", "plain", "--impl", f"{tmp_path / 'doubled.py'}:HeadOneDoubled",
+                                 "--plot", str(tmp_path / "plots")])  # fmt: skip
+    assert result.exit_code == 1 and list((tmp_path / "plots").glob("*.png")), result.output
+
+
 @pytest.mark.slow
 def test_files_in_a_directory(tmp_path):
     report = check(PER_HEAD_CAUSAL, "forward", impl=CausalOffByOne)
