@@ -63,6 +63,22 @@ def _forward_arguments(kind, cfg) -> tuple[tuple, dict[str, Any]]:
             extras[name] = _Named(name)
 
 
+def _function_hint(factory: Any) -> str:
+    """For a module kind's breach: a function whose first parameters are an attention function's
+    (query, key, value) is most likely a kernel checked without `--module` (one of the function kinds)."""
+    try:
+        names = [p.name for p in inspect.signature(factory).parameters.values()][:3]
+    except (TypeError, ValueError):
+        return ""
+    if isinstance(factory, type) or names not in (["query", "key", "value"], ["q", "k", "v"]):
+        return ""
+    from attncheck.kinds import kinds
+
+    *some, last = [f"`--module {kind.name}`" for kind in kinds().values() if not kind.has_parameters]
+    functions = f"{', '.join(some)} or {last}" if some else last
+    return f"\nIts first parameters are an attention function's ({', '.join(names)}): check it as one, with {functions} (`module:` in a config)."
+
+
 def breach(cfg, factory: Any) -> str:
     """Why the kind's calls cannot reach `factory` (see the module's docstring); "" when they can
     or its signatures do not say."""
@@ -72,7 +88,7 @@ def breach(cfg, factory: Any) -> str:
     if built is not None:
         wrong = _mismatch(factory, *built)
         if wrong is not None:
-            return f"attncheck builds it as {_call_text(name, *built)}\nbut its signature is {name}{wrong[0]}: {wrong[1]}"
+            return f"attncheck builds it as {_call_text(name, *built)}\nbut its signature is {name}{wrong[0]}: {wrong[1]}" + _function_hint(factory)
     forward, bound_self, called = factory, False, name
     if built is not None:
         if not isinstance(factory, type):

@@ -76,6 +76,18 @@ def test_a_kernel_without_a_flash_attention_keyword_is_left_to_the_checks():
     assert "unexpected keyword argument 'dropout_p'" in breach(config_from_mapping({"module": "sdpa"}), lambda query, key, value, attn_mask=None: query)
 
 
+def test_a_kernel_checked_without_module_is_pointed_to_the_function_kinds():
+    # A new kernel writer's first command leaves out --module: the error showed SDPA's own signature
+    # and never said which module kind takes it.
+    def my_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return query
+
+    why = breach(load_config(None), my_attention)
+    assert why.endswith("Its first parameters are an attention function's (query, key, value): check it as one, with "
+                        "`--module sdpa`, `--module sdpa_varlen` or `--module sdpa_kvcache` (`module:` in a config)."), why  # fmt: skip
+    assert "attention function" not in breach(load_config(None), lambda params, n_heads: object())  # a factory, wrongly built: no hint
+
+
 def test_signatures_that_do_not_say_are_left_to_the_checks():
     cfg = load_config(None)
     assert breach(cfg, dict) == ""  # a builtin: no signature to read
