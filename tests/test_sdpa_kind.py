@@ -133,13 +133,14 @@ def test_the_declared_alignment_picks_the_default_suite_cases():
     assert candidate.causal_alignment == "lower_right"
     assert run_check("forward", cases["causal-lower-right"], candidate, embedded=True).verdict == "pass"
     skipped = run_check("forward", cases["causal-upper-left"], candidate, embedded=True)
-    assert skipped.verdict == "unsupported" and "declares causal_alignment = 'lower_right'" in skipped.rows[0].note
+    assert skipped.verdict == "unsupported" and "aligns causal masks 'lower_right' (its causal_alignment, upper_left unless set)" in skipped.rows[0].note
     # A config's causal: is the user's claim: checked as written, and this one is wrong there; the
     # report says what the candidate declares (a new user's failure came with no hint of why).
     as_written = run_check("forward", cases["causal-upper-left"], candidate)
     assert as_written.verdict == "fail"
-    assert as_written.notes[0].startswith("LowerRight declares causal_alignment = 'lower_right'; this config checks causal upper_left")
-    assert not any("declares" in n for n in run_check("forward", cases["causal-lower-right"], candidate).notes)
+    assert as_written.notes[0].startswith("LowerRight aligns causal masks 'lower_right' (its causal_alignment, upper_left unless set); "
+                                    "this config checks causal upper_left")
+    assert not any("aligns causal masks" in n for n in run_check("forward", cases["causal-lower-right"], candidate).notes)
 
 
 def test_a_bad_alignment_declaration_is_a_usage_error(tmp_path):

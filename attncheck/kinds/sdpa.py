@@ -184,6 +184,9 @@ class FunctionKind(ModuleKind):
     def output_shape(self, cfg, w) -> tuple[int, ...]:
         return (cfg.batch_size, cfg.num_heads, cfg.tgt_len, cfg.head_dim_v_eff)
 
+    # Where a candidate's alignment comes from: it may have set none (then SDPA's is_causal alignment).
+    ALIGNMENT_SOURCE = "its causal_alignment, upper_left unless set"
+
     def unsupported_case(self, cfg, candidate) -> str | None:
         """A default-suite case of the causal alignment the candidate does not declare, where the two
         differ (L != S): not its claim. A config's `causal:` is the user's claim, checked as written."""
@@ -191,15 +194,15 @@ class FunctionKind(ModuleKind):
         if cfg.causal == "none" or cfg.tgt_len == cfg.S or declared is None or declared == cfg.causal:
             return None
         name = candidate.spec.rpartition(":")[2]
-        return (f"{name} declares causal_alignment = {declared!r}; this default-suite case checks causal {cfg.causal} with "
-                f"L={cfg.tgt_len} != S={cfg.S}, where the two differ (set causal_alignment, or check it with a config's causal:)")
+        return (f"{name} aligns causal masks {declared!r} ({self.ALIGNMENT_SOURCE}); this case checks {cfg.causal} at L={cfg.tgt_len} != "
+                f"S={cfg.S}, where they differ (set causal_alignment, or check it with a config's causal:)")
 
     def claim_note(self, cfg, candidate) -> str | None:
         if self.unsupported_case(cfg, candidate) is None:
             return None
         name = candidate.spec.rpartition(":")[2]
-        return (f"{name} declares causal_alignment = {candidate.causal_alignment!r}; this config checks causal {cfg.causal} "
-                f"with L={cfg.tgt_len} != S={cfg.S}, as written, where the two alignments differ")
+        return (f"{name} aligns causal masks {candidate.causal_alignment!r} ({self.ALIGNMENT_SOURCE}); this config checks causal "
+                f"{cfg.causal} with L={cfg.tgt_len} != S={cfg.S}, as written, where the two alignments differ")
 
     def unsupported_call(self, cfg, raised: str) -> str | None:
         """A TypeError for a FlashAttention keyword the function does not take: it has no such
