@@ -298,10 +298,6 @@ def _guard(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
         raise CandidateError(f"{what} raised {raised}", _located(exc), _traceback(exc), raised) from exc
 
 
-# Why grad and sgd-step are unsupported for a NumPy candidate without a backward.
-NO_BACKWARD = "{name} has no backward(grad_output) method: grad and sgd-step need one (torch and JAX candidates get autograd's)"
-
-
 class Session:
     """One candidate's run on one workload: builds it, calls it, checks what it returns.
 
@@ -466,10 +462,10 @@ class Session:
 
     def _gradients(self, obj: Any, grad_output: np.ndarray, grad_second: np.ndarray | None = None) -> tuple[Any, str | None]:
         """What the candidate's backward(grad_output) returned, and where that method is defined."""
+        kind = kind_of(self.cfg)
         if not callable(getattr(obj, "backward", None)):
             # Not a wrong answer but a feature it does not have: gradients are unsupported.
-            raise Unsupported(NO_BACKWARD.format(name=getattr(obj, "__name__", None) or type(obj).__name__))
-        kind = kind_of(self.cfg)
+            raise Unsupported(kind.no_backward(getattr(obj, "__name__", None) or type(obj).__name__))
         handed_second = None if grad_second is None else self._hand(f"its `grad_{kind.second_output}` argument", grad_second)
         grads = self._call_guarded("backward()", kind.call_backward, self.cfg, obj, self._hand("its `grad_output` argument", grad_output),
                                    handed_second)  # fmt: skip

@@ -228,6 +228,15 @@ def test_a_torch_kernel_that_autograd_cannot_differentiate_is_named_by_itself(tm
     assert "backward(grad_output)" not in report.failures[0].note  # a function has no method to give it
 
 
+def test_a_numpy_kernel_without_a_backward_is_told_the_kernels_backward():
+    def forward_only(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return ScaledDotProductAttention().forward(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    report = run_check("grad", _cfg(), Candidate("forward-only", forward_only))
+    assert report.verdict == "unsupported"
+    assert report.rows[0].note.startswith("forward_only has no backward(grad_out, grad_lse=None) (docs/how-to/kernels.md)"), report.rows[0].note
+
+
 def test_the_judges_own_messages_name_a_function_kernel_by_itself(tmp_path):
     """What the judge says of a call the candidate's process could not answer (it exited, hung)
     names a function kernel as the candidate's own messages do, not a forward() it does not have."""

@@ -17,7 +17,7 @@ oracle of the budget rule.
 from __future__ import annotations
 
 from attncheck import torch_side
-from attncheck.candidate import NO_BACKWARD, Candidate
+from attncheck.candidate import Candidate
 from attncheck.checks.forward import check_forward
 from attncheck.checks.grad import check_grad
 from attncheck.checks.run import CheckRun
@@ -44,7 +44,7 @@ def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, 
     if reason is None and embedded:
         reason = kind.unsupported_case(cfg, candidate)
     if reason is None and which.needs_backward and candidate is not None and candidate.lacks_backward(cfg):
-        reason = NO_BACKWARD.format(name=candidate.spec.rpartition(":")[2].rpartition(".")[2])
+        reason = kind.no_backward(candidate.spec.rpartition(":")[2].rpartition(".")[2])
     if reason is not None:
         run = CheckRun.begin(command, cfg, candidate)
         return run.ended_at(which.section, Unsupported(reason))

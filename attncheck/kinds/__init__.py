@@ -119,6 +119,10 @@ class ModuleKind:
         """Whether the second output (the LSE) is part of the loss the gradients are taken of."""
         return False
 
+    def no_backward(self, name: str) -> str:
+        """Why grad and sgd-step are unsupported for a NumPy candidate `name` without a backward."""
+        return f"{name} has no backward(grad_output) method: grad and sgd-step need one (torch and JAX candidates get autograd's)"
+
     def call_backward(self, cfg: Config, obj: Any, grad_output, grad_second) -> Any:
         """Call a candidate's own backward; `grad_second` is d(loss)/d(second) where it is in the loss."""
         return obj.backward(grad_output)

@@ -181,6 +181,9 @@ class FunctionKind(ModuleKind):
             return obj.backward(grad_output, grad_lse=grad_second)
         return obj.backward(grad_output)
 
+    def no_backward(self, name: str) -> str:
+        return f"{name} has no backward(grad_out, grad_lse=None) (docs/how-to/kernels.md): a NumPy kernel's gradients need one"
+
     def output_shape(self, cfg, w) -> tuple[int, ...]:
         return (cfg.batch_size, cfg.num_heads, cfg.tgt_len, cfg.head_dim_v_eff)
 
