@@ -337,7 +337,16 @@ def _worst_cell(report: Report) -> Text:
 def capability_table(features: list[Capability]) -> Table:
     """Each feature of the suite: its cases, whether the candidate supports them (and its reason
     where not), and the verdict of what it supports."""
-    table = Table(title="capabilities", title_justify="left", header_style="bold", pad_edge=False, box=None)
+    # A reason given in more than one feature (a kernel with no backward: every case) is written
+    # once, under the table, and named by its number in each.
+    features_of: dict[str, set[str]] = {}
+    for cap in features:
+        for _, _, reason in cap.unsupported:
+            features_of.setdefault(reason or "NotImplementedError", set()).add(cap.feature)
+    shared = {reason: f"({i})" for i, reason in enumerate((r for r, seen in features_of.items() if len(seen) > 1), 1)}
+    caption = Text("\n".join(f"{mark} {reason}" for reason, mark in shared.items())) if shared else None
+    table = Table(title="capabilities", title_justify="left", header_style="bold", pad_edge=False, box=None, caption=caption,
+                  caption_justify="left")  # fmt: skip
     table.add_column("feature")
     table.add_column("cases", justify="right")
     table.add_column("supported", overflow="fold")
@@ -354,15 +363,17 @@ def capability_table(features: list[Capability]) -> Table:
         else:
             n = len(cap.checks)
             supported = Text(f"{n - len(cap.unsupported)} of {n} checks; not ")
-            supported.append(_unsupported_checks(cap), style=_STATUS_STYLE[UNSUPPORTED])
+            supported.append(_unsupported_checks(cap, shared), style=_STATUS_STYLE[UNSUPPORTED])
         table.add_row(cap.feature, str(len(cap.cases)), supported, Text(cap.verdict.label, style=_STATUS_STYLE[cap.verdict]))
     return table
 
 
-def _unsupported_checks(cap: Capability) -> str:
-    """The unsupported checks grouped by the candidate's reason, each reason once: cases that are
-    unsupported in every command they ran are named alone (`kdim-vdim`); else a command whose every
-    case is unsupported (`grad (every case)`), or the command and its cases (`grad: a, b`)."""
+def _unsupported_checks(cap: Capability, shared: dict[str, str] | None = None) -> str:
+    """The unsupported checks grouped by the candidate's reason, each reason once (or its mark in
+    `shared`, where the table writes it under itself): cases that are unsupported in every command
+    they ran are named alone (`kdim-vdim`); else a command whose every case is unsupported
+    (`grad (every case)`), or the command and its cases (`grad: a, b`)."""
+    shared = shared or {}
     commands_of: dict[str, set[str]] = {}
     for case, command in cap.checks:
         commands_of.setdefault(case, set()).add(command)
@@ -372,13 +383,14 @@ def _unsupported_checks(cap: Capability) -> str:
     groups = []
     for reason, commands in by_reason.items():
         cases = list(dict.fromkeys(case for listed in commands.values() for case in listed))
+        said = shared.get(reason, reason)
         if all({command for command, listed in commands.items() if case in listed} == commands_of[case] for case in cases):
-            groups.append(f"{', '.join(cases)}: {reason}")
+            groups.append(f"{', '.join(cases)}: {said}")
             continue
         every = [command for command, listed in commands.items() if len(listed) > 1 and len(listed) == sum(c == command for _, c in cap.checks)]
         named = [f"{', '.join(every)} (every case)"] if every else []
         named += [f"{command}: {', '.join(listed)}" for command, listed in commands.items() if command not in every]
-        groups.append(f"{'; '.join(named)}: {reason}")
+        groups.append(f"{'; '.join(named)}: {said}")
     return "; ".join(groups)
 
 

@@ -122,3 +122,23 @@ def test_traceback_asks_for_every_distinct_failure_whole(tmp_path):
     assert "--traceback shows the candidate's full traceback" in short
     whole = run("run", "--impl", f"{path}:MHA", "--traceback").output
     assert "ValueError: boom deep" in whole and "more lines (--verbose shows them)" not in whole  # the innermost frame and the line kept
+
+
+def test_a_reason_shared_by_features_is_written_once_under_the_capability_table():
+    # A NumPy kernel with no backward: every feature's cases were unsupported for it, and the table
+    # wrote the reason in full in each feature's row.
+    from rich.console import Console
+
+    from attncheck.render import capability_table
+    from attncheck.report import UNSUPPORTED, Capability
+
+    none = "k has no backward(grad_out, grad_lse=None)"
+    features = [Capability("masks", ("bool-mask", "float-mask"), (("bool-mask", "grad", none), ("float-mask", "grad", none)), UNSUPPORTED,
+                           (("bool-mask", "grad"), ("float-mask", "grad"))),
+                Capability("softcap", ("softcap",), (("softcap", "grad", "takes no `softcap`"),), UNSUPPORTED, (("softcap", "grad"),)),
+                Capability("GQA", ("gqa",), (("gqa", "grad", none),), UNSUPPORTED, (("gqa", "grad"),))]  # fmt: skip
+    console = Console(width=200, record=True, color_system=None)
+    console.print(capability_table(features))
+    text = console.export_text()
+    assert text.count(none) == 1 and f"(1) {none}" in text, text
+    assert "bool-mask, float-mask: (1)" in text and "gqa: (1)" in text and "softcap: takes no `softcap`" in text, text

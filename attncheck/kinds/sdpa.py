@@ -197,8 +197,8 @@ class FunctionKind(ModuleKind):
         if cfg.causal == "none" or cfg.tgt_len == cfg.S or declared is None or declared == cfg.causal:
             return None
         name = candidate.spec.rpartition(":")[2]
-        return (f"{name} aligns causal masks {declared!r} ({self.ALIGNMENT_SOURCE}); this case checks {cfg.causal} at L={cfg.tgt_len} != "
-                f"S={cfg.S}, where they differ (set causal_alignment, or check it with a config's causal:)")
+        return (f"{name} aligns causal masks {declared!r} ({self.ALIGNMENT_SOURCE}); this case checks {cfg.causal} with L != S, "
+                "where they differ (set causal_alignment, or check it with a config's causal:)")  # the same words in every such case: said once
 
     def claim_note(self, cfg, candidate) -> str | None:
         if self.unsupported_case(cfg, candidate) is None:
