@@ -79,7 +79,7 @@ def _mismatch(row: Row) -> str:
 # the relative difference (the absolute one stays), then the two errors against the oracle
 # (what was allowed stays), then the shape, then the candidate's error relative to torch's.
 # Only then may a cell wrap, and only at a space: a mismatch count before its percentage.
-OPTIONAL_COLUMNS = (("max rel",), ("cand err", "torch err"), ("shape",), ("ratio",))
+OPTIONAL_COLUMNS = (("max rel",), ("cand err", "torch err"), ("shape",), ("vs torch",))
 
 
 def section_tables(report: Report, width: int | None = None, *, failing_only: bool = False) -> list[Table]:
@@ -128,7 +128,7 @@ def _section_table(section: str, rows: list[Row], dropped: tuple[str, ...]) -> T
         columns += [("max|Δ| torch", lambda r: fmt(r.max_abs)), ("max rel", _relative), ("mismatched", _mismatch)]
     if budget:
         columns += [("cand err", lambda r: fmt(r.candidate_error)), ("torch err", lambda r: fmt(r.torch_error)),
-                    ("allowed", lambda r: fmt(r.allowed)), ("ratio", _accuracy)]  # fmt: skip
+                    ("allowed", lambda r: fmt(r.allowed)), ("vs torch", _accuracy)]  # fmt: skip
     columns.append(("verdict", _verdict_cell))
     columns = [(name, cell) for name, cell in columns if name not in dropped]
     for name, _ in columns:
