@@ -277,7 +277,7 @@ def report_parts(report: Report, width: int | None, *, tracebacks: bool = False,
         parts = [header(report), *details(report, detailed), *tables]
         agreeing = sum(r.status is PASS for r in report.rows)
         if agreeing:
-            parts.append(Text(f"({agreeing} other quantities agree; --verbose shows them)", style="dim"))
+            parts.append(Text(f"({agreeing} other {'quantity agrees' if agreeing == 1 else 'quantities agree'}; --verbose shows them)", style="dim"))
     losses = losses_table(report)
     if losses is not None:
         parts.append(losses)

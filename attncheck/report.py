@@ -223,7 +223,7 @@ def failure_lines(row: Row) -> list[str]:
     if row.missing:
         lines.append(row.note or "missing: not returned by the candidate")
         return lines
-    if row.numel:
+    if row.numel and row.rule_kind != "finite-diff":  # a finite difference compares one number (<grad, u>), not elements
         lines.append(f"Mismatched elements: {row.mismatched} / {row.numel} ({100.0 * row.mismatched / row.numel:.1f}%)")
     if row.max_abs is not None:
         line = f"Greatest absolute difference from torch: {short_number(row.max_abs)}{_at(row.max_abs_at)}"
