@@ -85,12 +85,17 @@ def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, k
         row.diagnosis = "; ".join(filter(None, [swapped, *patterns, *where]))
 
 
-def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]]) -> None:
+def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False) -> None:
     """A kind the diagnosis cannot read (its layouts are not a module's): for every failing row
     whose array's axes `axes` names (by the row's parameter), only where its error lies (the
     heads, batch entries, rows it is confined to), no pattern. A kernel whose GQA grouping was
-    wrong in 2 of 6 query heads got no line saying so."""
+    wrong in 2 of 6 query heads got no line saying so. A failing finite difference gets what
+    its ratio says, which needs no layout (`autodiff` as for _finite_difference): a kernel whose
+    backward forgot the softmax scale got no line, where its ratio was sqrt(D)."""
     for row in report.rows:
+        if row.section == "finite-diff" and row.status is FAIL and row.evidence is not None:
+            row.diagnosis = _finite_difference(float(row.evidence.candidate), float(row.evidence.reference), cfg, autodiff)
+            continue
         named = axes.get(row.parameter or "")
         if row.status is not FAIL or row.evidence is None or row.section == "finite-diff" or named is None:
             continue
@@ -260,6 +265,8 @@ def factor_meaning(k: float, cfg: Config) -> str:
     D, E = cfg.head_dim_eff, cfg.embed_dim
     named = {"sqrt(D)": math.sqrt(D), "D": D, "H": cfg.num_heads, "B": cfg.effective_batch, "L": cfg.tgt_len,
              "S": cfg.S, "sqrt(E)": math.sqrt(E), "E": E}  # fmt: skip
+    if cfg.is_function:  # an attention function has no embedding width: embed_dim is not one of its dimensions
+        del named["sqrt(E)"], named["E"]
     matches = []
     for name, value in named.items():
         if value == 1:
@@ -426,12 +433,13 @@ def _logit_scale(c: np.ndarray, x: np.ndarray) -> float | None:
     return k
 
 
-def _finite_difference(analytic: float, numeric: float, cfg: Config, autodiff: bool = False) -> str:
+def _finite_difference(analytic: float, numeric: float, cfg: Config, autodiff: bool | None = False) -> str:
     """A failing finite-difference row: the candidate's gradient against its own loss's slope.
     Where the gradient is autograd's or jax.vjp's (`autodiff`), it differentiates the forward as
     computed, so a slope that differs says the forward is not smooth at the step: a new user's JAX
     MHA whose softmax ran in float32 inside float64 calls was told its backward did not
-    differentiate its forward, which it had none of."""
+    differentiate its forward, which it had none of. None: not known (a torch or JAX kernel
+    function, whose backward may be autograd's or a custom rule's)."""
     if numeric == 0.0 or not (math.isfinite(analytic) and math.isfinite(numeric)):
         return ""
     k = analytic / numeric
@@ -443,6 +451,10 @@ def _finite_difference(analytic: float, numeric: float, cfg: Config, autodiff: b
     if autodiff:
         return (f"<grad, u> / finite difference = {_short(k)} along a random u, the gradient from autograd or jax.vjp: "
                 "its forward's loss is not smooth at the step (computed in less than float64 inside a float64 call, or a kink)")
+    if autodiff is None:
+        return (f"<grad, u> / finite difference = {_short(k)} along a random u (no dimension of the config): the gradient does "
+                "not follow the forward's loss (a backward of its own or a custom autograd rule that is wrong, or a forward "
+                "that is not smooth at the step)")
     return (f"<grad, u> / finite difference = {_short(k)} along a random u (no dimension of the config): "
             "the backward does not differentiate the candidate's own forward")
 

@@ -320,6 +320,36 @@ def test_a_jax_kernel_jit_cannot_take_is_named_by_itself_in_the_note(tmp_path):
     assert notes and all("tracing branchy() under jax.jit raised" in n and "branchy() ran op by op" in n for n in notes), report.notes
 
 
+def test_a_kernels_backward_that_forgets_the_scale_is_diagnosed_by_its_finite_difference(tmp_path):
+    # A new user's custom autograd.Function left the softmax scale out of dS: query and key failed
+    # with no diagnosis, where <grad, u> / finite difference was exactly sqrt(D).
+    pytest.importorskip("torch")
+    import attncheck
+
+    path = tmp_path / "scale_forgotten.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        class Attention(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v, scale):
+                p = torch.softmax(q @ k.transpose(-1, -2) * scale, -1)
+                ctx.save_for_backward(q, k, v, p)
+                return p @ v
+            @staticmethod
+            def backward(ctx, g):
+                q, k, v, p = ctx.saved_tensors
+                dp = g @ v.transpose(-1, -2)
+                ds = p * (dp - (dp * p).sum(-1, keepdim=True))  # the scale forgotten
+                return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ g, None
+        def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+            return Attention.apply(query, key, value, query.shape[-1] ** -0.5 if scale is None else scale)
+    """))  # fmt: skip
+    report = attncheck.check({"module": "sdpa", "seed": 3}, "grad", impl=f"{path}:attention")
+    fd = {row.quantity: row.diagnosis for row in report.failures if row.section == "finite-diff"}
+    assert set(fd) == {"query", "key"}, fd
+    assert all(d.startswith("<grad, u> = 2.83 x the finite difference (2.83 = sqrt(D))") for d in fd.values()), fd
+
+
 def test_a_kernels_failure_says_which_heads_it_is_confined_to():
     # The diagnosis reads module layouts and says nothing for module: sdpa; a new user's kernel with
     # GQA groups interleaved failed in 2 of 6 query heads with no line saying where.

@@ -115,9 +115,10 @@ class CheckRun:
         kind = kind_of(self.cfg)
         if self.report.verdict is FAIL and self.cfg.dtype in HALF and self.cfg.input_scale > HALF_MEASURED_SCALE:
             self.report.notes.append(HALF_LARGE_NOTE)
-        if not kind.diagnosable and kind.where_axes:
-            where_report(self.report, self.cfg, kind.where_axes)
-        elif kind.diagnosable:
+        if not kind.diagnosable:  # where the kind names its axes, and the finite differences (packed, decode kinds too)
+            # A NumPy kernel's gradients are its own backward's; a torch or JAX one's may be autograd's or a custom rule's.
+            where_report(self.report, self.cfg, kind.where_axes, autodiff=False if self.report.framework == "numpy" else None)
+        else:
             autodiff = self.candidate is not None and self.candidate.class_without_backward and self.report.framework in ("torch", "jax")
             diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun, autodiff=autodiff)
         self.report.seconds = time.perf_counter() - self.start
