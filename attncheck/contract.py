@@ -64,19 +64,36 @@ def _forward_arguments(kind, cfg) -> tuple[tuple, dict[str, Any]]:
 
 
 def _function_hint(factory: Any) -> str:
-    """For a module kind's breach: a function whose first parameters are an attention function's
-    (query, key, value) is most likely a kernel checked without `--module` (one of the function kinds)."""
+    """For a module kind's breach: a function (or a kernel class, built with no arguments and called
+    through its `forward`) whose first parameters are an attention function's (query, key, value),
+    (q, k, v) or (q, k_cache, v_cache) is most likely a kernel checked without `--module`: named are
+    the function kinds whose call its signature takes, or (a function) all of them when it takes none's.
+    A class is a kernel only when it is built with no arguments and some function kind's call fits."""
+    target, bound_self = factory, False
+    if isinstance(factory, type):  # a kernel class (examples/numpy_flash_attention.py:FlashAttention): its forward says
+        if _mismatch(factory, (), {}) is not None:
+            return ""  # not built with no arguments: a module's class (its forward takes (query, key, value) too)
+        target = getattr(factory, "forward", None)
+        bound_self = inspect.isfunction(inspect.getattr_static(factory, "forward", None))  # not a staticmethod
+        if not callable(target):
+            return ""
     try:
-        names = [p.name for p in inspect.signature(factory).parameters.values()][:3]
+        names = [p.name for p in inspect.signature(target).parameters.values()][int(bound_self):][:3]
     except (TypeError, ValueError):
         return ""
-    if isinstance(factory, type) or names not in (["query", "key", "value"], ["q", "k", "v"]):
+    if names not in (["query", "key", "value"], ["q", "k", "v"], ["q", "k_cache", "v_cache"]):
         return ""
+    from attncheck.config import config_from_mapping
     from attncheck.kinds import kinds
 
-    *some, last = [f"`--module {kind.name}`" for kind in kinds().values() if not kind.has_parameters]
-    functions = f"{', '.join(some)} or {last}" if some else last
-    return f"\nIts first parameters are an attention function's ({', '.join(names)}): check it as one, with {functions} (`module:` in a config)."
+    functions = [kind for kind in kinds().values() if not kind.has_parameters]
+    fitting = [kind for kind in functions
+               if _mismatch(target, *_forward_arguments(kind, config_from_mapping({"module": kind.name})), bound_self) is None]  # fmt: skip
+    if not fitting and isinstance(factory, type):
+        return ""  # a class whose forward no function kind's call reaches: nothing says it is a kernel
+    *some, last = [f"`--module {kind.name}`" for kind in fitting or functions]
+    named = f"{', '.join(some)} or {last}" if some else last
+    return f"\nIts first parameters are an attention function's ({', '.join(names)}): check it as one, with {named} (`module:` in a config)."
 
 
 def breach(cfg, factory: Any) -> str:

@@ -84,7 +84,33 @@ def test_a_kernel_checked_without_module_is_pointed_to_the_function_kinds():
 
     why = breach(load_config(None), my_attention)
     assert why.endswith("Its first parameters are an attention function's (query, key, value): check it as one, with "
-                        "`--module sdpa`, `--module sdpa_varlen` or `--module sdpa_kvcache` (`module:` in a config)."), why  # fmt: skip
+                        "`--module sdpa` (`module:` in a config)."), why  # fmt: skip
+    # The kernel class of the docs and examples (built with no arguments, called through forward) too,
+    # and each kind named only where its call fits: the varlen and decode kernels are not SDPA's.
+    from attncheck.testing.wrong_varlen import DenseVarlen
+
+    class Kernel:
+        def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+            return query
+
+    assert breach(load_config(None), Kernel).endswith("with `--module sdpa` (`module:` in a config)."), breach(load_config(None), Kernel)
+    assert breach(load_config(None), DenseVarlen).endswith("(q, k, v): check it as one, with `--module sdpa_varlen` (`module:` in a config).")
+
+    def decode(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+               cache_leftpad=None, block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+               rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+        return q
+
+    assert breach(load_config(None), decode).endswith("with `--module sdpa_kvcache` (`module:` in a config)."), breach(load_config(None), decode)
+    # (q, k, v) whose call no function kind's fits (flash_attn_func's keywords): every function kind is named
+    assert breach(load_config(None), lambda q, k, v, dropout_p=0.0, softmax_scale=None, causal=False: q).endswith(
+        "`--module sdpa`, `--module sdpa_varlen` or `--module sdpa_kvcache` (`module:` in a config).")
+
+    class TakesArrays:  # a class built from (query, key, value) is no kernel of the contract: no hint
+        def __init__(self, query, key, value):
+            pass
+
+    assert "attention function" not in breach(load_config(None), TakesArrays)
     assert "attention function" not in breach(load_config(None), lambda params, n_heads: object())  # a factory, wrongly built: no hint
 
 
