@@ -283,9 +283,9 @@ def _run(
         typer.echo(f"{option}: replaced the existing {str(path)!r}", err=True)
     if plot_path is not None:
         if not written:
-            failed = exit_code(result.verdict) == EXIT_MISMATCH
-            typer.echo("plot: " + ("no failing quantity is an array to draw" if failed else "nothing failed") + ", nothing drawn "
-                       "(--plot-all draws every quantity)", err=True)  # fmt: skip
+            from attncheck.plot import nothing_drawn
+
+            typer.echo("plot: " + nothing_drawn(result.reports, every_row=plot_all), err=True)
         for path in written:
             typer.echo(f"plot: {path}", err=True)
     return exit_code(result.verdict)

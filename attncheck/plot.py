@@ -111,6 +111,20 @@ def panels(row: Row, cfg: Config) -> list[Panel]:
     return [Panel(batch.lstrip(", "), ratio, masked, axes[0], axes[1], heads)]
 
 
+def nothing_drawn(reports: list[Report], *, every_row: bool = False) -> str:
+    """Why `figures` drew nothing, for the run's message: nothing failed, the failing quantities are
+    no arrays (a contract row, one number), or their kind's arrays have no axes to lay them out by
+    (sdpa_varlen's packed (token, head, feature), sdpa_kvcache's)."""
+    wanted = [(report, row) for report in reports for row in report.rows if row.evidence is not None and (row.status is FAIL or every_row)]
+    unlaid = sorted({kind_of(report.config).name for report, row in wanted if np.asarray(row.evidence.candidate).size > 1})
+    if unlaid:
+        return f"nothing drawn: --plot does not lay out the arrays of module: {', '.join(unlaid)} (their axes are not named)"
+    if every_row:
+        return "no compared quantity is an array to draw, nothing drawn"
+    failed = any(row.status is FAIL for report in reports for row in report.rows)
+    return ("no failing quantity is an array to draw" if failed else "nothing failed") + ", nothing drawn (--plot-all draws every quantity)"
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
 

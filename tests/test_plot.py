@@ -85,6 +85,19 @@ def test_a_kernels_output_is_drawn_per_head_over_query_and_feature(tmp_path):
     assert result.exit_code == 1 and list((tmp_path / "plots").glob("*.png")), result.output
 
 
+def test_a_run_that_draws_nothing_says_why(tmp_path):
+    # A packed (varlen) kernel's arrays have no named axes: its failing output drew nothing, and the
+    # run said "no failing quantity is an array to draw (--plot-all draws every quantity)", neither true.
+    varlen = ["forward", "--module", "sdpa_varlen", "--case", "plain", "--impl", "attncheck/testing/wrong_varlen.py:CuSeqlensOffByOne"]
+    for extra in ([], ["--plot-all"]):
+        result = runner.invoke(app, [*varlen, "--plot", str(tmp_path / "varlen"), *extra])
+        assert result.exit_code == 1 and not list(tmp_path.glob("varlen/*")), result.output
+        assert "plot: nothing drawn: --plot does not lay out the arrays of module: sdpa_varlen" in result.output, result.output
+        assert "--plot-all draws" not in result.output
+    result = runner.invoke(app, ["forward", "--module", "sdpa", "--case", "plain", "--plot", str(tmp_path / "passing")])
+    assert result.exit_code == 0 and "plot: nothing failed, nothing drawn (--plot-all draws every quantity)" in result.output, result.output
+
+
 @pytest.mark.slow
 def test_files_in_a_directory(tmp_path):
     report = check(PER_HEAD_CAUSAL, "forward", impl=CausalOffByOne)
