@@ -2,7 +2,7 @@
 
 Run from the repository root:
 
-    PYTHONPATH=$PWD python benchmarks/half_precision.py [--configs 200]
+    PYTHONPATH=$PWD python benchmarks/half_precision.py [--configs 200] [--scale S]
 
 Correct implementations, each on the same random configs (E 8..64, H 1..8, B 1..3, L and S
 1..24, causal, random and key padding masks, input_scale 1..4, self- and cross-attention):
@@ -39,7 +39,7 @@ from attncheck.config import config_from_mapping  # noqa: E402
 KIND = {"forward": "forward", "grad": "grad", "sgd": "sgd", "fast-path": "forward"}
 
 
-def random_config(gen: np.random.Generator, dtype: str, seed: int) -> dict:
+def random_config(gen: np.random.Generator, dtype: str, seed: int, scale: float | None = None) -> dict:
     H = int(gen.choice([1, 2, 4, 8]))
     E = H * int(gen.choice([2, 4, 8]))
     self_attention = bool(gen.random() < 0.6)
@@ -52,15 +52,17 @@ def random_config(gen: np.random.Generator, dtype: str, seed: int) -> dict:
         cfg["src_len"] = int(gen.integers(1, 25))
         if cfg["attn_mask"] == "causal":
             cfg["attn_mask"] = "random"
+    if scale is not None:  # the same configs, every one at this input_scale (drawn above all the same)
+        cfg["input_scale"] = scale
     return cfg
 
 
-def measure(candidates, dtype: str, n: int) -> dict:
+def measure(candidates, dtype: str, n: int, input_scale: float | None = None) -> dict:
     gen = np.random.default_rng(17)
     ratios = defaultdict(list)  # (candidate, kind) -> cand err / torch err
     floors = defaultdict(list)  # (candidate, kind) -> floor needed at the kind's factor
     for i in range(n):
-        overrides = random_config(gen, dtype, i)
+        overrides = random_config(gen, dtype, i, input_scale)
         for name, candidate in candidates.items():
             mapping = dict(overrides)
             if name == "sdpa":
@@ -84,12 +86,15 @@ def measure(candidates, dtype: str, n: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", type=int, default=200)
+    parser.add_argument("--scale", type=float, default=None,
+                        help="every config at this input_scale (default: 1, 2 or 4 drawn at random, where the floors were measured)")
     args = parser.parse_args()
     candidates = {"reference": None, "sdpa": load_candidate(f"{ROOT}/examples/torch_sdpa.py:MultiheadAttention")}
     with torch_side.one_thread():
         for dtype in ("float16", "bfloat16"):
-            ratios, floors = measure(candidates, dtype, args.configs)
-            print(f"\n{dtype}: {args.configs} configs; factor = cand err / torch err; floor needed beyond the kind's factor, relative to scale")
+            ratios, floors = measure(candidates, dtype, args.configs, args.scale)
+            at = "input_scale 1, 2 or 4" if args.scale is None else f"input_scale {args.scale:g}"
+            print(f"\n{dtype}: {args.configs} configs at {at}; factor = cand err / torch err; floor needed beyond the kind's factor, relative to scale")
             print("| candidate | kind | rows | median factor | p99 factor | max factor | max floor needed | current factor, floor |")
             print("|---|---|---|---|---|---|---|---|")
             for (name, kind), r in sorted(ratios.items()):
