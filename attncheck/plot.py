@@ -95,7 +95,9 @@ def panels(row: Row, cfg: Config) -> list[Panel]:
     else:
         batch = ""
     if axes and axes[0] == "head" and len(axes) == 3:  # (head, query, key) weights, or a kernel's (head, query, feature)
-        return [Panel(f"head {h}{batch}", ratio[h], None if masked is None else masked[h], axes[1], axes[2]) for h in range(ratio.shape[0])]
+        # A GQA kernel's key and value (gradients) have its key-value heads, fewer than its query heads.
+        head = "kv head" if kind.has_parameters is False and ratio.shape[0] != cfg.num_heads else "head"
+        return [Panel(f"{head} {h}{batch}", ratio[h], None if masked is None else masked[h], axes[1], axes[2]) for h in range(ratio.shape[0])]
     if ratio.ndim == 1:
         ratio, masked = ratio[None, :], None
         axes = ("", axes[0])
@@ -133,6 +135,7 @@ def figures(report: Report, *, every_row: bool = False) -> list[tuple[str, Any]]
     """(name, matplotlib Figure) for each failing row (or every compared row) that has arrays."""
     from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     cfg = report.config
     out = []
@@ -162,6 +165,8 @@ def figures(report: Report, *, every_row: bool = False) -> list[tuple[str, Any]]
             ax.set_xlabel(p.xlabel, fontsize=8)
             ax.set_ylabel(p.ylabel, fontsize=8)
             ax.tick_params(labelsize=7)
+            for axis in (ax.xaxis, ax.yaxis):  # positions, heads and features are whole numbers
+                axis.set_major_locator(MaxNLocator(integer=True))
             if not p.ylabel:
                 ax.set_yticks([])
         for ax in list(grid.flat)[len(ps):]:

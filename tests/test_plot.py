@@ -98,6 +98,19 @@ def test_a_run_that_draws_nothing_says_why(tmp_path):
     assert result.exit_code == 0 and "plot: nothing failed, nothing drawn (--plot-all draws every quantity)" in result.output, result.output
 
 
+def test_a_gqa_kernels_key_gradient_is_drawn_per_key_value_head(tmp_path):
+    (tmp_path / "key_grad.py").write_text(
+        "from attncheck.reference import ScaledDotProductAttention\n"
+        "class KeyGradDoubled(ScaledDotProductAttention):\n"
+        "    def backward(self, *args, **kwargs):\n"
+        "        grads = dict(super().backward(*args, **kwargs))\n"
+        "        grads['key'] = grads['key'] * 2\n"
+        "        return grads\n")  # fmt: skip
+    report = check({"module": "sdpa", "seed": 3, "num_heads": 6, "num_kv_heads": 2}, "grad", impl=f"{tmp_path / 'key_grad.py'}:KeyGradDoubled")
+    ps = panels(_row(report, "key", "grad"), report.config)
+    assert [p.title.split(",")[0] for p in ps] == ["kv head 0", "kv head 1"] and all(p.ylabel == "key" for p in ps)
+
+
 @pytest.mark.slow
 def test_files_in_a_directory(tmp_path):
     report = check(PER_HEAD_CAUSAL, "forward", impl=CausalOffByOne)
