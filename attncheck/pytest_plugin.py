@@ -88,16 +88,23 @@ class Check:
 
         if self.config is None:
             raise _skip(self.skip_reason or "skipped by the suite")
+        # Failed outside the except blocks: raised inside one, pytest printed the report twice, the
+        # second time "during handling of the above exception".
+        failure = None
         try:
             report = self.run()
         except UsageError as exc:
-            pytest.fail(f"attncheck {self.command} on {self.case!r}: {exc}", pytrace=False)
+            failure = f"attncheck {self.command} on {self.case!r}: {exc}"
+        if failure is not None:
+            pytest.fail(failure, pytrace=False)
         if report.verdict is UNSUPPORTED:
             raise _skip("; ".join(r.note for r in report.rows_with(UNSUPPORTED)) or "unsupported by the candidate")
         try:
             report.assert_passed()
         except AssertionError as exc:
-            pytest.fail(str(exc), pytrace=False)
+            failure = str(exc)
+        if failure is not None:
+            pytest.fail(failure, pytrace=False)
 
 
 def _skip(reason: str) -> BaseException:

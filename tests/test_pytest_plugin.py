@@ -105,6 +105,8 @@ def test_a_failing_case_fails_with_the_failing_rows_and_no_traceback(pytester):
         "*Error against the float64 oracle: * (up to * allowed; torch's own error *)",
     ])  # fmt: skip
     assert "Traceback" not in result.stdout.str() and "def runtest" not in result.stdout.str()
+    # once: failed inside the except block, the report came again "during handling of the above exception"
+    assert result.stdout.str().count("forward output (2x torch + 1e-05)") == 1 and "during handling" not in result.stdout.str()
 
 
 def test_unsupported_and_suite_skipped_cases_are_skips_with_the_reason(pytester):
