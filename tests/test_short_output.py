@@ -100,6 +100,17 @@ def test_a_distinct_failure_is_cut_to_a_screen_and_the_rest_are_a_line_each():
     assert any("more lines (--verbose shows them)" in line for line in lines)
 
 
+def test_a_distinct_failure_cut_to_a_screen_keeps_its_notes():
+    # A torch module's NaN rows (exit 4): the remedy, a note of the report, came after the tables and
+    # was cut behind "... 17 more lines"; a new user never saw it.
+    long = report("case", "grad", *[("grad", f"p{i}", "fail") for i in range(60)])
+    long.notes.append("To have them judged, give such rows zero weight")
+    stream = io.StringIO()
+    print_failures([long], make_console(stream))
+    text = stream.getvalue()
+    assert "more lines (--verbose shows them)" in text and "note: To have them judged, give such rows zero weight" in text
+
+
 def test_a_distinct_failure_shows_first_the_rows_whose_diagnosis_points_somewhere():
     """A wrong softmax backward: its forward agrees, its gradients fail 'everywhere' against torch, and
     only the finite-difference rows say the backward does not differentiate its forward. Those come
