@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from attncheck.config import Case, Config, Suite, check_suite_memory, config_from_mapping
-from attncheck.errors import UsageError, nearest
+from attncheck.errors import ConfigError, UsageError, nearest
 from attncheck.report import Report, SuiteResult
 
 if TYPE_CHECKING:
@@ -96,10 +96,21 @@ def plan(
     jobs, skipped = [], []
     cases = []
     given = ", ".join(f"{key}={value}" for key, value in (overrides or {}).items())  # --set and the options that set keys
+    refused: list[ConfigError] = []
     for case in suite.cases:
         if case.config is not None and overrides:
-            case = replace(case, config=with_overrides(case.config, overrides, f"{suite.source}: case {case.name!r} with {given}"))
+            try:
+                case = replace(case, config=with_overrides(case.config, overrides, f"{suite.source}: case {case.name!r} with {given}"))
+            except ConfigError as err:
+                refused.append(err)
         cases.append(case)
+    if refused:
+        # Refused in every case for the same reasons (a value no config takes): the overrides' fault, not a case's.
+        same = len(refused) == sum(case.config is not None for case in suite.cases) and len(
+            {tuple((p.key, p.message) for p in err.problems) for err in refused}) == 1  # fmt: skip
+        if not same or len(refused) == 1:
+            raise refused[0]
+        raise ConfigError([replace(p, source=f"{suite.source}: every case with {given}") for p in refused[0].problems])
     check_suite_memory(replace(suite, cases=cases))
     for case in cases:
         if case.config is None:

@@ -76,6 +76,14 @@ def test_a_bad_setting_is_one_clear_usage_error(setting, message):
     assert len([line for line in output.splitlines() if line.startswith("error:")]) == 1, output  # one message, not one per union member
 
 
+def test_a_value_every_case_refuses_is_the_settings_fault_not_a_cases():
+    # "--set attn_mask=casual" on the default suite blamed its first case, "case 'basic' with ...".
+    code, output = run("run", "--set", "attn_mask=casual")
+    assert code == 2 and output.startswith("error: <default suite>: every case with attn_mask=casual: attn_mask: got 'casual'"), output
+    code, output = run("run", "--set", "embed_dim=7")  # refused by some cases only (their heads): the first such case is named
+    assert code == 2 and "case '" in output and "every case" not in output, output
+
+
 @pytest.mark.parametrize("command", ["forward", "grad", "sgd-step", "run"])
 def test_case_runs_the_named_cases_of_the_default_suite(tmp_path, command):
     # A new user copied a default-suite case's keys into a YAML file of their own to look at it alone.
