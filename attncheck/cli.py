@@ -337,7 +337,7 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
     from rich.console import Group
     from rich.text import Text
 
-    from attncheck.render import make_console, print_failures, progress_bar, render, suite_summary, suite_verdict
+    from attncheck.render import half_precision_hint, make_console, print_failures, progress_bar, render, suite_summary, suite_verdict
 
     console = make_console()
     if not cases:
@@ -371,6 +371,10 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
     console.print(Group(*suite_summary(result, f"summary  {label}", failing_rows=False)))
     console.print()
     print_failures(result.reports, console, tracebacks=view.tracebacks)
+    hint = half_precision_hint(result.reports)
+    if hint:
+        console.print(Text(hint, style="bold"))
+        console.print()
     console.print(suite_verdict(result))
     return result
 

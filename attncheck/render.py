@@ -559,6 +559,24 @@ def _failure_title(group: list[Report]) -> Text:
     return title
 
 
+def half_precision_hint(reports: list[Report]) -> str | None:
+    """What a run says when every check that failed is a half-precision case failing on its values,
+    and a float32 or float64 case of the same command passed: the computation is right, its
+    precision is not (a new user's np.einsum accumulated float16 in float16; `@` passes)."""
+    failed = [r for r in reports if r.verdict is FAIL]
+    if not failed or any(r.config.dtype not in ("float16", "bfloat16") for r in failed):
+        return None
+    if any(row.reason is not Reason.VALUES for r in failed for row in r.failures):
+        return None  # a dtype, a NaN, a crash: said by its own rows
+    commands = {r.command for r in failed}
+    if not any(r.verdict is PASS and r.command in commands and r.config.dtype in ("float32", "float64") for r in reports):
+        return None
+    return ("Only half-precision cases fail, on their values, and the float32 and float64 ones pass: the computation is right and "
+            "loses precision in float16 or bfloat16. The commonest cause is a sum accumulated in the half dtype (np.einsum and "
+            "np.sum on float16 arrays accumulate in float16; np.matmul, `@` and torch's matmul in float32): compute in float32 "
+            "and return the inputs' dtype (docs/how-to/half-precision.md).")
+
+
 def print_failures(reports: list[Report], console: Console, *, tracebacks: bool = False) -> None:
     """Each distinct failure once: a title naming what fails and in which cases, then its first
     case's report cut to a screen; past FAILURE_LINES, the title alone."""

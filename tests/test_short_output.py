@@ -12,7 +12,7 @@ import attncheck.suite
 from attncheck.cli import app
 from attncheck.config import load_suite
 from attncheck.render import FAILURE_LINES, SCREEN_LINES, distinct_failures, failure_key, make_console, print_failures
-from attncheck.report import FAIL, PASS, Report, Row
+from attncheck.report import FAIL, PASS, Reason, Report, Row
 
 runner = CliRunner()
 HEADS_SPLIT = "attncheck.testing.wrong_impls:HeadsSplitTransposed"
@@ -153,3 +153,19 @@ def test_a_reason_shared_by_features_is_written_once_under_the_capability_table(
     text = console.export_text()
     assert text.count(none) == 1 and f"(1) {none}" in text, text
     assert "bool-mask, float-mask: (1)" in text and "gqa: (1)" in text and "softcap: takes no `softcap`" in text, text
+
+
+def test_a_run_failing_only_in_half_precision_on_its_values_says_so():
+    # A new user's correct np.einsum MHA failed float16-long alone, and the diagnoses pointed at a
+    # head and a column: nothing said that einsum accumulates float16 in float16.
+    from attncheck.config import config_from_mapping
+    from attncheck.render import half_precision_hint
+
+    def made(dtype: str, status, reason=Reason.VALUES) -> Report:
+        row = Row("forward", "output", status, reason=reason if status is FAIL else None)
+        return Report("forward", dtype, "x", config_from_mapping({"dtype": dtype}), rows=[row])
+
+    assert "accumulated in the half dtype (np.einsum" in half_precision_hint([made("float32", PASS), made("float16", FAIL)])
+    assert half_precision_hint([made("float32", PASS), made("float16", FAIL, Reason.DTYPE)]) is None  # its dtype row says it
+    assert half_precision_hint([made("float32", FAIL), made("float16", FAIL)]) is None  # not half precision's alone
+    assert half_precision_hint([made("float16", FAIL)]) is None  # nothing in float32 to compare with
