@@ -216,7 +216,8 @@ def _mask_suspects(cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: 
         shape = str(tuple(mask.shape))
         suspects.append(Suspect(f"the {name} {shape} is ignored: the candidate equals attention without it", masks={field_name: None}))
         if mask.dtype == np.bool_:
-            suspects.append(Suspect(f"the bool {name} is read inverted (True = allowed)", masks={field_name: ~mask}))
+            suspects.append(Suspect(f"the bool {name} is read inverted: the candidate attends where it is True (torch: masked) "
+                                    "and not where it is False", masks={field_name: ~mask}))  # fmt: skip
     B, H, L = cfg.effective_batch, cfg.num_heads, cfg.tgt_len
     if B == 1 or H == 1:  # one group order only
         return suspects

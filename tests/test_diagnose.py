@@ -76,7 +76,7 @@ CORPUS = {
     # masks
     "MaskAfterSoftmax": {"attn_weights": ["only at unmasked positions; the masked ones agree"]},
     "CausalDiagonalMasked": {"attn_weights": ["diagonal key = query: a causal mask off by one"]},
-    "BoolMaskInverted": {"output": ["the bool attn_mask is read inverted"], "attn_weights": ["the bool attn_mask is read inverted"]},
+    "BoolMaskInverted": {"output": ["the bool attn_mask is read inverted: the candidate attends where it is True (torch: masked)"], "attn_weights": ["the bool attn_mask is read inverted"]},
     "Mask3dIgnored": {"output": ["the attn_mask (6, 4, 4) is ignored"], "attn_weights": ["the attn_mask (6, 4, 4) is ignored"]},
     "Mask3dHeadOrder": {"output": [MASK_HEAD_MAJOR], "attn_weights": [MASK_HEAD_MAJOR]},
     "FloatMaskScaled": {"attn_weights": ["only at unmasked positions; the masked ones agree"]},
