@@ -161,11 +161,14 @@ def test_a_run_failing_only_in_half_precision_on_its_values_says_so():
     from attncheck.config import config_from_mapping
     from attncheck.render import half_precision_hint
 
-    def made(dtype: str, status, reason=Reason.VALUES) -> Report:
-        row = Row("forward", "output", status, reason=reason if status is FAIL else None)
+    def made(dtype: str, status, reason=Reason.VALUES, ratio=2.2) -> Report:
+        row = Row("forward", "output", status, reason=reason if status is FAIL else None, ratio=ratio)
         return Report("forward", dtype, "x", config_from_mapping({"dtype": dtype}), rows=[row])
 
     assert "accumulated in the half dtype (np.einsum" in half_precision_hint([made("float32", PASS), made("float16", FAIL)])
+    # 100x the allowance is no rounding: a kernel tiled over head_dim at 64 fails float16-wide (D = 128) alone
+    assert half_precision_hint([made("float32", PASS), made("float16", FAIL, ratio=100.0)]) is None
+    assert half_precision_hint([made("float32", PASS), made("float16", FAIL, ratio=None)]) is None
     assert half_precision_hint([made("float32", PASS), made("float16", FAIL, Reason.DTYPE)]) is None  # its dtype row says it
     assert half_precision_hint([made("float32", FAIL), made("float16", FAIL)]) is None  # not half precision's alone
     assert half_precision_hint([made("float16", FAIL)]) is None  # nothing in float32 to compare with
