@@ -337,7 +337,8 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
     from rich.console import Group
     from rich.text import Text
 
-    from attncheck.render import half_precision_hint, make_console, print_failures, progress_bar, render, suite_summary, suite_verdict
+    from attncheck.diagnose import half_precision_hint
+    from attncheck.render import make_console, print_failures, progress_bar, render, suite_summary, suite_verdict
 
     console = make_console()
     if not cases:
