@@ -330,6 +330,9 @@ def _worst_cell(report: Report) -> Text:
         return Text(f"{worst.ratio:.2g}x")
     if verdict == FAIL and worst is not None and worst.ratio is not None and math.isfinite(worst.ratio):
         return Text(f"{worst.ratio:.2g}x FAIL", style=_STATUS_STYLE[FAIL])
+    reasons = {row.reason for row in report.failures}
+    if verdict == FAIL and len(reasons) == 1 and next(iter(reasons)) in _REASON_WORDS:  # a dtype alone read as a total failure
+        return Text(f"FAIL: {_REASON_WORDS[next(iter(reasons))]}", style=_STATUS_STYLE[FAIL])
     return Text(verdict.label, style=_STATUS_STYLE[verdict])
 
 

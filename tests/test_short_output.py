@@ -172,3 +172,15 @@ def test_a_run_failing_only_in_half_precision_on_its_values_says_so():
     assert half_precision_hint([made("float32", PASS), made("float16", FAIL, Reason.DTYPE)]) is None  # its dtype row says it
     assert half_precision_hint([made("float32", FAIL), made("float16", FAIL)]) is None  # not half precision's alone
     assert half_precision_hint([made("float16", FAIL)]) is None  # nothing in float32 to compare with
+
+
+def test_a_check_failing_on_its_dtype_alone_says_so_in_the_summary():
+    # A float64 result for float32 inputs: every case read bare "FAIL" in the summary, as if nothing agreed.
+    from attncheck.render import _worst_cell
+
+    dtype_only = report("basic", "forward", ("forward", "output", "pass"))
+    dtype_only.rows.append(Row("forward", "dtype", FAIL, reason=Reason.DTYPE))
+    assert _worst_cell(dtype_only).plain == "FAIL: dtype"
+    mixed = report("basic", "forward", ("forward", "output", "fail:ValueError: no"))
+    mixed.rows.append(Row("forward", "dtype", FAIL, reason=Reason.DTYPE))
+    assert _worst_cell(mixed).plain == "FAIL"  # more than one reason: the verdict alone
