@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attncheck.config import Config
+from attncheck.dtypes import HALF
 from attncheck.inputs import make_attn_mask, make_key_padding_mask
 from attncheck.kinds import kind_of
 from attncheck.masks import attn_by_head, blocked, padding_by_head
@@ -95,7 +96,7 @@ def half_precision_hint(reports: list[Report]) -> str | None:
     and a float32 or float64 case of the same command passed: the computation is right, its
     precision is not (a new user's np.einsum accumulated float16 in float16; `@` passes)."""
     failed = [r for r in reports if r.verdict is FAIL]
-    if not failed or any(r.config.dtype not in ("float16", "bfloat16") for r in failed):
+    if not failed or any(r.config.dtype not in HALF for r in failed):
         return None
     if any(row.reason is not Reason.VALUES for r in failed for row in r.failures):
         return None  # a dtype, a NaN, a crash: said by its own rows
@@ -122,7 +123,7 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
             row.diagnosis = _finite_difference(float(row.evidence.candidate), float(row.evidence.reference), cfg, autodiff)
             continue
         named = axes.get(row.parameter or "")
-        if row.status is not FAIL or row.evidence is None or row.section == "finite-diff" or named is None:
+        if row.status is not FAIL or row.evidence is None or named is None:
             continue
         c, x = np.asarray(row.evidence.candidate, dtype=np.float64), np.asarray(row.evidence.reference, dtype=np.float64)
         if c.shape != x.shape or x.ndim != len(named):

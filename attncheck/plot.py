@@ -6,9 +6,10 @@ when a plot is asked for; the figures are drawn off-screen (Agg), so no display 
 One figure per quantity: attention weights as one panel per head over (query, key), outputs
 and input gradients over (position, feature), weight gradients over (row, column) with the
 head blocks marked; a kernel's (module: sdpa) outputs and input gradients as one panel per head
-over (query or key, feature), its LSE over (head, query), as the kind names their axes. The reference is the float64 oracle under the budget rule, torch under the
-fixed rule; 1 on the colour bar is what the rule allowed. Masked positions are hatched. Where a
-quantity has a batch axis, the panel shows the batch entry with the largest error.
+over (query or key, feature), its LSE over (head, query), as the kind names their axes. The
+reference is the float64 oracle under the budget rule, torch under the fixed rule; 1 on the
+colour bar is what the rule allowed. Masked positions are hatched. Where a quantity has a batch
+axis, the panel shows the batch entry with the largest error.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def panels(row: Row, cfg: Config) -> list[Panel]:
         batch = ""
     if axes and axes[0] == "head" and len(axes) == 3:  # (head, query, key) weights, or a kernel's (head, query, feature)
         # A GQA kernel's key and value (gradients) have its key-value heads, fewer than its query heads.
-        head = "kv head" if kind.has_parameters is False and ratio.shape[0] != cfg.num_heads else "head"
+        head = "kv head" if not kind.has_parameters and ratio.shape[0] != cfg.num_heads else "head"
         return [Panel(f"{head} {h}{batch}", ratio[h], None if masked is None else masked[h], axes[1], axes[2]) for h in range(ratio.shape[0])]
     if ratio.ndim == 1:
         ratio, masked = ratio[None, :], None
@@ -239,7 +240,7 @@ def write_plot_files(files: list[tuple[Path, bytes]], path: Path) -> list[Path]:
     names a file (.pdf, .png, .svg). Returns the files written."""
     from attncheck.files import write_atomic
 
-    if path.suffix.lower() not in (".pdf", ".png", ".svg"):
+    if path.suffix.lower() not in FORMATS:
         path.mkdir(parents=True, exist_ok=True)
     for target, data in files:
         write_atomic(target, data)

@@ -271,9 +271,10 @@ def report_parts(report: Report, width: int | None, *, tracebacks: bool = False,
     cut to a screen) the details of `detailed` rows and the notes come right after the header, where
     a cut cannot reach them, and the tables hold only the rows that did not pass, a line counting the others."""
     tables = section_tables(report, width, failing_only=detailed is not None)
-    parts: list[Any] = [header(report), *tables]
     notes = [Text(f"note: {n}", style="dim") for n in report.notes]
-    if detailed is not None:  # the notes too before the tables: they carry the remedies (a cut hid "To have them judged ...")
+    if detailed is None:
+        parts: list[Any] = [header(report), *tables]
+    else:  # the notes too before the tables: they carry the remedies (a cut hid "To have them judged ...")
         parts = [header(report), *details(report, detailed), *notes, *tables]
         agreeing = sum(r.status is PASS for r in report.rows)
         if agreeing:
@@ -331,8 +332,8 @@ def _worst_cell(report: Report) -> Text:
     if verdict == FAIL and worst is not None and worst.ratio is not None and math.isfinite(worst.ratio):
         return Text(f"{worst.ratio:.2g}x FAIL", style=_STATUS_STYLE[FAIL])
     reasons = {row.reason for row in report.failures}
-    if verdict == FAIL and len(reasons) == 1 and next(iter(reasons)) in _REASON_WORDS:  # a dtype alone read as a total failure
-        return Text(f"FAIL: {_REASON_WORDS[next(iter(reasons))]}", style=_STATUS_STYLE[FAIL])
+    if verdict == FAIL and len(reasons) == 1 and (reason := reasons.pop()) in _REASON_WORDS:  # a dtype alone read as a total failure
+        return Text(f"FAIL: {_REASON_WORDS[reason]}", style=_STATUS_STYLE[FAIL])
     return Text(verdict.label, style=_STATUS_STYLE[verdict])
 
 
