@@ -8,7 +8,8 @@ attncheck_*.yml`) as an attncheck suite, one test item per case x command with t
     tests/attncheck_mha.yaml::causal[grad] PASSED
     tests/attncheck_mha.yaml::bias_kv[forward] SKIPPED (forward() raised NotImplementedError: ...)
 
-A failing check fails with the rows that failed, each in the shape of `report.failure_lines`;
+A failing check fails with the rows that failed, each in the shape of `report.failure_lines` (the
+short test summary gives only its first line);
 a case the candidate declares unsupported (NotImplementedError) or the suite skips is a pytest
 skip; an inconclusive check fails, since it proved nothing. `-k`, `-x`, `--junitxml` and
 pytest-xdist's `-n` work as for any test. `attncheck_commands` (default: forward grad sgd-step)
@@ -96,7 +97,7 @@ class Check:
         except UsageError as exc:
             failure = f"attncheck {self.command} on {self.case!r}: {exc}"
         if failure is not None:
-            pytest.fail(failure, pytrace=False)
+            raise CheckFailed(failure, pytrace=False)
         if report.verdict is UNSUPPORTED:
             raise _skip("; ".join(r.note for r in report.rows_with(UNSUPPORTED)) or "unsupported by the candidate")
         try:
@@ -104,7 +105,23 @@ class Check:
         except AssertionError as exc:
             failure = str(exc)
         if failure is not None:
-            pytest.fail(failure, pytrace=False)
+            raise CheckFailed(failure, pytrace=False)
+
+
+class CheckFailed(pytest.fail.Exception):
+    """A check that did not pass: pytest.fail's outcome, its message the report's failing rows."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """The short test summary gives a failed check's first line (the command, case and verdict), not
+    the whole report again: on CI (the CI variable set) pytest writes the crash message in full there."""
+    outcome = yield
+    failed = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(failed, CheckFailed):
+        crash = getattr(outcome.get_result().longrepr, "reprcrash", None)
+        if crash is not None:  # as pytest.fail's own: "Failed: <message>"
+            crash.message = "Failed: " + failed.msg.split("\n", 1)[0]
 
 
 def _skip(reason: str) -> BaseException:

@@ -93,7 +93,14 @@ def test_the_reference_passes_every_item(pytester):
     runpytest(pytester).assert_outcomes(passed=6)
 
 
-def test_a_failing_case_fails_with_the_failing_rows_and_no_traceback(pytester):
+@pytest.mark.parametrize("on_ci", [False, True], ids=["local", "on-ci"])
+def test_a_failing_case_fails_with_the_failing_rows_once_and_no_traceback(pytester, monkeypatch, on_ci):
+    # On CI (the CI variable set) pytest writes a failure's whole message again in the short test
+    # summary: a report's rows came twice there, though never in a local run.
+    for name in ("CI", "BUILD_NUMBER"):
+        monkeypatch.delenv(name, raising=False)
+    if on_ci:
+        monkeypatch.setenv("CI", "true")
     write(pytester, "cand_wrong_scale.py", CANDIDATES)
     write(pytester, "attncheck_wrong.yaml", PLAIN + "impl: cand_wrong_scale.py:WrongScale\n")
     result = runpytest(pytester, "-k", "forward")
@@ -104,9 +111,12 @@ def test_a_failing_case_fails_with_the_failing_rows_and_no_traceback(pytester):
         "*Mismatched elements: * / 48 (*%)",
         "*Error against the float64 oracle: * (up to * allowed; torch's own error *)",
     ])  # fmt: skip
-    assert "Traceback" not in result.stdout.str() and "def runtest" not in result.stdout.str()
+    out = result.stdout.str()
+    assert "Traceback" not in out and "def runtest" not in out
     # once: failed inside the except block, the report came again "during handling of the above exception"
-    assert result.stdout.str().count("forward output (2x torch + 1e-05)") == 1 and "during handling" not in result.stdout.str()
+    assert out.count("forward output (2x torch + 1e-05)") == 1 and "during handling" not in out
+    if on_ci:  # the summary's line is the report's first: the command, the case, the verdict
+        result.stdout.fnmatch_lines(["FAILED attncheck_wrong.yaml::attncheck_wrong?forward? - Failed: attncheck forward on 'attncheck_wrong' (*): fail, 4 of 4 rows"])
 
 
 def test_unsupported_and_suite_skipped_cases_are_skips_with_the_reason(pytester):
@@ -179,6 +189,25 @@ def test_cases_parametrizes_a_users_own_test(pytester):
     result = runpytest(pytester, "-v", "-p", "no:cacheprovider", "-o", "pythonpath=.")
     result.assert_outcomes(passed=2, skipped=2)
     result.stdout.fnmatch_lines(["*test_attention?plain?forward?? PASSED*", "*test_attention?kv?grad?? SKIPPED*"], consecutive=False)
+
+
+def test_a_users_own_failing_check_is_summarized_in_one_line_on_ci(pytester, monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    write(pytester, "cand_user_ci.py", CANDIDATES)
+    write(pytester, "suite.yaml", PLAIN)
+    write(pytester, "test_mine_ci.py", """
+        import attncheck, pytest
+        from cand_user_ci import WrongScale
+
+        @pytest.mark.parametrize("check", attncheck.cases("suite.yaml", impl=WrongScale, commands="forward"))
+        def test_attention(check):
+            check.assert_passed()
+        """)  # fmt: skip
+    result = runpytest(pytester, "-p", "no:cacheprovider", "-o", "pythonpath=.")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert out.count("forward output (2x torch + 1e-05)") == 1
+    result.stdout.fnmatch_lines(["FAILED test_mine_ci.py::test_attention?suite?forward?? - Failed: attncheck forward on *: fail, 4 of 4 rows"])
 
 
 def test_cases_ids_and_skip_marks():
