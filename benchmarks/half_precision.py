@@ -14,7 +14,9 @@ Correct implementations, each on the same random configs (E 8..64, H 1..8, B 1..
 For each quantity of forward, grad and sgd-step (1 step) it prints the distribution of
 cand err / torch err (the factor a correct candidate needs) and, where that ratio exceeds the
 kind's factor, the floor it needs: (cand err - factor * torch err) / scale, scale being max|oracle|
-(for gradients the largest gradient of the check).
+(for gradients the largest gradient of the check). It also prints T, the oracle's bound on the terms
+a logit sums (reference.kernel._logit_magnitude), and the largest floor needed in units of eps T:
+what a floor growing with the logits' rounding would need (docs/explanation/budget.md).
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
 from attncheck import torch_side  # noqa: E402
+from attncheck.checks import forward as forward_check, grad as grad_check  # noqa: E402
 from attncheck.candidate import load_candidate  # noqa: E402
 from attncheck.checks import check_forward, check_grad, check_sgd  # noqa: E402
 from attncheck.compare import BUDGET_FACTOR, BUDGET_FLOOR, Budget  # noqa: E402
 from attncheck.config import config_from_mapping  # noqa: E402
+from attncheck.dtypes import eps  # noqa: E402
 
 KIND = {"forward": "forward", "grad": "grad", "sgd": "sgd", "fast-path": "forward"}
 
@@ -57,10 +61,26 @@ def random_config(gen: np.random.Generator, dtype: str, seed: int, scale: float 
     return cfg
 
 
+LOGITS: list[float] = []  # the oracle's logit_magnitude (T) of each check, in the order they run
+
+
+def _recording(with_logit_floor):
+    def recorded(rule, cfg, logit_magnitude):
+        LOGITS.append(logit_magnitude or 0.0)
+        return with_logit_floor(rule, cfg, logit_magnitude)
+
+    return recorded
+
+
+forward_check.with_logit_floor = _recording(forward_check.with_logit_floor)
+grad_check.with_logit_floor = _recording(grad_check.with_logit_floor)
+
+
 def measure(candidates, dtype: str, n: int, input_scale: float | None = None) -> dict:
     gen = np.random.default_rng(17)
     ratios = defaultdict(list)  # (candidate, kind) -> cand err / torch err
     floors = defaultdict(list)  # (candidate, kind) -> floor needed at the kind's factor
+    per_logit = defaultdict(list)  # (candidate, kind) -> floor needed / (eps * T)
     for i in range(n):
         overrides = random_config(gen, dtype, i, input_scale)
         for name, candidate in candidates.items():
@@ -68,8 +88,15 @@ def measure(candidates, dtype: str, n: int, input_scale: float | None = None) ->
             if name == "sdpa":
                 mapping["need_weights"] = False
             cfg = config_from_mapping(mapping, source="<bench>")
+            last_logits = 0.0
             for check in (check_forward, check_grad, check_sgd):
+                LOGITS.clear()
                 report = check(cfg, candidate)
+                logits = max(LOGITS, default=0.0)  # sgd-step records none: its T is grad's
+                if logits:
+                    last_logits = logits
+                else:
+                    logits = last_logits
                 for row in report.rows:
                     kind = KIND.get(row.section)
                     if kind is None or row.candidate_error is None or row.torch_error is None or not row.judged:
@@ -80,7 +107,12 @@ def measure(candidates, dtype: str, n: int, input_scale: float | None = None) ->
                     kind = row.section if row.section == "fast-path" else kind
                     ratios[name, kind].append(cand / torch_err if torch_err > 0 else (0.0 if cand == 0 else math.inf))
                     floors[name, kind].append(max(0.0, cand - factor * torch_err) / scale if scale > 0 else 0.0)
-    return ratios, floors
+                    per_logit[name, kind].append(floors[name, kind][-1] / (eps(dtype) * logits) if logits else 0.0)
+                    LOGITS_SEEN.append(logits)
+    return ratios, floors, per_logit
+
+
+LOGITS_SEEN: list[float] = []
 
 
 def main() -> None:
@@ -92,16 +124,18 @@ def main() -> None:
     candidates = {"reference": None, "sdpa": load_candidate(f"{ROOT}/examples/torch_sdpa.py:MultiheadAttention")}
     with torch_side.one_thread():
         for dtype in ("float16", "bfloat16"):
-            ratios, floors = measure(candidates, dtype, args.configs, args.scale)
+            LOGITS_SEEN.clear()
+            ratios, floors, per_logit = measure(candidates, dtype, args.configs, args.scale)
             at = "input_scale 1, 2 or 4" if args.scale is None else f"input_scale {args.scale:g}"
             print(f"\n{dtype}: {args.configs} configs at {at}; factor = cand err / torch err; floor needed beyond the kind's factor, relative to scale")
-            print("| candidate | kind | rows | median factor | p99 factor | max factor | max floor needed | current factor, floor |")
-            print("|---|---|---|---|---|---|---|---|")
+            print(f"logit magnitude T (the oracle's largest |q||k|/sqrt(D)): median {np.median(LOGITS_SEEN):.3g}, max {max(LOGITS_SEEN):.3g}")
+            print("| candidate | kind | rows | median factor | p99 factor | max factor | max floor needed | max floor / (eps T) | current factor, floor |")
+            print("|---|---|---|---|---|---|---|---|---|")
             for (name, kind), r in sorted(ratios.items()):
                 finite = np.array([x for x in r if math.isfinite(x)])
                 f = np.array(floors[name, kind])
                 print(f"| {name} | {kind} | {len(r)} | {np.median(finite):.2f} | {np.percentile(finite, 99):.2f} | {finite.max():.2f} "
-                      f"| {f.max():.2e} | {BUDGET_FACTOR[KIND[kind]]:g}, {BUDGET_FLOOR[dtype]:.0e} |")  # fmt: skip
+                      f"| {f.max():.2e} | {max(per_logit[name, kind]):.3f} | {BUDGET_FACTOR[KIND[kind]]:g}, {BUDGET_FLOOR[dtype]:.0e} |")  # fmt: skip
 
 
 if __name__ == "__main__":
