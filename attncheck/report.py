@@ -295,6 +295,15 @@ class Report:
         row = next(iter(self.rows_with(UNSUPPORTED)), None)
         return "" if row is None else (row.raised or row.note)
 
+    def __repr__(self) -> str:
+        """One line, the summary's: the generated repr spelled out every row and the config (3,800
+        characters for a passing default config), in a notebook's cell or a failed test's locals."""
+        return f"<Report {self.summary_line()}>"
+
+    def __str__(self) -> str:
+        """`print(report)`: the summary line, then each row that did not pass (`failure_message`)."""
+        return self.summary_line() if self.verdict is PASS else self.failure_message()
+
     def summary_line(self) -> str:
         """`attncheck grad on 'case' (impl): fail, 2 of 30 rows`: how every failure message begins."""
         bad = [r for r in self.rows if r.status in (FAIL, INCONCLUSIVE, UNSUPPORTED)]
@@ -354,6 +363,11 @@ class SuiteResult:
     reports: list[Report] = field(default_factory=list)
     skipped: list[Case] = field(default_factory=list)
     seconds: float = 0.0
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{n} {v}" for v, n in self.counts().items() if n)
+        skipped = f", {len(self.skipped)} cases skipped" if self.skipped else ""
+        return f"<SuiteResult {self.name!r}: {self.verdict}, {len(self.reports)} checks ({counts or 'none'}){skipped}>"
 
     @property
     def verdict(self) -> Status:
