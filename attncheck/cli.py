@@ -112,8 +112,8 @@ ShardOption = Annotated[
     typer.Option("--shard", help="Run shard I of N (1-based, e.g. 2/4): the cases whose index is I-1 modulo N.", show_default=False),
 ]
 CaseOption = Annotated[
-    Optional[str],
-    typer.Option("--case", help="Run only these cases of the suite (comma-separated names, as the summary lists them; "
+    Optional[list[str]],
+    typer.Option("--case", help="Run only these cases of the suite (names as the summary lists them, comma-separated or the option repeated; "
                  "e.g. --case float16-long to look at one default-suite case in full).", show_default=False),
 ]
 WorkersOption = Annotated[
@@ -193,7 +193,7 @@ def _run(
     device: Device | None = None,
     junit_path: Path | None = None,
     shard_spec: str | None = None,
-    case_names: str | None = None,
+    case_names: list[str] | None = None,
     workers: int = 1,
     verbose: bool = False,
     plot_path: Path | None = None,
@@ -226,7 +226,7 @@ def _run(
             raise UsageError("--plot-all needs --plot PATH")
         suite = load_suite(config, module=None if module is None else module.value)
         if case_names is not None:
-            suite = replace(suite, cases=chosen_cases(suite, case_names))
+            suite = replace(suite, cases=chosen_cases(suite, ",".join(case_names)))
         # One runnable case renders as full reports; with one command it also keeps the
         # single-report JSON. Decided before sharding, so a shard never changes the shape.
         one_case = len(suite.cases) == 1 and suite.cases[0].config is not None

@@ -103,3 +103,13 @@ def test_its_own_process_collects_garbage_only_once_the_judge_has_imported(monke
         cli.main(["forward", "-c", "configs/default.yaml"])
     # No freeze: the count only falls, as frozen objects are freed (a freeze adds thousands).
     assert collecting_at_prepare == [False, True] and gc.get_freeze_count() <= frozen
+
+
+def test_case_takes_comma_separated_names_and_repeats(tmp_path):
+    # Repeated, the option kept only its last value: `--case basic --case causal` ran causal alone.
+    out = tmp_path / "r.json"
+    result = run("forward", "--case", "causal,basic", "--case", "one-head", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert [r["name"] for r in json.loads(out.read_text())["results"]] == ["basic", "one-head", "causal"]  # the suite's order
+    result = run("forward", "--case", "basic", "--case", "casual")
+    assert result.exit_code == 2 and "no case 'casual' (did you mean causal?)" in result.output
