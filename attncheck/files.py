@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -159,3 +160,31 @@ class QuietWhenClosed:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
+
+
+class TrimmedLines:
+    """A text stream that drops the spaces before each line's end: rich pads every table line to
+    the page's width, which a log or a pipe keeps as trailing spaces (132 columns of them).
+
+    Spaces at the end of a write that does not end its line are held until the next write shows
+    whether the line goes on."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._held = ""
+
+    def write(self, text: str) -> int:
+        pending = self._held + text
+        body = pending.rstrip(" ")
+        self._held = pending[len(body):]
+        self._stream.write(_TRAILING.sub("\n", body))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+_TRAILING = re.compile(r" +\n")

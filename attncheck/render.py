@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Column, Table
 from rich.text import Text
 
-from attncheck.files import QuietWhenClosed
+from attncheck.files import QuietWhenClosed, TrimmedLines
 from attncheck.kinds import kind_of
 from attncheck.report import (FAIL, INCONCLUSIVE, INFO, NOT_PROVIDED, PASS, SKIPPED, UNSUPPORTED, Capability, Reason, Report, Row,
                               SuiteResult, capabilities, case_verdict, failure_lines)  # fmt: skip
@@ -254,7 +254,7 @@ def make_console(stream=None) -> Console:
     file = QuietWhenClosed(stream or sys.stdout)
     console = Console(highlight=False, file=file)
     if not console.is_terminal:
-        console = Console(highlight=False, file=file, width=max(console.width, 132))
+        console = Console(highlight=False, file=TrimmedLines(file), width=max(console.width, 132))
     return console
 
 

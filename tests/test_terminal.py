@@ -290,3 +290,20 @@ def test_first_run_setup_says_what_it_is_doing(tmp_path):
         assert fragment in result.stderr, result.stderr
     again = subprocess.run([str(tmp_path / "bin" / "setup")], env={**os.environ, "PYTHON": str(fake)}, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and again.stderr == ""  # set up once: silent
+
+
+def test_a_log_has_no_trailing_spaces():
+    # rich pads each table line to the page's width: 132 columns of spaces at the end of a log's lines
+    result = runner.invoke(app, ["forward", "--impl", "attncheck.testing.wrong_impls:HeadWeightsSummed"])
+    assert result.exit_code == 1 and "attn_weights" in result.output
+    assert [line for line in result.output.splitlines() if line != line.rstrip()] == []
+
+
+def test_trimmed_lines_hold_spaces_until_the_line_ends_or_goes_on():
+    from attncheck.files import TrimmedLines
+
+    out = io.StringIO()
+    trimmed = TrimmedLines(out)
+    for chunk in ["a  ", "  b   ", "\nc ", " \n", "  d\n  \n", "e  "]:
+        assert trimmed.write(chunk) == len(chunk)
+    assert out.getvalue() == "a    b\nc\n  d\n\ne"
