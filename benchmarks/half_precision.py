@@ -97,6 +97,7 @@ def measure(candidates, dtype: str, n: int, input_scale: float | None = None) ->
                     last_logits = logits
                 else:
                     logits = last_logits
+                LOGITS_SEEN.append(logits)  # once per check
                 for row in report.rows:
                     kind = KIND.get(row.section)
                     if kind is None or row.candidate_error is None or row.torch_error is None or not row.judged:
@@ -108,7 +109,6 @@ def measure(candidates, dtype: str, n: int, input_scale: float | None = None) ->
                     ratios[name, kind].append(cand / torch_err if torch_err > 0 else (0.0 if cand == 0 else math.inf))
                     floors[name, kind].append(max(0.0, cand - factor * torch_err) / scale if scale > 0 else 0.0)
                     per_logit[name, kind].append(floors[name, kind][-1] / (eps(dtype) * logits) if logits else 0.0)
-                    LOGITS_SEEN.append(logits)
     return ratios, floors, per_logit
 
 
