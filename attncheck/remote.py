@@ -373,7 +373,7 @@ class RemoteSession:
             request = ("open", self.sid, self.cfg, self.bulk, self.process.compiled)
             opened = self.process.call(request, "opening a session", self.timeout, 1 << 20)
             self._raise_error(opened, "opening a session")
-            self.calls, self.opened_in = _call_name(opened.get("calls")), self.process.generation
+            self.calls, self.opened_in = _told_call_name(opened.get("calls")), self.process.generation
 
     def _raise_error(self, reply: dict[str, Any], what: str) -> None:
         """The candidate's error a reply carries, raised as the judge's own exception."""
@@ -396,7 +396,7 @@ class RemoteSession:
 
     def build(self, params: dict[str, np.ndarray]) -> Handle:
         reply = self._call("build", f"{self.candidate.spec}(...)", params, arrays=[])
-        self.calls = _call_name(reply.get("calls"))
+        self.calls = _told_call_name(reply.get("calls"))
         return Handle(_int(reply.get("handle")), self.process.generation)
 
     def forward(self, obj: Handle, w, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -448,7 +448,7 @@ def _without(message: str, location: str | None) -> str:
     return message[: -len(suffix)] if location and message.endswith(suffix) else message
 
 
-def _call_name(value: Any) -> str:
+def _told_call_name(value: Any) -> str:
     """The name a build reply gives its object's call ("forward()", "broken()"); "forward()" for
     anything else (the reply is the candidate's process's, which a candidate may have broken)."""
     return value if isinstance(value, str) and re.fullmatch(r"[\w.<>]{1,78}\(\)", value) else "forward()"

@@ -76,8 +76,9 @@ forward_check.with_logit_floor = _recording(forward_check.with_logit_floor)
 grad_check.with_logit_floor = _recording(grad_check.with_logit_floor)
 
 
-def measure(candidates, dtype: str, n: int, input_scale: float | None = None) -> dict:
+def measure(candidates, dtype: str, n: int, input_scale: float | None = None) -> tuple[dict, dict, dict, list[float]]:
     gen = np.random.default_rng(17)
+    seen = []  # T of each check
     ratios = defaultdict(list)  # (candidate, kind) -> cand err / torch err
     floors = defaultdict(list)  # (candidate, kind) -> floor needed at the kind's factor
     per_logit = defaultdict(list)  # (candidate, kind) -> floor needed / (eps * T)
@@ -97,7 +98,7 @@ def measure(candidates, dtype: str, n: int, input_scale: float | None = None) ->
                     last_logits = logits
                 else:
                     logits = last_logits
-                LOGITS_SEEN.append(logits)  # once per check
+                seen.append(logits)
                 for row in report.rows:
                     kind = KIND.get(row.section)
                     if kind is None or row.candidate_error is None or row.torch_error is None or not row.judged:
@@ -107,12 +108,10 @@ def measure(candidates, dtype: str, n: int, input_scale: float | None = None) ->
                     cand, torch_err = row.candidate_error, row.torch_error
                     kind = row.section if row.section == "fast-path" else kind
                     ratios[name, kind].append(cand / torch_err if torch_err > 0 else (0.0 if cand == 0 else math.inf))
-                    floors[name, kind].append(max(0.0, cand - factor * torch_err) / scale if scale > 0 else 0.0)
-                    per_logit[name, kind].append(floors[name, kind][-1] / (eps(dtype) * logits) if logits else 0.0)
-    return ratios, floors, per_logit
-
-
-LOGITS_SEEN: list[float] = []
+                    needed = max(0.0, cand - factor * torch_err) / scale if scale > 0 else 0.0
+                    floors[name, kind].append(needed)
+                    per_logit[name, kind].append(needed / (eps(dtype) * logits) if logits else 0.0)
+    return ratios, floors, per_logit, seen
 
 
 def main() -> None:
@@ -124,11 +123,10 @@ def main() -> None:
     candidates = {"reference": None, "sdpa": load_candidate(f"{ROOT}/examples/torch_sdpa.py:MultiheadAttention")}
     with torch_side.one_thread():
         for dtype in ("float16", "bfloat16"):
-            LOGITS_SEEN.clear()
-            ratios, floors, per_logit = measure(candidates, dtype, args.configs, args.scale)
+            ratios, floors, per_logit, seen = measure(candidates, dtype, args.configs, args.scale)
             at = "input_scale 1, 2 or 4" if args.scale is None else f"input_scale {args.scale:g}"
             print(f"\n{dtype}: {args.configs} configs at {at}; factor = cand err / torch err; floor needed beyond the kind's factor, relative to scale")
-            print(f"logit magnitude T (the oracle's largest |q||k|/sqrt(D)): median {np.median(LOGITS_SEEN):.3g}, max {max(LOGITS_SEEN):.3g}")
+            print(f"logit magnitude T (the oracle's largest |q||k|/sqrt(D)): median {np.median(seen):.3g}, max {max(seen):.3g}")
             print("| candidate | kind | rows | median factor | p99 factor | max factor | max floor needed | max floor / (eps T) | current factor, floor |")
             print("|---|---|---|---|---|---|---|---|---|")
             for (name, kind), r in sorted(ratios.items()):
