@@ -2,10 +2,9 @@
 
 A section is the text between `<!-- generated: NAME -->` and `<!-- end generated: NAME -->`, each
 marker a line of its own (one written inline, in prose, or inside a fenced code block, is left as
-text). It is checked in, so
-the pages read whole where Markdown is shown as it is (GitHub), and the site build fills it again
-from the code. `python docs/hooks.py` rewrites the pages' sections from the code;
-tests/test_docs.py fails while one differs from what the code gives.
+text). It is checked in, so the pages read whole where Markdown is shown as it is (GitHub), and
+the site build fills it again from the code. `python docs/hooks.py` rewrites the pages' sections
+from the code; tests/test_docs.py fails while one differs from what the code gives.
 
     cli             each command's options, from the typer app (attncheck.cli.app) through click
     config-keys     every key of the pydantic `Config` model: type or allowed values, default, and
