@@ -4,6 +4,7 @@ channel open, pristine modules, fresh random state; and the judge survives the s
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -146,9 +147,17 @@ def test_a_candidate_process_starts_with_blas_on_one_thread_and_no_thread_restar
     assert calls and all(call == {"threads": 1, "blas": [1]} for call in calls), calls
 
 
+def _needs_scipy() -> None:
+    """Skip where SciPy is not installed, without importing it here: its own OpenBLAS, loaded into
+    this test process, would stay on two threads for the tests after (tests/test_suite_run.py reads
+    this process's BLAS libraries, and failed after this module in one process, `-n 0`)."""
+    if importlib.util.find_spec("scipy") is None:
+        pytest.skip("needs SciPy (a BLAS library of its own)")
+
+
 def test_a_blas_library_the_candidate_loads_is_held_to_one_thread_too(tmp_path, monkeypatch):
     """SciPy's own OpenBLAS, loaded by the candidate after the server's hold: held as the session opens."""
-    pytest.importorskip("scipy.linalg")
+    _needs_scipy()
     _a_server_of_its_own(monkeypatch)
     (tmp_path / "scipy_probe.py").write_text("import scipy.linalg\n" + BLAS_PROBE)
     seen = tmp_path / "seen.jsonl"
@@ -193,7 +202,7 @@ def test_a_blas_library_a_fork_loads_is_held_for_small_configs_alone_and_numpys_
     """In a fork of the holding server that then loads SciPy's own OpenBLAS: the first small config
     holds that library alone (NumPy's, on one thread already, is not set: setting it restarts a
     spinning thread), a large one gives both their counts back, a small one holds both again."""
-    pytest.importorskip("scipy.linalg")
+    _needs_scipy()
     code = textwrap.dedent("""
         import json, os
         from threadpoolctl import threadpool_info
