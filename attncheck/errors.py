@@ -120,6 +120,10 @@ class CandidateError(CandidateProblem):
     """A candidate implementation raised or returned something unusable: a failed check (exit 1)."""
 
 
+class CandidateTimeout(CandidateError):
+    """A call into the candidate gave no answer within its time limit; its process was killed."""
+
+
 class Unsupported(CandidateProblem):
     """The candidate raised NotImplementedError (or lacks what the check needs, such as a backward):
     it declares the feature unsupported, which is not a failure. The check reports the reason

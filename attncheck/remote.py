@@ -33,7 +33,7 @@ import numpy as np
 from attncheck import forkserver
 from attncheck.candidate import Candidate
 from attncheck.channel import Malformed, read_reply, write_request
-from attncheck.errors import CandidateError, TracerLeak, Unsupported, UsageError, clean, shorten
+from attncheck.errors import CandidateError, CandidateTimeout, TracerLeak, Unsupported, UsageError, clean, shorten
 from attncheck.kinds.sdpa import ALIGNMENTS
 
 # A call's time limit when the config sets none: a minute, and a second more per million attention
@@ -180,7 +180,7 @@ class CandidateProcess:
             return _checked(read_reply(lambda n: self._read_exact(n, deadline), max_bytes))
         except TimeoutError:
             self.stop()
-            raise CandidateError(f"no answer in {timeout:.3g} s during {what}: the candidate's process was killed "
+            raise CandidateTimeout(f"no answer in {timeout:.3g} s during {what}: the candidate's process was killed "
                                  "(set `timeout` or --timeout for slower candidates)") from None  # fmt: skip
         except (EOFError, BrokenPipeError):
             raise CandidateError(self._death(what)) from None

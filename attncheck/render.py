@@ -161,7 +161,7 @@ def _accuracy(r: Row) -> str:
 
 
 # What a failing row's numbers alone do not show, in a word, by its reason.
-_REASON_WORDS = {Reason.NAN: "NaN", Reason.SHAPE: "shape", Reason.DTYPE: "dtype", Reason.MISSING: "not returned", Reason.CALL: "call"}
+_REASON_WORDS = {Reason.NAN: "NaN", Reason.SHAPE: "shape", Reason.DTYPE: "dtype", Reason.MISSING: "not returned", Reason.CALL: "call", Reason.TIMEOUT: "timeout"}
 
 
 def contradiction(r: Row) -> str:
@@ -537,13 +537,14 @@ def failure_key(report: Report) -> tuple:
 def distinct_failures(reports: list[Report]) -> list[list[Report]]:
     """The checks that did not pass, grouped by failure_key: each command's commonest failure
     first (forward's, which explains the others' forward rows, then grad's, then sgd-step's), then
-    the rest in the same order; within one command, the most cases first, then in run order."""
+    the rest in the same order; within one command, failures before what could not be judged (a
+    check not run after its candidate hung), then the most cases first, then in run order."""
     groups: dict[tuple, list[Report]] = {}
     for report in reports:
         if report.verdict not in (PASS, UNSUPPORTED):
             groups.setdefault(failure_key(report), []).append(report)
     commands = list(dict.fromkeys(r.command for r in reports))
-    ordered = sorted(groups.values(), key=lambda group: (commands.index(group[0].command), -len(group)))
+    ordered = sorted(groups.values(), key=lambda group: (commands.index(group[0].command), group[0].verdict is not FAIL, -len(group)))
     leads = [group for i, group in enumerate(ordered) if i == 0 or group[0].command != ordered[i - 1][0].command]
     return leads + [group for group in ordered if not any(group is lead for lead in leads)]
 

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from attncheck.errors import CandidateTimeout
+
 if TYPE_CHECKING:
     from attncheck.config import Case, Config
 
@@ -89,7 +91,13 @@ class Reason(str, enum.Enum):
     DTYPE = "dtype"  # arrays of another dtype than torch's
     MISSING = "missing"  # no value returned
     CALL = "call"  # a call into the candidate raised, or returned something unusable
+    TIMEOUT = "timeout"  # a call into the candidate gave no answer within its time limit
     CONTRACT = "contract"  # the calls broke the contract: state kept between calls, inputs changed in place, unknown keys
+
+    @classmethod
+    def of_call(cls, err: Exception) -> Reason:
+        """Why a row that ends at a failed call into the candidate failed: it hung, or anything else."""
+        return cls.TIMEOUT if isinstance(err, CandidateTimeout) else cls.CALL
 
     def __str__(self) -> str:
         return self.value

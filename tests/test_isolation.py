@@ -132,6 +132,44 @@ def test_ctrl_c_during_a_hung_candidate_exits_130_at_once(tmp_path):
     assert time.monotonic() - start < 10 and not out.exists()
 
 
+HANGS_UNLESS_WIDE = """
+import time
+from attncheck.reference import MultiheadAttention as Reference
+
+class HangsUnlessWide(Reference):
+    def forward(self, query, *args, **kwargs):
+        if query.shape[-1] != 12:
+            time.sleep(1000)
+        return super().forward(query, *args, **kwargs)
+"""
+
+
+def test_a_candidate_that_hung_in_three_checks_in_a_row_has_the_rest_of_its_checks_not_run(tmp_path):
+    """attncheck.suite.HUNG_IN_A_ROW: each hung check costs the whole time limit (60 s by default), so
+    after three in a row the candidate's other checks are inconclusive, "not run", at once; a check
+    that answers ends the count (hung, hung, answered, then three hung in a row)."""
+    (tmp_path / "hangs.py").write_text(HANGS_UNLESS_WIDE)
+    widths = {"a": 8, "b": 8, "c": 12, "d": 8, "e": 8, "f": 8, "g": 12, "h": 8}
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("name: hangs\ndefaults: {num_heads: 2}\ncases:\n" + "".join(f"  - {{name: {n}, embed_dim: {e}}}\n" for n, e in widths.items()))
+    report = tmp_path / "r.json"
+    start = time.monotonic()
+    code, output = run("forward", "-c", str(suite), "--impl", f"{tmp_path / 'hangs.py'}:HangsUnlessWide", "--timeout", "0.5", "--json", str(report))
+    assert code == 1, output
+    results = {r["name"]: r for r in json.loads(report.read_text())["results"]}
+    assert {n: r["verdict"] for n, r in results.items()} == {"a": "fail", "b": "fail", "c": "pass", "d": "fail", "e": "fail", "f": "fail",
+                                                             "g": "inconclusive", "h": "inconclusive"}, output  # fmt: skip
+    for name in "abdef":
+        assert [row["reason"] for row in results[name]["rows"]] == ["timeout"], results[name]["rows"]
+    for name in "gh":
+        (row,) = results[name]["rows"]
+        assert row["status"] == "inconclusive" and "not run" in row["note"] and "(d forward, e forward, f forward" in row["note"]
+        assert f"--case {name}" in row["note"]
+    assert "FAIL: timeout" in output and "5 fail, 2 inconclusive" in output
+    assert output.index("FAIL  forward in 5 cases") < output.index("inconclusive  forward in 2 cases")  # what failed first
+    assert time.monotonic() - start < 30
+
+
 @pytest.mark.parametrize("options,message", [
     (lambda p: ["--json", str(p / "x"), "--junit", str(p / "x")], "the same file as --json"),
     (lambda p: ["--json", CONFIG], "that is the config"),

@@ -32,10 +32,10 @@ def heads_split():
     ran: dict[tuple, object] = {}
     run_job = attncheck.suite.run_job
 
-    def run_once(job, options, keep_evidence=False):
+    def run_once(job, options, keep_evidence=False, hung=None):
         key = (job.case, job.command, job.impl, repr(options), keep_evidence)
         if key not in ran:
-            ran[key] = run_job(job, options, keep_evidence)
+            ran[key] = run_job(job, options, keep_evidence, hung)
         return ran[key]
 
     with pytest.MonkeyPatch.context() as patch:

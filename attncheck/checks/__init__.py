@@ -27,7 +27,7 @@ from attncheck.commands import options_for
 from attncheck.config import Config
 from attncheck.errors import TracerLeak, Unsupported
 from attncheck.kinds import kind_of
-from attncheck.report import Report
+from attncheck.report import INCONCLUSIVE, Report, Row
 
 
 def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, embedded: bool = False, **options) -> Report:
@@ -61,4 +61,11 @@ def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, 
     return report
 
 
-__all__ = ["run_check", "check_forward", "check_grad", "check_sgd"]
+def not_run(command: str, cfg: Config, candidate: Candidate | None, why: str) -> Report:
+    """The report of a check that was not run, saying why: inconclusive, since nothing was judged."""
+    run = CheckRun.begin(command, cfg, candidate)
+    run.report.rows.append(Row(command_named(command).section, "candidate", INCONCLUSIVE, note=why))
+    return run.finish()
+
+
+__all__ = ["run_check", "not_run", "check_forward", "check_grad", "check_sgd"]

@@ -96,7 +96,7 @@ def _call_failed(probe: str, label: str, what: str, err: CandidateProblem) -> Ro
     """A probe's call that raised: a declared gap is reported (it judges nothing), a crash fails."""
     if isinstance(err, Unsupported):
         return _row(probe, label, INFO, f"{what}: the candidate declared it unsupported ({err.raised or err}); not probed")
-    return _row(probe, label, FAIL, f"{what} raised: {err}", reason=Reason.CALL, raised=err.raised, traceback=err.traceback)
+    return _row(probe, label, FAIL, f"{what} raised: {err}", reason=Reason.of_call(err), raised=err.raised, traceback=err.traceback)
 
 
 def _bits_apart(a: np.ndarray | None, b: np.ndarray | None) -> tuple[int, float] | None:

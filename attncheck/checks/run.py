@@ -54,7 +54,7 @@ def session_for(cfg: Config, candidate: Candidate, bulk: bool = False) -> Sessio
 def call_row(section: str, quantity: str, err: CandidateProblem) -> Row:
     """A candidate call that raised: a failure, or the feature declared unsupported."""
     unsupported = isinstance(err, Unsupported)
-    return Row(section, quantity, UNSUPPORTED if unsupported else FAIL, reason=None if unsupported else Reason.CALL,
+    return Row(section, quantity, UNSUPPORTED if unsupported else FAIL, reason=None if unsupported else Reason.of_call(err),
                raised=err.raised, note=str(err), traceback=err.traceback)  # fmt: skip
 
 

@@ -55,7 +55,7 @@ def poisoning_rows(kind, cfg, w, session, obj, out: np.ndarray, t_out: np.ndarra
     except Unsupported as err:
         return [_row(INFO, f"{what}: the candidate declared it unsupported ({err.raised or err}); not probed")]
     except CandidateProblem as err:
-        return [_row(FAIL, f"{what}: {err}", reason=Reason.CALL, raised=err.raised, traceback=err.traceback)]
+        return [_row(FAIL, f"{what}: {err}", reason=Reason.of_call(err), raised=err.raised, traceback=err.traceback)]
     real = again[:Tq]  # (Tq, Hq, Ev): the rows past the last sequence have no defined value
     nan = _nan(real) & ~_nan(out) & ~_nan(t_out)  # NaN the call with exact buffers gives is the output row's to judge
     if w.undefined is not None:

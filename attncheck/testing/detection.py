@@ -207,7 +207,7 @@ def problems(case: Case, report: Report) -> list[str]:
     """Why `report` is not the outcome `case` expects, one line per problem; empty when it is."""
     found, mismatched = [], set()
     for row in report.failures:
-        if row.reason is Reason.CALL:
+        if row.reason in (Reason.CALL, Reason.TIMEOUT):
             found.append(f"the candidate crashed ({row.section}): {row.note}")
         elif row.reason in (Reason.CONTRACT, Reason.DTYPE):  # about the calls or the results' dtype: no values to mismatch
             mismatched.add((row.section, row.quantity))
