@@ -164,10 +164,12 @@ class QuietWhenClosed:
 
 class TrimmedLines:
     """A text stream that drops the spaces before each line's end: rich pads every table line to
-    the page's width, which a log or a pipe keeps as trailing spaces (132 columns of them).
+    the page's width, which a log or a pipe keeps as trailing spaces (132 columns of them). Colour
+    codes among those spaces (a padded cell's style ends after its spaces, where FORCE_COLOR makes
+    a log coloured) are kept, the spaces dropped.
 
-    Spaces at the end of a write that does not end its line are held until the next write shows
-    whether the line goes on."""
+    Spaces and colour codes at the end of a write that does not end its line are held until the
+    next write shows whether the line goes on; a flush writes the codes held, not the spaces."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -175,16 +177,26 @@ class TrimmedLines:
 
     def write(self, text: str) -> int:
         pending = self._held + text
-        body = pending.rstrip(" ")
-        self._held = pending[len(body):]
-        self._stream.write(_TRAILING.sub("\n", body))
+        end = _TAIL.search(pending).start()
+        self._held = pending[end:]
+        self._stream.write(_TRAILING.sub(_codes_and_newline, pending[:end]))
         return len(text)
 
     def flush(self) -> None:
+        codes = "".join(_SGR.findall(self._held))
+        if codes:
+            self._stream.write(codes)
+            self._held = _SGR.sub("", self._held)
         self._stream.flush()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
 
-_TRAILING = re.compile(r" +\n")
+_SGR = re.compile(r"\x1b\[[0-9;]*m")  # a colour or style code
+_TRAILING = re.compile(r"(?:[ ]|\x1b\[[0-9;]*m)*[ ](?:[ ]|\x1b\[[0-9;]*m)*\n")  # a line's end, spaces among its last codes
+_TAIL = re.compile(r"(?:[ ]|\x1b\[[0-9;]*m)*\Z")  # what a write ends with that a line's end would drop or keep
+
+
+def _codes_and_newline(match: re.Match) -> str:
+    return "".join(_SGR.findall(match.group())) + "\n"

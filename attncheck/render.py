@@ -255,7 +255,16 @@ def make_console(stream=None) -> Console:
     console = Console(highlight=False, file=file)
     if not console.is_terminal:
         console = Console(highlight=False, file=TrimmedLines(file), width=max(console.width, 132))
+    elif not _isatty(file):  # a log that FORCE_COLOR or TTY_COMPATIBLE makes rich write as to a terminal
+        console = Console(highlight=False, file=TrimmedLines(file))
     return console
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def render(report: Report, console: Console, *, tracebacks: bool = False) -> None:

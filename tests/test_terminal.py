@@ -299,6 +299,31 @@ def test_a_log_has_no_trailing_spaces():
     assert [line for line in result.output.splitlines() if line != line.rstrip()] == []
 
 
+@pytest.mark.parametrize("variable", ["FORCE_COLOR", "TTY_COMPATIBLE"])
+def test_a_log_coloured_as_a_terminal_has_no_trailing_spaces_and_keeps_its_colours(variable, monkeypatch):
+    # rich then writes to the pipe as to a terminal: colour codes, and cells padded inside their
+    # style (one config: a suite's progress bar redraws its line as on a terminal)
+    monkeypatch.setenv(variable, "1")
+    result = runner.invoke(app, ["forward", "-c", str(ROOT / "configs" / "default.yaml"), "--impl", "attncheck.testing.wrong_impls:HeadWeightsSummed"],
+                           color=True)
+    assert result.exit_code == 1 and "attn_weights" in result.output
+    assert "\x1b[" in result.output
+    plain = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in result.output.splitlines()]
+    assert [line for line in plain if line != line.rstrip()] == []
+
+
+def test_trimmed_lines_keep_colour_codes_among_the_spaces_they_drop():
+    from attncheck.files import TrimmedLines
+
+    out = io.StringIO()
+    trimmed = TrimmedLines(out)
+    for chunk in ["\x1b[32mPASS  ", " \x1b[0m", "  \n", "a \x1b[1m", "b\n", "\x1b[2mc  \x1b[0m "]:
+        trimmed.write(chunk)
+    assert out.getvalue() == "\x1b[32mPASS\x1b[0m\na \x1b[1mb\n\x1b[2mc"  # the line's end not yet known
+    trimmed.flush()  # writes the codes it held, not the spaces
+    assert out.getvalue() == "\x1b[32mPASS\x1b[0m\na \x1b[1mb\n\x1b[2mc\x1b[0m"
+
+
 def test_trimmed_lines_hold_spaces_until_the_line_ends_or_goes_on():
     from attncheck.files import TrimmedLines
 
