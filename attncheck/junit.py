@@ -15,7 +15,8 @@ from attncheck.report import FAIL, INCONCLUSIVE, UNSUPPORTED, Report, SuiteResul
 
 def failure_message(report: Report) -> str:
     failures = report.failures
-    return f"{len(failures)} quantities differ: " + " | ".join(failure_line(r) for r in failures)
+    count = "1 quantity fails" if len(failures) == 1 else f"{len(failures)} quantities fail"  # a value, a call, a timeout, the contract
+    return f"{count}: " + " | ".join(failure_line(r) for r in failures)
 
 
 def to_junit(result: SuiteResult) -> str:
