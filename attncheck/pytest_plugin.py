@@ -78,7 +78,7 @@ class Check:
             impl = _candidate(impl, self.config)
         case = Case(self.case, self.config, self.skip_reason, self.line, self.impl_line)
         suite = Suite(self.case, self.source, [case])
-        return prepare(suite, (self.command,), impl=impl).run().reports[0]
+        return prepare(suite, (self.command,), impl=impl).run(hung=_hung_checks()).reports[0]
 
     def assert_passed(self) -> None:
         """Pass, fail with the rows that did not pass, or skip (unsupported, or skipped by the suite):
@@ -106,6 +106,21 @@ class Check:
             failure = str(exc)
         if failure is not None:
             raise CheckFailed(failure, pytrace=False)
+
+
+_HUNG: list = []  # this test session's HungChecks: a candidate whose calls hung in three tests in a row is not run in the rest
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _HUNG.clear()
+
+
+def _hung_checks():
+    if not _HUNG:
+        from attncheck.suite import HungChecks
+
+        _HUNG.append(HungChecks(run_alone="-k {case}"))
+    return _HUNG[0]
 
 
 class CheckFailed(pytest.fail.Exception):

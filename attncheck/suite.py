@@ -144,10 +144,11 @@ class Plan:
     skipped: list[Case]
 
     def run(self, options: dict[str, Any] | None = None, *, workers: int = 1, progress: Progress | None = None,
-            keep_evidence: bool = False) -> SuiteResult:  # fmt: skip
-        """Every job's report, in job order, as a SuiteResult."""
+            keep_evidence: bool = False, hung: HungChecks | None = None) -> SuiteResult:  # fmt: skip
+        """Every job's report, in job order, as a SuiteResult. `hung`: the candidates' hung checks
+        so far, for a caller whose runs are one (the pytest plugin's, a run per test); else this run's own."""
         start = time.perf_counter()
-        reports = run_jobs(self.jobs, options or {}, workers=workers, progress=progress, keep_evidence=keep_evidence)
+        reports = run_jobs(self.jobs, options or {}, workers=workers, progress=progress, keep_evidence=keep_evidence, hung=hung)
         return SuiteResult(self.name, self.commands, reports, self.skipped, time.perf_counter() - start)
 
 
@@ -242,10 +243,13 @@ HUNG_IN_A_ROW = 3
 
 
 class HungChecks:
-    """Per candidate, the checks in a row (in the order this process ran them) whose calls hung."""
+    """Per candidate, the checks in a row (in the order this process ran them) whose calls hung.
+    `run_alone` says how to run one case alone, to check it anyway: `--case NAME` on the command
+    line, `-k NAME` in pytest."""
 
-    def __init__(self) -> None:
-        self.hung: dict[str, list[Job]] = {}
+    def __init__(self, run_alone: str = "--case {case}") -> None:
+        self.hung: dict[str | None, list[Job]] = {}
+        self.run_alone = run_alone
 
     @staticmethod
     def _who(job: Job) -> str | None:
@@ -256,16 +260,17 @@ class HungChecks:
         hung = self.hung.get(self._who(job), [])
         if len(hung) < HUNG_IN_A_ROW:
             return None
-        names = ", ".join(f"{j.case} {j.command}" for j in hung[:HUNG_IN_A_ROW])
-        return (f"not run: the candidate's calls gave no answer within their time limit in {len(hung)} checks in a row ({names}"
-                f"{', ...' if len(hung) > HUNG_IN_A_ROW else ''}), so the rest of its checks in this run were not run, each of which "
-                f"would have taken the whole limit to fail the same way. To check this case anyway: --case {job.case}")
+        names = ", ".join(f"{j.case} {j.command}" for j in hung)
+        return (f"not run: the candidate's calls gave no answer within their time limit in {len(hung)} checks in a row ({names}), "
+                "so the rest of its checks in this run were not run, each of which would have taken the whole limit to fail the "
+                f"same way. To check this case anyway: {self.run_alone.format(case=job.case)}")
 
     def record(self, job: Job, report: Report) -> None:
+        """A check that ran: one more hung in a row if a call of it timed out, else none."""
         from attncheck.report import Reason
 
         who = self._who(job)
-        if any(row.reason is Reason.TIMEOUT for row in report.rows) or self.why_not(job):
+        if any(row.reason is Reason.TIMEOUT for row in report.rows):
             self.hung.setdefault(who, []).append(job)
         else:
             self.hung.pop(who, None)
@@ -280,9 +285,7 @@ def run_job(job: Job, options: dict[str, Any], keep_evidence: bool = False, hung
 
     why = hung.why_not(job) if hung is not None else None
     if why is not None:
-        report = not_run(job.command, job.config, _candidate(job.impl, job.impl_origin), why)
-        hung.record(job, report)
-        return report
+        return not_run(job.command, job.config, _candidate(job.impl, job.impl_origin), why)
     with warnings.catch_warnings(), threads.blas_on_one_thread(not job.config.is_large):
         # NumPy's floating-point warnings from the judge's own arithmetic (the oracle at input_scale
         # 1e30 overflows): the report judges those values, and the warning lines only cluttered the
@@ -352,14 +355,16 @@ _RUNS = itertools.count(1)
 
 
 def run_jobs(
-    jobs: list[Job], options: dict[str, Any], *, workers: int = 1, progress: Progress | None = None, keep_evidence: bool = False
+    jobs: list[Job], options: dict[str, Any], *, workers: int = 1, progress: Progress | None = None, keep_evidence: bool = False,
+    hung: HungChecks | None = None,
 ) -> list[Report]:
-    """Reports for every job, in job order; `progress(done, total, job, report)` as each finishes."""
+    """Reports for every job, in job order; `progress(done, total, job, report)` as each finishes.
+    Hung checks are counted in `hung` (a new count where None), or by each worker for its own jobs."""
     total = len(jobs)
     if workers <= 1 or total <= 1:
         from attncheck import torch_side
 
-        reports, hung = [], HungChecks()
+        reports, hung = [], HungChecks() if hung is None else hung
         with torch_side.one_thread():
             for job in jobs:
                 reports.append(run_job(job, options, keep_evidence, hung))
