@@ -128,7 +128,8 @@ class CandidateProcess:
     def finish_loading(self) -> None:
         """Wait for the candidate's import that `spawn` asked for; LoadFailed if it failed."""
         self._loading = False
-        reply = self._ask(None, "importing the candidate", LOAD_TIMEOUT, 1 << 20)
+        reply = self._ask(None, "importing the candidate", LOAD_TIMEOUT, 1 << 20,
+                          f"an import has {LOAD_TIMEOUT:.3g} s, whatever `timeout` says: does the module compute or wait as it is imported?")  # fmt: skip
         error = reply.get("error")
         if error is not None:
             self.stop()
@@ -171,8 +172,9 @@ class CandidateProcess:
         self.ensure()
         return self._ask(request, what, timeout, max_bytes)
 
-    def _ask(self, request: tuple | None, what: str, timeout: float, max_bytes: int) -> dict[str, Any]:
-        """Send `request` (None: one sent already) and read its reply."""
+    def _ask(self, request: tuple | None, what: str, timeout: float, max_bytes: int,
+             limit: str = "set `timeout` or --timeout for slower candidates") -> dict[str, Any]:  # fmt: skip
+        """Send `request` (None: one sent already) and read its reply; `limit`: what sets `timeout`."""
         deadline = time.monotonic() + timeout
         try:
             if request is not None:
@@ -180,8 +182,7 @@ class CandidateProcess:
             return _checked(read_reply(lambda n: self._read_exact(n, deadline), max_bytes))
         except TimeoutError:
             self.stop()
-            raise CandidateTimeout(f"no answer in {timeout:.3g} s during {what}: the candidate's process was killed "
-                                 "(set `timeout` or --timeout for slower candidates)") from None  # fmt: skip
+            raise CandidateTimeout(f"no answer in {timeout:.3g} s during {what}: the candidate's process was killed ({limit})") from None
         except (EOFError, BrokenPipeError):
             raise CandidateError(self._death(what)) from None
         except Malformed as exc:

@@ -82,6 +82,18 @@ def test_a_candidate_that_ends_its_import_is_a_usage_error(tmp_path, body, telli
     assert code == 2 and telling in output and "Traceback" not in output, output
 
 
+def test_an_import_that_hangs_is_a_usage_error_naming_the_imports_own_limit(tmp_path, monkeypatch):
+    # an import's limit is remote.LOAD_TIMEOUT, not the calls' `timeout`, which the message named
+    from attncheck import remote
+
+    monkeypatch.setattr(remote, "LOAD_TIMEOUT", 0.5)
+    path = tmp_path / "cand.py"
+    path.write_text("import time\ntime.sleep(1000)\nclass C:\n    pass\n")
+    code, output = run("forward", "-c", CONFIG, "--impl", f"{path}:C", "--timeout", "30")
+    assert code == 2 and "no answer in 0.5 s during importing the candidate" in output, output
+    assert "an import has 0.5 s, whatever `timeout` says" in output and "--timeout" not in output
+
+
 def test_the_python_api_survives_a_candidate_that_ends_its_process():
     for name in ("ExitsInForward", "Segfaults"):
         report = attncheck.check(None, "forward", impl=SPEC.format(name))
