@@ -232,53 +232,62 @@ def check_devices(jobs: list[Job]) -> None:
 FLOATING_POINT_WARNINGS = r"(overflow|invalid value|divide by zero|underflow) encountered"
 
 
-# A candidate whose calls hung in this many checks in a row (each a call that gave no answer within
-# its time limit) has the rest of its checks in the run reported as not run: each would cost the
-# whole limit (60 s by default) to fail the same way. A candidate that always hangs took 41 minutes
-# for the default suite's forward and about 2 hours for `run` before; now three limits. Three, not
-# fewer: the default suite puts up to three cases of one feature in a row (float16-long,
-# float16-causal, float16-wide), so a candidate that hangs on one feature alone is stopped after
-# them at most, and the checks not run say how to run them.
-HUNG_IN_A_ROW = 3
+# A candidate that gave no answer within a call's time limit in each of its first HUNG_BEFORE_STOP
+# checks of a command (or of the run), and answered in none, has its other checks of that command
+# (of the run) reported inconclusive, "not run": each would most likely cost the whole limit (60 s
+# by default) to fail the same way. A candidate that always hangs took 41 minutes for the default
+# suite's forward and about 2 hours for `run` before; now three limits. Only where it never
+# answered: one that hangs in some feature alone (a mask, float16) answered in the cases before,
+# so each of its cases is run, and a case that hangs costs its limit, as it shows something of its own.
+HUNG_BEFORE_STOP = 3
 
 
 class HungChecks:
-    """Per candidate, the checks in a row (in the order this process ran them) whose calls hung.
-    `run_alone` says how to run one case alone, to check it anyway: `--case NAME` on the command
-    line, `-k NAME` in pytest."""
+    """What this process saw of each candidate's checks in a run: those that hung (a call gave no
+    answer within its limit) and whether one answered, in the run and per command. `run_alone`
+    says how to run a case anyway: `--case NAME` on the command line, `-k NAME` in pytest."""
 
     def __init__(self, run_alone: str = "--case {case}") -> None:
-        self.hung: dict[str | None, list[Job]] = {}
+        self.hung: dict[tuple, list[Job]] = {}  # by (candidate,) and (candidate, command)
+        self.answered: set[tuple] = set()
         self.run_alone = run_alone
 
     @staticmethod
-    def _who(job: Job) -> str | None:
-        return job.impl if isinstance(job.impl, str) or job.impl is None else job.impl.spec
+    def _scopes(job: Job) -> tuple[tuple, tuple]:
+        who = job.impl if isinstance(job.impl, str) or job.impl is None else job.impl.spec
+        return (who,), (who, job.command)
 
     def why_not(self, job: Job) -> str | None:
-        """Why `job` is not run: its candidate hung in the HUNG_IN_A_ROW checks before it; else None."""
-        hung = self.hung.get(self._who(job), [])
-        if len(hung) < HUNG_IN_A_ROW:
-            return None
-        names = ", ".join(f"{j.case} {j.command}" for j in hung)
-        return (f"not run: the candidate's calls gave no answer within their time limit in {len(hung)} checks in a row ({names}), "
-                "so the rest of its checks in this run were not run, each of which would have taken the whole limit to fail the "
-                f"same way. To check this case anyway: {self.run_alone.format(case=job.case)}")
+        """Why `job` is not run (see HUNG_BEFORE_STOP); None when it is."""
+        from attncheck.remote import timeout_for
+
+        for scope in self._scopes(job):
+            hung = self.hung.get(scope, [])
+            if len(hung) < HUNG_BEFORE_STOP or scope in self.answered:
+                continue
+            checks = "checks" if len(scope) == 1 else f"{job.command} checks"
+            names = ", ".join(f"{j.case} {j.command}" if len(scope) == 1 else j.case for j in hung)
+            return (f"not run: the candidate gave no answer within a call's time limit in each of its first {len(hung)} {checks} "
+                    f"({names}) and has answered in none, so its other {checks} were not run: each would most likely have "
+                    f"taken the whole limit ({timeout_for(job.config):.3g} s) to fail the same way. To check this case anyway: "
+                    f"{self.run_alone.format(case=job.case)}")  # fmt: skip
+        return None
 
     def record(self, job: Job, report: Report) -> None:
-        """A check that ran: one more hung in a row if a call of it timed out, else none."""
+        """A check that ran: hung if a call of it gave no answer in time, else answered."""
         from attncheck.report import Reason
 
-        who = self._who(job)
-        if any(row.reason is Reason.TIMEOUT for row in report.rows):
-            self.hung.setdefault(who, []).append(job)
-        else:
-            self.hung.pop(who, None)
+        timed_out = any(row.reason is Reason.TIMEOUT for row in report.rows)
+        for scope in self._scopes(job):
+            if timed_out:
+                self.hung.setdefault(scope, []).append(job)
+            else:
+                self.answered.add(scope)
 
 
 def run_job(job: Job, options: dict[str, Any], keep_evidence: bool = False, hung: HungChecks | None = None) -> Report:
     """Run one job with its candidate (imported once per process), unless that candidate hung in
-    the checks before it (`hung`, see HUNG_IN_A_ROW). The arrays behind each row are dropped
+    the checks before it and answered in none (`hung`, see HUNG_BEFORE_STOP). The arrays behind each row are dropped
     unless kept for plots: they would otherwise travel back from every worker."""
     from attncheck import threads
     from attncheck.checks import not_run, run_check

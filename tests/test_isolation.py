@@ -144,7 +144,7 @@ def test_ctrl_c_during_a_hung_candidate_exits_130_at_once(tmp_path):
     assert time.monotonic() - start < 10 and not out.exists()
 
 
-HANGS_UNLESS_WIDE = """
+HANGING = """
 import time
 from attncheck.reference import MultiheadAttention as Reference
 
@@ -153,33 +153,52 @@ class HangsUnlessWide(Reference):
         if query.shape[-1] != 12:
             time.sleep(1000)
         return super().forward(query, *args, **kwargs)
+
+class HangsInBackward(Reference):
+    def backward(self, *args, **kwargs):
+        time.sleep(1000)
 """
 
 
-def test_a_candidate_that_hung_in_three_checks_in_a_row_has_the_rest_of_its_checks_not_run(tmp_path):
-    """attncheck.suite.HUNG_IN_A_ROW: each hung check costs the whole time limit (60 s by default), so
-    after three in a row the candidate's other checks are inconclusive, "not run", at once; a check
-    that answers ends the count (hung, hung, answered, then three hung in a row)."""
-    (tmp_path / "hangs.py").write_text(HANGS_UNLESS_WIDE)
-    widths = {"a": 8, "b": 8, "c": 12, "d": 8, "e": 8, "f": 8, "g": 12, "h": 8}
+def _hanging_suite(tmp_path, widths: list[int]) -> str:
+    (tmp_path / "hanging.py").write_text(HANGING)
     suite = tmp_path / "suite.yaml"
-    suite.write_text("name: hangs\ndefaults: {num_heads: 2}\ncases:\n" + "".join(f"  - {{name: {n}, embed_dim: {e}}}\n" for n, e in widths.items()))
+    suite.write_text("name: hangs\ndefaults: {num_heads: 2}\ncases:\n" + "".join(f"  - {{name: c{i}, embed_dim: {e}}}\n" for i, e in enumerate(widths)))
+    return str(suite)
+
+
+def test_a_command_whose_first_three_checks_hung_and_none_answered_has_the_rest_not_run(tmp_path):
+    """attncheck.suite.HUNG_BEFORE_STOP: each hung check costs the whole time limit (60 s by
+    default). A backward that always hangs: grad's first three checks fail by timeout, its other
+    two are inconclusive, "not run", at once; forward, which answers, runs every case."""
+    suite = _hanging_suite(tmp_path, [8] * 5)
     report = tmp_path / "r.json"
     start = time.monotonic()
-    code, output = run("forward", "-c", str(suite), "--impl", f"{tmp_path / 'hangs.py'}:HangsUnlessWide", "--timeout", "0.5", "--json", str(report))
+    code, output = run("run", "--only", "forward,grad", "-c", suite, "--impl", f"{tmp_path / 'hanging.py'}:HangsInBackward", "--timeout", "0.5",
+                       "--json", str(report))  # fmt: skip
     assert code == 1, output
-    results = {r["name"]: r for r in json.loads(report.read_text())["results"]}
-    assert {n: r["verdict"] for n, r in results.items()} == {"a": "fail", "b": "fail", "c": "pass", "d": "fail", "e": "fail", "f": "fail",
-                                                             "g": "inconclusive", "h": "inconclusive"}, output  # fmt: skip
-    for name in "abdef":
-        assert [row["reason"] for row in results[name]["rows"]] == ["timeout"], results[name]["rows"]
-    for name in "gh":
-        (row,) = results[name]["rows"]
-        assert row["status"] == "inconclusive" and "not run" in row["note"] and "(d forward, e forward, f forward" in row["note"]
-        assert f"--case {name}" in row["note"]
-    assert "FAIL: timeout" in output and "5 fail, 2 inconclusive" in output
-    assert output.index("FAIL  forward in 5 cases") < output.index("inconclusive  forward in 2 cases")  # what failed first
+    verdicts = {(r["name"], r["command"]): r["verdict"] for r in json.loads(report.read_text())["results"]}
+    assert verdicts == {**{(f"c{i}", "forward"): "pass" for i in range(5)}, **{(f"c{i}", "grad"): "fail" for i in range(3)},
+                        ("c3", "grad"): "inconclusive", ("c4", "grad"): "inconclusive"}, output  # fmt: skip
+    (row,) = [r for r in json.loads(report.read_text())["results"] if r["name"] == "c4" and r["command"] == "grad"][0]["rows"]
+    assert row["status"] == "inconclusive" and row["note"].startswith(
+        "not run: the candidate gave no answer within a call's time limit in each of its first 3 grad checks (c0, c1, c2) and has answered in none")
+    assert "(0.5 s)" in row["note"] and row["note"].endswith("To check this case anyway: --case c4")
+    assert "FAIL: timeout" in output and "5 of 10 checks pass, 3 fail, 2 inconclusive" in output
+    assert output.index("FAIL  grad in 3 cases") < output.index("inconclusive  grad in 2 cases")  # what failed first
     assert time.monotonic() - start < 30
+
+
+def test_a_candidate_that_answered_once_has_every_check_run(tmp_path):
+    """One that hangs in some cases alone (here all but the first) is never stopped: each hung case
+    shows something of its own."""
+    suite = _hanging_suite(tmp_path, [12, 8, 8, 8, 8])
+    report = tmp_path / "r.json"
+    code, output = run("forward", "-c", suite, "--impl", f"{tmp_path / 'hanging.py'}:HangsUnlessWide", "--timeout", "0.5", "--json", str(report))
+    assert code == 1, output
+    results = json.loads(report.read_text())["results"]
+    assert [r["verdict"] for r in results] == ["pass"] + ["fail"] * 4, output
+    assert all([row["reason"] for row in r["rows"]] == ["timeout"] for r in results[1:])
 
 
 @pytest.mark.parametrize("options,message", [

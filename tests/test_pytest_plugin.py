@@ -120,7 +120,7 @@ def test_a_failing_case_fails_with_the_failing_rows_once_and_no_traceback(pytest
 
 
 def test_a_candidate_that_hung_in_three_tests_in_a_row_is_not_run_in_the_rest(pytester):
-    # attncheck.suite.HUNG_IN_A_ROW, across the session's tests: each would cost its whole time limit
+    # attncheck.suite.HUNG_BEFORE_STOP, across the session's tests: each would cost its whole time limit
     write(pytester, "cand_hangs.py", "import time\nfrom attncheck.reference import MultiheadAttention\n\n"
                                      "class Hangs(MultiheadAttention):\n    def forward(self, *args, **kwargs):\n        time.sleep(1000)\n")
     write(pytester, "attncheck_hangs.yaml", "defaults: {embed_dim: 8, num_heads: 2, tgt_len: 3, timeout: 0.5, impl: 'cand_hangs.py:Hangs'}\n"
@@ -129,7 +129,7 @@ def test_a_candidate_that_hung_in_three_tests_in_a_row_is_not_run_in_the_rest(py
     result.assert_outcomes(failed=5, deselected=10)
     out = result.stdout.str()
     assert out.count("no answer in 0.5 s") == 3 and out.count("inconclusive") >= 2
-    assert "in 3 checks in a row (c0 forward, c1 forward, c2 forward)" in out and "To check this case anyway: -k c4" in out
+    assert "in each of its first 3 checks (c0 forward, c1 forward, c2 forward)" in out and "To check this case anyway: -k c4" in out
 
 
 def test_unsupported_and_suite_skipped_cases_are_skips_with_the_reason(pytester):
