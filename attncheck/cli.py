@@ -338,7 +338,7 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
     from rich.text import Text
 
     from attncheck.diagnose import half_precision_hint
-    from attncheck.render import make_console, print_failures, progress_bar, render, suite_summary, suite_verdict
+    from attncheck.render import is_live, make_console, print_failures, progress_bar, render, suite_summary, suite_verdict
 
     console = make_console()
     if not cases:
@@ -352,7 +352,7 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
         head.append(label, style="bold cyan")
         head.append(f"  {cases} cases ({len(plan.skipped)} skipped) · {len(plan.jobs)} checks · workers={workers}")
         console.print(head)
-        if console.is_terminal:
+        if is_live(console):
             with progress_bar(console) as bar:
                 task = bar.add_task("starting", total=len(plan.jobs))
                 result = run(progress=lambda done, total, job, report: bar.update(task, completed=done, description=f"{job.case} {job.command}"))

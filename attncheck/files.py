@@ -162,6 +162,14 @@ class QuietWhenClosed:
         return getattr(self._stream, name)
 
 
+def isatty(stream) -> bool:
+    """Whether a stream is a terminal (False for one that cannot say, or is closed)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 class TrimmedLines:
     """A text stream that drops the spaces before each line's end: rich pads every table line to
     the page's width, which a log or a pipe keeps as trailing spaces (132 columns of them). Colour

@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Column, Table
 from rich.text import Text
 
-from attncheck.files import QuietWhenClosed, TrimmedLines
+from attncheck.files import QuietWhenClosed, TrimmedLines, isatty
 from attncheck.kinds import kind_of
 from attncheck.report import (FAIL, INCONCLUSIVE, INFO, NOT_PROVIDED, PASS, SKIPPED, UNSUPPORTED, Capability, Reason, Report, Row,
                               SuiteResult, capabilities, case_verdict, failure_lines)  # fmt: skip
@@ -253,18 +253,15 @@ def make_console(stream=None) -> Console:
 
     file = QuietWhenClosed(stream or sys.stdout)
     console = Console(highlight=False, file=file)
-    if not console.is_terminal:
+    if not console.is_terminal or not isatty(file):  # a log, coloured where FORCE_COLOR or TTY_COMPATIBLE says so
         console = Console(highlight=False, file=TrimmedLines(file), width=max(console.width, 132))
-    elif not _isatty(file):  # a log that FORCE_COLOR or TTY_COMPATIBLE makes rich write as to a terminal
-        console = Console(highlight=False, file=TrimmedLines(file))
     return console
 
 
-def _isatty(stream) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError, OSError):
-        return False
+def is_live(console: Console) -> bool:
+    """Whether the console is a terminal that a progress bar can redraw, not a log that FORCE_COLOR
+    colours (rich takes that for a terminal, and the log kept every frame of the bar)."""
+    return console.is_terminal and isatty(console.file)
 
 
 def render(report: Report, console: Console, *, tracebacks: bool = False) -> None:

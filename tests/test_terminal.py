@@ -312,6 +312,15 @@ def test_a_log_coloured_as_a_terminal_has_no_trailing_spaces_and_keeps_its_colou
     assert [line for line in plain if line != line.rstrip()] == []
 
 
+def test_a_suites_log_coloured_as_a_terminal_gets_progress_lines_not_a_bar(monkeypatch):
+    # rich takes FORCE_COLOR for a terminal: the log kept every frame of the progress bar, 80 columns wide
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    result = runner.invoke(app, ["forward", "--case", "basic,causal"], color=True)
+    assert result.exit_code == 0 and "\x1b[" in result.output
+    assert "\r" not in result.output and "\x1b[?25l" not in result.output and "\x1b[2K" not in result.output
+    assert "[1/2] basic forward PASS" in result.output and "2 cases (0 skipped) · 2 checks · workers=1" in result.output  # 132 wide: one line
+
+
 def test_trimmed_lines_keep_colour_codes_among_the_spaces_they_drop():
     from attncheck.files import TrimmedLines
 
