@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from attncheck.report import FAIL, INCONCLUSIVE, UNSUPPORTED, Report, SuiteResult, failure_line, failure_lines
+from attncheck.report import FAIL, INCONCLUSIVE, UNSUPPORTED, Reason, Report, SuiteResult, failure_line, failure_lines
 
 
 def failure_message(report: Report) -> str:
@@ -35,7 +35,10 @@ def to_junit(result: SuiteResult) -> str:
     for report in result.reports:
         case = ET.SubElement(suite, "testcase", classname=f"attncheck.{report.command}", name=report.name, time=f"{report.seconds:.3f}")
         if report.verdict is FAIL:
-            failure = ET.SubElement(case, "failure", message=failure_message(report), type="mismatch")
+            reasons = {row.reason for row in report.failures}
+            (reason,) = reasons if len(reasons) == 1 else (None,)  # a call that raised or hung, or the contract: no values to mismatch
+            kind = reason.value if reason in (Reason.CALL, Reason.TIMEOUT, Reason.CONTRACT) else "mismatch"
+            failure = ET.SubElement(case, "failure", message=failure_message(report), type=kind)
             failure.text = "\n\n".join("\n".join(failure_lines(r)) for r in report.failures)
         elif report.verdict is INCONCLUSIVE:
             unjudged = report.rows_with(INCONCLUSIVE)

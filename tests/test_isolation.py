@@ -53,7 +53,9 @@ def test_a_hostile_candidate_gets_its_verdict(hostile: Hostile, tmp_path, monkey
         time.sleep(1)  # a forked child left alive writes within 20 ms of the report appearing
     data = json.loads(report.read_text())
     assert data["verdict"] == ("pass" if hostile.exit_code == 0 else "fail")
-    ET.parse(junit)  # valid XML, whatever the candidate said
+    parsed = ET.parse(junit)  # valid XML, whatever the candidate said
+    if hostile.telling == "no answer in":
+        assert parsed.find("testcase/failure").get("type") == "timeout"
     assert "\x1b" not in output and "\x00" not in output  # nothing it said reaches the terminal raw
 
 

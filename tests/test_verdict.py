@@ -76,7 +76,8 @@ def test_every_entry_point_renders_the_one_verdict(status, code, outcome, junit)
     elements = {child.tag for child in ET.fromstring(to_junit(result)).find("testcase")}
     assert elements == (set() if junit is None else {junit})
     if status is FAIL:  # one failing row: counted in the singular
-        assert ET.fromstring(to_junit(result)).find("testcase/failure").get("message").startswith("1 quantity fails: ")
+        failure = ET.fromstring(to_junit(result)).find("testcase/failure")
+        assert failure.get("message").startswith("1 quantity fails: ") and failure.get("type") == "mismatch"
 
 
 def test_assert_passed_lets_a_declared_gap_through_only_when_asked():
