@@ -333,6 +333,19 @@ def test_trimmed_lines_keep_colour_codes_among_the_spaces_they_drop():
     assert out.getvalue() == "\x1b[32mPASS\x1b[0m\na \x1b[1mb\n\x1b[2mc\x1b[0m"
 
 
+def test_trimmed_lines_take_linear_time_on_a_long_run_of_spaces_inside_a_line():
+    # 2,000 spaces a line's end does not follow took 26 s (each space tried as the start of the
+    # line's trailing spaces, each split between them tried again): a printed array, a wide cell
+    from attncheck.files import TrimmedLines
+
+    out = io.StringIO()
+    trimmed = TrimmedLines(out)
+    start = time.perf_counter()
+    trimmed.write("a" + " " * 2000 + "\x1b[0mb   \n")
+    assert time.perf_counter() - start < 2
+    assert out.getvalue() == "a" + " " * 2000 + "\x1b[0mb\n"
+
+
 def test_trimmed_lines_hold_spaces_until_the_line_ends_or_goes_on():
     from attncheck.files import TrimmedLines
 
