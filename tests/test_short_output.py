@@ -12,7 +12,7 @@ import attncheck.suite
 from attncheck.cli import app
 from attncheck.config import load_suite
 from attncheck.render import FAILURE_LINES, SCREEN_LINES, distinct_failures, failure_key, make_console, print_failures
-from attncheck.report import FAIL, PASS, Reason, Report, Row
+from attncheck.report import FAIL, INCONCLUSIVE, PASS, Reason, Report, Row
 
 runner = CliRunner()
 HEADS_SPLIT = "attncheck.testing.wrong_impls:HeadsSplitTransposed"
@@ -84,6 +84,14 @@ def test_failures_of_the_same_quantities_group_across_cases_and_raised_digits_do
     groups = distinct_failures(reports)
     assert [[r.name for r in g] for g in groups] == [["a", "b"], ["d", "e"], ["c"], ["f"]]
     assert failure_key(reports[0]) == failure_key(reports[1]) != failure_key(reports[2])
+
+
+def test_a_commands_failures_come_before_what_could_not_be_judged_even_in_fewer_cases():
+    # the checks not run after a candidate hung (attncheck.suite.HungChecks) outnumber its failures
+    config = load_suite(None).cases[0].config
+    not_run = [Report("forward", name, "x", config, rows=[Row("forward", "candidate", INCONCLUSIVE, note="not run")]) for name in "abc"]
+    hung = report("d", "forward", ("forward", "candidate", "fail"))
+    assert [[r.name for r in g] for g in distinct_failures([*not_run, hung])] == [["d"], ["a", "b", "c"]]
 
 
 def test_a_distinct_failure_is_cut_to_a_screen_and_the_rest_are_a_line_each():
