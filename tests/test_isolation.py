@@ -159,6 +159,13 @@ class HangsUnlessWide(Reference):
 class HangsInBackward(Reference):
     def backward(self, *args, **kwargs):
         time.sleep(1000)
+
+class HangsWithoutBackward:
+    def __init__(self, params, **options):
+        pass
+
+    def forward(self, *args, **kwargs):
+        time.sleep(1000)
 """
 
 
@@ -189,6 +196,18 @@ def test_a_command_whose_first_three_checks_hung_and_none_answered_has_the_rest_
     assert "FAIL: timeout" in output and "5 of 10 checks pass, 3 fail, 2 inconclusive" in output
     assert output.index("FAIL  grad in 3 cases") < output.index("inconclusive  grad in 2 cases")  # what failed first
     assert time.monotonic() - start < 30
+
+
+def test_a_check_unsupported_before_any_call_neither_ends_the_count_nor_is_not_run(tmp_path):
+    """A class without backward has grad and sgd-step unsupported, without a call: between its hung
+    forward checks they do not count as answered, and after the stop they stay unsupported."""
+    suite = _hanging_suite(tmp_path, [8] * 5)
+    report = tmp_path / "r.json"
+    code, output = run("run", "-c", suite, "--impl", f"{tmp_path / 'hanging.py'}:HangsWithoutBackward", "--timeout", "0.5", "--json", str(report))
+    assert code == 1, output
+    verdicts = {(r["name"], r["command"]): r["verdict"] for r in json.loads(report.read_text())["results"]}
+    assert verdicts == {**{(f"c{i}", c): "unsupported" for i in range(5) for c in ("grad", "sgd-step")},
+                        **{(f"c{i}", "forward"): "fail" for i in range(3)}, ("c3", "forward"): "inconclusive", ("c4", "forward"): "inconclusive"}, output  # fmt: skip
 
 
 def test_a_candidate_that_answered_once_has_every_check_run(tmp_path):

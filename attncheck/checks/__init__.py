@@ -30,14 +30,16 @@ from attncheck.kinds import kind_of
 from attncheck.report import INCONCLUSIVE, Report, Row
 
 
-def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, embedded: bool = False, **options) -> Report:
+def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, embedded: bool = False, not_run_because: str | None = None,
+              **options) -> Report:  # fmt: skip
     """Run one command (see attncheck.commands) by name; options it does not take are dropped.
     Each failing row comes with its diagnosis (attncheck.diagnose).
 
     Unsupported before any work: a command the kind has no use for (sgd-step of a function), a
     command that needs gradients for a candidate known to have no backward (a NumPy class
     without one), and a case of attncheck's own default suite (`embedded`) that checks what the
-    candidate declares it does not implement (the other causal alignment)."""
+    candidate declares it does not implement (the other causal alignment). Else, with
+    `not_run_because`, the check is not run (its candidate hung before: attncheck.suite.HungChecks)."""
     which = command_named(command)
     kind = kind_of(cfg)
     reason = kind.unsupported_commands.get(command)
@@ -48,6 +50,8 @@ def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, 
     if reason is not None:
         run = CheckRun.begin(command, cfg, candidate)
         return run.ended_at(which.section, Unsupported(reason))
+    if not_run_because is not None:
+        return not_run(command, cfg, candidate, not_run_because)
     torch_side.require_device(cfg)
     with torch_side.deterministic(cfg):
         try:
