@@ -353,9 +353,14 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
         head.append(f"  {cases} cases ({len(plan.skipped)} skipped) · {len(plan.jobs)} checks · workers={workers}")
         console.print(head)
         if is_live(console):
+
+            def named(done: int, job) -> str:  # the check running (one worker runs them in order), else the last one done
+                job = plan.jobs[done] if workers <= 1 and done < len(plan.jobs) else job
+                return f"{job.case} {job.command}" if job is not None else "starting"
+
             with progress_bar(console) as bar:
-                task = bar.add_task("starting", total=len(plan.jobs))
-                result = run(progress=lambda done, total, job, report: bar.update(task, completed=done, description=f"{job.case} {job.command}"))
+                task = bar.add_task(named(0, None), total=len(plan.jobs))
+                result = run(progress=lambda done, total, job, report: bar.update(task, completed=done, description=named(done, job)))
         else:
             result = run(progress=_progress_lines(console, every=view.verbose))
     if not many:

@@ -354,3 +354,25 @@ def test_trimmed_lines_hold_spaces_until_the_line_ends_or_goes_on():
     for chunk in ["a  ", "  b   ", "\nc ", " \n", "  d\n  \n", "e  "]:
         assert trimmed.write(chunk) == len(chunk)
     assert out.getvalue() == "a    b\nc\n  d\n\ne"
+
+
+def test_the_progress_bar_on_a_terminal_names_the_check_running(tmp_path):
+    """While a check hangs (up to its time limit, 60 s by default) the bar names it: it named the
+    last check done, and "starting" through the first."""
+    import pty
+
+    (tmp_path / "hangs.py").write_text("import time\nfrom attncheck.reference import MultiheadAttention\n\n"
+                                       "class Hangs(MultiheadAttention):\n    def forward(self, *args, **kwargs):\n        time.sleep(1000)\n")  # fmt: skip
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "attncheck", "forward", "--impl", f"{tmp_path / 'hangs.py'}:Hangs", "--timeout", "0.5",
+                             "--case", "basic,causal"], stdin=follower, stdout=follower, stderr=follower, cwd=ROOT,
+                            env={**os.environ, "COLUMNS": "120", "TERM": "xterm"})  # fmt: skip
+    os.close(follower)
+    seen = b""
+    with contextlib.suppress(OSError):  # EIO once the process has ended
+        while chunk := os.read(leader, 65536):
+            seen += chunk
+    os.close(leader)
+    assert proc.wait(timeout=60) == 1
+    frames = seen.decode("utf-8", "replace")
+    assert re.search(r"0/2[^\r\n]*basic forward", frames) and re.search(r"1/2[^\r\n]*causal forward", frames), frames[-2000:]
