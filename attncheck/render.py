@@ -340,6 +340,8 @@ def _worst_cell(report: Report) -> Text:
     reasons = {row.reason for row in report.failures}
     if verdict == FAIL and len(reasons) == 1 and (reason := reasons.pop()) in _REASON_WORDS:  # a dtype alone read as a total failure
         return Text(f"FAIL: {_REASON_WORDS[reason]}", style=_STATUS_STYLE[FAIL])
+    if verdict == INCONCLUSIVE and {row.reason for row in report.rows_with(INCONCLUSIVE)} == {Reason.NOT_RUN}:
+        return Text("not run", style=_STATUS_STYLE[INCONCLUSIVE])
     return Text(verdict.label, style=_STATUS_STYLE[verdict])
 
 

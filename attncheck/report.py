@@ -93,6 +93,7 @@ class Reason(str, enum.Enum):
     CALL = "call"  # a call into the candidate raised, or returned something unusable
     TIMEOUT = "timeout"  # a call into the candidate gave no answer within its time limit
     CONTRACT = "contract"  # the calls broke the contract: state kept between calls, inputs changed in place, unknown keys
+    NOT_RUN = "not run"  # an inconclusive row: the check was not run, its candidate having hung before (attncheck.suite.HungChecks)
 
     @classmethod
     def of_call(cls, err: Exception) -> Reason:
@@ -155,7 +156,7 @@ class Row:
     judged: int = 0  # elements whose value (or NaN placement) was judged
     first_failing_step: int | None = None  # sgd: the first step at which it left tolerance
     missing: bool = False  # the candidate returned no value for this quantity
-    reason: Reason | None = None  # failing or not provided rows: why
+    reason: Reason | None = None  # failing or not provided rows, and a check's not run: why
     parameter: str | None = None  # what is compared, by its torch name (see Quantity); the label's source
     block: str | None = None
     head: int | None = None

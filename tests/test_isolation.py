@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -190,10 +191,11 @@ def test_a_command_whose_first_three_checks_hung_and_none_answered_has_the_rest_
     assert verdicts == {**{(f"c{i}", "forward"): "pass" for i in range(5)}, **{(f"c{i}", "grad"): "fail" for i in range(3)},
                         ("c3", "grad"): "inconclusive", ("c4", "grad"): "inconclusive"}, output  # fmt: skip
     (row,) = [r for r in json.loads(report.read_text())["results"] if r["name"] == "c4" and r["command"] == "grad"][0]["rows"]
-    assert row["status"] == "inconclusive" and row["note"].startswith(
+    assert row["status"] == "inconclusive" and row["reason"] == "not run" and row["note"].startswith(
         "not run: the candidate gave no answer within a call's time limit in each of its first 3 grad checks (c0, c1, c2) and has answered in none")
     assert "(0.5 s)" in row["note"] and row["note"].endswith("To check this case anyway: --case c4")
     assert "FAIL: timeout" in output and "5 of 10 checks pass, 3 fail, 2 inconclusive" in output
+    assert re.search(r"^c4 +\S+ +not run +inconclusive$", output, re.M), output  # the summary's line of the case
     assert output.index("FAIL  grad in 3 cases") < output.index("inconclusive  grad in 2 cases")  # what failed first
     assert time.monotonic() - start < 30
 

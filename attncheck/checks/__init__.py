@@ -27,7 +27,7 @@ from attncheck.commands import options_for
 from attncheck.config import Config
 from attncheck.errors import TracerLeak, Unsupported
 from attncheck.kinds import kind_of
-from attncheck.report import INCONCLUSIVE, Report, Row
+from attncheck.report import INCONCLUSIVE, Reason, Report, Row
 
 
 def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, embedded: bool = False, not_run_because: str | None = None,
@@ -68,7 +68,7 @@ def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, 
 def not_run(command: str, cfg: Config, candidate: Candidate | None, why: str) -> Report:
     """The report of a check that was not run, saying why: inconclusive, since nothing was judged."""
     run = CheckRun.begin(command, cfg, candidate)
-    run.report.rows.append(Row(command_named(command).section, "candidate", INCONCLUSIVE, note=why))
+    run.report.rows.append(Row(command_named(command).section, "candidate", INCONCLUSIVE, reason=Reason.NOT_RUN, note=why))
     return run.finish()
 
 
