@@ -274,12 +274,11 @@ class HungChecks:
         return None
 
     def record(self, job: Job, report: Report) -> None:
-        """A check that ran: hung if a call of it gave no answer in time, else answered; unsupported,
-        neither (a class without backward's grad makes no call, and says nothing of its calls)."""
-        from attncheck.report import UNSUPPORTED, Reason
+        """A check that ran: hung if a call of it gave no answer in time, else answered. One
+        unsupported before any call (run_job does not record it: a class without backward's grad
+        makes no call) is neither; one unsupported after calls (a NotImplementedError) answered."""
+        from attncheck.report import Reason
 
-        if report.verdict is UNSUPPORTED:
-            return
         timed_out = any(row.reason is Reason.TIMEOUT for row in report.rows)
         for scope in self._scopes(job):
             if timed_out:
@@ -293,7 +292,7 @@ def run_job(job: Job, options: dict[str, Any], keep_evidence: bool = False, hung
     the checks before it and answered in none (`hung`, see HUNG_BEFORE_STOP). The arrays behind each row are dropped
     unless kept for plots: they would otherwise travel back from every worker."""
     from attncheck import threads
-    from attncheck.checks import run_check
+    from attncheck.checks import run_check, unsupported_before_any_call
 
     why = hung.why_not(job) if hung is not None else None  # unsupported before any call stays so (run_check decides that first)
     with warnings.catch_warnings(), threads.blas_on_one_thread(not job.config.is_large):
@@ -301,12 +300,14 @@ def run_job(job: Job, options: dict[str, Any], keep_evidence: bool = False, hung
         # 1e30 overflows): the report judges those values, and the warning lines only cluttered the
         # terminal. On every thread of this process while the check runs (the oracle's workers too).
         warnings.filterwarnings("ignore", message=FLOATING_POINT_WARNINGS, category=RuntimeWarning)
-        report = run_check(job.command, job.config, _candidate(job.impl, job.impl_origin), embedded=job.embedded, not_run_because=why,
+        candidate = _candidate(job.impl, job.impl_origin)
+        report = run_check(job.command, job.config, candidate, embedded=job.embedded, not_run_because=why,
                            **options)  # fmt: skip
     if not keep_evidence:
         for row in report.rows:
             row.evidence = None
-    if hung is not None and why is None:  # a check not run leaves the count as it stands
+    # A check not run, or unsupported before any call, leaves the count as it stands.
+    if hung is not None and why is None and unsupported_before_any_call(job.command, job.config, candidate, embedded=job.embedded) is None:
         hung.record(job, report)
     return report
 

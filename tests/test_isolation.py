@@ -161,6 +161,14 @@ class HangsInBackward(Reference):
     def backward(self, *args, **kwargs):
         time.sleep(1000)
 
+class DeclinesSixteenHangsNarrow(Reference):
+    def forward(self, query, *args, **kwargs):
+        if query.shape[-1] == 16:
+            raise NotImplementedError("width 16")
+        if query.shape[-1] != 12:
+            time.sleep(1000)
+        return super().forward(query, *args, **kwargs)
+
 class HangsWithoutBackward:
     def __init__(self, params, **options):
         pass
@@ -210,6 +218,18 @@ def test_a_check_unsupported_before_any_call_neither_ends_the_count_nor_is_not_r
     verdicts = {(r["name"], r["command"]): r["verdict"] for r in json.loads(report.read_text())["results"]}
     assert verdicts == {**{(f"c{i}", c): "unsupported" for i in range(5) for c in ("grad", "sgd-step")},
                         **{(f"c{i}", "forward"): "fail" for i in range(3)}, ("c3", "forward"): "inconclusive", ("c4", "forward"): "inconclusive"}, output  # fmt: skip
+
+
+def test_a_check_unsupported_after_a_call_is_an_answer(tmp_path):
+    """A NotImplementedError raised by a call is an answer in time: the check is unsupported, and
+    the candidate that hangs in the three checks after it still has the rest run."""
+    suite = _hanging_suite(tmp_path, [16, 8, 8, 8, 12])
+    report = tmp_path / "r.json"
+    code, output = run("forward", "-c", suite, "--impl", f"{tmp_path / 'hanging.py'}:DeclinesSixteenHangsNarrow", "--timeout", "0.5",
+                       "--json", str(report))  # fmt: skip
+    assert code == 1, output
+    verdicts = {r["name"]: r["verdict"] for r in json.loads(report.read_text())["results"]}
+    assert verdicts == {"c0": "unsupported", "c1": "fail", "c2": "fail", "c3": "fail", "c4": "pass"}, output
 
 
 def test_a_candidate_that_answered_once_has_every_check_run(tmp_path):

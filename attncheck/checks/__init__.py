@@ -42,11 +42,7 @@ def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, 
     `not_run_because`, the check is not run (its candidate hung before: attncheck.suite.HungChecks)."""
     which = command_named(command)
     kind = kind_of(cfg)
-    reason = kind.unsupported_commands.get(command)
-    if reason is None and embedded:
-        reason = kind.unsupported_case(cfg, candidate)
-    if reason is None and which.needs_backward and candidate is not None and candidate.lacks_backward(cfg):
-        reason = kind.no_backward(candidate.spec.rpartition(":")[2].rpartition(".")[2])
+    reason = unsupported_before_any_call(command, cfg, candidate, embedded=embedded)
     if reason is not None:
         run = CheckRun.begin(command, cfg, candidate)
         return run.ended_at(which.section, Unsupported(reason))
@@ -63,6 +59,18 @@ def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, 
     if claim:
         report.notes.insert(0, claim)
     return report
+
+
+def unsupported_before_any_call(command: str, cfg: Config, candidate: Candidate | None, *, embedded: bool = False) -> str | None:
+    """Why the check is unsupported before any call into the candidate (see run_check); None: it makes calls.
+    A check unsupported after calls (a NotImplementedError raised by one) is not this: its candidate answered."""
+    kind = kind_of(cfg)
+    reason = kind.unsupported_commands.get(command)
+    if reason is None and embedded:
+        reason = kind.unsupported_case(cfg, candidate)
+    if reason is None and command_named(command).needs_backward and candidate is not None and candidate.lacks_backward(cfg):
+        reason = kind.no_backward(candidate.spec.rpartition(":")[2].rpartition(".")[2])
+    return reason
 
 
 def not_run(command: str, cfg: Config, candidate: Candidate | None, why: str) -> Report:
