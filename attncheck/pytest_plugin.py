@@ -108,19 +108,25 @@ class Check:
             raise CheckFailed(failure, pytrace=False)
 
 
-_HUNG: list = []  # this test session's HungChecks: a candidate whose calls hung in three tests in a row is not run in the rest
+# Each running test session's HungChecks, innermost last (pytester runs one inside another): a
+# candidate whose calls hung in three tests in a row is not run in the rest. Outside a session (a
+# Check run from a notebook or script) none: each Check.run counts alone, as attncheck.check does.
+_HUNG: list = []
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    _HUNG.clear()
+    from attncheck.suite import HungChecks
+
+    _HUNG.append(HungChecks(run_alone="-k {case}"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _HUNG:
+        _HUNG.pop()
 
 
 def _hung_checks():
-    if not _HUNG:
-        from attncheck.suite import HungChecks
-
-        _HUNG.append(HungChecks(run_alone="-k {case}"))
-    return _HUNG[0]
+    return _HUNG[-1] if _HUNG else None
 
 
 class CheckFailed(pytest.fail.Exception):

@@ -132,6 +132,20 @@ def test_a_candidate_that_hung_in_three_tests_in_a_row_is_not_run_in_the_rest(py
     assert "in each of its first 3 checks (c0 forward, c1 forward, c2 forward)" in out and "To check this case anyway: -k c4" in out
 
 
+def test_a_check_run_outside_a_test_session_counts_no_hung_checks_of_others(tmp_path, monkeypatch):
+    """attncheck.cases() in a script or notebook: each Check.run is its own run, as attncheck.check
+    is; the count of hung checks belongs to a pytest session (it was kept for the whole process)."""
+    from attncheck import pytest_plugin
+
+    (tmp_path / "hangs.py").write_text("import time\nfrom attncheck.reference import MultiheadAttention\n\n"
+                                       "class Hangs(MultiheadAttention):\n    def forward(self, *args, **kwargs):\n        time.sleep(1000)\n")  # fmt: skip
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("defaults: {embed_dim: 8, num_heads: 2, tgt_len: 3, timeout: 0.5}\ncases:\n" + "".join(f"  - name: c{i}\n" for i in range(4)))
+    monkeypatch.setattr(pytest_plugin, "_HUNG", [])  # as outside any pytest session
+    checks = [p.values[0] for p in attncheck.cases(str(suite), impl=f"{tmp_path / 'hangs.py'}:Hangs", commands="forward")]
+    assert [[str(r.reason) for r in check.run().rows] for check in checks] == [["timeout"]] * 4
+
+
 def test_unsupported_and_suite_skipped_cases_are_skips_with_the_reason(pytester):
     write(pytester, "cand_no_bias_kv.py", CANDIDATES)
     write(pytester, "attncheck_skips.yaml", SMALL + """\
