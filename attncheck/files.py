@@ -204,8 +204,8 @@ class TrimmedLines:
 _SGR = re.compile(r"\x1b\[[0-9;]*m")  # a colour or style code
 # Each starts only where no space comes before (the first of a run): tried from every space of a
 # long run of them that a line's end does not follow, it took cubic time (2,000 spaces: 26 s).
-_TRAILING = re.compile(r"(?<![ ])(?:[ ]|\x1b\[[0-9;]*m)+\n")  # a line's end and the spaces and codes before it
-_TAIL = re.compile(r"(?<![ ])(?:[ ]|\x1b\[[0-9;]*m)*\Z")  # what a write ends with that a line's end would drop or keep
+_TRAILING = re.compile(rf"(?<![ ])(?:[ ]|{_SGR.pattern})+\n")  # a line's end and the spaces and codes before it
+_TAIL = re.compile(rf"(?<![ ])(?:[ ]|{_SGR.pattern})*\Z")  # what a write ends with that a line's end would drop or keep
 
 
 def _codes_and_newline(match: re.Match) -> str:

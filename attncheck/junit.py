@@ -35,8 +35,7 @@ def to_junit(result: SuiteResult) -> str:
     for report in result.reports:
         case = ET.SubElement(suite, "testcase", classname=f"attncheck.{report.command}", name=report.name, time=f"{report.seconds:.3f}")
         if report.verdict is FAIL:
-            reasons = {row.reason for row in report.failures}
-            (reason,) = reasons if len(reasons) == 1 else (None,)  # a call that raised or hung, or the contract: no values to mismatch
+            reason = report.sole_reason  # a call that raised or hung, or the contract: no values to mismatch
             kind = reason.value if reason in (Reason.CALL, Reason.TIMEOUT, Reason.CONTRACT) else "mismatch"
             failure = ET.SubElement(case, "failure", message=failure_message(report), type=kind)
             failure.text = "\n\n".join("\n".join(failure_lines(r)) for r in report.failures)

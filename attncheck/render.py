@@ -337,9 +337,8 @@ def _worst_cell(report: Report) -> Text:
         return Text(f"{worst.ratio:.2g}x")
     if verdict == FAIL and worst is not None and worst.ratio is not None and math.isfinite(worst.ratio):
         return Text(f"{worst.ratio:.2g}x FAIL", style=_STATUS_STYLE[FAIL])
-    reasons = {row.reason for row in report.failures}
-    if verdict == FAIL and len(reasons) == 1 and (reason := reasons.pop()) in _REASON_WORDS:  # a dtype alone read as a total failure
-        return Text(f"FAIL: {_REASON_WORDS[reason]}", style=_STATUS_STYLE[FAIL])
+    if verdict == FAIL and report.sole_reason in _REASON_WORDS:  # a dtype alone read as a total failure
+        return Text(f"FAIL: {_REASON_WORDS[report.sole_reason]}", style=_STATUS_STYLE[FAIL])
     if verdict == INCONCLUSIVE and {row.reason for row in report.rows_with(INCONCLUSIVE)} == {Reason.NOT_RUN}:
         return Text("not run", style=_STATUS_STYLE[INCONCLUSIVE])
     return Text(verdict.label, style=_STATUS_STYLE[verdict])

@@ -299,6 +299,13 @@ class Report:
         return [r for r in self.rows if r.status is status]
 
     @property
+    def sole_reason(self) -> Reason | None:
+        """The reason every failing row shares (a check that failed one way: a dtype, a call, a
+        timeout); None where none failed or they failed for several."""
+        reasons = {r.reason for r in self.failures}
+        return reasons.pop() if len(reasons) == 1 else None
+
+    @property
     def unsupported_reason(self) -> str:
         """The candidate's own words where it declared the check unsupported ("" if it did not)."""
         row = next(iter(self.rows_with(UNSUPPORTED)), None)
