@@ -338,7 +338,8 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
     from rich.text import Text
 
     from attncheck.diagnose import half_precision_hint
-    from attncheck.render import is_live, make_console, print_failures, progress_bar, render, suite_summary, suite_verdict
+    from attncheck.render import is_live, make_console, render
+    from attncheck.render_suite import print_failures, progress_bar, suite_summary, suite_verdict
 
     console = make_console()
     if not cases:
@@ -392,7 +393,7 @@ PROGRESS_EVERY_S = 10.0
 
 def _progress_lines(console, *, every: bool):
     """A progress callback printing plain lines for logs (see PROGRESS_EVERY_S)."""
-    from attncheck.render import progress_line
+    from attncheck.render_suite import progress_line
 
     last: list[float] = []
 

@@ -308,6 +308,13 @@ class Report:
         return reasons.pop() if len(reasons) == 1 else None
 
     @property
+    def not_run(self) -> bool:
+        """Whether the check was not run at all (attncheck.suite.HungChecks): inconclusive, every
+        unjudged row's reason `not run`."""
+        unjudged = self.rows_with(INCONCLUSIVE)
+        return bool(unjudged) and self.verdict is INCONCLUSIVE and all(r.reason is Reason.NOT_RUN for r in unjudged)
+
+    @property
     def unsupported_reason(self) -> str:
         """The candidate's own words where it declared the check unsupported ("" if it did not)."""
         row = next(iter(self.rows_with(UNSUPPORTED)), None)

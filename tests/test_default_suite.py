@@ -25,7 +25,7 @@ from attncheck.commands import NAMES
 from attncheck.config import Config
 from attncheck.diagnose import NAME_RTOL, factor_meaning
 from attncheck.kinds.mha import MHA
-from attncheck.render import suite_summary, suite_verdict
+from attncheck.render_suite import suite_summary, suite_verdict
 from attncheck.report import FAIL, UNSUPPORTED, Reason, Report, Row, SuiteResult, capabilities
 from attncheck.suite import prepare
 from attncheck.testing import detection, wrong_diagnoses, wrong_gradients, wrong_impls, wrong_reach, wrong_updates

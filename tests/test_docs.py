@@ -215,7 +215,7 @@ def test_the_five_minute_adapter_gives_the_verdict_the_readme_prints(tmp_path, c
 
 def test_the_suites_page_states_the_short_output_limits():
     from attncheck.cli import PROGRESS_EVERY_S
-    from attncheck.render import FAILURE_LINES, SCREEN_LINES
+    from attncheck.render_suite import FAILURE_LINES, SCREEN_LINES
 
     page = folded((DOCS / "how-to" / "suites.md").read_text())
     assert f"then one line every {PROGRESS_EVERY_S:g} s" in page

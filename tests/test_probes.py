@@ -203,7 +203,7 @@ def test_a_probe_that_skipped_one_row_of_each_case_and_failed_another_is_failed(
 def render_capabilities(cap) -> str:
     from rich.console import Console
 
-    from attncheck.render import capability_table
+    from attncheck.render_suite import capability_table
 
     console = Console(width=200, record=True, color_system=None)
     console.print(capability_table([cap]))

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 import attncheck.suite
 from attncheck.cli import app
 from attncheck.config import load_suite
-from attncheck.render import FAILURE_LINES, SCREEN_LINES, distinct_failures, failure_key, make_console, print_failures
+from attncheck.render import make_console
+from attncheck.render_suite import FAILURE_LINES, SCREEN_LINES, distinct_failures, failure_key, print_failures
 from attncheck.report import FAIL, INCONCLUSIVE, PASS, Reason, Report, Row
 
 runner = CliRunner()
@@ -148,7 +149,7 @@ def test_a_reason_shared_by_features_is_written_once_under_the_capability_table(
     # wrote the reason in full in each feature's row.
     from rich.console import Console
 
-    from attncheck.render import capability_table
+    from attncheck.render_suite import capability_table
     from attncheck.report import UNSUPPORTED, Capability
 
     none = "k has no backward(grad_out, grad_lse=None)"
@@ -184,7 +185,7 @@ def test_a_run_failing_only_in_half_precision_on_its_values_says_so():
 
 def test_a_check_failing_on_its_dtype_alone_says_so_in_the_summary():
     # A float64 result for float32 inputs: every case read bare "FAIL" in the summary, as if nothing agreed.
-    from attncheck.render import _worst_cell
+    from attncheck.render_suite import _worst_cell
 
     dtype_only = report("basic", "forward", ("forward", "output", "pass"))
     dtype_only.rows.append(Row("forward", "dtype", FAIL, reason=Reason.DTYPE))
@@ -192,3 +193,27 @@ def test_a_check_failing_on_its_dtype_alone_says_so_in_the_summary():
     mixed = report("basic", "forward", ("forward", "output", "fail:ValueError: no"))
     mixed.rows.append(Row("forward", "dtype", FAIL, reason=Reason.DTYPE))
     assert _worst_cell(mixed).plain == "FAIL"  # more than one reason: the verdict alone
+
+
+def test_a_check_not_run_reads_not_run_wherever_its_verdict_is_printed():
+    # Its verdict is inconclusive; the summary's cell said "not run" while the log's progress line,
+    # --verbose's every-check table, the suite's verdict line and the failure's title said inconclusive alone.
+    from attncheck.checks import not_run
+    from attncheck.render_suite import _failure_title, _worst_cell, check_rows, progress_line, suite_verdict
+    from attncheck.report import SuiteResult
+
+    cfg = load_suite(None).cases[0].config
+    skipped = not_run("forward", cfg, None, "not run: it hung")
+    assert skipped.verdict is INCONCLUSIVE and skipped.not_run
+    unjudged = Report("forward", "basic", "x", cfg, rows=[Row("forward", "output", INCONCLUSIVE, note="torch gave NaN")])
+    assert not unjudged.not_run  # inconclusive for another reason
+    assert progress_line(4, 9, skipped).startswith("[4/9] basic forward NOT RUN ") and " INCONCLUSIVE " in progress_line(4, 9, unjudged)
+    assert _worst_cell(skipped).plain == "not run" and _worst_cell(unjudged).plain == "inconclusive"
+    console = make_console(io.StringIO())
+    with console.capture() as capture:
+        console.print(check_rows([skipped, unjudged]))
+    assert [line.split()[-2] for line in capture.get().splitlines()[1:]] == ["RUN", "INCONCLUSIVE"]
+    assert _failure_title([skipped]).plain.startswith("not run  forward in 1 case")
+    verdict = suite_verdict(SuiteResult("s", ("forward",), [skipped, unjudged, report("b", "forward", ("forward", "output", "pass"))])).plain
+    assert "1 of 3 checks pass, 2 inconclusive (1 not run)" in verdict
+    assert "1 inconclusive (not run)" in suite_verdict(SuiteResult("s", ("forward",), [skipped])).plain

@@ -27,7 +27,8 @@ from typer.testing import CliRunner
 from attncheck.api import check
 from attncheck.cli import app
 from attncheck.files import write_atomic
-from attncheck.render import fmt, progress_bar, render
+from attncheck.render import fmt, render
+from attncheck.render_suite import progress_bar
 from attncheck.config import Config
 from attncheck.report import FAIL, PASS, Report, Row, SuiteResult
 from tests.helpers import interruptible
@@ -155,7 +156,7 @@ def test_an_all_pass_suite_is_summarized(tmp_path):
 
 
 def test_a_suite_of_many_cases_is_summarized_by_counts_per_command():
-    from attncheck.render import CASE_LINES_MAX, suite_summary
+    from attncheck.render_suite import CASE_LINES_MAX, suite_summary
 
     reports = [Report(command, f"case-{i}", "x", Config(name=f"case-{i}"), rows=[Row("forward", "output", "pass", ratio=0.5)])
                for i in range(CASE_LINES_MAX + 1) for command in ("forward", "grad")]  # fmt: skip
