@@ -91,12 +91,16 @@ def capability_table(features: list[Capability]) -> Table:
             said = [f"reported, not judged: {', '.join(cap.reported)}"] if cap.reported else []
             said += [f"nothing to compare: {', '.join(cap.skipped)}"] if cap.skipped else []
             supported = Text("; ".join(said), style=STATUS_STYLE[INFO])
-        elif not cap.unsupported:
+        elif not cap.unsupported and not cap.not_run:
             supported = Text("all")
-        else:
+        else:  # a check not run is neither: whether its candidate supports it is not known
             n = len(cap.checks)
-            supported = Text(f"{n - len(cap.unsupported)} of {n} checks; not ")
-            supported.append(_unsupported_checks(cap, shared), style=STATUS_STYLE[UNSUPPORTED])
+            supported = Text(f"{n - len(cap.unsupported) - len(cap.not_run)} of {n} checks")
+            if cap.unsupported:
+                supported.append("; not ")
+                supported.append(_unsupported_checks(cap, shared), style=STATUS_STYLE[UNSUPPORTED])
+            if cap.not_run:
+                supported.append(f"; {len(cap.not_run)} not run", style=STATUS_STYLE[INCONCLUSIVE])
         table.add_row(cap.feature, str(len(cap.cases)), supported, Text(cap.verdict.label, style=STATUS_STYLE[cap.verdict]))
     return table
 

@@ -444,6 +444,7 @@ class Capability:
     reported: tuple[str, ...] = ()  # a probe's: the cases whose row reported a difference (INFO) rather than judged one
     skipped: tuple[str, ...] = ()  # a probe's: the cases where it had nothing to compare (one batch element, say)
     skipped_why: str = ""  # a probe that had nothing to compare in any case: why, where every case said the same
+    not_run: tuple[tuple[str, str], ...] = ()  # (case, command) of the checks not run (Report.not_run): supported or not, unknown
 
 
 def capabilities(reports: list[Report]) -> list[Capability]:
@@ -465,7 +466,8 @@ def capabilities(reports: list[Report]) -> list[Capability]:
         unsupported = tuple((r.name, r.command, r.unsupported_reason) for r in group if r.verdict is UNSUPPORTED)
         verdict = aggregate((r.verdict for r in group), unsupported="ignore")
         checks = tuple((r.name, r.command) for r in group)
-        table.append(Capability(name, tuple(dict.fromkeys(r.name for r in group)), unsupported, verdict, checks))
+        not_run = tuple((r.name, r.command) for r in group if r.not_run)
+        table.append(Capability(name, tuple(dict.fromkeys(r.name for r in group)), unsupported, verdict, checks, not_run=not_run))
     return table + probe_capabilities(reports)
 
 

@@ -217,3 +217,19 @@ def test_a_check_not_run_reads_not_run_wherever_its_verdict_is_printed():
     verdict = suite_verdict(SuiteResult("s", ("forward",), [skipped, unjudged, report("b", "forward", ("forward", "output", "pass"))])).plain
     assert "1 of 3 checks pass, 2 inconclusive (1 not run)" in verdict
     assert "1 inconclusive (not run)" in suite_verdict(SuiteResult("s", ("forward",), [skipped])).plain
+    # The capability table said "supported: all" of a feature whose checks were not run: not known
+    from rich.console import Console
+
+    from attncheck.render_suite import capability_table
+    from attncheck.report import Capability, capabilities
+
+    (cap,) = capabilities([skipped])
+    assert cap.not_run == (("basic", "forward"),) and cap.verdict is INCONCLUSIVE
+    both = Capability("masks", ("a", "b", "c"), (("b", "forward", "no masks"),), PASS, (("a", "forward"), ("b", "forward"), ("c", "forward")),
+                      not_run=(("c", "forward"),))  # fmt: skip
+    console = Console(width=200, record=True, color_system=None)
+    console.print(capability_table([cap, both]))
+    lines = console.export_text().splitlines()
+    assert lines[2].split()[2:] == ["0", "of", "1", "checks;", "1", "not", "run", "inconclusive"], lines
+    assert "1 of 3 checks; not b: no masks; 1 not run" in lines[3], lines
+    assert capabilities([report("x", "forward", ("forward", "output", "pass"))])[0].not_run == ()
