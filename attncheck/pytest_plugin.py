@@ -117,7 +117,17 @@ _HUNG: list = []
 def pytest_sessionstart(session: pytest.Session) -> None:
     from attncheck.suite import HungChecks
 
-    _HUNG.append(HungChecks(run_alone="-k {case}"))
+    _HUNG.append(HungChecks(run_alone=_this_test))
+
+
+def _this_test(job) -> str:
+    """How to run the test now running alone: its own node id (`-k NAME` also selected NAME0 to
+    NAME99, and pytest refuses a -k of a matrix case's name, `dtype=float16,causal=true`)."""
+    import os
+    import shlex
+
+    running = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0]  # "path::test[id] (call)"
+    return f"pytest {shlex.quote(running)}" if running else f"pytest -k {shlex.quote(job.case)}"
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

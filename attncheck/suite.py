@@ -245,9 +245,10 @@ HUNG_BEFORE_STOP = 3
 class HungChecks:
     """What this process saw of each candidate's checks in a run: those that hung (a call gave no
     answer within its limit) and whether one answered, in the run and per command. `run_alone`
-    says how to run a case anyway: `--case NAME` on the command line, `-k NAME` in pytest."""
+    says how to run a case anyway: `--case NAME` on the command line; in pytest, the test's own id
+    (a callable of the job)."""
 
-    def __init__(self, run_alone: str = "--case {case}") -> None:
+    def __init__(self, run_alone: str | Callable[[Job], str] = "--case {case}") -> None:
         self.hung: dict[tuple, list[Job]] = {}  # by (candidate,) and (candidate, command)
         self.answered: set[tuple] = set()
         self.run_alone = run_alone
@@ -270,7 +271,7 @@ class HungChecks:
             return (f"not run: the candidate gave no answer within a call's time limit in each of its first {len(hung)} {checks} "
                     f"({names}) and has answered in none, so its other {checks} were not run: each would most likely have "
                     f"taken the whole limit ({timeout_for(job.config):.3g} s) to fail the same way. To check this case anyway: "
-                    f"{self.run_alone.format(case=job.case)}")  # fmt: skip
+                    f"{self.run_alone(job) if callable(self.run_alone) else self.run_alone.format(case=job.case)}")  # fmt: skip
         return None
 
     def record(self, job: Job, report: Report) -> None:

@@ -129,7 +129,9 @@ def test_a_candidate_that_hung_in_three_tests_in_a_row_is_not_run_in_the_rest(py
     result.assert_outcomes(failed=5, deselected=10)
     out = result.stdout.str()
     assert out.count("no answer in 0.5 s") == 3 and out.count("inconclusive") >= 2
-    assert "in each of its first 3 checks (c0 forward, c1 forward, c2 forward)" in out and "To check this case anyway: -k c4" in out
+    assert "in each of its first 3 checks (c0 forward, c1 forward, c2 forward)" in out and "To check this case anyway: pytest 'attncheck_hangs.yaml::c4[forward]'" in out
+    # the id it names runs that test alone (`-k c1` also ran c10 to c19)
+    runpytest(pytester, "attncheck_hangs.yaml::c4[forward]").assert_outcomes(failed=1)
 
 
 def test_a_check_run_outside_a_test_session_counts_no_hung_checks_of_others(tmp_path, monkeypatch):
