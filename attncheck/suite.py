@@ -60,9 +60,15 @@ def parse_shard(spec: str) -> tuple[int, int]:
 
 def chosen_cases(suite: Suite, names: str) -> list[Case]:
     """The cases `--case` names (comma-separated), in the suite's order; a UsageError naming the
-    suite's cases for a name it does not have."""
-    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    suite's cases for a name it does not have. A matrix case's name has commas of its own
+    (`is_causal=true,batch_first=false`): the longest run of parts that is a case's name is one name."""
     known = [case.name for case in suite.cases]
+    parts, wanted = [part.strip() for part in names.split(",")], []
+    while parts:
+        whole = next((n for n in range(len(parts), 1, -1) if ",".join(parts[:n]) in known), 1)
+        wanted.append(",".join(parts[:whole]))
+        del parts[:whole]
+    wanted = [name for name in wanted if name]
     unknown = [name for name in wanted if name not in known]
     if unknown or not wanted:
         near = [match for match in (nearest(name, known) for name in unknown) if match]

@@ -113,3 +113,20 @@ def test_case_takes_comma_separated_names_and_repeats(tmp_path):
     assert [r["name"] for r in json.loads(out.read_text())["results"]] == ["basic", "one-head", "causal"]  # the suite's order
     result = run("forward", "--case", "basic", "--case", "casual")
     assert result.exit_code == 2 and "no case 'casual' (did you mean causal?)" in result.output
+
+
+def test_case_takes_a_matrix_cases_name_with_its_own_commas():
+    # A matrix case is named `is_causal=false,add_bias_kv=true,batch_first=true`: --case split it
+    # at its commas and refused the parts, though the summary (and a check not run) names it so.
+    from attncheck.config import load_suite
+    from attncheck.errors import UsageError
+    from attncheck.suite import chosen_cases
+
+    suite = load_suite("configs/suite_example.yaml")
+    matrix = "is_causal=false,add_bias_kv=true,batch_first=true"
+    assert [c.name for c in chosen_cases(suite, matrix)] == [matrix]
+    assert [c.name for c in chosen_cases(suite, f"cross,{matrix},key_padding_mask=random,mask_dtype=float")] == [
+        "cross", "key_padding_mask=random,mask_dtype=float", matrix]  # fmt: skip
+    assert [c.name for c in chosen_cases(suite, "is_causal=false, add_bias_kv=true, batch_first=true")] == [matrix]  # as the summary wraps it
+    with pytest.raises(UsageError, match="no case 'is_causal=false', 'add_bias_kv=maybe'"):
+        chosen_cases(suite, "is_causal=false,add_bias_kv=maybe")
