@@ -18,6 +18,7 @@ import gc
 import itertools
 import multiprocessing
 import os
+import shlex
 import signal
 import time
 import warnings
@@ -254,7 +255,7 @@ class HungChecks:
     says how to run a case anyway: `--case NAME` on the command line; in pytest, the test's own id
     (a callable of the job)."""
 
-    def __init__(self, run_alone: str | Callable[[Job], str] = "--case {case}") -> None:
+    def __init__(self, run_alone: Callable[[Job], str] = lambda job: f"--case {shlex.quote(job.case)}") -> None:
         self.hung: dict[tuple, list[Job]] = {}  # by (candidate,) and (candidate, command)
         self.answered: set[tuple] = set()
         self.run_alone = run_alone
@@ -277,7 +278,7 @@ class HungChecks:
             return (f"not run: the candidate gave no answer within a call's time limit in each of its first {len(hung)} {checks} "
                     f"({names}) and has answered in none, so its other {checks} were not run: each would most likely have "
                     f"taken the whole limit ({timeout_for(job.config):.3g} s) to fail the same way. To check this case anyway: "
-                    f"{self.run_alone(job) if callable(self.run_alone) else self.run_alone.format(case=job.case)}")  # fmt: skip
+                    f"{self.run_alone(job)}")  # fmt: skip
         return None
 
     def record(self, job: Job, report: Report) -> None:
