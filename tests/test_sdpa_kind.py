@@ -19,6 +19,7 @@ from attncheck.errors import ConfigError
 from attncheck.inputs import make_workload
 from attncheck.kinds import kind_of
 from attncheck.reference import ScaledDotProductAttention
+from attncheck.report import Reason
 
 SDPA = "torch.nn.functional:scaled_dot_product_attention"
 
@@ -191,6 +192,25 @@ def test_lse_must_be_minus_inf_on_rows_with_no_key():
     report = run_check("forward", cfg, Candidate("finite-lse", FiniteLseOnEmptyRows))
     assert report.verdict == "fail"
     assert any("-inf" in r.note for r in report.failures)
+
+
+class LseTransposed(ScaledDotProductAttention):
+    """The LSE as (B, L, H) instead of (B, H, L)."""
+
+    def forward(self, *args, **kwargs):
+        out, lse = super().forward(*args, **kwargs)
+        return out, np.ascontiguousarray(lse.transpose(0, 2, 1))
+
+
+def test_an_lse_of_the_wrong_shape_fails_grad_as_it_fails_forward():
+    # grad put it in the loss as it came: NumPy's broadcast error, exit 3 ("a bug in attncheck"),
+    # and a whole `run` lost with no report written (a new user's kernel, NumPy's and torch's alike)
+    cfg = _cfg(tgt_len=5, src_len=7, return_lse=True)
+    assert run_check("forward", cfg, Candidate("t", LseTransposed)).sole_reason is Reason.SHAPE
+    report = run_check("grad", cfg, Candidate("t", LseTransposed))
+    (row,) = report.rows
+    assert report.verdict == "fail" and row.reason is Reason.CALL
+    assert row.note == "its lse has shape (2, 5, 4), expected (2, 4, 5); the loss whose gradients are checked includes the lse"
 
 
 def test_an_unknown_keyword_is_unsupported_but_another_type_error_is_a_bug(tmp_path):
