@@ -44,7 +44,6 @@ class Job:
     config: Config
     impl: str | Candidate | None  # the candidate's SPEC, or the candidate itself (the API's impl=); None is the reference
     impl_origin: str | None = None  # `file:line` of the config's `impl` it came from, if it did
-    embedded: bool = False  # a case of attncheck's own default suite, not of the user's config
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
@@ -137,7 +136,7 @@ def plan(
         wanted = [c for c in commands if len(commands) == 1 or c not in kind_of(cfg).unsupported_commands]
         for command in wanted:
             if case.commands is None or command in case.commands:
-                jobs.append(Job(len(jobs), case.name, command, cfg, spec, origin, suite.embedded))
+                jobs.append(Job(len(jobs), case.name, command, cfg, spec, origin))
     return jobs, skipped
 
 
@@ -309,13 +308,13 @@ def run_job(job: Job, options: dict[str, Any], keep_evidence: bool = False, hung
         # terminal. On every thread of this process while the check runs (the oracle's workers too).
         warnings.filterwarnings("ignore", message=FLOATING_POINT_WARNINGS, category=RuntimeWarning)
         candidate = _candidate(job.impl, job.impl_origin)
-        report = run_check(job.command, job.config, candidate, embedded=job.embedded, not_run_because=why,
+        report = run_check(job.command, job.config, candidate, not_run_because=why,
                            **options)  # fmt: skip
     if not keep_evidence:
         for row in report.rows:
             row.evidence = None
     # A check not run, or unsupported before any call, leaves the count as it stands.
-    if hung is not None and why is None and unsupported_before_any_call(job.command, job.config, candidate, embedded=job.embedded) is None:
+    if hung is not None and why is None and unsupported_before_any_call(job.command, job.config, candidate) is None:
         hung.record(job, report)
     return report
 

@@ -49,7 +49,7 @@ def assert_caught_by_comparisons(kernel: type, cases: dict[str, Config], catches
     call that raised, and with mismatched elements to show."""
     candidate = candidate_from_object(kernel)
     for case, command in catches:
-        report = run_check(command, cases[case], candidate, embedded=True)
+        report = run_check(command, cases[case], candidate)
         assert report.verdict == "fail", (case, command, report.verdict)
         assert all(r.quantity != "candidate" for r in report.failures), (case, command, [r.note for r in report.failures])
         assert any(r.mismatched for r in report.failures), (case, command)
@@ -65,7 +65,7 @@ def assert_shown_by_probes(kernel: type, cases: dict[str, Config], entries: list
     every failing probe row says) of its CAUGHT entry."""
     candidate = candidate_from_object(kernel)
     for case, keys, expected, verdict, words in entries:
-        report = run_check("forward", cases[case].model_copy(update=keys), candidate, embedded=True)
+        report = run_check("forward", cases[case].model_copy(update=keys), candidate)
         rows = probe_rows(report)
         assert {label: rows[label].status for label in expected} == expected, (case, keys, [r.note for r in rows.values()])
         assert report.verdict == verdict, (case, keys)

@@ -56,13 +56,13 @@ def test_only_the_probes_show_the_kernels_the_comparisons_cannot():
     cases = _cases()
     for name, case in (("SplitsFromBatchSize", "decode"), ("CacheMadeContiguous", "paged-16"), ("RotaryLayoutIgnored", "rotary-interleaved")):
         cfg = cases[case].model_copy(update={"probes": []})
-        assert run_check("forward", cfg, candidate_from_object(KVCACHE_PROBES[name]), embedded=True).passed, name
+        assert run_check("forward", cfg, candidate_from_object(KVCACHE_PROBES[name])).passed, name
 
 
 def test_the_correct_kernel_passes_every_probe_of_the_default_suite():
     candidate = candidate_from_object(CORRECT_KVCACHE)
     for name, cfg in _cases().items():
-        report = run_check("forward", cfg.model_copy(update={"batch_invariant": True}), candidate, embedded=True)
+        report = run_check("forward", cfg.model_copy(update={"batch_invariant": True}), candidate)
         rows = probe_rows(report)
         assert report.passed, (name, [(r.quantity, r.note) for r in report.failures])
         assert rows["determinism"].status is PASS and rows["batch_invariance"].status is PASS, name
@@ -71,7 +71,7 @@ def test_the_correct_kernel_passes_every_probe_of_the_default_suite():
 
 
 def test_the_cache_views_keep_a_contiguous_last_dimension_and_are_named():
-    report = run_check("forward", _cases()["paged-16"], candidate_from_object(CORRECT_KVCACHE), embedded=True)
+    report = run_check("forward", _cases()["paged-16"], candidate_from_object(CORRECT_KVCACHE))
     rows = probe_rows(report)
     assert "k_cache" not in rows["strides: transposed"].note  # FlashAttention requires k_cache.stride(-1) == 1
     for layout in ("swapped", "offset", "padded"):

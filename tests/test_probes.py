@@ -48,7 +48,7 @@ def test_each_wrong_kernel_is_caught_by_its_probe(name):
     cases, candidate = _cases(), candidate_from_object(WRONG_PROBES[name])
     for case, command, keys, expected, verdict, words in CAUGHT[name]:
         cfg = cases[case].model_copy(update=keys)
-        report = run_check(command, cfg, candidate, embedded=True)
+        report = run_check(command, cfg, candidate)
         rows = probe_rows(report)
         assert {label: rows[label].status for label in expected} == expected, (case, command, keys, [r.note for r in rows.values()])
         assert report.verdict == verdict, (case, command, keys)
@@ -61,7 +61,7 @@ def test_the_flaws_no_comparison_shows_pass_every_comparison():
     cfg = _cases()["plain"].model_copy(update={"probes": []})
     for name in ("NoisyLastBit", "BatchSplitSum", "ContiguityAssumed"):
         for command in ("forward", "grad"):
-            assert run_check(command, cfg, candidate_from_object(WRONG_PROBES[name]), embedded=True).passed, (name, command)
+            assert run_check(command, cfg, candidate_from_object(WRONG_PROBES[name])).passed, (name, command)
 
 
 def test_the_correct_kernel_passes_every_probe_of_the_default_suite():
@@ -70,7 +70,7 @@ def test_the_correct_kernel_passes_every_probe_of_the_default_suite():
         if cfg.causal == "upper_left" and cfg.tgt_len != cfg.S:
             continue  # not its alignment: unsupported before any probe
         for command in ("forward", "grad"):
-            report = run_check(command, cfg, candidate, embedded=True)
+            report = run_check(command, cfg, candidate)
             rows = probe_rows(report)
             assert rows and report.passed, (name, command, [r.note for r in report.failures])
             assert rows["determinism"].status is PASS, (name, command)
@@ -81,7 +81,7 @@ def test_the_correct_kernel_passes_every_probe_of_the_default_suite():
 
 def test_a_case_that_cannot_tell_an_option_says_so():
     """L = 1 under bottom-right causal: the one query sees every key, causal or not."""
-    report = run_check("forward", _cases()["decode-lower-right"], candidate_from_object(CORRECT_KERNEL), embedded=True)
+    report = run_check("forward", _cases()["decode-lower-right"], candidate_from_object(CORRECT_KERNEL))
     row = probe_rows(report)["options: causal"]
     assert row.status is INFO and "cannot tell causal" in row.note
     assert report.passed
@@ -103,7 +103,7 @@ def test_no_probe_runs_unless_the_config_asks():
 def test_the_capability_table_lists_each_probe_with_its_verdict():
     cases = _cases()
     candidate = candidate_from_object(WRONG_PROBES["BatchSplitSum"])
-    reports = [run_check("forward", cases[name], candidate, embedded=True) for name in ("plain", "softcap")]
+    reports = [run_check("forward", cases[name], candidate) for name in ("plain", "softcap")]
     probes = {c.feature: c for c in capabilities(reports) if c.feature.startswith("probe: ")}
     assert set(probes) == {"probe: determinism", "probe: batch_invariance", "probe: strides", "probe: options"}
     assert probes["probe: batch_invariance"].reported == ("plain", "softcap")

@@ -46,7 +46,7 @@ def test_table_covers_every_wrong_kernel():
 def test_caught_by_the_default_decode_suite(name):
     cases, candidate = _cases(), candidate_from_object(WRONG_KVCACHE[name])
     for case, quantity in CATCHES[name]:
-        report = run_check("forward", cases[case], candidate, embedded=True)
+        report = run_check("forward", cases[case], candidate)
         assert report.verdict == "fail", (case, report.verdict)
         assert all(r.quantity != "candidate" for r in report.failures), (case, [r.note for r in report.failures])
         assert any(r.quantity == quantity and r.mismatched for r in report.failures), (case, [(r.quantity, r.note) for r in report.failures])
@@ -55,7 +55,7 @@ def test_caught_by_the_default_decode_suite(name):
 def test_the_correct_kernel_and_the_reference_pass_every_case():
     for candidate in (candidate_from_object(CORRECT_KVCACHE), None):
         for name, cfg in _cases().items():
-            assert run_check("forward", cfg, candidate, embedded=True).verdict == "pass", name
+            assert run_check("forward", cfg, candidate).verdict == "pass", name
 
 
 def test_the_example_passes_the_default_suite_in_its_own_process(tmp_path):

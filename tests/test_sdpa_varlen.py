@@ -180,8 +180,8 @@ def test_the_torch_example_declares_softcap_and_the_lse_unsupported():
 
     cases = _cases()
     candidate = candidate_from_object(flash_attn_varlen_func)
-    assert run_check("forward", cases["softcap"], candidate, embedded=True).verdict == "unsupported"
-    assert run_check("grad", cases["causal"], candidate, embedded=True).verdict == "pass"
+    assert run_check("forward", cases["softcap"], candidate).verdict == "unsupported"
+    assert run_check("grad", cases["causal"], candidate).verdict == "pass"
 
 
 # ------------------------------------------------------------------------------------ the corpus
@@ -198,4 +198,4 @@ def test_the_correct_varlen_kernel_passes_every_case():
     candidate = candidate_from_object(CORRECT_KERNEL)
     for name, cfg in _cases().items():
         for command in ("forward", "grad"):
-            assert run_check(command, cfg, candidate, embedded=True).verdict == "pass", (name, command)
+            assert run_check(command, cfg, candidate).verdict == "pass", (name, command)

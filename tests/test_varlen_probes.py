@@ -54,15 +54,15 @@ def test_each_wrong_varlen_kernel_is_caught_by_its_probe(name):
 def test_the_flaws_no_comparison_shows_pass_every_comparison():
     cfg = _cases()["plain"].model_copy(update={"probes": []})
     for kernel in (WRONG_VARLEN_PROBES["VarlenPackSplitSum"], WRONG_VARLEN_PROBES["VarlenContiguityAssumed"], ReadsPastLastSequence):
-        assert run_check("grad", cfg, candidate_from_object(kernel), embedded=True).passed, kernel.__name__
-        rows = run_check("forward", cfg, candidate_from_object(kernel), embedded=True).failures
+        assert run_check("grad", cfg, candidate_from_object(kernel)).passed, kernel.__name__
+        rows = run_check("forward", cfg, candidate_from_object(kernel)).failures
         assert [str(r.quantity) for r in rows] == (["poisoning"] if kernel is ReadsPastLastSequence else []), kernel.__name__
 
 
 def test_the_correct_kernel_passes_every_probe_of_the_default_varlen_suite():
     candidate = candidate_from_object(VARLEN_CORRECT_KERNEL)
     for name, cfg in _cases().items():
-        report = run_check("forward", cfg, candidate, embedded=True)
+        report = run_check("forward", cfg, candidate)
         rows = probe_rows(report)
         assert report.passed, (name, [r.note for r in report.failures])
         assert {label: rows[label].status for label in PROBES} == dict.fromkeys(PROBES, PASS), name
@@ -76,7 +76,7 @@ def test_every_option_of_a_varlen_case_is_probed_and_the_oracle_tells_each():
 
 
 def test_the_capability_table_lists_poisoning_with_the_other_probes():
-    reports = [run_check("forward", cfg, embedded=True) for name, cfg in _cases().items() if name in ("plain", "causal")]
+    reports = [run_check("forward", cfg) for name, cfg in _cases().items() if name in ("plain", "causal")]
     probes = {c.feature for c in capabilities(reports) if c.feature.startswith("probe: ")}
     assert probes == {"probe: poisoning", "probe: determinism", "probe: batch_invariance", "probe: strides", "probe: options"}
 
@@ -116,7 +116,7 @@ class _Recording(DenseVarlen):
 
 def test_strides_re_lay_q_k_v_and_keep_cu_seqlens_int32_contiguous():
     _Recording.calls = []
-    report = run_check("forward", _varlen(probes=["strides"]), candidate_from_object(_Recording), embedded=True)
+    report = run_check("forward", _varlen(probes=["strides"]), candidate_from_object(_Recording))
     assert report.passed and [str(r.quantity) for r in report.rows if r.section == "probe"][1:] == STRIDES
     laid = _Recording.calls[-2 * len(LAYOUTS) :]
     assert all(not q_contiguous for q_contiguous, _, _ in laid)
@@ -132,14 +132,14 @@ class _ReadsPastMaskingNaN(ReadsPastLastSequence):
 
 
 def test_poisoning_names_the_keys_read_past_the_last_sequence():
-    report = run_check("forward", _varlen(), candidate_from_object(ReadsPastLastSequence), embedded=True)
+    report = run_check("forward", _varlen(), candidate_from_object(ReadsPastLastSequence))
     (row,) = report.failures
     assert row.quantity == "poisoning" and row.mismatched
     assert "NaN where the keys and values past cu_seqlens_k[-1] are NaN: the kernel reads past cu_seqlens" in row.note
 
 
 def test_poisoning_judges_finite_rows_that_move_with_the_buffers_length():
-    report = run_check("forward", _varlen(), candidate_from_object(_ReadsPastMaskingNaN), embedded=True)
+    report = run_check("forward", _varlen(), candidate_from_object(_ReadsPastMaskingNaN))
     (row,) = report.failures
     assert row.quantity == "poisoning" and "differ from the call with exact buffers" in row.note
 

@@ -56,6 +56,6 @@ def test_the_correct_kernel_passes_what_it_supports():
     candidate = candidate_from_object(CORRECT_KERNEL)
     for name, cfg in _cases().items():
         for command in ("forward", "grad"):
-            verdict = run_check(command, cfg, candidate, embedded=True).verdict
+            verdict = run_check(command, cfg, candidate).verdict
             expected = "unsupported" if cfg.causal == "upper_left" and cfg.tgt_len != cfg.S else "pass"
             assert verdict == expected, (name, command, verdict)

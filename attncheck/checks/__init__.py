@@ -30,19 +30,18 @@ from attncheck.kinds import kind_of
 from attncheck.report import INCONCLUSIVE, Reason, Report, Row
 
 
-def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, embedded: bool = False, not_run_because: str | None = None,
-              **options) -> Report:  # fmt: skip
+def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, not_run_because: str | None = None, **options) -> Report:
     """Run one command (see attncheck.commands) by name; options it does not take are dropped.
     Each failing row comes with its diagnosis (attncheck.diagnose).
 
     Unsupported before any work: a command the kind has no use for (sgd-step of a function), a
     command that needs gradients for a candidate known to have no backward (a NumPy class
-    without one), and a case of attncheck's own default suite (`embedded`) that checks what the
-    candidate declares it does not implement (the other causal alignment). Else, with
+    without one), and a case that checks what the candidate declares it does not implement (the
+    other causal alignment: a kernel is told is_causal=True for either, so it cannot be asked for
+    the one it does not declare). Else, with
     `not_run_because`, the check is not run (its candidate hung before: attncheck.suite.HungChecks)."""
     which = command_named(command)
-    kind = kind_of(cfg)
-    reason = unsupported_before_any_call(command, cfg, candidate, embedded=embedded)
+    reason = unsupported_before_any_call(command, cfg, candidate)
     if reason is not None:
         run = CheckRun.begin(command, cfg, candidate)
         return run.ended_at(which.section, Unsupported(reason))
@@ -55,18 +54,15 @@ def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, 
         except TracerLeak as leak:  # its process was replaced, and calls it op by op from now on
             report = which.check(cfg, candidate, **options_for(command, options))
             report.notes.append(str(leak))
-    claim = None if embedded else kind.claim_note(cfg, candidate)
-    if claim:
-        report.notes.insert(0, claim)
     return report
 
 
-def unsupported_before_any_call(command: str, cfg: Config, candidate: Candidate | None, *, embedded: bool = False) -> str | None:
+def unsupported_before_any_call(command: str, cfg: Config, candidate: Candidate | None) -> str | None:
     """Why the check is unsupported before any call into the candidate (see run_check); None: it makes calls.
     A check unsupported after calls (a NotImplementedError raised by one) is not this: its candidate answered."""
     kind = kind_of(cfg)
     reason = kind.unsupported_commands.get(command)
-    if reason is None and embedded:
+    if reason is None:
         reason = kind.unsupported_case(cfg, candidate)
     if reason is None and command_named(command).needs_backward and candidate is not None and candidate.lacks_backward(cfg):
         reason = kind.no_backward(candidate.spec.rpartition(":")[2].rpartition(".")[2])

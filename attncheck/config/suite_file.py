@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +49,6 @@ class Suite:
     name: str
     source: str
     cases: list[Case]
-    # attncheck's own default suite of a kind, run because no config was given: its cases are not
-    # the user's claims (module: sdpa checks causal cases in the alignment a candidate declares).
-    embedded: bool = False
 
 
 def load_suite(path: str | Path | None, module: str | None = None) -> Suite:
@@ -67,9 +64,9 @@ def load_suite(path: str | Path | None, module: str | None = None) -> Suite:
         embedded = kinds()[module].default_suite  # a kind with a default suite of its own
         if embedded is not None:
             filename, source, name = embedded
-            return replace(parse_suite(embedded_text(filename), source, name=name), embedded=True)
+            return parse_suite(embedded_text(filename), source, name=name)
     text, source, name = read_suite_file(path)
-    suite = replace(parse_suite(text, source, name=name), embedded=path is None)
+    suite = parse_suite(text, source, name=name)
     if module is not None and path is not None:
         for case in suite.cases:
             if case.config is not None and case.config.module != module:

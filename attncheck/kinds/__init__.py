@@ -150,7 +150,7 @@ class ModuleKind:
         return []
 
     def unsupported_case(self, cfg: Config, candidate: Any) -> str | None:
-        """Why a case of the default suite does not apply to this candidate (None: it does)."""
+        """Why a case does not apply to this candidate, known before any call (None: it does)."""
         return None
 
     def other_path(self, cfg: Config) -> Config | None:
@@ -164,12 +164,6 @@ class ModuleKind:
         run twice."""
         other = self.other_path(cfg)
         return None if other is None or self.gradient_config(other, w) == self.gradient_config(cfg, w) else other
-
-    def claim_note(self, cfg: Config, candidate: Any) -> str | None:
-        """Where a user's config checks what the candidate declares it does not implement (a case
-        the default suite would skip: unsupported_case): a note for its report, which checks the
-        config as written (None: nothing to say)."""
-        return None
 
     def unsupported_call(self, cfg: Config, raised: str) -> str | None:
         """Why a call that raised `raised` (e.g. "TypeError: ...") is an unsupported option, not a bug (None: it is a bug)."""
