@@ -46,6 +46,15 @@ class Job:
     impl_origin: str | None = None  # `file:line` of the config's `impl` it came from, if it did
 
 
+def commands_for(cfg: Config, commands: tuple[str, ...]) -> list[str]:
+    """The commands a case is checked by: with several (`run`, the pytest plugin's three), one its
+    kind has no use for (sgd-step of a function) is left out; asked for alone, it is run and
+    reported unsupported, with the reason."""
+    from attncheck.kinds import kind_of
+
+    return [c for c in commands if len(commands) == 1 or c not in kind_of(cfg).unsupported_commands]
+
+
 def parse_shard(spec: str) -> tuple[int, int]:
     """'I/N' (1-based I) as (I, N); anything else is a UsageError."""
     index, sep, count = spec.partition("/")
@@ -129,12 +138,7 @@ def plan(
             origin = impl_origin
         else:
             origin = f"{suite.source}:{case.impl_line}" if cfg.impl is not None and case.impl_line else None
-        from attncheck.kinds import kind_of
-
-        # With several commands (`run`: everything the module supports), one the kind has no use
-        # for (sgd-step of a function) is left out; asked for alone, it is reported unsupported.
-        wanted = [c for c in commands if len(commands) == 1 or c not in kind_of(cfg).unsupported_commands]
-        for command in wanted:
+        for command in commands_for(cfg, commands):
             if case.commands is None or command in case.commands:
                 jobs.append(Job(len(jobs), case.name, command, cfg, spec, origin))
     return jobs, skipped

@@ -274,3 +274,15 @@ def test_unsupported_skips_with_the_reason():
 def test_failure_message_lists_only_failing_rows():
     report = Report("forward", "c", "x:Y", attncheck.Config(), rows=[Row("forward", "output", "fail", note="bad"), Row("forward", "attn_weights", PASS)])
     assert report.failure_message().splitlines() == ["attncheck forward on 'c' (x:Y): fail, 1 of 2 rows", "  forward output", "    bad"]
+
+
+def test_a_functions_suite_has_no_sgd_step_items_as_run_has_none(pytester):
+    # A kernel's suite file gave every case an sgd-step item, each skipped ("sgd-step does not
+    # apply"): `attncheck run` leaves the command out for a function. Asked for alone, it is there.
+    write(pytester, "attncheck_kernel.yaml", "defaults: {module: sdpa}\ncases:\n  - name: plain\n  - name: causal\n    causal: lower_right\n")
+    collected = [line for line in runpytest(pytester, "--collect-only", "-q").outlines if "::" in line]
+    assert collected == [f"attncheck_kernel.yaml::{case}[{command}]" for case in ("plain", "causal") for command in ("forward", "grad")]
+    pytester.makeini("[pytest]\nattncheck_commands = sgd-step\n")
+    runpytest(pytester, "-rs").assert_outcomes(skipped=2)
+    ids = [p.id for p in attncheck.cases(str(pytester.path / "attncheck_kernel.yaml"))]
+    assert ids == ["plain[forward]", "plain[grad]", "causal[forward]", "causal[grad]"]
