@@ -95,6 +95,25 @@ def test_every_option_of_a_case_is_probed_and_the_oracle_tells_each():
         f"options: {name}": PASS for name in ("softcap", "window", "ALiBi", "scale", "causal", "attn_mask")}
 
 
+class NanEverywhere(CORRECT_KERNEL):
+    """Reads past the sequence, say: NaN in every output element, with each option and without."""
+
+    def forward(self, *args, **kwargs):
+        return np.full_like(super().forward(*args, **kwargs), np.nan)
+
+
+def test_an_output_that_is_nan_ignores_no_option():
+    # NaN was left out of the difference, so with causal and without read "0 apart": the options
+    # probe failed the kernel for "ignores causal" beside the real finding (a new user's decode
+    # kernel reading past cache_seqlens).
+    cfg = Config(module="sdpa", softcap=5.0, input_scale=3.0, causal="lower_right", tgt_len=5, src_len=9, probes=["options"])
+    report = run_check("forward", cfg, candidate_from_object(NanEverywhere))
+    rows = probe_rows(report)
+    assert {label: r.status for label, r in rows.items()} == {"options: softcap": INFO, "options: causal": INFO}
+    assert all("is NaN or inf where it has a defined value" in r.note for r in rows.values())
+    assert [r.quantity for r in report.failures] == ["output"]
+
+
 def test_no_probe_runs_unless_the_config_asks():
     assert not probe_rows(run_check("forward", Config(module="sdpa")))
     assert set(probe_rows(run_check("forward", Config(module="sdpa", deterministic=True)))) == {"determinism"}

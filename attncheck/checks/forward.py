@@ -96,7 +96,7 @@ def lse_rows(cfg: Config, w, lse, t_lse, rule, o_lse) -> list[Row]:
     rows = []
     if wrong.any():
         first = tuple(int(i) for i in np.argwhere(wrong)[0])
-        rows.append(Row("forward", "lse", FAIL, reason=Reason.VALUES, mismatched=int(wrong.sum()), numel=int(empty.sum()),
+        rows.append(Row("forward", "lse (rows with no key)", FAIL, reason=Reason.VALUES, mismatched=int(wrong.sum()), numel=int(empty.sum()),
                         note=f"{int(wrong.sum())} of {int(empty.sum())} rows with no allowed key have an LSE other than -inf "
                              f"(e.g. {float(lse[first])!r} at {first}): log of an empty sum is -inf"))  # fmt: skip
     keep = lambda a: None if a is None else np.where(empty, 0, a).astype(a.dtype)  # noqa: E731

@@ -275,15 +275,25 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
         except CandidateProblem as err:
             rows.append(_call_failed("options", label, f"the same call with {name} off", err))
             continue
+        if not _finite_where(defined, p.first["output"], out_off):  # left out of the difference, which would read 0 apart
+            rows.append(_row("options", label, INFO, f"the candidate's output with {name} or without is NaN or inf where it has a "
+                             "defined value (the check's own rows judge that): nothing to compare"))  # fmt: skip
+            continue
         moved = _largest_difference(p.first["output"], out_off, defined)
         if moved <= p.budget:
+            other = f"; a causal mask of the other alignment looks the same where L != S" if name == "causal" else ""
             rows.append(_row("options", label, FAIL, f"ignores {name}: its outputs with {name} and without are the same, {moved:.3g} apart, "
-                             f"within the budget ({p.budget:.3g}), where the oracle's differ by {told:.3g}",
+                             f"within the budget ({p.budget:.3g}), where the oracle's differ by {told:.3g}{other}",
                              reason=Reason.VALUES))  # fmt: skip
         else:
             rows.append(_row("options", label, PASS, f"{name} changes the output by {moved:.3g} (the oracle's: {told:.3g}; "
                              f"budget {p.budget:.3g})"))  # fmt: skip
     return rows
+
+
+def _finite_where(defined: np.ndarray | None, *outputs: np.ndarray) -> bool:
+    """Whether every output is finite wherever it has a defined value (`defined`; None: everywhere)."""
+    return all(bool(np.isfinite(np.asarray(a, dtype=np.float64))[True if defined is None else defined].all()) for a in outputs)
 
 
 def _oracle(cfg, w) -> np.ndarray:

@@ -57,7 +57,7 @@ def cache_rows(kind, cfg, w, written: dict[str, np.ndarray], rule) -> list[Row]:
         changed = ~((a64 == h64) | (np.isnan(a64) & np.isnan(h64))) & ~new[..., None, None]  # (N, P, Hkv, X)
         if changed.any():
             at = tuple(int(i) for i in np.argwhere(changed)[0])
-            rows.append(Row("forward", "contract", FAIL, reason=Reason.CONTRACT, mismatched=int(changed.sum()), numel=changed.size,
+            rows.append(Row("forward", f"{name}[not appended]", FAIL, reason=Reason.CONTRACT, mismatched=int(changed.sum()), numel=changed.size,
                             note=f"the call wrote `{name}` outside the appended slots: {int(changed.sum())} elements changed, "
                                  f"e.g. at {at} (only slots cache_seqlens .. cache_seqlens + new_tokens may be written)"))  # fmt: skip
         if cfg.new_tokens:
