@@ -84,6 +84,18 @@ def test_a_value_every_case_refuses_is_the_settings_fault_not_a_cases():
     assert code == 2 and "case '" in output and "every case" not in output, output
 
 
+@pytest.mark.parametrize("setting,message", [
+    ("embed_dim=32", "embed_dim: 32 is a key of the modules, not of module: sdpa"),
+    ("rotary=half", "rotary: 'half' is a key of the decode kernel, not of module: sdpa"),
+])  # fmt: skip
+def test_a_key_of_another_module_is_one_error_for_a_kernel(setting, message):
+    # A second, wrong error followed: "src_len: self_attention: true feeds one tensor as query, key and
+    # value ...", nn.MultiheadAttention's rule, from looking for more problems with `module` unset.
+    code, output = run("forward", "--module", "sdpa", "--set", setting)
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and message in errors[0] and "every case" in errors[0], output
+
+
 @pytest.mark.parametrize("command", ["forward", "grad", "sgd-step", "run"])
 def test_case_runs_the_named_cases_of_the_default_suite(tmp_path, command):
     # A new user copied a default-suite case's keys into a YAML file of their own to look at it alone.

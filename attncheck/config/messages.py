@@ -75,8 +75,10 @@ def _consistency_beyond(data: Mapping[str, Any], findings: list[Finding]) -> lis
     pydantic runs the cross-key rules only once every key is valid. Validate again without the
     keys already found wrong (their defaults stand in) and keep the cross-key problems that
     involve none of them: a problem that does could be an artefact of a stand-in default.
+    `module` stays unless it is itself wrong: named beside a key that is not its module's
+    (`embed_dim` of a kernel), its default stood in and the module's rules were broken in its place.
     """
-    bad = {key for f in findings for key in f.keys}
+    bad = {key for f in findings for i, key in enumerate(f.keys) if i == 0 or key != "module"}
     if not bad or any(not f.keys for f in findings):
         return []
     try:
