@@ -8,8 +8,8 @@ suspect  a bug the arrays alone cannot show, verified by recomputing it (attnche
          the other way round, the value projected from the key, a mask ignored, inverted or
          spread over the heads in the wrong order), and the candidate found equal to that result;
 pattern  a relation between the candidate and the expected value that holds to within FIT_RTOL:
-         a constant factor (named when it is sqrt(D), D, H, B, L, S or E; "one of" them, and
-         said to be ambiguous, when several are equal), a sign flip, a transpose, heads permuted
+         a constant factor (named when it is sqrt(D), D, H, B, L, S, E or a kernel's ln(2); "one of"
+         them, and said to be ambiguous, when several are equal), a sign flip, a transpose, heads permuted
          (which permutation), per-head weights laid out head-major, a shift by one position, an
          average over the batch, dropout (some weights zeroed, the rest scaled up), or attention
          logits scaled by a factor;
@@ -113,11 +113,11 @@ def half_precision_hint(reports: list[Report]) -> str | None:
 
 def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False) -> None:
     """A kind the diagnosis cannot read (its layouts are not a module's): for every failing row
-    whose array's axes `axes` names (by the row's parameter), only where its error lies (the
-    heads, batch entries, rows it is confined to), no pattern. A kernel whose GQA grouping was
-    wrong in 2 of 6 query heads got no line saying so. A failing finite difference gets what
-    its ratio says, which needs no layout (`autodiff` as for _finite_difference): a kernel whose
-    backward forgot the softmax scale got no line, where its ratio was sqrt(D)."""
+    whose array's axes `axes` names (by the row's parameter), where its error lies (the heads,
+    batch entries, rows it is confined to: a kernel's GQA grouping wrong in 2 of 6 query heads) and
+    the relations that need no layout (a sign, a factor: an LSE in base 2 is 1/ln(2) x torch's). A
+    failing finite difference gets what its ratio says (`autodiff` as for _finite_difference): a
+    kernel whose backward forgot the softmax scale, sqrt(D)."""
     for row in report.rows:
         if row.section == "finite-diff" and row.status is FAIL and row.evidence is not None:
             row.diagnosis = _finite_difference(float(row.evidence.candidate), float(row.evidence.reference), cfg, autodiff)
@@ -129,7 +129,7 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
         if c.shape != x.shape or x.ndim != len(named):
             continue
         allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), x.shape)
-        row.diagnosis = "; ".join(_where(c, x, allowed, Layout(named), cfg, None))
+        row.diagnosis = "; ".join([words for _, words in _relation(c, x, allowed, cfg)] + _where(c, x, allowed, Layout(named), cfg, None))
 
 
 def _swapped_with(row: Row, rows: list[Row]) -> str:
@@ -161,8 +161,7 @@ def diagnose(row: Row, cfg: Config, masks: Masks | None = None) -> str:
 
 
 def _diagnosis(row: Row, cfg: Config, masks: Masks | None, suspects: Suspects | None = None, autodiff: bool = False) -> tuple[list[str], list[str]]:
-    """(explanations, where): what the candidate's arrays fit (a suspect or a relation to the
-    expected value; several named as ambiguous), and where the error lies."""
+    """(explanations, where): what the arrays fit (a suspect, a relation; several: ambiguous), and where the error lies."""
     ev = row.evidence
     c, x = np.asarray(ev.candidate, dtype=np.float64), np.asarray(ev.reference, dtype=np.float64)
     if c.shape != x.shape:
@@ -291,8 +290,9 @@ def factor_meaning(k: float, cfg: Config) -> str:
     D, E = cfg.head_dim_eff, cfg.embed_dim
     named = {"sqrt(D)": math.sqrt(D), "D": D, "H": cfg.num_heads, "B": cfg.effective_batch, "L": cfg.tgt_len,
              "S": cfg.S, "sqrt(E)": math.sqrt(E), "E": E}  # fmt: skip
-    if cfg.is_function:  # an attention function has no embedding width: embed_dim is not one of its dimensions
+    if cfg.is_function:  # an attention function has no embedding width; its LSE may come in base 2 (1/ln(2) x)
         del named["sqrt(E)"], named["E"]
+        named["ln(2)"] = math.log(2)
     matches = []
     for name, value in named.items():
         if value == 1:
@@ -319,7 +319,7 @@ def _factor_words(k: float, cfg: Config, what: str = "expected") -> str:
     named = _named(k, cfg)
     if not named:
         return f"candidate = {_short(k)} x {what} (a factor no dimension of the config names)"
-    values = f"D={cfg.head_dim_eff}, H={cfg.num_heads}, B={cfg.effective_batch}, L={cfg.tgt_len}, S={cfg.S}, E={cfg.embed_dim}"
+    values = f"D={cfg.head_dim_eff}, H={cfg.num_heads}, B={cfg.effective_batch}, L={cfg.tgt_len}, S={cfg.S}" + ("" if cfg.is_function else f", E={cfg.embed_dim}")
     return f"candidate = {_short(k)} x {what} ({named}; {values}): a missing or extra scale"
 
 
@@ -330,18 +330,10 @@ def _short(k: float) -> str:
 def _patterns(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, layout: Layout, cfg: Config) -> list[tuple[str, str]]:
     """Every relation between candidate and expected that fits, as (family, words); [] if none does."""
     finite = np.isfinite(c) & np.isfinite(x)
-    if finite.sum() < 2:  # one number (a scalar loss) is some multiple of any other: no relation is evidence
-        return []
-    scale = float(np.abs(x[finite]).max())
+    scale = float(np.abs(x[finite]).max()) if finite.sum() >= 2 else 0.0  # one number (a scalar loss) is a multiple of any other
     if scale == 0.0:
         return []
-    found = []
-    if fits(c, -x, allowed, scale):
-        found.append(("sign", "candidate = -expected: a sign flip"))
-    k = float(np.sum(c[finite] * x[finite]) / np.sum(x[finite] ** 2))
-    # k = -1 is the sign flip's relation, said once
-    if math.isfinite(k) and min(abs(k - 1), abs(k + 1)) > MIN_FACTOR_GAP and k != 0 and fits(c, k * x, allowed, scale):
-        found.append(("factor", _factor_words(k, cfg)))
+    found = _relation(c, x, allowed, cfg)
     found.append(("batch average", _batch_average(c, x, allowed, layout, scale)))
     if x.ndim >= 2 and x.shape[-1] == x.shape[-2] and fits(c, np.swapaxes(x, -1, -2), allowed, scale):
         last = layout.axes[-2:] if len(layout.axes) == x.ndim else ("rows", "columns")
@@ -356,6 +348,19 @@ def _patterns(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, layout: Layout,
         if scaled is not None:
             found.append(("logit scale", _factor_words(scaled, cfg, "expected in the attention logits")))
     return [(family, words) for family, words in found if words]
+
+
+def _relation(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, cfg: Config) -> list[tuple[str, str]]:
+    """The relations that need no layout, a sign flip or a constant factor, as (family, words)."""
+    finite = np.isfinite(c) & np.isfinite(x)
+    scale = float(np.abs(x[finite]).max()) if finite.sum() >= 2 else 0.0  # one number is a multiple of any other
+    if scale == 0.0:
+        return []
+    found = [("sign", "candidate = -expected: a sign flip")] if fits(c, -x, allowed, scale) else []
+    k = float(np.sum(c[finite] * x[finite]) / np.sum(x[finite] ** 2))  # k = -1 is the sign flip's relation, said once
+    if math.isfinite(k) and min(abs(k - 1), abs(k + 1)) > MIN_FACTOR_GAP and k != 0 and fits(c, k * x, allowed, scale):
+        found.append(("factor", _factor_words(k, cfg)))
+    return found
 
 
 def _batch_average(c, x, allowed, layout, scale) -> str:

@@ -181,7 +181,8 @@ def _verdict_cell(r: Row) -> Text:
 def details(report: Report, limit: int | None = None) -> list[Any]:
     """Each failing row in the one failure shape (report.failure_lines), `limit` of them when given
     (then a line saying how many more): those whose diagnosis points somewhere first, since "everywhere"
-    or none says least; each other note, one line."""
+    or none says least; each other note, one line. With `limit` (a distinct failure's example, cut to
+    a screen) a passing row's note is left out: six passing probes' lines had pushed the table out."""
     lines: list[Any] = []
     failing = [r for r in report.rows if r.failed]
     pointed = sorted(failing, key=lambda r: not r.diagnosis or r.diagnosis.startswith("everywhere"))  # stable: run order within
@@ -194,7 +195,7 @@ def details(report: Report, limit: int | None = None) -> list[Any]:
             head, *rest = failure_lines(r)
             lines.append(Padding(Text(head, style=STATUS_STYLE[r.status]), (0, 0, 0, 2), expand=False))
             lines += [Padding(Text(line), (0, 0, 0, 4), expand=False) for line in rest]
-        elif r.note and not (r.status == PASS and r.rule_kind == "finite-diff"):  # that note only restates the table
+        elif r.note and not (r.status == PASS and (r.rule_kind == "finite-diff" or limit is not None)):  # that note only restates the table
             key = (r.section, r.status, r.note)
             if key not in noted:
                 noted[key] = []

@@ -227,6 +227,16 @@ def test_an_lse_of_the_wrong_shape_fails_grad_as_it_fails_forward():
     assert row.note == "its lse has shape (2, 5, 4), expected (2, 4, 5); the loss whose gradients are checked includes the lse"
 
 
+def test_an_lse_in_base_2_is_diagnosed_as_the_factor_1_over_ln_2():
+    # A kernel's rows got only where the error lies ("only in query rows 16-28"), which for an LSE
+    # restates the rows that have a key: no relation (a sign, a factor) was looked for.
+    from attncheck.testing.wrong_kernels import LseLog2
+
+    report = run_check("forward", _cfg(tgt_len=13, src_len=29, return_lse=True), candidate_from_object(LseLog2))
+    (row,) = [r for r in report.failures if r.quantity == "lse"]
+    assert row.diagnosis.startswith("candidate = 1.44 x expected (1.44 = 1/ln(2); D=8, H=4, B=2, L=13, S=29): a missing or extra scale")
+
+
 def test_an_unknown_keyword_is_unsupported_but_another_type_error_is_a_bug(tmp_path):
     path = tmp_path / "kernels.py"
     path.write_text(textwrap.dedent("""
