@@ -98,7 +98,7 @@ class Budget:
     needs_oracle = True
 
     def describe(self) -> str:
-        return f"{self.factor:g}x torch + {self.floor:.0e}"
+        return f"{self.factor:g}x torch + {self.floor:.2g}"  # bfloat16's floor, 0.016, read "2e-02" beside "0.0136 allowed"
 
 
 Rule = Fixed | Budget
