@@ -30,7 +30,8 @@ EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_BUG, EXIT_INCONCLUSIVE, EXIT_INTERRUPTE
 
 app = typer.Typer(
     name="attncheck",
-    help="Prove that a multi-head attention implementation matches torch.nn.MultiheadAttention.",
+    help="Prove that an attention implementation matches torch: nn.MultiheadAttention, nn.TransformerEncoderLayer, or a kernel "
+         "(--module sdpa, sdpa_varlen, sdpa_kvcache).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -163,7 +164,9 @@ NotImplementedError declares a feature unsupported. With --module transformer_en
 (or `module:` in the config): attr(params, num_heads=H, batch_first=..., d_model=E,
 dim_feedforward=F, dropout=0.0, activation=..., layer_norm_eps=..., norm_first=..., bias=...),
 out = obj.forward(src, *, src_mask, src_key_padding_mask, is_causal), keys as
-nn.TransformerEncoderLayer.state_dict() plus "src".
+nn.TransformerEncoderLayer.state_dict() plus "src". A kernel (--module sdpa, sdpa_varlen,
+sdpa_kvcache) is a function with PyTorch's or FlashAttention's signature, exactly:
+docs/how-to/kernels.md.
 
 \b
 Suites: a config with `cases` or a `matrix` runs every case (--shard I/N splits it across

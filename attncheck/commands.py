@@ -47,7 +47,7 @@ class Command:
 COMMANDS: dict[str, Command] = {
     c.name: c
     for c in (
-        Command("forward", _check_forward, "Compare outputs and attention weights with torch.nn.MultiheadAttention.", ("strict",),
+        Command("forward", _check_forward, "Compare outputs (and attention weights, or a kernel's LSE) with torch's.", ("strict",),
                 section="forward"),  # fmt: skip
         Command("grad", _check_grad, "Compare every gradient with torch autograd, and with finite differences in float64.",
                 ("per_head", "strict"), section="grad", needs_backward=True),  # fmt: skip

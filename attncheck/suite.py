@@ -226,7 +226,7 @@ def check_contracts(jobs: list[Job]) -> None:
         if why:
             where = f"{job.impl_origin}: impl {candidate.spec!r}" if job.impl_origin else f"--impl {candidate.spec!r}"
             raise UsageError(f"{where} does not fit the contract of `module: {kind_of(job.config).name}` (no check was run):\n{why}\n"
-                             "The contract: `attncheck forward --help`; attncheck.adapt turns other conventions into it."
+                             f"The contract: {kind_of(job.config).contract_help}; attncheck.adapt turns other conventions into it."
                              + kind_of(job.config).contract_hint(candidate.spec))  # fmt: skip
 
 

@@ -111,6 +111,8 @@ class ModuleKind:
         """What to add to the contract error of the candidate `spec` names ("" for nothing)."""
         return ""
 
+    contract_help = "`attncheck forward --help`"  # where a contract error sends the reader for the contract
+
     def split_result(self, cfg: Config, result: Any) -> tuple[Any, Any]:
         """(output, second) of what forward returned; second None when it returns the output alone."""
         return (result[0], result[1]) if self.returns_pair(cfg) else (result, None)

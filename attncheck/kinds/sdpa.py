@@ -77,6 +77,7 @@ def allowed(cfg, attn_mask: np.ndarray | None) -> np.ndarray:
 
 class FunctionKind(ModuleKind):
     name = "sdpa"
+    contract_help = "docs/how-to/kernels.md (the signature, exactly)"
     torch_name = "F.scaled_dot_product_attention"
     reference_spec = "attncheck.reference:ScaledDotProductAttention"
     first_argument = "query"
