@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from attncheck.errors import UsageError
+from attncheck.errors import UsageError, nearest
 
 if TYPE_CHECKING:
     from attncheck.report import Report
@@ -75,5 +75,7 @@ def parse_commands(spec: str) -> tuple[str, ...]:
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in COMMANDS]
     if unknown or not names:
-        raise UsageError(f"--only {spec!r}: unknown command {', '.join(map(repr, unknown)) or '(none)'}; choose from {', '.join(NAMES)}")
+        meant = [m for m in (nearest(n, NAMES) for n in unknown) if m]
+        hint = f" (did you mean {', '.join(meant)}?)" if meant else ""
+        raise UsageError(f"--only {spec!r}: unknown command {', '.join(map(repr, unknown)) or '(none)'}{hint}; choose from {', '.join(NAMES)}")
     return tuple(c for c in NAMES if c in names)

@@ -130,3 +130,8 @@ def test_case_takes_a_matrix_cases_name_with_its_own_commas():
     assert [c.name for c in chosen_cases(suite, "is_causal=false, add_bias_kv=true, batch_first=true")] == [matrix]  # as the summary wraps it
     with pytest.raises(UsageError, match="no case 'is_causal=false', 'add_bias_kv=maybe'"):
         chosen_cases(suite, "is_causal=false,add_bias_kv=maybe")
+
+
+def test_a_mistyped_command_of_only_is_named_as_meant():
+    result = run("run", "--only", "forwrd,grad")
+    assert result.exit_code == 2 and "unknown command 'forwrd' (did you mean forward?); choose from forward, grad, sgd-step" in result.output

@@ -156,7 +156,7 @@ BAD_SUITES = {
     "matrix_name": ("matrix:\n  name: [a, b]\n", "'name' cannot vary", 2, "matrix.name"),
     "matrix_wrong_type": (
         "matrix:\n  attn_mask: [none, causl]\n",
-        "got 'causl'; allowed: none, causal, random",
+        "got 'causl' (did you mean causal?); allowed: none, causal, random",
         2,
         "matrix.attn_mask[1]",
     ),

@@ -112,8 +112,9 @@ def _explain_one(error: Any, extra_keys: tuple[str, ...]) -> Finding:
     if kind == "extra_forbidden":
         return Finding((key,), unknown_key_message(key, CONFIG_KEYS + extra_keys), True)
     if kind == "literal_error":
-        allowed = ", ".join(plain(value) for value in _allowed_values(key))
-        return Finding((key,), f"got {show(given)}; allowed: {allowed}", True)
+        values = [plain(value) for value in _allowed_values(key)]
+        meant = nearest(given, values) if isinstance(given, str) else None
+        return Finding((key,), f"got {show(given)}{f' (did you mean {meant}?)' if meant else ''}; allowed: {', '.join(values)}", True)
     if kind in _EXPECTED:
         message = f"expected {_EXPECTED[kind]}, got {show(given)}"
         if given is not None:
