@@ -205,6 +205,29 @@ def test_missing_gradients_are_not_provided_unless_strict(tmp_path):
     assert code == 1
     failed = {(r["section"], r["quantity"]) for r in report["rows"] if r["status"] == "fail"}
     assert failed == {(s, q) for s in ("grad", "finite-diff") for q in ("out_proj.bias", "input")}
+    assert {r["note"] for r in report["rows"] if r["quantity"] == "out_proj.bias"} == {"not returned by backward()"}
+
+
+def test_a_gradient_autograd_does_not_reach_says_autograd_not_backward():
+    # A torch module has no backward(): a gradient its parameters' names did not carry said "not
+    # returned by backward()" (a new user's module kept its output projection as `out_w`).
+    import torch
+
+    from attncheck.candidate import candidate_from_object
+    from attncheck.checks.grad import gradients_by, not_returned
+    from attncheck.config import Config
+
+    class Module(torch.nn.Module):
+        def __init__(self, params, **kw):
+            super().__init__()
+
+        def forward(self, query, key, value, **kw):
+            return query, None
+
+    assert gradients_by(Config(), candidate_from_object(Module)) == "autograd"
+    assert gradients_by(Config(), None) == "backward()"
+    assert not_returned("grad", "out_proj.bias", False, "autograd").note == "no gradient through autograd"
+    assert not_returned("grad", "out_proj.bias", False).note == "not returned by backward()"
 
 
 # SPECs that cannot be turned into a candidate: (file contents or None, spec, message).

@@ -63,9 +63,19 @@ def none_returned(section: str, names, what: str) -> Row:
     return Row(section, "gradients", INCONCLUSIVE, reason=Reason.MISSING, note=f"none of {', '.join(names)} was returned: {what}")
 
 
-def not_returned(section: str, quantity: Quantity | str, strict: bool) -> Row:
-    """A gradient the candidate did not return: not provided, or a failure under `strict`."""
-    return Row(section, quantity, FAIL if strict else NOT_PROVIDED, missing=True, reason=Reason.MISSING, note="not returned by backward()")
+def not_returned(section: str, quantity: Quantity | str, strict: bool, by: str = "backward()") -> Row:
+    """A gradient the candidate did not return: not provided, or a failure under `strict`. `by`:
+    gradients_by's, what computed the others."""
+    note = "no gradient through autograd" if by == "autograd" else f"not returned by {by}"
+    return Row(section, quantity, FAIL if strict else NOT_PROVIDED, missing=True, reason=Reason.MISSING, note=note)
+
+
+def gradients_by(cfg: Config, candidate: Candidate | None) -> str:
+    """What computes a candidate's gradients: its backward(), or autograd (a torch or JAX class without one)."""
+    from attncheck.frameworks import framework_of
+
+    autograd = candidate is not None and candidate.class_without_backward and framework_of(cfg, candidate) in ("torch", "jax")
+    return "autograd" if autograd else "backward()"
 
 
 def all_gradients(cfg: Config, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
@@ -149,7 +159,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
         for quantity, index in grad_quantities(cfg, name, per_head):
             actual = cand.get(name)
             if actual is None:
-                report.rows.append(not_returned("grad", quantity, strict))
+                report.rows.append(not_returned("grad", quantity, strict, gradients_by(cfg, candidate)))
                 continue
             o = None if o_grads is None else o_grads[name][index]
             report.rows.append(compare("grad", quantity, actual[index], expected[index], grad_rule, oracle=o, scale=grad_scale,
