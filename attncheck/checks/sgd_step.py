@@ -157,7 +157,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
                 continue
             if name not in mine.updated:
                 # Failed because it never moved: say so, or the row reads as a wrong update.
-                row.note = (row.note + "; " if row.note else "") + f"`{name}` was never updated: {gradients_by(cfg, candidate)} gave no gradient for it"
+                row.note = (row.note + "; " if row.note else "") + f"`{name}` was never updated: " + ("autograd gave" if gradients_by(cfg, candidate) == "autograd" else "backward() returned") + " no gradient for it"
             if first_bad is None and last < n:
                 row.note = (row.note + "; " if row.note else "") + f"judged at steps 1-{last} of {n}"
             report.rows.append(decide(row, first_failing_step=first_bad))
