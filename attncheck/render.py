@@ -159,7 +159,8 @@ def _accuracy(r: Row) -> str:
 
 
 # What a failing row's numbers alone do not show, in a word, by its reason.
-REASON_WORDS = {Reason.NAN: "NaN", Reason.SHAPE: "shape", Reason.DTYPE: "dtype", Reason.MISSING: "not returned", Reason.CALL: "call", Reason.TIMEOUT: "timeout"}
+REASON_WORDS = {Reason.NAN: "NaN", Reason.SHAPE: "shape", Reason.DTYPE: "dtype", Reason.MISSING: "not returned", Reason.CALL: "call",
+                Reason.TIMEOUT: "timeout", Reason.CONTRACT: "contract", Reason.VALUES: "values"}
 
 
 def contradiction(r: Row) -> str:
@@ -167,7 +168,7 @@ def contradiction(r: Row) -> str:
     torch has numbers, a value not returned, a wrong shape or dtype); "" when they do."""
     if r.status is not FAIL or (r.ratio is not None and r.ratio > 1 and math.isfinite(r.ratio)):
         return ""
-    return REASON_WORDS.get(r.reason, "see below")
+    return REASON_WORDS.get(r.reason, "see its lines")  # below the table, or above it in a distinct failure's example
 
 
 def _verdict_cell(r: Row) -> Text:

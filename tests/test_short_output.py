@@ -193,6 +193,13 @@ def test_a_check_failing_on_its_dtype_alone_says_so_in_the_summary():
     mixed = report("basic", "forward", ("forward", "output", "fail:ValueError: no"))
     mixed.rows.append(Row("forward", "dtype", FAIL, reason=Reason.DTYPE))
     assert _worst_cell(mixed).plain == "FAIL"  # more than one reason: the verdict alone
+    # an input written in place read "FAIL: see below" in its table, with its lines printed above it
+    contract = report("basic", "forward", ("forward", "output", "pass"))
+    contract.rows.append(Row("forward", "contract", FAIL, reason=Reason.CONTRACT, note="forward() modified its `query` argument in place"))
+    assert _worst_cell(contract).plain == "FAIL: contract"
+    from attncheck.render import contradiction
+
+    assert contradiction(contract.rows[-1]) == "contract" and contradiction(Row("forward", "x", FAIL)) == "see its lines"
 
 
 def test_a_check_not_run_reads_not_run_wherever_its_verdict_is_printed():
