@@ -329,7 +329,8 @@ def measure(
     if (~finite_e & ~explained).any():
         notes.append(f"torch itself gives NaN or inf at {int((~finite_e & ~explained).sum())} of {row.numel} elements that no mask explains: nothing can be judged there")
     if undefined is not None and undefined.any():
-        chose = "NaN there, which is accepted" if accepted.any() else "numbers there, compared with torch's"
+        zeros = not accepted.any() and not np.where(undefined, np.nan_to_num(a, nan=1.0), 0.0).any()  # torch's SDPA path's own choice
+        chose = "NaN there, which is accepted" if accepted.any() else "zeros there, as torch's SDPA path does" if zeros else "numbers there, compared with torch's"
         notes.append(f"{int(undefined.sum())} elements have no defined value (no allowed key): the candidate gives {chose}")
     if other_wider:
         notes.append("another of torch's paths for this call is further from the float64 oracle here: the candidate is allowed "

@@ -193,6 +193,26 @@ def test_rows_with_no_key_follow_the_configured_convention(convention, verdicts)
     assert (zero.verdict, nan.verdict) == verdicts
 
 
+def test_a_kernels_rows_with_no_key_are_told_in_a_kernels_words():
+    # Its notes spoke of nn.MultiheadAttention: "need_weights: false, its SDPA path" in the remedy,
+    # and "numbers there, compared with torch's" for the zeros torch's SDPA path gives itself.
+    class Rows(ScaledDotProductAttention):
+        causal_alignment = "lower_right"
+
+        def __init__(self):
+            super().__init__(causal_alignment="lower_right", fully_masked_rows=self.rows)
+
+    cfg = _cfg(causal="lower_right", tgt_len=7, src_len=3)
+    zero = run_check("forward", cfg, candidate_from_object(type("ZeroRows", (Rows,), {"rows": "zero"})))
+    assert "the candidate gives zeros there, as torch's SDPA path does" in zero.rows[0].note
+    def spreads(self, grad_out, grad_lse=None):  # the empty rows' NaN carried into the gradients, as a plain backward does
+        return {name: g + np.nan for name, g in Rows.backward(self, grad_out, grad_lse).items()}
+
+    nan = run_check("grad", cfg, candidate_from_object(type("NanRows", (Rows,), {"rows": "nan", "backward": spreads})))
+    assert nan.verdict == "inconclusive" and any(n.startswith("The kernel gives NaN in query rows with no allowed key") for n in nan.notes)
+    assert not any("need_weights" in n for n in nan.notes)
+
+
 class FiniteLseOnEmptyRows(LowerRight):
     """LSE 0 instead of -inf where no key is allowed (lower right, L > S: the first rows)."""
 

@@ -55,6 +55,10 @@ NAN_SPREAD_REMEDY = ("The candidate gives NaN in query rows with no allowed key,
                      "To have them judged, give such rows zero weight in the backward (attncheck's reference does) and in the "
                      "output where torch does (need_weights: false, its SDPA path), or declare them unsupported by raising "
                      "NotImplementedError (attncheck.adapt.refuse_fully_masked_rows does, for a module).")
+NAN_SPREAD_REMEDY_KERNEL = ("The kernel gives NaN in query rows with no allowed key, and its backward spreads that NaN into the "
+                            "gradients, which cannot be judged where it reaches. To have them judged, give such rows zeros in the "
+                            "output and let them add nothing to the gradients (torch's SDPA path and FlashAttention do; "
+                            "`fully_masked_rows: zero` requires it).")
 
 
 def none_returned(section: str, names, what: str) -> Row:
@@ -196,5 +200,5 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
                                               spread, notes=report.notes, logit_magnitude=logits, grad_scale=grad_scale,
                                               forward_agrees=all(r.status == PASS for r in (output_row, loss_row))))  # fmt: skip
     if spread and report.rows_with(INCONCLUSIVE):
-        report.notes.append(NAN_SPREAD_REMEDY)
+        report.notes.append(NAN_SPREAD_REMEDY if not cfg.is_function else NAN_SPREAD_REMEDY_KERNEL)
     return run.finish()
