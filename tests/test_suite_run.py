@@ -154,6 +154,7 @@ def test_junit_parses_and_counts_match(suites, tmp_path):
     }  # fmt: skip
     message = failed[0].find("failure").get("message")
     assert "grad in_proj_weight[q]" in message and "Greatest absolute difference" in message and "allowed" in message
+    assert len(message) <= 500 and "(and grad " in message  # the first row's line, the others named (junit.MESSAGE_CHARS)
     assert "is_causal" in skipped[0].find("skipped").get("message")
     assert all(float(c.get("time")) >= 0 for c in cases)
 
