@@ -164,18 +164,25 @@ def _skip(reason: str) -> BaseException:
         return pytest.skip.Exception(reason)
 
 
-def cases(suite: str | PathLike | None = None, impl: Any = None, commands: str | tuple[str, ...] | None = None) -> list:
+def cases(suite: str | PathLike | None = None, impl: Any = None, commands: str | tuple[str, ...] | None = None,
+          module: str | None = None) -> list:  # fmt: skip
     """The checks of a suite file as pytest params, with ids `case[command]`, to parametrize a test.
 
-    suite: a suite or config file (None: the embedded default suite); impl: a SPEC, a class or factory,
-    or None for each case's `impl`; commands: "forward,grad" or a tuple (default: all three).
-    Cases the suite skips come with a skip mark. Use `check.assert_passed()` in the test.
+    suite: a suite or config file (None: the embedded default suite of `module`, by default
+    nn.MultiheadAttention's: module="sdpa" gives the kernel suite, as `--module sdpa` does);
+    impl: a SPEC, a class or factory, or None for each case's `impl`; commands: "forward,grad" or
+    a tuple (default: all three). Cases the suite skips come with a skip mark. Use
+    `check.assert_passed()` in the test.
     """
     from attncheck.config import load_suite
+    from attncheck.errors import UsageError
+    from attncheck.kinds import kinds
 
+    if module is not None and module not in kinds():
+        raise UsageError(f"module {module!r}: expected one of {', '.join(kinds())}")
     names = parse_commands(commands if isinstance(commands, str) else ",".join(commands or NAMES))
     params = []
-    loaded = load_suite(suite)
+    loaded = load_suite(suite, module=module)
     for case in loaded.cases:
         for command in _commands_for(case, names):
             check = Check.of(loaded, case, command, impl)

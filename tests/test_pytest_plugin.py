@@ -286,3 +286,20 @@ def test_a_functions_suite_has_no_sgd_step_items_as_run_has_none(pytester):
     runpytest(pytester, "-rs").assert_outcomes(skipped=2)
     ids = [p.id for p in attncheck.cases(str(pytester.path / "attncheck_kernel.yaml"))]
     assert ids == ["plain[forward]", "plain[grad]", "causal[forward]", "causal[grad]"]
+
+
+def test_cases_gives_a_kinds_default_suite(pytester):
+    # attncheck.cases(None) gave nn.MultiheadAttention's suite alone: a kernel's tests could not run
+    # the kernel suite, whose other-alignment cases are unsupported for it (a skip).
+    pytester.makepyfile(test_kernel="""
+        import pytest, attncheck
+
+        @pytest.mark.parametrize("check", attncheck.cases(module="sdpa", commands="forward",
+                                                          impl="torch.nn.functional:scaled_dot_product_attention"))
+        def test_sdpa(check):
+            check.assert_passed()
+    """)
+    result = runpytest(pytester, "-k", "causal-upper-left[ or causal-lower-right[")
+    result.assert_outcomes(passed=1, skipped=1)
+    with pytest.raises(attncheck.errors.UsageError, match="module 'sdp': expected one of"):
+        attncheck.cases(module="sdp")
