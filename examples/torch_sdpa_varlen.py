@@ -57,7 +57,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if bias is not None:
             empty = torch.isneginf(bias).all(dim=-1, keepdim=True)  # rows with no allowed key: SDPA would give NaN
             bias = bias.masked_fill(empty, 0).to(q.dtype)[None]
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias, scale=softmax_scale, enable_gqa=Hq != k.shape[1])
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias, dropout_p=dropout_p, scale=softmax_scale, enable_gqa=Hq != k.shape[1])
         if bias is not None:
             out = out.masked_fill(empty[None], 0)
         outs.append(out[0].transpose(0, 1))  # (Lq, Hq, Ev)

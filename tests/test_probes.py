@@ -92,7 +92,8 @@ def test_every_option_of_a_case_is_probed_and_the_oracle_tells_each():
                  attn_mask="random", probes=["options"])  # fmt: skip
     rows = probe_rows(run_check("forward", cfg))
     assert {label: r.status for label, r in rows.items()} == {
-        f"options: {name}": PASS for name in ("softcap", "window", "ALiBi", "scale", "causal", "attn_mask")}
+        **{f"options: {name}": PASS for name in ("softcap", "window", "ALiBi", "scale", "causal", "attn_mask")},
+        "options: dropout_p": INFO}  # the reference refuses dropout (ValueError): not ignored
 
 
 class NanEverywhere(CORRECT_KERNEL):
@@ -109,9 +110,28 @@ def test_an_output_that_is_nan_ignores_no_option():
     cfg = Config(module="sdpa", softcap=5.0, input_scale=3.0, causal="lower_right", tgt_len=5, src_len=9, probes=["options"])
     report = run_check("forward", cfg, candidate_from_object(NanEverywhere))
     rows = probe_rows(report)
-    assert {label: r.status for label, r in rows.items()} == {"options: softcap": INFO, "options: causal": INFO}
-    assert all("is NaN or inf where it has a defined value" in r.note for r in rows.values())
+    assert {label: r.status for label, r in rows.items()} == {"options: softcap": INFO, "options: causal": INFO, "options: dropout_p": INFO}
+    assert all("is NaN or inf where it has a defined value" in rows[f"options: {name}"].note for name in ("softcap", "causal"))
     assert [r.quantity for r in report.failures] == ["output"]
+
+
+class DropoutIgnored(CORRECT_KERNEL):
+    """Takes dropout_p and applies no dropout: right in every check (all run with dropout_p = 0)."""
+
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, **kwargs):
+        return super().forward(query, key, value, attn_mask=attn_mask, dropout_p=0.0, **kwargs)
+
+
+def test_a_kernel_that_ignores_dropout_p_fails_and_one_that_applies_or_refuses_it_does_not():
+    # A new user's kernel took dropout_p and ignored it: no check could tell, since both sides
+    # run with dropout_p = 0. The options probe calls once more with dropout_p = 0.5.
+    cfg = Config(module="sdpa", probes=["options"])
+    ignored = probe_rows(run_check("forward", cfg, candidate_from_object(DropoutIgnored)))["options: dropout_p"]
+    assert ignored.status is FAIL and ignored.note.startswith("ignores dropout_p: the same call with dropout_p=0.5 gives the output without it")
+    refused = probe_rows(run_check("forward", cfg, candidate_from_object(CORRECT_KERNEL)))["options: dropout_p"]
+    assert refused.status is INFO and "raised (dropout_p > 0: this kernel has no dropout): refused, not ignored" in refused.note
+    applied = attncheck.check(cfg, "forward", impl="torch.nn.functional:scaled_dot_product_attention")
+    assert probe_rows(applied)["options: dropout_p"].status is PASS and applied.passed
 
 
 def test_no_probe_runs_unless_the_config_asks():

@@ -37,7 +37,7 @@ import numpy as np
 from attncheck.candidate import LAYOUTS, PAD, Session, laid_out, reference_for
 from attncheck.checks.run import CheckRun, oracle_config, session_for
 from attncheck.compare import Fixed, Rule, measure
-from attncheck.errors import CandidateProblem, Unsupported
+from attncheck.errors import CandidateProblem, CandidateTimeout, Unsupported
 from attncheck.frameworks import framework_of
 from attncheck.inputs import make_workload
 from attncheck.kinds import kind_of
@@ -288,7 +288,33 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
         else:
             rows.append(_row("options", label, PASS, f"{name} changes the output by {moved:.3g} (the oracle's: {told:.3g}; "
                              f"budget {p.budget:.3g})"))  # fmt: skip
+    if kind.takes_dropout:
+        rows.append(_dropout(p, w))
     return rows
+
+
+# The dropout_p of the options probe's one call with dropout: every check runs with 0 (both sides
+# cannot share a random mask), so a kernel that took dropout_p and ignored it was never caught.
+PROBE_DROPOUT = 0.5
+
+
+def _dropout(p: Probing, w) -> Row:
+    """The call again with dropout_p = PROBE_DROPOUT: raising (a refusal) or another output passes
+    muster; the same output, within the budget, is dropout_p ignored."""
+    label, what = "options: dropout_p", f"the same call with dropout_p={PROBE_DROPOUT}"
+    try:
+        out_on, _ = session_for(p.cfg.model_copy(update={"dropout": PROBE_DROPOUT}), p.run.candidate).build_and_forward(w)
+    except CandidateTimeout as err:
+        return _call_failed("options", label, what, err)
+    except CandidateProblem as err:
+        return _row("options", label, INFO, f"{what} raised ({err.raised or err}): refused, not ignored")
+    if not _finite_where(None if w.undefined is None else ~w.undefined, out_on):
+        return _row("options", label, INFO, f"{what}: NaN or inf where the output has a defined value: nothing to compare")
+    moved = _largest_difference(p.first["output"], out_on, None if w.undefined is None else ~w.undefined)
+    if moved <= p.budget:
+        return _row("options", label, FAIL, f"ignores dropout_p: {what} gives the output without it, {moved:.3g} apart, within the "
+                    f"budget ({p.budget:.3g}); raise NotImplementedError for a dropout it does not apply", reason=Reason.VALUES)  # fmt: skip
+    return _row("options", label, PASS, f"dropout_p={PROBE_DROPOUT} changes the output by {moved:.3g}: dropout is applied")
 
 
 def _finite_where(defined: np.ndarray | None, *outputs: np.ndarray) -> bool:

@@ -112,6 +112,7 @@ class ModuleKind:
         return ""
 
     contract_help = "`attncheck forward --help`"  # where a contract error sends the reader for the contract
+    takes_dropout = False  # a call-time dropout_p the options probe may set (the functions'; a module's dropout is built in)
 
     def split_result(self, cfg: Config, result: Any) -> tuple[Any, Any]:
         """(output, second) of what forward returned; second None when it returns the output alone."""

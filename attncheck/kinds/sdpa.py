@@ -77,6 +77,7 @@ def allowed(cfg, attn_mask: np.ndarray | None) -> np.ndarray:
 
 class FunctionKind(ModuleKind):
     name = "sdpa"
+    takes_dropout = True  # a dropout_p argument: 0 in every check, the options probe's one call aside
     contract_help = "docs/how-to/kernels.md (the signature, exactly)"
     torch_name = "F.scaled_dot_product_attention"
     reference_spec = "attncheck.reference:ScaledDotProductAttention"
@@ -166,7 +167,7 @@ class FunctionKind(ModuleKind):
             extras["alibi_slopes"] = arrays.get("alibi_slopes")
         if cfg.return_lse:
             extras["return_lse"] = True
-        return (query, key, value), dict(attn_mask=attn_mask, dropout_p=0.0, is_causal=cfg.causal != "none", scale=cfg.scale,
+        return (query, key, value), dict(attn_mask=attn_mask, dropout_p=cfg.dropout, is_causal=cfg.causal != "none", scale=cfg.scale,
                                          enable_gqa=cfg.num_heads != cfg.num_kv_heads_eff, **extras)  # fmt: skip
 
     def returns_pair(self, cfg) -> bool:

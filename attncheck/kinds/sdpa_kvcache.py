@@ -74,6 +74,7 @@ def empty_rows(cfg, lengths: np.ndarray) -> np.ndarray:
 
 class KvCacheKind(FunctionKind):
     name = "sdpa_kvcache"
+    takes_dropout = False  # flash_attn_with_kvcache has no dropout_p
     where_axes: dict[str, tuple[str, ...]] = {}  # other layouts than SDPA's (B, H, L, E): not read
     torch_name = "flash_attn_with_kvcache"
     reference_spec = "attncheck.reference.kvcache:flash_attn_with_kvcache"

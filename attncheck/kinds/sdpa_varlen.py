@@ -129,7 +129,7 @@ class VarlenKind(FunctionKind):
             extras["alibi_slopes"] = arrays.get("alibi_slopes")
         if cfg.return_lse:
             extras["return_attn_probs"] = True
-        return (query, key, value, cu_q, cu_k, max_q, max_k), dict(dropout_p=0.0, softmax_scale=cfg.scale, causal=cfg.causal != "none", **extras)
+        return (query, key, value, cu_q, cu_k, max_q, max_k), dict(dropout_p=cfg.dropout, softmax_scale=cfg.scale, causal=cfg.causal != "none", **extras)
 
     def call_forward(self, cfg, obj, query, key, value, attn_mask, key_padding_mask, **arrays) -> Any:
         """As the base, keeping the first two items of FlashAttention's (out, softmax_lse, S_dmask)."""

@@ -29,6 +29,8 @@ class DenseVarlen:
 
     def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
                 causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_attn_probs=False):  # fmt: skip
+        if dropout_p:
+            raise NotImplementedError("dropout_p > 0: this kernel has no dropout")
         Tq, Hq, _ = q.shape
         Tk, Hkv, Ev = v.shape
         cu_q, cu_k = np.asarray(cu_seqlens_q).tolist(), np.asarray(cu_seqlens_k).tolist()
