@@ -22,10 +22,21 @@ MESSAGE_CHARS = 500
 def failure_message(report: Report) -> str:
     first, *rest = report.failures
     count = "1 quantity fails" if not rest else f"{len(rest) + 1} quantities fail"  # a value, a call, a timeout, the contract
-    others = f" (and {', '.join(f'{r.section} {r.quantity}' for r in rest)})" if rest else ""
+    others = _others([f"{r.section} {r.quantity}" for r in rest], MESSAGE_CHARS // 2)
     line = f"{count}: {failure_line(first)}"
     room = MESSAGE_CHARS - len(others)
-    return (line if len(line) <= room else line[: max(room, 60) - 3] + "...") + others
+    return (line if len(line) <= room else line[: room - 3] + "...") + others
+
+
+def _others(names: list[str], room: int) -> str:
+    """` (and a, b and 7 more)`: the other failing quantities, as many named as fit in `room`
+    characters (a grad's rows per head are dozens), the rest counted."""
+    for shown in range(len(names), -1, -1):
+        more = len(names) - shown
+        listed = ", ".join(names[:shown]) + (f" and {more} more" if more and shown else f"{more} more" if more else "")
+        if len(words := f" (and {listed})" if names else "") <= room:
+            return words
+    return ""
 
 
 def to_junit(result: SuiteResult) -> str:

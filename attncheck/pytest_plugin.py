@@ -13,8 +13,8 @@ short test summary gives only its first line);
 a case the candidate declares unsupported (NotImplementedError) or the suite skips is a pytest
 skip; an inconclusive check fails, since it proved nothing. `-k`, `-x`, `--junitxml` and
 pytest-xdist's `-n` work as for any test. `attncheck_commands` (default: forward grad sgd-step)
-chooses the commands; as in `attncheck run`, a function (module: sdpa and the kernels) has no
-sgd-step item unless sgd-step is the only command.
+chooses the commands; as in `attncheck run`, a case's own `commands:` leave the others out, and a
+function (module: sdpa and the kernels) has no sgd-step item unless sgd-step is the only command.
 
 In a test of one's own, `attncheck.cases(suite, impl=...)` gives the same checks as pytest params:
 
@@ -177,6 +177,7 @@ def cases(suite: str | PathLike | None = None, impl: Any = None, commands: str |
     from attncheck.config import load_suite
     from attncheck.errors import UsageError
     from attncheck.kinds import kinds
+    from attncheck.suite import commands_for
 
     if module is not None and module not in kinds():
         raise UsageError(f"module {module!r}: expected one of {', '.join(kinds())}")
@@ -184,18 +185,11 @@ def cases(suite: str | PathLike | None = None, impl: Any = None, commands: str |
     params = []
     loaded = load_suite(suite, module=module)
     for case in loaded.cases:
-        for command in _commands_for(case, names):
+        for command in commands_for(case, names):
             check = Check.of(loaded, case, command, impl)
             marks = [pytest.mark.skip(reason=case.skip_reason)] if case.config is None else []
             params.append(pytest.param(check, id=check.id, marks=marks))
     return params
-
-
-def _commands_for(case: Case, commands: tuple[str, ...]) -> list[str]:
-    """The case's checks, as `attncheck run` has them: sgd-step of a function is left out (it was a skip per case)."""
-    from attncheck.suite import commands_for
-
-    return list(commands) if case.config is None else commands_for(case.config, commands)
 
 
 # ------------------------------------------------------------------------------ collection
@@ -219,6 +213,7 @@ class SuiteFile(pytest.File):
     def collect(self):
         from attncheck.config import load_suite
         from attncheck.errors import UsageError
+        from attncheck.suite import commands_for
 
         try:
             commands = parse_commands(",".join(self.config.getini("attncheck_commands")))
@@ -226,7 +221,7 @@ class SuiteFile(pytest.File):
         except UsageError as exc:  # one clear message per problem, no traceback
             raise self.CollectError(str(exc)) from None
         for case in suite.cases:
-            for command in _commands_for(case, commands):
+            for command in commands_for(case, commands):
                 check = Check.of(suite, case, command)
                 yield CheckItem.from_parent(self, name=check.id, check=check)
 

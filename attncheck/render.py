@@ -172,7 +172,7 @@ def contradiction(r: Row) -> str:
 
 
 def _verdict_cell(r: Row) -> Text:
-    text = Text(r.status.label, style=STATUS_STYLE[r.status])
+    text = Text("not run" if r.reason is Reason.NOT_RUN else r.status.label, style=STATUS_STYLE[r.status])
     why = contradiction(r)
     if why:
         text.append(f": {why}", style=STATUS_STYLE[r.status])
@@ -227,8 +227,10 @@ def verdict(report: Report) -> Text:
     compared = [r for r in report.rows if r.status in (PASS, FAIL)]
     failed = report.failures
     v = report.verdict
-    text = Text(v.value.upper(), style=STATUS_STYLE[v])
-    if failed:
+    text = Text("NOT RUN" if report.not_run else v.value.upper(), style=STATUS_STYLE[v])
+    if report.not_run:
+        text.append("  its candidate gave no answer in the checks before it (see the row's note)")
+    elif failed:
         names = ", ".join(f"{r.section} {r.quantity}" for r in failed[:8])
         more = f" and {len(failed) - 8} more" if len(failed) > 8 else ""
         text.append(f"  {len(failed)} of {len(compared)} compared quantities differ: {names}{more}")

@@ -46,13 +46,15 @@ class Job:
     impl_origin: str | None = None  # `file:line` of the config's `impl` it came from, if it did
 
 
-def commands_for(cfg: Config, commands: tuple[str, ...]) -> list[str]:
-    """The commands a case is checked by: with several (`run`, the pytest plugin's three), one its
-    kind has no use for (sgd-step of a function) is left out; asked for alone, it is run and
-    reported unsupported, with the reason."""
+def commands_for(case: Case, commands: tuple[str, ...]) -> list[str]:
+    """The commands a case is checked by (`run` and the pytest plugin alike): those of `commands`
+    that its own `commands:` names, if it names any; and with several (`run`, the pytest plugin's
+    three), one its kind has no use for (sgd-step of a function) is left out; asked for alone, it
+    is run and reported unsupported, with the reason. A case the suite skips has no kind to ask."""
     from attncheck.kinds import kind_of
 
-    return [c for c in commands if len(commands) == 1 or c not in kind_of(cfg).unsupported_commands]
+    unused = {} if case.config is None or len(commands) == 1 else kind_of(case.config).unsupported_commands
+    return [c for c in commands if (case.commands is None or c in case.commands) and c not in unused]
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
@@ -138,9 +140,8 @@ def plan(
             origin = impl_origin
         else:
             origin = f"{suite.source}:{case.impl_line}" if cfg.impl is not None and case.impl_line else None
-        for command in commands_for(cfg, commands):
-            if case.commands is None or command in case.commands:
-                jobs.append(Job(len(jobs), case.name, command, cfg, spec, origin))
+        for command in commands_for(case, commands):
+            jobs.append(Job(len(jobs), case.name, command, cfg, spec, origin))
     return jobs, skipped
 
 

@@ -5,8 +5,8 @@ FlashAttention's extras), with its own backward:
 
     attncheck run --module sdpa --impl examples/numpy_flash_attention.py:FlashAttention  # exit 0
 
-It passes the default kernel suite; the suite's upper-left causal cases are reported as not its
-claim, since it declares FlashAttention's lower-right alignment. The loops are the GPU kernel's:
+It passes the default kernel suite; the suite's upper-left causal cases with L != S are unsupported
+for it (in a config of yours too), since it declares FlashAttention's lower-right alignment. The loops are the GPU kernel's:
 each (query tile, key tile) pair below is one thread block's step.
 
 forward   For each tile of `block_q` query rows, an online softmax over the tiles of `block_k` keys

@@ -303,3 +303,15 @@ def test_cases_gives_a_kinds_default_suite(pytester):
     result.assert_outcomes(passed=1, skipped=1)
     with pytest.raises(attncheck.errors.UsageError, match="module 'sdp': expected one of"):
         attncheck.cases(module="sdp")
+
+
+def test_a_cases_own_commands_choose_its_items_as_in_run(pytester):
+    # A case's `commands: [forward]` left its other commands out of `attncheck run` but not out of
+    # the plugin: the default suite's fully-masked case (forward alone: "the NaN reaches the loss and
+    # every gradient") failed torch's own nn.MultiheadAttention in grad and sgd-step as inconclusive.
+    write(pytester, "attncheck_own.yaml", SMALL + "cases:\n  - name: plain\n  - name: rows\n    commands: [forward]\n")
+    collected = [line for line in runpytest(pytester, "--collect-only", "-q").outlines if "::" in line]
+    assert collected == [f"attncheck_own.yaml::{item}" for item in
+                         ("plain[forward]", "plain[grad]", "plain[sgd-step]", "rows[forward]")]  # fmt: skip
+    ids = [p.id for p in attncheck.cases()]
+    assert "fully-masked[forward]" in ids and "fully-masked[grad]" not in ids and "fully-masked[sgd-step]" not in ids

@@ -240,3 +240,21 @@ def test_a_check_not_run_reads_not_run_wherever_its_verdict_is_printed():
     assert lines[2].split()[2:] == ["0", "of", "1", "checks;", "1", "not", "run", "inconclusive"], lines
     assert "1 of 3 checks; not b: no masks; 1 not run" in lines[3], lines
     assert capabilities([report("x", "forward", ("forward", "output", "pass"))])[0].not_run == ()
+
+
+def test_a_check_not_run_reads_not_run_in_its_own_report_too():
+    # A distinct failure's example (and --verbose's every check) printed the report itself: its
+    # title said "not run", its table's cell "inconclusive" and its last line "INCONCLUSIVE  could
+    # not judge forward candidate", as if the check had run and judged nothing.
+    from attncheck.checks import not_run
+    from attncheck.render import render
+
+    cfg = load_suite(None).cases[0].config
+    skipped = not_run("forward", cfg, None, "not run: it hung")
+    console = make_console(io.StringIO())
+    with console.capture() as capture:
+        render(skipped, console)
+    lines = [line for line in capture.get().splitlines() if line.strip()]
+    assert lines[-1].startswith("NOT RUN  its candidate gave no answer in the checks before it"), lines
+    (cell,) = [line for line in lines if line.startswith("candidate ")]
+    assert cell.split()[-2:] == ["not", "run"] and "inconclusive" not in capture.get().lower(), lines

@@ -307,3 +307,18 @@ def test_a_large_configs_calls_keep_blas_s_threads():
     assert _blas_threads() == 1
     threads.blas_threads_for(large=True)
     assert _blas_threads() == before
+
+
+def test_a_junit_failure_message_stays_within_its_cap_with_many_failing_rows():
+    # The other failing quantities were named in full after the first row's line: a grad with a
+    # row per head (--per-head: dozens) wrote 1,265 characters, past junit.MESSAGE_CHARS.
+    from attncheck.config import Config
+    from attncheck.junit import MESSAGE_CHARS, failure_message
+    from attncheck.report import FAIL, Report, Row
+
+    rows = [Row("grad", f"in_proj_weight[q] head {h}", FAIL, note="x" * 600) for h in range(40)]
+    message = failure_message(Report("grad", "c", "x:Y", Config(), rows=rows))
+    assert len(message) <= MESSAGE_CHARS and message.startswith("40 quantities fail: grad in_proj_weight[q] head 0: ")
+    assert "(and grad in_proj_weight[q] head 1, " in message and message.endswith(" more)")
+    two = failure_message(Report("grad", "c", "x:Y", Config(), rows=rows[:2]))
+    assert two.endswith("... (and grad in_proj_weight[q] head 1)") and len(two) == MESSAGE_CHARS
