@@ -81,6 +81,8 @@ def chosen_cases(suite: Suite, names: str) -> list[Case]:
         del parts[:whole]
     wanted = [name for name in wanted if name]
     unknown = [name for name in wanted if name not in known]
+    if unknown == wanted and len(wanted) > 1 and nearest(",".join(wanted), known):  # a mistyped matrix case's name, as one
+        unknown = [",".join(wanted)]
     if unknown or not wanted:
         near = [match for match in (nearest(name, known) for name in unknown) if match]
         hint = f" (did you mean {', '.join(near)}?)" if near else ""

@@ -128,8 +128,10 @@ def test_case_takes_a_matrix_cases_name_with_its_own_commas():
     assert [c.name for c in chosen_cases(suite, f"cross,{matrix},key_padding_mask=random,mask_dtype=float")] == [
         "cross", "key_padding_mask=random,mask_dtype=float", matrix]  # fmt: skip
     assert [c.name for c in chosen_cases(suite, "is_causal=false, add_bias_kv=true, batch_first=true")] == [matrix]  # as the summary wraps it
-    with pytest.raises(UsageError, match="no case 'is_causal=false', 'add_bias_kv=maybe'"):
-        chosen_cases(suite, "is_causal=false,add_bias_kv=maybe")
+    with pytest.raises(UsageError, match="no case 'cross', 'nope'|no case 'nope'; its cases"):
+        chosen_cases(suite, "cross,nope")
+    with pytest.raises(UsageError, match=f"no case '{matrix[:-1]}' \\(did you mean {matrix}\\?\\)"):  # a typo in one: named as one
+        chosen_cases(suite, matrix[:-1])
 
 
 def test_a_mistyped_command_of_only_is_named_as_meant():

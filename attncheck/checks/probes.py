@@ -276,8 +276,9 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
             rows.append(_call_failed("options", label, f"the same call with {name} off", err))
             continue
         if not _finite_where(defined, p.first["output"], out_off):  # left out of the difference, which would read 0 apart
-            rows.append(_row("options", label, INFO, f"the candidate's output with {name} or without is NaN or inf where it has a "
-                             "defined value (the check's own rows judge that): nothing to compare"))  # fmt: skip
+            which = f"its output (the check's own rows judge it)" if not _finite_where(defined, p.first["output"]) else \
+                f"its output with {name} off"
+            rows.append(_row("options", label, INFO, f"{which} is NaN or inf where it has a defined value: nothing to compare"))
             continue
         moved = _largest_difference(p.first["output"], out_off, defined)
         if moved <= p.budget:
