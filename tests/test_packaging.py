@@ -135,6 +135,19 @@ def test_setup_installs_only_an_extra_it_lacks_and_keeps_the_rest(tmp_path, inst
         assert (tmp_path / ".venv" / ".attncheck-installed").read_text().strip() == installs
 
 
+def test_setup_leaves_another_checkouts_environment_alone(tmp_path):
+    # A clone whose .venv was a link to main's: setup installed the clone, editable, into it, and
+    # main's own commands then ran the clone's code, silently (a new-user trial).
+    setup = _setup_in(tmp_path, "test", stale=True)
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../calls"\ncase "$*" in *direct_url*) echo /elsewhere/checkout ;; esac\n')
+    result = subprocess.run(["bash", str(setup)], capture_output=True, text=True)
+    assert result.returncode == 2 and "has attncheck installed from /elsewhere/checkout, another checkout" in result.stderr
+    assert "install" not in (tmp_path / ".venv" / "calls").read_text()  # nothing installed
+    python.write_text(f'#!/bin/sh\necho "$*" >> "$(dirname "$0")/../calls"\ncase "$*" in *direct_url*) echo {tmp_path} ;; esac\n')
+    assert subprocess.run(["bash", str(setup)], capture_output=True, text=True).returncode == 0  # its own: set up again
+
+
 # ------------------------------------------------------------------ a missing or broken torch
 # Each makes `import torch` fail in a fresh interpreter the way a real install can: not installed
 # (sitecustomize blocks the name), or installed with a shared library that will not load.
