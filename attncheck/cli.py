@@ -370,6 +370,8 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
     if not many:
         for report in result.reports:
             render(report, console, tracebacks=view.tracebacks)
+        if len(result.reports) > 1:  # `run` of one config: its last report's PASS ended a run that failed in another
+            console.print(suite_verdict(result))
         return result
     if view.verbose:  # every check whole, then the summary with a row for every check
         for report in result.reports:

@@ -137,3 +137,12 @@ def test_case_takes_a_matrix_cases_name_with_its_own_commas():
 def test_a_mistyped_command_of_only_is_named_as_meant():
     result = run("run", "--only", "forwrd,grad")
     assert result.exit_code == 2 and "unknown command 'forwrd' (did you mean forward?); choose from forward, grad, sgd-step" in result.output
+
+
+def test_run_of_one_config_ends_with_the_runs_verdict():
+    # It printed each command's report and ended with sgd-step's "PASS ...", above exit 1 for forward.
+    result = run("run", "-c", "configs/default.yaml", "--impl", "attncheck.testing.wrong_impls:HeadWeightsSummed")
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 1 and lines[-1].startswith("FAIL  2 of 3 checks pass, 1 fail"), result.output
+    single = run("forward", "-c", "configs/default.yaml")
+    assert single.exit_code == 0 and " of 1 checks pass" not in single.output  # one report: its own verdict line is the run's
