@@ -186,10 +186,13 @@ def details(report: Report, limit: int | None = None) -> list[Any]:
     a screen) a passing row's note is left out: six passing probes' lines had pushed the table out."""
     lines: list[Any] = []
     failing = [r for r in report.rows if r.failed]
-    pointed = sorted(failing, key=lambda r: not r.diagnosis or r.diagnosis.startswith("everywhere"))  # stable: run order within
+    # A broken contract first (an input written in place explains the numbers after it), then the
+    # rows whose diagnosis points somewhere; stable: run order within
+    pointed = sorted(failing, key=lambda r: (r.reason is not Reason.CONTRACT, not r.diagnosis or r.diagnosis.startswith("everywhere")))
     shown = {id(r) for r in pointed[:limit]}  # all of them when limit is None
     noted: dict[tuple, list[Row]] = {}  # rows of one section and status with the same note: one line
-    for r in report.rows:
+    broken = [r for r in failing if r.reason is Reason.CONTRACT and id(r) in shown]
+    for r in broken + [r for r in report.rows if not any(r is b for b in broken)]:
         if r.failed:
             if id(r) not in shown:
                 continue

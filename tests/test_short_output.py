@@ -258,3 +258,19 @@ def test_a_check_not_run_reads_not_run_in_its_own_report_too():
     assert lines[-1].startswith("NOT RUN  its candidate gave no answer in the checks before it"), lines
     (cell,) = [line for line in lines if line.startswith("candidate ")]
     assert cell.split()[-2:] == ["not", "run"] and "inconclusive" not in capture.get().lower(), lines
+
+
+def test_a_broken_contract_is_shown_before_the_numbers_it_explains():
+    # An input written in place moved the output by 1e-4: a suite's failure showed the output's
+    # numbers and "... and 1 more failing quantities", the contract row folded into it.
+    from attncheck.render import details
+
+    made = report("basic", "forward", ("forward", "output", "fail"), ("forward", "attn_weights", "fail"))
+    made.rows.append(Row("forward", "contract", FAIL, reason=Reason.CONTRACT, note="forward() modified its `query` argument in place"))
+    console = make_console(io.StringIO())
+    with console.capture() as capture:
+        for line in details(made, limit=2):
+            console.print(line)
+    text = capture.get()
+    assert text.index("forward contract") < text.index("forward output") and "modified its `query`" in text
+    assert "attn_weights" not in text and "... and 1 more failing quantities" in text
