@@ -64,9 +64,10 @@ CASES = {
     "exit-in-forward": Case(f"{UNTRUSTED}:ExitsInForward", "forward", "", 1, "SystemExit(0)"),
     "misspelled-key": Case(f"{UNTRUSTED}:MisspelledGradKey", "grad", "", 1,
                            "unknown key 'out_proj_weight' (did you mean 'out_proj.weight'?)"),
-    "accumulated-grads": Case(f"{UNTRUSTED}:AccumulatesGradients", "grad", "", 1, "results depend on an earlier call"),
+    "accumulated-grads": Case(f"{UNTRUSTED}:AccumulatesGradients", "grad", "", 1, "results change from call to call"),  # class-level
     "query-in-place": Case(f"{UNTRUSTED}:ScratchInQuery", "forward", "", 1, "forward() modified its `query` argument in place"),
     "cached-keys": Case(f"{UNTRUSTED}:CachesKeys", "forward", "", 1, "results depend on an earlier call"),
+    "dropout-left-on": Case(f"{UNTRUSTED}:DropoutLeftOn", "forward", "", 1, "results change from call to call: two fresh objects return another output"),
     # 4: everything NaN is no agreement: nothing can be judged, so inconclusive (exit 4), never PASS
     "overflow-reference": Case("attncheck.reference:MultiheadAttention", "forward", "input_scale: 1.0e+30", 4,
                                "torch itself gives NaN or inf", status="inconclusive"),

@@ -113,6 +113,16 @@ def repeat_rows(report: Report, section: str, session: Session, obj, cfg: Config
             differing.append(f"{name} (by {diff:.3g})")
     if not differing:
         return []
+    try:  # a second fresh object tells state outside the object, or randomness, from the object's own state
+        again = run(session.build(w.params))
+    except CandidateProblem:
+        again = fresh
+    changing = [name for name in fresh if not _same(fresh.get(name), again.get(name))[0]]
+    if changing:  # dropout left on read "results depend on an earlier call", as if the object kept state
+        return [Row(section, "repeat call", FAIL, reason=Reason.CONTRACT, note=(
+            f"results change from call to call: two fresh objects return another {', '.join(changing)} for the same inputs. "
+            "State kept outside the object (a class or module variable), or randomness (dropout left on, an unseeded "
+            "draw): torch's module, in eval mode, gives the same result every time"))]  # fmt: skip
     return [Row(section, "repeat call", FAIL, reason=Reason.CONTRACT, note=(
         "results depend on an earlier call: the object already called once returns on new inputs "
         f"another {', '.join(differing)} than a fresh object does"))]  # fmt: skip

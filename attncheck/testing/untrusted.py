@@ -67,6 +67,16 @@ class CachesKeys(Reference):
         return super().forward(query, key, value, **kwargs)
 
 
+class DropoutLeftOn(Reference):
+    """Drops a tenth of the output at random in every call, as a module left in training mode does:
+    not state kept between calls, and the report must not say so."""
+
+    def forward(self, query, key, value, **kwargs):
+        out, weights = super().forward(query, key, value, **kwargs)
+        keep = np.random.default_rng().random(out.shape) >= 0.1
+        return (out * keep / 0.9).astype(out.dtype), weights
+
+
 # --------------------------------------------------------------------- correct but awkward
 class Float64Output(Reference):
     """Returns float64 whatever the inputs' dtype, as `x / np.sqrt(d)` with an integer d makes
