@@ -536,7 +536,7 @@ def _where(c, x, allowed, layout: Layout, cfg: Config, masks: Masks | None) -> l
         hit = np.nonzero(worst > 1)[0].tolist()
         if len(hit) < bad.shape[axis] and _spared_clean([worst[worst <= 1]]):
             label = {"query": "query row", "key": "key column", "batch": "batch entry", "position": "position", "feature": "feature"}.get(name, name)
-            label += "s" if len(hit) > 1 else ""
+            label = (label[:-1] + "ies" if label.endswith("y") else label + "s") if len(hit) > 1 else label  # batch entries
             edge = ""
             if name == "key" and hit == [0]:
                 edge = " (the first key)"

@@ -332,7 +332,8 @@ class Report:
     def summary_line(self) -> str:
         """`attncheck grad on 'case' (impl): fail, 2 of 30 rows`: how every failure message begins."""
         bad = [r for r in self.rows if r.status in (FAIL, INCONCLUSIVE, UNSUPPORTED)]
-        return f"attncheck {self.command} on {self.name!r} ({self.impl}): {self.verdict}, {len(bad)} of {len(self.rows)} rows"
+        rows = f"{len(bad)} of {len(self.rows)} rows" if bad else f"{len(self.rows)} rows"  # a pass read "pass, 0 of 20 rows"
+        return f"attncheck {self.command} on {self.name!r} ({self.impl}): {self.verdict}, {rows}"
 
     def failure_message(self) -> str:
         """Why the check did not pass: each failing, inconclusive or unsupported row in

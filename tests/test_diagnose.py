@@ -363,3 +363,12 @@ def test_a_coincidence_is_no_swap(impl, case):
     in_proj_bias[k]` for a query bias gradient that is zero as the key bias's always is)."""
     rows = [r for r in detection.run(detection.as_case(detection.SuiteCatch(impl, case, "grad", {}))).rows if r.failed]
     assert rows and [r.diagnosis for r in rows if "swapped" in r.diagnosis] == []
+
+
+def test_several_batch_entries_are_named_in_the_plural():
+    # "only in batch entrys 0, 2 (of 3)"
+    x = np.arange(1.0, 1 + 3 * 4 * 5 * 5).reshape(3, 4, 5, 5) / 300
+    c = x.copy()
+    c[[0, 2]] += 0.5
+    row = Row("forward", "attn_weights", FAIL, evidence=Evidence(c, x, x, 1e-6))
+    assert "only in batch entries 0, 2 (of 3)" in diagnose(row, cfg(average_attn_weights=False, batch_size=3))

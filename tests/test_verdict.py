@@ -91,8 +91,8 @@ def test_assert_passed_lets_a_declared_gap_through_only_when_asked():
 
 def test_a_report_prints_its_verdict_and_what_did_not_pass_not_its_fields():
     passed, failed = report(PASS), report(FAIL)
-    assert repr(passed) == "<Report attncheck forward on 'case' (mine:Impl): pass, 0 of 2 rows>"
-    assert str(passed) == "attncheck forward on 'case' (mine:Impl): pass, 0 of 2 rows"
+    assert repr(passed) == "<Report attncheck forward on 'case' (mine:Impl): pass, 2 rows>"
+    assert str(passed) == "attncheck forward on 'case' (mine:Impl): pass, 2 rows"
     assert str(failed) == failed.failure_message() and "a row that is fail" in str(failed)
     assert "Config(" not in repr(failed) and "\n" not in repr(failed)
     result = SuiteResult("suite", ("forward",), [passed, failed, report(UNSUPPORTED)])
