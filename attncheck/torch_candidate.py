@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from attncheck import torch_side
-from attncheck.candidate import PAD, FrameworkSession, _defined_at, call_name, unchanged
+from attncheck.candidate import PAD, FrameworkSession, _defined_at, _is_library, call_name, unchanged
 from attncheck.frameworks import framework_hint, returned_by
 from attncheck.errors import CandidateError
 from attncheck.kinds import kind_of
@@ -119,8 +119,13 @@ class TorchSession(FrameworkSession):
         # parameter of the same state_dict() name (a module may copy the values into its own).
         sources = [(name, leaf) for name, leaf in {**params, **self._inputs}.items()]
         sources += [(name, p) for name, p in own.items() if name in params and p is not params[name] and p.requires_grad]
-        found = self._guard(f"autograd through {called}", torch.autograd.grad, outputs, [t for _, t in sources],
-                       grad_outputs=cotangents, allow_unused=True)  # fmt: skip
+        try:
+            found = self._guard(f"autograd through {called}", torch.autograd.grad, outputs, [t for _, t in sources],
+                                grad_outputs=cotangents, allow_unused=True)  # fmt: skip
+        except CandidateError as err:  # raised in torch's engine, whose frame it named: the graph is forward's
+            if err.location is None or not _is_library(err.location.rpartition(":")[0]):
+                raise
+            raise CandidateError(f"{err.message}; in the graph {called} recorded", where, err.traceback, err.raised) from err
         grads: dict[str, torch.Tensor | None] = {name: None for name in {**params, **self._inputs}}
         for (name, _), g in zip(sources, found):
             if g is not None:

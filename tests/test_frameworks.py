@@ -79,6 +79,23 @@ def test_an_output_autograd_cannot_differentiate_fails_with_the_reason():
     assert "autograd cannot differentiate" in report.rows[0].note
 
 
+class ChangesASavedTensor(FunctionalTorch):
+    def forward(self, query, key, value, **kwargs):
+        e = torch.exp(query)  # exp saves its result for the backward
+        out = super().forward(e, key, value, **kwargs)
+        with torch.no_grad():
+            e.mul_(1.0)
+        return out
+
+
+def test_autograd_failing_in_the_candidates_graph_names_the_candidates_forward():
+    # It named torch's own engine, "(at .../torch/autograd/graph.py:979)": the graph is forward()'s.
+    report = attncheck.check({"need_weights": False, "framework": "torch"}, "grad", impl=ChangesASavedTensor)
+    (row,) = [r for r in report.failures if r.quantity == "candidate"]
+    assert "modified by an inplace operation" in row.note and "in the graph forward() recorded (at " in row.note
+    assert "test_frameworks.py:" in row.note and "torch/autograd" not in row.note
+
+
 class WrongHandWrittenBackward(FunctionalTorch):
     """A hand-written backward is used when present: this one returns a wrong gradient."""
 
