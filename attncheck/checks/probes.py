@@ -290,28 +290,56 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
             rows.append(_row("options", label, PASS, f"{name} changes the output by {moved:.3g} (the oracle's: {told:.3g}; "
                              f"budget {p.budget:.3g})"))  # fmt: skip
     if kind.takes_dropout:
-        rows.append(_dropout(p, w))
+        rows.append(_dropout(p, w, _oracle(cfg, w) if o_out is None else o_out, t_out, rule))
     return rows
 
 
 # The dropout_p of the options probe's one call with dropout: every check runs with 0 (both sides
 # cannot share a random mask), so a kernel that took dropout_p and ignored it was never caught.
 PROBE_DROPOUT = 0.5
+# Rows that must each be able to tell dropout on from off (see _dropout_rows) for the probe to judge:
+# a correct kernel then keeps every one of them within the budget with probability <= 2**-20.
+DROPOUT_ROWS = 20
 
 
-def _dropout(p: Probing, w) -> Row:
+def _dropout_rows(kind, cfg, o_on: np.ndarray, defined: np.ndarray | None, apart: float) -> int:
+    """How many output rows a correct dropout moves by more than `apart` with probability >= 1/2 each.
+
+    With dropout_p = 1/2 a row's exact output moves by d_e = sum_j s_j w_j v_je, s_j = +-1 at random
+    (a kept weight doubles, a dropped one goes), independently in every row (b, h, i). Flipping one
+    s_j moves d_e by 2 |w_j v_je|, so if some term exceeds `apart`, at most one of the two lies
+    within it: P(|d_e| <= apart) <= 1/2. The oracle's |o_e| = |sum_j w_j v_je| is at most n times
+    the largest term, n the keys a row may attend (kind.keys_per_row): |o_e| > n * apart is such a row.
+    """
+    o64 = np.abs(np.asarray(o_on, dtype=np.float64))  # (..., Ev): a row is all but the last axis
+    o64 = np.where(np.isfinite(o64) & (True if defined is None else defined), o64, 0.0)
+    return int((o64.max(axis=-1) > kind.keys_per_row(cfg) * apart).sum())
+
+
+def _dropout(p: Probing, w, o_on: np.ndarray, t_out: np.ndarray, rule: Rule) -> Row:
     """The call again with dropout_p = PROBE_DROPOUT: raising (a refusal) or another output passes
-    muster; the same output, within the budget, is dropout_p ignored."""
+    muster; the same output, within the budget, is dropout_p ignored. Judged only where a correct
+    kernel's dropout moves it past the budget but with probability <= 2**-DROPOUT_ROWS."""
     label, what = "options: dropout_p", f"the same call with dropout_p={PROBE_DROPOUT}"
+    defined = None if w.undefined is None else ~w.undefined
+    # The two outputs of a correct kernel lie apart by the exact outputs' distance less the error
+    # of each: its own (reach) and its dropout call's, whose kept weights doubled (2 reach).
+    reach = _reach(rule, p.budget, t_out, o_on, defined)
+    apart = p.budget + 3 * reach
+    telling = _dropout_rows(kind_of(p.cfg), p.cfg, o_on, defined, apart)
+    if telling < DROPOUT_ROWS:
+        return _row("options", label, INFO, f"this case cannot tell dropout on from off: {telling} of its output rows (fewer than "
+                    f"{DROPOUT_ROWS}) have a value a correct dropout_p={PROBE_DROPOUT} must move past the budget ({p.budget:.3g}) "
+                    "half the time; not checked here")  # fmt: skip
     try:
         out_on, _ = session_for(p.cfg.model_copy(update={"dropout": PROBE_DROPOUT}), p.run.candidate).build_and_forward(w)
     except CandidateTimeout as err:
         return _call_failed("options", label, what, err)
     except CandidateProblem as err:
         return _row("options", label, INFO, f"{what} raised ({err.raised or err}): refused, not ignored")
-    if not _finite_where(None if w.undefined is None else ~w.undefined, out_on):
+    if not _finite_where(defined, out_on):
         return _row("options", label, INFO, f"{what}: NaN or inf where the output has a defined value: nothing to compare")
-    moved = _largest_difference(p.first["output"], out_on, None if w.undefined is None else ~w.undefined)
+    moved = _largest_difference(p.first["output"], out_on, defined)
     if moved <= p.budget:
         return _row("options", label, FAIL, f"ignores dropout_p: {what} gives the output without it, {moved:.3g} apart, within the "
                     f"budget ({p.budget:.3g}); raise NotImplementedError for a dropout it does not apply", reason=Reason.VALUES)  # fmt: skip

@@ -170,6 +170,10 @@ class FunctionKind(ModuleKind):
         return (query, key, value), dict(attn_mask=attn_mask, dropout_p=cfg.dropout, is_causal=cfg.causal != "none", scale=cfg.scale,
                                          enable_gqa=cfg.num_heads != cfg.num_kv_heads_eff, **extras)  # fmt: skip
 
+    def keys_per_row(self, cfg) -> int:
+        """The most keys one query row may attend (S): what bounds a weight from below (probes._dropout_rows)."""
+        return cfg.S
+
     def returns_pair(self, cfg) -> bool:
         return cfg.return_lse
 

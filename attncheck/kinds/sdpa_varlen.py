@@ -116,6 +116,10 @@ class VarlenKind(FunctionKind):
             return factory(fully_masked_rows="nan" if cfg.fully_masked_rows == "nan" else "zero")
         return super(FunctionKind, self).instantiate(cfg, factory, params)
 
+    def keys_per_row(self, cfg) -> int:
+        """The longest sequence's keys: a query row attends its own sequence's alone."""
+        return max(seqlens(cfg)[1], default=0)
+
     def forward_arguments(self, cfg, query, key, value, attn_mask, key_padding_mask, **arrays) -> tuple[tuple, dict[str, Any]]:
         cu_q, cu_k = arrays.get("cu_seqlens_q"), arrays.get("cu_seqlens_k")
         max_q = max((n for _, _, n in _pairs(cu_q)), default=0) if cu_q is not None else 0
