@@ -8,6 +8,7 @@ setuptools' own backend, in a copy of the files a build reads, so the checkout g
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tarfile
 import tomllib
+import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -146,6 +148,29 @@ def test_setup_leaves_another_checkouts_environment_alone(tmp_path):
     assert "install" not in (tmp_path / ".venv" / "calls").read_text()  # nothing installed
     python.write_text(f'#!/bin/sh\necho "$*" >> "$(dirname "$0")/../calls"\ncase "$*" in *direct_url*) echo {tmp_path} ;; esac\n')
     assert subprocess.run(["bash", str(setup)], capture_output=True, text=True).returncode == 0  # its own: set up again
+
+
+@pytest.mark.parametrize("url,refused", [
+    ("file://{here}", False),  # its own checkout, whose path pip percent-encodes: "my%20checkout"
+    ("file:///elsewhere/checkout", True),
+    ("git+https://example.com/attncheck.git", False),  # installed from a URL: no checkout to point elsewhere
+])  # fmt: skip
+def test_setup_reads_the_checkout_an_environment_is_installed_from_as_pip_writes_it(tmp_path, url, refused):
+    # pip writes direct_url.json's url percent-encoded: a checkout under "my checkout" read as
+    # "my%20checkout", another checkout, and its own setup refused its own environment.
+    here = tmp_path / "my checkout"
+    here.mkdir()
+    setup = _setup_in(here, "test", stale=True)
+    dist = tmp_path / "site" / "attncheck-0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: attncheck\nVersion: 0\n")
+    (dist / "direct_url.json").write_text(json.dumps({"url": url.format(here=urllib.request.pathname2url(str(here))), "dir_info": {}}))
+    python = here / ".venv" / "bin" / "python"
+    python.write_text(f'#!/bin/sh\necho "$*" >> "$(dirname "$0")/../calls"\n'
+                      f'case "$*" in *direct_url*) exec "{sys.executable}" -I -c "import sys; sys.path.insert(0, \'{dist.parent}\'); exec(sys.argv[1])" "$2" ;; esac\n')  # fmt: skip
+    result = subprocess.run(["bash", str(setup)], capture_output=True, text=True)
+    assert (result.returncode == 2) is refused, result.stderr
+    assert ("another checkout" in result.stderr) is refused
 
 
 # ------------------------------------------------------------------ a missing or broken torch
