@@ -160,3 +160,19 @@ def test_adapt_imports_nothing_from_attncheck_but_masks():
     # the functions that are handed their arrays (tests/test_impl.py: importing attncheck loads no torch)
     assert {name.split(".")[0] for name in outside} == {"numpy", "ml_dtypes", "attncheck", "torch", "jax"}, outside
     assert {name.rsplit(".", 1)[0] for name in outside if name.startswith("attncheck.")} <= {"attncheck", "attncheck.dtypes"}, outside
+
+
+def test_a_random_mask_always_masks_something_and_never_a_whole_row():
+    # At B=2, S=4 the key padding draw masked no key for 6% of seeds (unbatched, 24%): such a case
+    # passed a candidate that ignores the mask (configs/suite.yaml's grid, a new-user trial).
+    from attncheck.config import Config
+    from attncheck.inputs import make_attn_mask, make_key_padding_mask
+
+    for seed in range(300):
+        for unbatched in (False, True):
+            cfg = Config(seed=seed, key_padding_mask="random", attn_mask="random", tgt_len=2, src_len=4, self_attention=False,
+                         unbatched=unbatched)  # fmt: skip
+            padding = np.atleast_2d(make_key_padding_mask(cfg))
+            assert padding.any() and not padding.all(axis=-1).any(), (seed, unbatched)
+            mask = make_attn_mask(cfg)
+            assert mask.any() and not mask.all(axis=-1).any(), (seed, unbatched)
