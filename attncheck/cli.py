@@ -347,6 +347,9 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
     console = make_console()
     if not cases:
         console.print(f"attncheck: no cases in {label}")
+    elif not plan.jobs and not plan.skipped:  # it printed nothing at all, and exited 4
+        console.print(f"attncheck: nothing to run in {label}: no case chosen has a command asked (a case's own `commands:`, "
+                      "or sgd-step of a function); nothing was proven")  # fmt: skip
     run = functools.partial(plan.run, options, workers=workers, keep_evidence=view.keep_evidence)
     if not many:
         result = run()

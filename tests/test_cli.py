@@ -146,3 +146,11 @@ def test_run_of_one_config_ends_with_the_runs_verdict():
     assert result.exit_code == 1 and lines[-1].startswith("FAIL  2 of 3 checks pass, 1 fail"), result.output
     single = run("forward", "-c", "configs/default.yaml")
     assert single.exit_code == 0 and " of 1 checks pass" not in single.output  # one report: its own verdict line is the run's
+
+
+def test_a_selection_with_nothing_to_run_says_so(tmp_path):
+    # grad of a case whose own commands are [forward]: exit 4 and not a byte of output
+    suite = tmp_path / "s.yaml"
+    suite.write_text("defaults: {embed_dim: 8, num_heads: 2, tgt_len: 3}\ncases:\n  - {name: fwd-only, commands: [forward]}\n  - {name: other}\n")
+    result = run("grad", "-c", str(suite), "--case", "fwd-only")
+    assert result.exit_code == 4 and "nothing to run in " in result.output and "nothing was proven" in result.output, result.output
