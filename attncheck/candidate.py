@@ -39,7 +39,7 @@ import numpy as np
 
 from attncheck.config.config_file import impl_file
 from attncheck.dtypes import is_float
-from attncheck.errors import CandidateError, Unsupported, UsageError, did_you_mean, shorten
+from attncheck.errors import CandidateError, Unsupported, UsageError, as_named, as_raised, did_you_mean, shorten
 from attncheck.frameworks import _type_name, detect_framework, framework_hint, framework_of, written_for
 from attncheck.inputs import Workload
 from attncheck.kinds import kind_of, kinds
@@ -242,11 +242,13 @@ def _located(exc: BaseException) -> str | None:
 
 
 def _traceback(exc: BaseException) -> str:
-    """The exception as Python prints it, from the first frame outside attncheck (its own calls dropped)."""
+    """The exception as Python prints it, from the first frame outside attncheck (its own calls
+    dropped), as the candidate's code raised it (errors.as_raised)."""
+    exc = as_raised(exc)
     tb = exc.__traceback__
     while tb is not None and _is_ours(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
+    return as_named("".join(traceback.format_exception(type(exc), exc, tb)).rstrip())
 
 
 def call_name(obj: Any, method: Any) -> str:

@@ -140,3 +140,24 @@ class ServerFork(BaseException):
     def __init__(self, fd: int):
         super().__init__(fd)
         self.fd = fd  # the server's end of its socket to the judge
+
+
+def as_raised(exc: BaseException) -> BaseException:
+    """`exc` without attncheck's own exceptions it was raised while handling: a forked candidate
+    process unwinds by ServerFork, and every candidate's traceback ended "During handling of the
+    above exception ... attncheck.errors.ServerFork". Its own causes and contexts stay."""
+    seen, link = set(), exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if link.__context__ is not None and type(link.__context__).__module__.startswith("attncheck."):
+            link.__context__, link.__suppress_context__ = None, True
+        link = link.__cause__ or link.__context__
+    return exc
+
+
+def as_named(text: str) -> str:
+    """A traceback's text with a candidate file's module (attncheck_candidate_<hash>, as loaded) left
+    out of its exceptions' names: `MyKernelError`, as the file names it."""
+    import re
+
+    return re.sub(r"\battncheck_candidate_\d+\.", "", text)

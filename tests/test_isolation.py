@@ -270,3 +270,19 @@ def test_a_report_file_of_an_earlier_run_is_replaced_whole_and_said_so(tmp_path)
     code, output = run("forward", "-c", CONFIG, "--json", str(out))
     assert code == 0 and f"--json: replaced the existing {str(out)!r}" in output
     assert json.loads(out.read_text())["verdict"] == "pass"
+
+
+def test_a_candidates_traceback_is_its_own(tmp_path):
+    # --traceback printed about 40 of attncheck's frames, ending in "attncheck.errors.ServerFork: 9"
+    # and "During handling of the above exception", and named the exception
+    # attncheck_candidate_<hash>.MyKernelError (a new-user trial).
+    (tmp_path / "raising.py").write_text(
+        "from attncheck.reference import MultiheadAttention\n\n\nclass MyKernelError(Exception):\n    pass\n\n\n"
+        "class Raises(MultiheadAttention):\n    def forward(self, *args, **kwargs):\n        try:\n            {}['x']\n"
+        "        except KeyError as err:\n            raise MyKernelError('outer') from err\n")  # fmt: skip
+    report = attncheck.check(None, "forward", impl=f"{tmp_path / 'raising.py'}:Raises")
+    (row,) = report.failures
+    text = row.traceback
+    assert text.endswith("MyKernelError: outer") and "KeyError: 'x'" in text and "direct cause" in text, text
+    assert "ServerFork" not in text and "During handling" not in text and "attncheck_candidate_" not in text, text
+    assert "attncheck/" not in text.replace(str(tmp_path), ""), text  # no frame of attncheck's
