@@ -44,8 +44,8 @@ from attncheck.frameworks import _type_name, detect_framework, framework_hint, f
 from attncheck.inputs import Workload
 from attncheck.kinds import kind_of, kinds
 
-# A candidate's exception message is echoed in at most this many characters.
-MESSAGE_LIMIT = 200
+# A candidate's exception message is echoed in at most this many characters, its traceback in this many.
+MESSAGE_LIMIT, TRACEBACK_LIMIT = 200, 64 << 10
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,9 @@ def _traceback(exc: BaseException) -> str:
     tb = exc.__traceback__
     while tb is not None and _is_ours(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
-    return as_named("".join(traceback.format_exception(type(exc), exc, tb)).rstrip())
+    text = as_named("".join(traceback.format_exception(type(exc), exc, tb)).rstrip())
+    # Bounded as its message is: a 5 MB message overflowed the reply to the judge ("malformed data")
+    return text if len(text) <= TRACEBACK_LIMIT else f"{text[:TRACEBACK_LIMIT // 2]}\n... ({len(text) - TRACEBACK_LIMIT:,} characters left out) ...\n{text[-TRACEBACK_LIMIT // 2:]}"
 
 
 def call_name(obj: Any, method: Any) -> str:

@@ -175,7 +175,8 @@ CI jobs; --junit, --json report it; --workers K pays off for long checks only).
 \b
 Exit codes: 0 pass, 1 fail, 2 usage or config error, 3 bug in attncheck,
 4 inconclusive or unsupported (nothing proven), 130 interrupted.
-Every call into the candidate runs in a process of its own, within --timeout seconds.
+The candidate runs in a process of its own (one per worker, kept across its cases), each call
+within --timeout seconds; its import within 120 s.
 ATTNCHECK_MEMORY_LIMIT_MB: refuse configs needing more memory than this (default:
 75% of physical memory).
 

@@ -286,3 +286,13 @@ def test_a_candidates_traceback_is_its_own(tmp_path):
     assert text.endswith("MyKernelError: outer") and "KeyError: 'x'" in text and "direct cause" in text, text
     assert "ServerFork" not in text and "During handling" not in text and "attncheck_candidate_" not in text, text
     assert "attncheck/" not in text.replace(str(tmp_path), ""), text  # no frame of attncheck's
+
+
+def test_a_huge_exception_message_is_the_exception_not_malformed_data(tmp_path):
+    # A 5 MB message overflowed the reply's header: "answered forward() with malformed data", no
+    # exception named and `raised` empty (a new-user trial).
+    (tmp_path / "huge.py").write_text("from attncheck.reference import MultiheadAttention\n\n\nclass Huge(MultiheadAttention):\n"
+                                      "    def forward(self, *args, **kwargs):\n        raise ValueError('Z' * 5_000_000)\n")  # fmt: skip
+    (row,) = attncheck.check(None, "forward", impl=f"{tmp_path / 'huge.py'}:Huge").failures
+    assert row.raised.startswith("ValueError: ZZZ") and "malformed" not in row.note and "huge.py:6" in row.note, row.note
+    assert len(row.traceback) < 70_000 and "characters left out" in row.traceback
