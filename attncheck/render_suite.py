@@ -14,7 +14,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from attncheck.render import REASON_WORDS, STATUS_STYLE, fmt, report_parts
-from attncheck.report import FAIL, INCONCLUSIVE, INFO, PASS, SKIPPED, UNSUPPORTED, Capability, Report, SuiteResult, capabilities, case_verdict
+from attncheck.report import FAIL, INCONCLUSIVE, INFO, PASS, SKIPPED, UNSUPPORTED, Capability, Reason, Report, SuiteResult, capabilities, case_verdict
 
 
 def progress_line(done: int, total: int, report: Report) -> str:
@@ -268,7 +268,9 @@ CASES_NAMED = 6  # cases named in a distinct failure's title; the rest are count
 def failure_key(report: Report) -> tuple:
     """What two checks that fail alike share (see above)."""
     bad = [r for r in report.rows if r.status in (FAIL, INCONCLUSIVE)]
-    return report.command, report.verdict, tuple((r.section, str(r.quantity), r.reason, re.sub(r"\d+", "#", r.raised)) for r in bad)
+    # A call that failed raising nothing (it exited, its reply was unreadable) is told apart by its note
+    said = lambda r: r.raised or (r.note if r.reason in (Reason.CALL, Reason.TIMEOUT) else "")  # noqa: E731
+    return report.command, report.verdict, tuple((r.section, str(r.quantity), r.reason, re.sub(r"\d+", "#", said(r))) for r in bad)
 
 
 def distinct_failures(reports: list[Report]) -> list[list[Report]]:

@@ -277,3 +277,17 @@ def test_a_broken_contract_is_shown_before_the_numbers_it_explains():
     text = capture.get()
     assert text.index("forward contract") < text.index("forward output") and "modified its `query`" in text
     assert "attn_weights" not in text and "... and 1 more failing quantities" in text
+
+
+def test_calls_that_failed_raising_nothing_are_told_apart_by_their_notes():
+    # A candidate that exited and one whose reply was unreadable both had `raised` empty, and a
+    # suite grouped them as one failure, showing the first one's message alone.
+    from attncheck.report import Reason
+
+    exited, unreadable = (report(name, "forward") for name in ("exit0", "huge"))
+    exited.rows.append(Row("forward", "candidate", FAIL, reason=Reason.CALL, note="the candidate's process exited with code 0"))
+    unreadable.rows.append(Row("forward", "candidate", FAIL, reason=Reason.CALL, note="answered forward() with malformed data"))
+    assert failure_key(exited) != failure_key(unreadable)
+    again = report("exit1", "forward")
+    again.rows.append(Row("forward", "candidate", FAIL, reason=Reason.CALL, note="the candidate's process exited with code 1"))
+    assert failure_key(again) == failure_key(exited)  # digits aside, one failure
