@@ -320,10 +320,9 @@ def measure(
         row.reason = Reason.VALUES if bad.any() else Reason.NAN
     notes = []
     if nan_wrong.any():
-        notes.append(
-            f"NaN in {int((nan_a & finite_e & ~accepted).sum())} places torch has none, "
-            f"missing in {int((explained & ~nan_a).sum())} places torch has NaN"
-        )
+        places = lambda n: f"{n} place{'s' if n != 1 else ''}"  # noqa: E731
+        notes.append(f"NaN in {places(int((nan_a & finite_e & ~accepted).sum()))} torch has none, "
+                     f"missing in {places(int((explained & ~nan_a).sum()))} torch has NaN")
     if spread.any():
         notes.append(f"NaN at {int(spread.sum())} of {row.numel} elements, spread from the NaN the candidate gives where no value is defined: not judged there")
     if (~finite_e & ~explained).any():

@@ -247,7 +247,7 @@ def suite_verdict(result: SuiteResult) -> Text:
             if v is INCONCLUSIVE and not_run:
                 text.append(" (not run)" if not_run == counts[v] else f" ({not_run} not run)")
     if result.skipped:
-        text.append(f"; {len(result.skipped)} cases skipped", style="dim")
+        text.append(f"; {len(result.skipped)} case{'s' if len(result.skipped) != 1 else ''} skipped", style="dim")
     text.append(f"  [{result.seconds:.2f}s]", style="dim")
     return text
 

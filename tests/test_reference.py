@@ -117,4 +117,4 @@ def test_nan_in_the_wrong_place_is_a_mismatch():
             return out, weights
 
     row = _rows(check_forward(cfg(key_padding_mask="full_row"), Candidate("nan", NanEverywhere)), "forward")["output"]
-    assert row.status == "fail" and row.mismatched == 1 and "NaN in 1 places torch has none" in row.note
+    assert row.status == "fail" and row.mismatched == 1 and "NaN in 1 place torch has none" in row.note
