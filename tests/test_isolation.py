@@ -296,3 +296,14 @@ def test_a_huge_exception_message_is_the_exception_not_malformed_data(tmp_path):
     (row,) = attncheck.check(None, "forward", impl=f"{tmp_path / 'huge.py'}:Huge").failures
     assert row.raised.startswith("ValueError: ZZZ") and "malformed" not in row.note and "huge.py:6" in row.note, row.note
     assert len(row.traceback) < 70_000 and "characters left out" in row.traceback
+
+
+def test_what_a_candidate_printed_before_it_raised_is_kept(tmp_path):
+    # Its debug lines were lost with the call that raised (a new-user trial); printed before a wrong
+    # answer, they were kept.
+    (tmp_path / "prints.py").write_text("from attncheck.reference import MultiheadAttention\n\n\nclass Prints(MultiheadAttention):\n"
+                                        "    def forward(self, *args, **kwargs):\n        print('DEBUG: shapes look fine')\n"
+                                        "        raise ValueError('boom')\n")  # fmt: skip
+    for command in ("forward", "grad"):
+        report = attncheck.check(None, command, impl=f"{tmp_path / 'prints.py'}:Prints")
+        assert report.verdict == "fail" and any("the candidate printed: DEBUG: shapes look fine" in n for n in report.notes), (command, report.notes)

@@ -69,6 +69,7 @@ class CheckRun:
     w: Workload
     masked: np.ndarray  # (B, H, L): query rows whose every key is masked
     start: float = field(default_factory=time.perf_counter)
+    sessions: list = field(default_factory=list)  # the candidate's sessions opened: their notes outlive a call that raised
 
     @classmethod
     def begin(cls, command: str, cfg: Config, candidate: Candidate | None) -> CheckRun:
@@ -103,11 +104,16 @@ class CheckRun:
 
     def session(self) -> Session:
         """The candidate's session, in the config's dtype."""
-        return session_for(self.cfg, self.candidate)
+        self.sessions.append(session_for(self.cfg, self.candidate))
+        return self.sessions[-1]
 
     def ended_at(self, section: str, err: CandidateProblem) -> Report:
-        """The check ends at a candidate call that raised."""
+        """The check ends at a candidate call that raised, with what its session noted (what the
+        candidate printed before it raised: the debug lines were lost with the call)."""
         self.report.rows.append(call_row(section, "candidate", err))
+        for note in (n for session in self.sessions for n in session.notes):
+            if note not in self.report.notes:
+                self.report.notes.append(note)
         return self.finish()
 
     def finish(self) -> Report:
