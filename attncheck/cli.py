@@ -229,12 +229,12 @@ def _run(
         elif plot_all:
             raise UsageError("--plot-all needs --plot PATH")
         suite = load_suite(config, module=None if module is None else module.value)
+        # A single config with one command writes the single-report JSON: decided from the file,
+        # before --case and --shard, so neither changes the shape a consumer reads.
+        single = len(suite.cases) == 1 and suite.cases[0].config is not None and len(commands) == 1
         if case_names is not None:
             suite = replace(suite, cases=chosen_cases(suite, ",".join(case_names)))
-        # One runnable case renders as full reports; with one command it also keeps the
-        # single-report JSON. Decided before sharding, so a shard never changes the shape.
-        one_case = len(suite.cases) == 1 and suite.cases[0].config is not None
-        single = one_case and len(commands) == 1
+        one_case = len(suite.cases) == 1 and suite.cases[0].config is not None  # rendered as full reports
         label = suite.name
         if shard_spec is not None:
             i, n = parse_shard(shard_spec)

@@ -154,3 +154,15 @@ def test_a_selection_with_nothing_to_run_says_so(tmp_path):
     suite.write_text("defaults: {embed_dim: 8, num_heads: 2, tgt_len: 3}\ncases:\n  - {name: fwd-only, commands: [forward]}\n  - {name: other}\n")
     result = run("grad", "-c", str(suite), "--case", "fwd-only")
     assert result.exit_code == 4 and "nothing to run in s: no case chosen has a command asked" in " ".join(result.output.split()), result.output
+
+
+def test_a_suite_narrowed_to_one_check_keeps_the_suites_json_shape(tmp_path):
+    # --case causal gave the single-report shape, --shard 1/41 the suite's, for one check each (a new-user trial)
+    shapes = []
+    for narrowed in (["--case", "causal"], ["--shard", "1/41"]):
+        out = tmp_path / "r.json"
+        assert run("forward", *narrowed, "--json", str(out)).exit_code == 0
+        data = json.loads(out.read_text())
+        shapes.append(("suite" in data, len(data.get("results", []))))
+    assert shapes == [(True, 1), (True, 1)]
+    assert "suite" not in json.loads((run("forward", "-c", "configs/default.yaml", "--json", str(out)), out.read_text())[1])
