@@ -39,13 +39,13 @@ import numpy as np
 
 from attncheck.config.config_file import impl_file
 from attncheck.dtypes import is_float
-from attncheck.errors import CandidateError, Unsupported, UsageError, as_named, as_raised, did_you_mean, shorten
+from attncheck.errors import CandidateError, Unsupported, UsageError, as_named, as_raised, bounded, did_you_mean, shorten
 from attncheck.frameworks import _type_name, detect_framework, framework_hint, framework_of, written_for
 from attncheck.inputs import Workload
 from attncheck.kinds import kind_of, kinds
 
-# A candidate's exception message is echoed in at most this many characters, its traceback in this many.
-MESSAGE_LIMIT, TRACEBACK_LIMIT = 200, 64 << 10
+# A candidate's exception message is echoed in at most this many characters (its traceback: errors.bounded).
+MESSAGE_LIMIT = 200
 
 
 @dataclass(frozen=True)
@@ -248,9 +248,8 @@ def _traceback(exc: BaseException) -> str:
     tb = exc.__traceback__
     while tb is not None and _is_ours(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
-    text = as_named("".join(traceback.format_exception(type(exc), exc, tb)).rstrip())
     # Bounded as its message is: a 5 MB message overflowed the reply to the judge ("malformed data")
-    return text if len(text) <= TRACEBACK_LIMIT else f"{text[:TRACEBACK_LIMIT // 2]}\n... ({len(text) - TRACEBACK_LIMIT:,} characters left out) ...\n{text[-TRACEBACK_LIMIT // 2:]}"
+    return bounded(as_named("".join(traceback.format_exception(type(exc), exc, tb)).rstrip()))
 
 
 def call_name(obj: Any, method: Any) -> str:
@@ -582,7 +581,7 @@ def as_numpy(value: Any, what: str, where: str | None = None) -> np.ndarray:
         try:
             array = np.from_dlpack(value)
         except Exception:  # noqa: BLE001
-            raise CandidateError(f"{what} of type {kind} that NumPy cannot convert: {type(first).__name__}: {first}", where) from None
+            raise CandidateError(f"{what} of type {kind} that NumPy cannot convert: {_raised(first)}", where) from None
     if array.dtype.kind not in "biufc" and not is_float(array.dtype):  # bfloat16's kind is "V"
         raise CandidateError(f"{what} of type {kind} that converts to a NumPy array of dtype {array.dtype}, not numbers", where)
     return array

@@ -122,10 +122,14 @@ def _call_name(obj: Any, look_up: Callable[[], Any]) -> str:
 
 
 def _error(kind: str, exc: BaseException) -> dict[str, Any]:
-    from attncheck.errors import clean
+    """The reply of a request that failed. Its text bounded (errors.bounded): an exception with a 5 MB
+    message that escaped the candidate's calls (its tuple's __len__) overflowed the reply's header,
+    and the judge read "malformed data"; a traceback without the ServerFork this process unwinds by."""
+    from attncheck.errors import as_raised, bounded, clean
 
-    return {"error": {"kind": kind, "message": clean(exc), "location": clean(getattr(exc, "location", None) or ""),
-                      "traceback": clean(getattr(exc, "traceback", "") or traceback.format_exc()), "raised": clean(getattr(exc, "raised", ""))}}  # fmt: skip
+    text = getattr(exc, "traceback", "") or "".join(traceback.format_exception(as_raised(exc))).rstrip()
+    return {"error": {"kind": kind, "message": bounded(clean(exc)), "location": clean(getattr(exc, "location", None) or ""),
+                      "traceback": bounded(clean(text)), "raised": clean(getattr(exc, "raised", ""))}}  # fmt: skip
 
 
 def flush(streams: tuple[Any, ...]) -> None:

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 # A user's value or a candidate's message is echoed in at most this many characters.
 QUOTE_LIMIT = 80
+# A candidate's traceback (or any error text its process sends the judge) is kept to this many
+# characters, head and tail: a reply's header holds at most 4 MB (attncheck.channel.MAX_HEADER).
+TEXT_LIMIT = 64 << 10
 
 
 # Characters a candidate's text may not carry to a terminal, a log or XML: C0 and C1 controls
@@ -38,6 +41,13 @@ def shorten(text: str, limit: int = QUOTE_LIMIT) -> str:
     if len(text) <= limit:
         return text
     return f"{text[: limit - 1]}… ({len(text):,} characters)"
+
+
+def bounded(text: str, limit: int = TEXT_LIMIT) -> str:
+    """`text` whole up to `limit` characters, else its head and tail with how much was left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit // 2]}\n... ({len(text) - limit:,} characters left out) ...\n{text[-(limit // 2):]}"
 
 
 def nearest(name: str, known: Sequence[str], cutoff: float = 0.6) -> str | None:

@@ -307,3 +307,19 @@ def test_what_a_candidate_printed_before_it_raised_is_kept(tmp_path):
     for command in ("forward", "grad"):
         report = attncheck.check(None, command, impl=f"{tmp_path / 'prints.py'}:Prints")
         assert report.verdict == "fail" and any("the candidate printed: DEBUG: shapes look fine" in n for n in report.notes), (command, report.notes)
+
+
+def test_a_huge_message_that_escapes_the_candidates_calls_is_bounded_too(tmp_path):
+    # Raised by an output NumPy cannot convert, or by a returned tuple's __len__ (the process then
+    # broke): the message went whole into the reply, which read "malformed data" as before the
+    # bound on tracebacks; the broken one's traceback ended in ServerFork.
+    (tmp_path / "escapes.py").write_text(
+        "from attncheck.reference import MultiheadAttention\n\n\nclass Unconvertible:\n    shape, dtype = (2, 5, 24), 'float32'\n\n"
+        "    def __array__(self, *args, **kwargs):\n        raise ValueError('Z' * 5_000_000)\n\n\n"
+        "class Pair(tuple):\n    def __len__(self):\n        raise ValueError('Z' * 3_000_000)\n\n\n"
+        "class Converts(MultiheadAttention):\n    def forward(self, *args, **kwargs):\n        return Unconvertible(), None\n\n\n"
+        "class Counts(MultiheadAttention):\n    def forward(self, *args, **kwargs):\n        return Pair(super().forward(*args, **kwargs))\n")  # fmt: skip
+    for name, said in (("Converts", "that NumPy cannot convert: ValueError: ZZZ"), ("Counts", "the candidate's process broke during forward(): ZZZ")):
+        (row,) = attncheck.check(None, "forward", impl=f"{tmp_path / 'escapes.py'}:{name}").failures
+        assert said in row.note and "malformed" not in row.note and len(row.note) < 1000, (name, row.note[:300])
+        assert len(row.traceback) < 70_000 and "ServerFork" not in row.traceback, name
