@@ -270,7 +270,10 @@ def failure_key(report: Report) -> tuple:
     bad = [r for r in report.rows if r.status in (FAIL, INCONCLUSIVE)]
     # A call that failed raising nothing (it exited, its reply was unreadable) is told apart by its note
     said = lambda r: r.raised or (r.note if r.reason in (Reason.CALL, Reason.TIMEOUT) else "")  # noqa: E731
-    return report.command, report.verdict, tuple((r.section, str(r.quantity), r.reason, re.sub(r"\d+", "#", said(r))) for r in bad)
+    # A number is one "#" however written: a timeout of 60 s and of 60.1 s (timeout_for grows with
+    # the logits), a header of 600,960 bytes and of 6,000,960 are one failure
+    return report.command, report.verdict, tuple((r.section, str(r.quantity), r.reason, re.sub(r"\d+(?:[.,]\d+)*(?:e[+-]?\d+)?", "#", said(r)))
+                                                 for r in bad)  # fmt: skip
 
 
 def distinct_failures(reports: list[Report]) -> list[list[Report]]:

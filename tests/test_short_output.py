@@ -291,3 +291,16 @@ def test_calls_that_failed_raising_nothing_are_told_apart_by_their_notes():
     again = report("exit1", "forward")
     again.rows.append(Row("forward", "candidate", FAIL, reason=Reason.CALL, note="the candidate's process exited with code 1"))
     assert failure_key(again) == failure_key(exited)  # digits aside, one failure
+
+
+def test_calls_that_hung_alike_are_one_failure_whatever_their_limit():
+    # timeout_for grows with a case's logits: the default suite's float16-long allows 60.1 s where
+    # the others allow 60 s, and "#.# s" against "# s" split one hang into two failures.
+    from attncheck.report import Reason
+
+    hung = [report(name, "forward") for name in ("basic", "float16-long")]
+    for r, limit in zip(hung, ("60", "60.1")):
+        r.rows.append(Row("forward", "candidate", FAIL, reason=Reason.TIMEOUT,
+                          note=f"no answer in {limit} s during forward(): the candidate's process was killed"))  # fmt: skip
+    assert failure_key(hung[0]) == failure_key(hung[1])
+    assert len(distinct_failures(hung)) == 1
