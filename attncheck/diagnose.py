@@ -521,7 +521,7 @@ def _where(c, x, allowed, layout: Layout, cfg: Config, masks: Masks | None) -> l
     if (nan_c & ~nan_x).any():
         findings.append(f"NaN in {int((nan_c & ~nan_x).sum())} place{'s' if (nan_c & ~nan_x).sum() != 1 else ''} where torch has a number")
     if (nan_x & ~nan_c).any():
-        findings.append(f"a number in {int((nan_x & ~nan_c).sum())} places where torch has NaN")
+        findings.append(f"a number in {int((nan_x & ~nan_c).sum())} place{'s' if (nan_x & ~nan_c).sum() != 1 else ''} where torch has NaN")
     if int(bad.sum()) < MIN_CONFINED:
         return findings  # too few to be confined anywhere by more than chance
     blocks = _head_blocks(err, layout, cfg)
