@@ -248,7 +248,11 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
     from attncheck import torch_side
 
     cfg, kind, rows = p.cfg, kind_of(p.cfg), []
-    for name, off in kind.option_switches(cfg):
+    switches = kind.option_switches(cfg)
+    if not switches and not kind.takes_dropout:
+        return rows
+    o_on = _oracle(cfg, w) if o_out is None else o_out  # once: every option and dropout compare with it
+    for name, off in switches:
         label = f"options: {name}"
         cfg_off = cfg.model_copy(update=off)
         w_off = make_workload(cfg_off)
@@ -259,7 +263,6 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
         for undefined in (w.undefined, w_off.undefined):
             if undefined is not None:
                 defined = ~undefined if defined is None else defined & ~undefined
-        o_on = _oracle(cfg, w) if o_out is None else o_out
         o_off = _oracle(cfg_off, w_off)
         told = _largest_difference(o_on, o_off, defined)
         t_off, _ = torch_side.forward(cfg_off, w_off)
@@ -276,13 +279,13 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
             rows.append(_call_failed("options", label, f"the same call with {name} off", err))
             continue
         if not _finite_where(defined, p.first["output"], out_off):  # left out of the difference, which would read 0 apart
-            which = f"its output (the check's own rows judge it)" if not _finite_where(defined, p.first["output"]) else \
+            which = "its output (the check's own rows judge it)" if not _finite_where(defined, p.first["output"]) else \
                 f"its output with {name} off"
             rows.append(_row("options", label, INFO, f"{which} is NaN or inf where it has a defined value: nothing to compare"))
             continue
         moved = _largest_difference(p.first["output"], out_off, defined)
         if moved <= p.budget:
-            other = f"; a causal mask of the other alignment looks the same where L != S" if name == "causal" else ""
+            other = "; a causal mask of the other alignment looks the same where L != S" if name == "causal" else ""
             rows.append(_row("options", label, FAIL, f"ignores {name}: its outputs with {name} and without are the same, {moved:.3g} apart, "
                              f"within the budget ({p.budget:.3g}), where the oracle's differ by {told:.3g}{other}",
                              reason=Reason.VALUES))  # fmt: skip
@@ -290,7 +293,7 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
             rows.append(_row("options", label, PASS, f"{name} changes the output by {moved:.3g} (the oracle's: {told:.3g}; "
                              f"budget {p.budget:.3g})"))  # fmt: skip
     if kind.takes_dropout:
-        rows.append(_dropout(p, w, _oracle(cfg, w) if o_out is None else o_out, t_out, rule))
+        rows.append(_dropout(p, w, o_on, t_out, rule))
     return rows
 
 
