@@ -214,7 +214,8 @@ def test_a_gradient_autograd_does_not_reach_says_autograd_not_backward():
     import torch
 
     from attncheck.candidate import candidate_from_object
-    from attncheck.checks.grad import gradients_by, not_returned
+    from attncheck.checks.grad import not_returned
+    from attncheck.checks.run import by_autograd
     from attncheck.config import Config
 
     class Module(torch.nn.Module):
@@ -224,9 +225,9 @@ def test_a_gradient_autograd_does_not_reach_says_autograd_not_backward():
         def forward(self, query, key, value, **kw):
             return query, None
 
-    assert gradients_by(Config(), candidate_from_object(Module)) == "autograd"
-    assert gradients_by(Config(), None) == "backward()"
-    assert not_returned("grad", "out_proj.bias", False, "autograd").note == "no gradient through autograd"
+    assert by_autograd(Config(), candidate_from_object(Module)) is True
+    assert by_autograd(Config(), None) is False
+    assert not_returned("grad", "out_proj.bias", False, autograd=True).note == "no gradient through autograd"
     assert not_returned("grad", "out_proj.bias", False).note == "not returned by backward()"
 
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 
 from attncheck.candidate import Candidate
-from attncheck.checks.run import call_row, oracle_config, session_for
+from attncheck.checks.run import by_autograd, call_row, oracle_config, session_for
 from attncheck.compare import BUDGET_FLOOR, Evidence, decide
 from attncheck.config import Config
 from attncheck.errors import CandidateProblem, Unsupported
@@ -162,7 +162,7 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
     floor, BUDGET_FLOOR["float64"] of the check's largest gradient (`grad_scale`) per element of
     the direction.
     """
-    from attncheck.checks.grad import all_gradients, grad_quantities, gradients_by, not_returned, run_grad
+    from attncheck.checks.grad import all_gradients, grad_quantities, not_returned, run_grad
 
     cfg64 = oracle_config(cfg)
     session = session_for(cfg64, candidate, bulk=True)  # two forward calls per quantity, judged by their values
@@ -219,11 +219,12 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
         return losses
 
     rows, probes = [], []  # probes: (quantity, name, index) of the finite gradients to check
+    autograd = by_autograd(cfg, candidate)
     for name in shapes:
         g = grads.get(name)
         for quantity, index in grad_quantities(cfg, name, per_head=False):
             if g is None:
-                rows.append(not_returned("finite-diff", quantity, strict, gradients_by(cfg, candidate)))
+                rows.append(not_returned("finite-diff", quantity, strict, autograd))
             elif not np.isfinite(g[index]).all():
                 why = ("the NaN of a row with no allowed key reaches it, as in torch's standard path" if grads_nan
                        else "NaN or inf where torch's gradient is finite")  # fmt: skip

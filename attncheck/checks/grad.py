@@ -12,7 +12,7 @@ from attncheck.checks.calls import dtype_rows, finding_rows, repeat_rows
 from attncheck.checks.finite_diff import finite_difference_rows
 from attncheck.checks.forward import compare_output
 from attncheck.checks.rounding import floor_of, rounding_moves
-from attncheck.checks.run import CheckRun, oracle_config
+from attncheck.checks.run import CheckRun, by_autograd, oracle_config
 from attncheck.compare import Budget, compare, rule_for, with_logit_floor
 from attncheck.config import Config
 from attncheck.dtypes import HALF
@@ -67,19 +67,11 @@ def none_returned(section: str, names, what: str) -> Row:
     return Row(section, "gradients", INCONCLUSIVE, reason=Reason.MISSING, note=f"none of {', '.join(names)} was returned: {what}")
 
 
-def not_returned(section: str, quantity: Quantity | str, strict: bool, by: str = "backward()") -> Row:
-    """A gradient the candidate did not return: not provided, or a failure under `strict`. `by`:
-    gradients_by's, what computed the others."""
-    note = "no gradient through autograd" if by == "autograd" else f"not returned by {by}"
+def not_returned(section: str, quantity: Quantity | str, strict: bool, autograd: bool = False) -> Row:
+    """A gradient the candidate did not return: not provided, or a failure under `strict`.
+    `autograd`: its gradients are autograd's (run.by_autograd), not its backward()'s."""
+    note = "no gradient through autograd" if autograd else "not returned by backward()"
     return Row(section, quantity, FAIL if strict else NOT_PROVIDED, missing=True, reason=Reason.MISSING, note=note)
-
-
-def gradients_by(cfg: Config, candidate: Candidate | None) -> str:
-    """What computes a candidate's gradients: its backward(), or autograd (a torch or JAX class without one)."""
-    from attncheck.frameworks import framework_of
-
-    autograd = candidate is not None and candidate.class_without_backward and framework_of(cfg, candidate) in ("torch", "jax")
-    return "autograd" if autograd else "backward()"
 
 
 def all_gradients(cfg: Config, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
@@ -154,7 +146,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     report.rows.append(loss_row)
     report.losses.append(LossStep(0, loss, t.loss))
 
-    cand = all_gradients(cfg, grads)
+    cand, autograd = all_gradients(cfg, grads), by_autograd(cfg, candidate)
     # A candidate that gives NaN where no value is defined (accepted above) spreads it through its
     # backward, as torch's standard path does: its NaN gradients are then not judged, not wrong.
     spread = w.undefined is not None and bool(np.isnan(out[w.undefined]).any())
@@ -163,7 +155,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
         for quantity, index in grad_quantities(cfg, name, per_head):
             actual = cand.get(name)
             if actual is None:
-                report.rows.append(not_returned("grad", quantity, strict, gradients_by(cfg, candidate)))
+                report.rows.append(not_returned("grad", quantity, strict, autograd))
                 continue
             o = None if o_grads is None else o_grads[name][index]
             report.rows.append(compare("grad", quantity, actual[index], expected[index], grad_rule, oracle=o, scale=grad_scale,

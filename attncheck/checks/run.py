@@ -51,6 +51,12 @@ def session_for(cfg: Config, candidate: Candidate, bulk: bool = False) -> Sessio
     return make_session(cfg, candidate, bulk)
 
 
+def by_autograd(cfg: Config, candidate: Candidate | None) -> bool:
+    """Whether autograd (torch's, jax.vjp) computes the candidate's gradients: a torch or JAX class
+    without a backward of its own."""
+    return candidate is not None and candidate.class_without_backward and framework_of(cfg, candidate) in ("torch", "jax")
+
+
 def call_row(section: str, quantity: str, err: CandidateProblem) -> Row:
     """A candidate call that raised: a failure, or the feature declared unsupported."""
     unsupported = isinstance(err, Unsupported)
@@ -125,7 +131,7 @@ class CheckRun:
             # A NumPy kernel's gradients are its own backward's; a torch or JAX one's may be autograd's or a custom rule's.
             where_report(self.report, self.cfg, kind.where_axes, autodiff=False if self.report.framework == "numpy" else None)
         else:
-            autodiff = self.candidate is not None and self.candidate.class_without_backward and self.report.framework in ("torch", "jax")
-            diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun, autodiff=autodiff)
+            diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun,
+                            autodiff=by_autograd(self.cfg, self.candidate))  # fmt: skip
         self.report.seconds = time.perf_counter() - self.start
         return self.report

@@ -9,9 +9,9 @@ import numpy as np
 from attncheck import torch_side
 from attncheck.candidate import Candidate, Session
 from attncheck.checks.calls import dtype_rows, finding_rows
-from attncheck.checks.grad import NAN_SPREAD_REMEDY, grad_quantities, gradient_rounding, gradients_by, none_returned, not_returned
+from attncheck.checks.grad import NAN_SPREAD_REMEDY, grad_quantities, gradient_rounding, none_returned, not_returned
 from attncheck.checks.rounding import floor_of
-from attncheck.checks.run import CheckRun, oracle_config
+from attncheck.checks.run import CheckRun, by_autograd, oracle_config
 from attncheck.compare import compare, decide, measure, rule_for, sgd_rule
 from attncheck.config import Config
 from attncheck.dtypes import eps as machine_eps
@@ -134,6 +134,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
     # adding up to 1 / (1 - momentum) of it: after `step` steps, at most `reach * step` floors.
     reach = cfg.lr / (1.0 - cfg.momentum) if cfg.momentum < 1 else cfg.lr
     last, why = judged_steps(cfg, w, t, oracle)
+    autograd = by_autograd(cfg, candidate)
     for name in t.params[0]:
         for quantity, index in grad_quantities(cfg, name, per_head=False):
             first_bad, row = None, None
@@ -149,7 +150,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
             if first_bad is None and name not in mine.updated:
                 # Unmoved, as torch leaves a parameter with no gradient, and still within the rule
                 # of torch's moved weights (bfloat16 at lr 0.1): that agreement judged no gradient.
-                row = not_returned("sgd", quantity, strict=False, by=gradients_by(cfg, candidate))
+                row = not_returned("sgd", quantity, strict=False, autograd=autograd)
                 # The row names the weight, so such rows share one line of notes (render.details).
                 row.note += (", so never updated; torch's steps move these weights by less than the rule allows here, "
                              "so agreeing with torch's judged no gradient")  # fmt: skip
@@ -157,7 +158,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
                 continue
             if name not in mine.updated:
                 # Failed because it never moved: say so, or the row reads as a wrong update.
-                row.note = (row.note + "; " if row.note else "") + f"`{name}` was never updated: " + ("autograd gave" if gradients_by(cfg, candidate) == "autograd" else "backward() returned") + " no gradient for it"
+                row.note = (row.note + "; " if row.note else "") + f"`{name}` was never updated: {'autograd gave' if autograd else 'backward() returned'} no gradient for it"
             if first_bad is None and last < n:
                 row.note = (row.note + "; " if row.note else "") + f"judged at steps 1-{last} of {n}"
             report.rows.append(decide(row, first_failing_step=first_bad))
