@@ -226,11 +226,16 @@ def losses_table(report: Report) -> Table | None:
     return table
 
 
+def verdict_word(report: Report) -> str:
+    """A check's verdict in capitals, or NOT RUN for one that was not run (an inconclusive verdict too)."""
+    return "NOT RUN" if report.not_run else report.verdict.value.upper()
+
+
 def verdict(report: Report) -> Text:
     compared = [r for r in report.rows if r.status in (PASS, FAIL)]
     failed = report.failures
     v = report.verdict
-    text = Text("NOT RUN" if report.not_run else v.value.upper(), style=STATUS_STYLE[v])
+    text = Text(verdict_word(report), style=STATUS_STYLE[v])
     if report.not_run:
         text.append("  its candidate gave no answer in the checks before it (see the row's note)")
     elif failed:

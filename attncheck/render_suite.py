@@ -13,18 +13,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Column, Table
 from rich.text import Text
 
-from attncheck.render import REASON_WORDS, STATUS_STYLE, fmt, report_parts
+from attncheck.render import REASON_WORDS, STATUS_STYLE, fmt, report_parts, verdict_word
 from attncheck.report import FAIL, INCONCLUSIVE, INFO, PASS, SKIPPED, UNSUPPORTED, Capability, Reason, Report, SuiteResult, capabilities, case_verdict
 
 
 def progress_line(done: int, total: int, report: Report) -> str:
     """One plain line per finished check, for logs: `[3/40] case-name forward PASS 0.01s`."""
-    return f"[{done}/{total}] {report.name} {report.command} {_verdict_word(report)} {report.seconds:.2f}s"
-
-
-def _verdict_word(report: Report) -> str:
-    """A check's verdict in capitals, or NOT RUN for one that was not run (an inconclusive verdict too)."""
-    return "NOT RUN" if report.not_run else report.verdict.value.upper()
+    return f"[{done}/{total}] {report.name} {report.command} {verdict_word(report)} {report.seconds:.2f}s"
 
 
 # Up to this many cases a suite's summary has a line per case; beyond, counts per command.
@@ -216,7 +211,7 @@ def check_rows(reports: list[Report]) -> Table:
             "" if worst is None else fmt(worst.max_abs),
             "" if worst is None else (fmt(worst.allowed) or worst.rule),
             "" if worst is None or worst.ratio is None else f"{worst.ratio:.2g}x",
-            Text(_verdict_word(report), style=STATUS_STYLE[status]),
+            Text(verdict_word(report), style=STATUS_STYLE[status]),
             f"{report.seconds:.2f}s",
         )
     return table
