@@ -55,12 +55,16 @@ def load_suite(path: str | Path | None, module: str | None = None) -> Suite:
     """Load a suite from a YAML file; a plain config file is a suite of one case; None is the
     embedded default suite (a case per feature).
 
-    `module` (the command line's --module): with no file, the embedded default suite of that
-    module; with one, every case must check that module (a UsageError names the first that does not).
+    `module` (the command line's --module, attncheck.cases' module=): with no file, the embedded
+    default suite of that module; with one, every case must check that module (a UsageError names
+    the first that does not). A module attncheck has no kind for is a UsageError naming those it has.
     """
-    if path is None and module is not None:
+    if module is not None:
         from attncheck.kinds import kinds
 
+        if module not in kinds():
+            raise UsageError(f"module {module!r}: expected one of {', '.join(kinds())}")
+    if path is None and module is not None:
         embedded = kinds()[module].default_suite  # a kind with a default suite of its own
         if embedded is not None:
             filename, source, name = embedded
