@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attncheck.dtypes import HALF, eps
+from attncheck.errors import counted
 from attncheck.report import FAIL, INCONCLUSIVE, NOT_PROVIDED, PASS, Quantity, Reason, Row
 
 # (kind, dtype) -> (atol, rtol) for the fixed rule.
@@ -320,9 +321,8 @@ def measure(
         row.reason = Reason.VALUES if bad.any() else Reason.NAN
     notes = []
     if nan_wrong.any():
-        places = lambda n: f"{n} place{'s' if n != 1 else ''}"  # noqa: E731
-        notes.append(f"NaN in {places(int((nan_a & finite_e & ~accepted).sum()))} torch has none, "
-                     f"missing in {places(int((explained & ~nan_a).sum()))} torch has NaN")
+        notes.append(f"NaN in {counted(int((nan_a & finite_e & ~accepted).sum()), 'place')} torch has none, "
+                     f"missing in {counted(int((explained & ~nan_a).sum()), 'place')} torch has NaN")
     if spread.any():
         notes.append(f"NaN at {int(spread.sum())} of {row.numel} elements, spread from the NaN the candidate gives where no value is defined: not judged there")
     if (~finite_e & ~explained).any():

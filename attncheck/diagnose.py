@@ -36,6 +36,7 @@ import numpy as np
 
 from attncheck.config import Config
 from attncheck.dtypes import HALF
+from attncheck.errors import counted
 from attncheck.inputs import make_attn_mask, make_key_padding_mask
 from attncheck.kinds import kind_of
 from attncheck.masks import attn_by_head, blocked, padding_by_head
@@ -46,9 +47,8 @@ from attncheck.suspects import FIT_RTOL, Rerun, Suspects, fits
 NAME_RTOL = 2e-3
 # Index lists longer than this are summarized as a count.
 MAX_LISTED = 6
-# "only in X" is said when the slices the error spares stay within this fraction of the allowance
-# (a real confinement leaves them at torch's own rounding, a few hundredths of it; the corpus in
-# tests/test_diagnose.py keeps every "only in" it expects with this).
+# "only in X" is said when the slices the error spares stay within this fraction of the allowance (a real confinement
+# leaves them at torch's own rounding, a few hundredths of it; tests/test_diagnose.py's corpus keeps every "only in" with this).
 SPARED_CLEAN = 0.5
 # A factor is a pattern only this far from 1: nearer, "candidate = 1 x expected" names nothing.
 MIN_FACTOR_GAP = 0.01
@@ -519,9 +519,9 @@ def _where(c, x, allowed, layout: Layout, cfg: Config, masks: Masks | None) -> l
         return []
     findings = []
     if (nan_c & ~nan_x).any():
-        findings.append(f"NaN in {int((nan_c & ~nan_x).sum())} place{'s' if (nan_c & ~nan_x).sum() != 1 else ''} where torch has a number")
+        findings.append(f"NaN in {counted(int((nan_c & ~nan_x).sum()), 'place')} where torch has a number")
     if (nan_x & ~nan_c).any():
-        findings.append(f"a number in {int((nan_x & ~nan_c).sum())} place{'s' if (nan_x & ~nan_c).sum() != 1 else ''} where torch has NaN")
+        findings.append(f"a number in {counted(int((nan_x & ~nan_c).sum()), 'place')} where torch has NaN")
     if int(bad.sum()) < MIN_CONFINED:
         return findings  # too few to be confined anywhere by more than chance
     blocks = _head_blocks(err, layout, cfg)

@@ -35,6 +35,11 @@ def clean(text: object, *, lines: bool = True) -> str:
     return text.encode("utf-8", "replace").decode("utf-8").translate(table)
 
 
+def counted(n: int, word: str) -> str:
+    """`1 case`, `3 cases`: a count and its word, singular for one (a regular plural)."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def shorten(text: str, limit: int = QUOTE_LIMIT) -> str:
     """`text` cut to `limit` characters with an ellipsis and the full length, on one line."""
     text = " ".join(str(text).split())

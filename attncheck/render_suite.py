@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Column, Table
 from rich.text import Text
 
+from attncheck.errors import counted
 from attncheck.render import REASON_WORDS, STATUS_STYLE, fmt, report_parts, verdict_word
 from attncheck.report import FAIL, INCONCLUSIVE, INFO, PASS, SKIPPED, UNSUPPORTED, Capability, Reason, Report, SuiteResult, capabilities, case_verdict
 
@@ -242,7 +243,7 @@ def suite_verdict(result: SuiteResult) -> Text:
             if v is INCONCLUSIVE and not_run:
                 text.append(" (not run)" if not_run == counts[v] else f" ({not_run} not run)")
     if result.skipped:
-        text.append(f"; {len(result.skipped)} case{'s' if len(result.skipped) != 1 else ''} skipped", style="dim")
+        text.append(f"; {counted(len(result.skipped), 'case')} skipped", style="dim")
     text.append(f"  [{result.seconds:.2f}s]", style="dim")
     return text
 
@@ -296,7 +297,7 @@ def _failure_title(group: list[Report]) -> Text:
     cases = [r.name for r in group]
     named = ", ".join(cases[:CASES_NAMED]) + (f" and {len(cases) - CASES_NAMED} more" if len(cases) > CASES_NAMED else "")
     title = Text("not run" if first.not_run else first.verdict.label, style=STATUS_STYLE[first.verdict])
-    title.append(f"  {first.command} in {len(cases)} case{'s' if len(cases) != 1 else ''} ({named}): ", style="bold")
+    title.append(f"  {first.command} in {counted(len(cases), 'case')} ({named}): ", style="bold")
     title.append(what or "no quantity")
     return title
 
@@ -308,7 +309,7 @@ def print_failures(reports: list[Report], console: Console, *, tracebacks: bool 
     if not groups:
         return
     checks = sum(map(len, groups))
-    console.print(Text(f"{checks} check{'s' if checks != 1 else ''} did not pass: {len(groups)} distinct failure{'s' if len(groups) != 1 else ''}, "
+    console.print(Text(f"{counted(checks, 'check')} did not pass: {counted(len(groups), 'distinct failure')}, "
                        "each shown for its first case while space lasts (--verbose shows every check in full)", style="bold"))  # fmt: skip
     used, full = 0, True
     for group in groups:

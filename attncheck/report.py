@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
-from attncheck.errors import CandidateTimeout
+from attncheck.errors import CandidateTimeout, counted
 
 if TYPE_CHECKING:
     from attncheck.config import Case, Config
@@ -392,7 +392,7 @@ class SuiteResult:
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{n} {v}" for v, n in self.counts().items() if n)
-        skipped = f", {len(self.skipped)} case{'s' if len(self.skipped) != 1 else ''} skipped" if self.skipped else ""
+        skipped = f", {counted(len(self.skipped), 'case')} skipped" if self.skipped else ""
         return f"<SuiteResult {self.name!r}: {self.verdict}, {len(self.reports)} checks ({counts or 'none'}){skipped}>"
 
     @property
