@@ -315,8 +315,7 @@ def run_job(job: Job, options: dict[str, Any], keep_evidence: bool = False, hung
         # terminal. On every thread of this process while the check runs (the oracle's workers too).
         warnings.filterwarnings("ignore", message=FLOATING_POINT_WARNINGS, category=RuntimeWarning)
         candidate = _candidate(job.impl, job.impl_origin)
-        report = run_check(job.command, job.config, candidate, not_run_because=why,
-                           **options)  # fmt: skip
+        report = run_check(job.command, job.config, candidate, not_run_because=why, **options)
     if not keep_evidence:
         for row in report.rows:
             row.evidence = None

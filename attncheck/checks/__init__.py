@@ -38,8 +38,8 @@ def run_check(command: str, cfg: Config, candidate: Candidate | None = None, *, 
     command that needs gradients for a candidate known to have no backward (a NumPy class
     without one), and a case that checks what the candidate declares it does not implement (the
     other causal alignment: a kernel is told is_causal=True for either, so it cannot be asked for
-    the one it does not declare). Else, with
-    `not_run_because`, the check is not run (its candidate hung before: attncheck.suite.HungChecks)."""
+    the one it does not declare). Else, with `not_run_because`, the check is not run (its
+    candidate hung before: attncheck.suite.HungChecks)."""
     which = command_named(command)
     reason = unsupported_before_any_call(command, cfg, candidate)
     if reason is not None:
