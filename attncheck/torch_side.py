@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from attncheck import expectations
 from attncheck.config import Config
 from attncheck.dtypes import BFLOAT16
 from attncheck.errors import UsageError
@@ -210,6 +211,7 @@ def _loss(cfg: Config, w: Workload, out: torch.Tensor, second: torch.Tensor | No
     return loss
 
 
+@expectations.once
 @_on_config_threads
 def forward(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
     """torch's output and weights on its standard path (training mode, dropout 0)."""
@@ -224,6 +226,7 @@ def fast_path_blocker(cfg: Config) -> str | None:
     return kind_of(cfg).fast_path_blocker(cfg)
 
 
+@expectations.once
 @_on_config_threads
 def forward_fast_path(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
     """torch's output and weights in eval() under no_grad(), where it takes the fast path."""
@@ -244,6 +247,7 @@ class GradResult:
     second: np.ndarray | None = None  # the LSE where it is in the loss
 
 
+@expectations.once
 @_on_config_threads
 def grad(cfg: Config, w: Workload) -> GradResult:
     """Forward, the config's loss and autograd gradients of every parameter and input, on a path
@@ -268,6 +272,7 @@ class SGDResult:
     final_loss: float = float("nan")
 
 
+@expectations.once(also=lambda: DIRECT_SGD_UPDATE)
 @_on_config_threads
 def sgd(cfg: Config, w: Workload) -> SGDResult:
     """`steps` full training steps with torch.optim.SGD's update on the same batch (on the path of `grad`)."""

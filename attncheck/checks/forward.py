@@ -9,7 +9,7 @@ from attncheck import torch_side
 from attncheck.candidate import Candidate
 from attncheck.checks import probes
 from attncheck.checks.calls import dtype_rows, finding_rows, repeat_rows
-from attncheck.checks.run import CheckRun
+from attncheck.checks.run import CheckRun, oracle_forward
 from attncheck.compare import compare, rule_for, with_logit_floor
 from attncheck.config import Config
 from attncheck.errors import CandidateProblem
@@ -29,12 +29,8 @@ def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bo
     rule = rule_for(cfg, "forward")
     o_out = o_weights = None
     if rule.needs_oracle:
-        oracle = run.oracle_session()
-        w64 = w.astype(np.float64)
-        oracle_obj = oracle.build(w64.params)
-        o_out, o_weights = oracle.forward(oracle_obj, w64)
-        rule = with_logit_floor(rule, cfg, getattr(oracle_obj, "logit_magnitude", None))  # the layer reference has none
-        del oracle_obj  # its saved state (probabilities, at long sequences) need not outlive its run
+        o_out, o_weights, logits = oracle_forward(cfg, w)
+        rule = with_logit_floor(rule, cfg, logits)
     session = run.session()
     try:
         obj = session.build(w.params)

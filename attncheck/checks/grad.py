@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from attncheck import torch_side
+from attncheck import expectations, torch_side
 from attncheck.candidate import Candidate, Session
 from attncheck.checks import probes
 from attncheck.checks.calls import dtype_rows, finding_rows, repeat_rows
 from attncheck.checks.finite_diff import finite_difference_rows
 from attncheck.checks.forward import compare_output
 from attncheck.checks.rounding import floor_of, rounding_moves
-from attncheck.checks.run import CheckRun, by_autograd, oracle_config
+from attncheck.checks.run import CheckRun, by_autograd, oracle_config, oracle_session
 from attncheck.compare import Budget, compare, rule_for, with_logit_floor
 from attncheck.config import Config
 from attncheck.dtypes import HALF
@@ -104,6 +104,18 @@ def gradient_rounding(cfg: Config, rule, oracle_session: Session, w64: Workload,
     return rounding_moves(cfg.dtype, w64, gradients_at, all_gradients(cfg, oracle_grads))
 
 
+@expectations.once
+def oracle_gradients(cfg: Config, w64: Workload) -> tuple[tuple, float, dict[str, np.ndarray]]:
+    """The float64 oracle's (output, loss, gradients) on the workload, the magnitude of its logits
+    (0 from the layer's reference, which has none) and what rounding moves each gradient by."""
+    session = oracle_session(cfg)
+    obj = session.build(w64.params)
+    oracle = run_grad(session, oracle_config(cfg), w64, obj)
+    logits = getattr(obj, "logit_magnitude", None) or 0.0
+    del obj  # its saved state (probabilities, at long sequences) need not outlive its run
+    return oracle, logits, gradient_rounding(cfg, rule_for(cfg, "grad"), session, w64, oracle[2])
+
+
 def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: bool = False, strict: bool = False) -> Report:
     """Every gradient of the candidate against torch autograd, and against finite differences."""
     run = CheckRun.begin("grad", cfg, candidate)
@@ -115,13 +127,8 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     oracle, moves, logits = None, {}, 0.0
     w64 = w.astype(np.float64)
     if grad_rule.needs_oracle or cfg.dtype != "float64":  # the finite differences reuse it below
-        oracle_session = run.oracle_session()
-        oracle_obj = oracle_session.build(w64.params)
-        oracle = run_grad(oracle_session, oracle_config(cfg), w64, oracle_obj)
-        logits = getattr(oracle_obj, "logit_magnitude", None) or 0.0  # the layer reference has none
+        oracle, logits, moves = oracle_gradients(cfg, w64)
         forward_rule = with_logit_floor(forward_rule, cfg, logits)
-        del oracle_obj  # its saved state (probabilities, at long sequences) need not outlive its run
-        moves = gradient_rounding(cfg, grad_rule, oracle_session, w64, oracle[2])
 
     session = run.session()
     try:

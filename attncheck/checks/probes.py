@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from attncheck.candidate import LAYOUTS, PAD, Session, laid_out, reference_for
-from attncheck.checks.run import CheckRun, oracle_config, session_for
+from attncheck.candidate import LAYOUTS, PAD, Session, laid_out
+from attncheck.checks.run import CheckRun, oracle_forward, session_for
 from attncheck.compare import Fixed, Rule, measure
 from attncheck.errors import CandidateProblem, CandidateTimeout, Unsupported
 from attncheck.frameworks import framework_of
@@ -356,9 +356,7 @@ def _finite_where(defined: np.ndarray | None, *outputs: np.ndarray) -> bool:
 
 def _oracle(cfg, w) -> np.ndarray:
     """The float64 oracle's output for a config and its workload."""
-    oracle = Session(oracle_config(cfg), reference_for(cfg))
-    w64 = w.astype(np.float64)
-    return oracle.build_and_forward(w64)[0]
+    return oracle_forward(cfg, w)[0]
 
 
 # ----------------------------------------------------------------------------------- the checks

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from attncheck import torch_side
+from attncheck import expectations, torch_side
 from attncheck.candidate import Candidate, Session, make_session, reference_for
 from attncheck.config import Config
 from attncheck.dtypes import HALF
@@ -38,6 +38,22 @@ HALF_LARGE_NOTE = (f"half precision at input_scale above {HALF_MEASURED_SCALE:g}
 def oracle_config(cfg: Config) -> Config:
     """The config the float64 oracle runs: the same check in float64."""
     return cfg.model_copy(update={"dtype": "float64"})
+
+
+@expectations.once
+def oracle_forward(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None, float | None]:
+    """The float64 oracle's output and second output (weights or LSE) on the workload, and the
+    magnitude of its logits (None from a reference that has none: the layer's)."""
+    oracle = Session(oracle_config(cfg), reference_for(cfg))
+    w64 = w.astype(np.float64)
+    obj = oracle.build(w64.params)
+    out, second = oracle.forward(obj, w64)
+    return out, second, getattr(obj, "logit_magnitude", None)
+
+
+def oracle_session(cfg: Config) -> Session:
+    """The float64 oracle: the config's module's NumPy reference, run in float64."""
+    return Session(oracle_config(cfg), reference_for(cfg))
 
 
 def session_for(cfg: Config, candidate: Candidate, bulk: bool = False) -> Session:
@@ -92,10 +108,6 @@ class CheckRun:
         if masked.any():
             report.notes.append(kind_of(cfg).masking_note(cfg, int(masked.sum()), masked.size))
         return cls(command, cfg, candidate, report, w, masked, start)
-
-    def oracle_session(self) -> Session:
-        """The float64 oracle: the config's module's NumPy reference, run in float64."""
-        return Session(oracle_config(self.cfg), reference_for(self.cfg))
 
     def rerun(self, factory, **masks) -> tuple[np.ndarray, np.ndarray | None] | None:
         """The float64 oracle's (output, weights) on this workload, computed by another module or

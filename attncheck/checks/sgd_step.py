@@ -6,12 +6,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from attncheck import torch_side
+from attncheck import expectations, torch_side
 from attncheck.candidate import Candidate, Session
 from attncheck.checks.calls import dtype_rows, finding_rows
 from attncheck.checks.grad import NAN_SPREAD_REMEDY, grad_quantities, gradient_rounding, none_returned, not_returned
 from attncheck.checks.rounding import floor_of
-from attncheck.checks.run import CheckRun, by_autograd, oracle_config
+from attncheck.checks.run import CheckRun, by_autograd, oracle_config, oracle_session
 from attncheck.compare import compare, decide, measure, rule_for, sgd_rule
 from attncheck.config import Config
 from attncheck.dtypes import eps as machine_eps
@@ -109,6 +109,15 @@ def judged_steps(cfg: Config, w: Workload, t, oracle: Trajectory | None) -> tupl
     return cfg.steps, ""
 
 
+@expectations.once
+def oracle_trajectory(cfg: Config, w64: Workload) -> tuple[Trajectory, dict[str, np.ndarray]]:
+    """The float64 oracle trained by attncheck's own SGD (always), and what rounding moves each
+    first gradient by."""
+    session = oracle_session(cfg)
+    oracle = train(session, oracle_config(cfg), w64)
+    return oracle, gradient_rounding(cfg, rule_for(cfg, "sgd"), session, w64, oracle.first_grads)
+
+
 def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
     """Weights after `steps` SGD steps of the candidate against torch.optim.SGD."""
     run = CheckRun.begin("sgd-step", cfg, candidate)
@@ -116,12 +125,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
     t = torch_side.sgd(cfg, w)
     other_cfg = kind_of(cfg).other_gradient_path(cfg, w)
     t_alt = None if other_cfg is None else torch_side.sgd(other_cfg, w)  # torch's other path (compare.measure's `also`)
-    oracle, moves = None, {}
-    if rule_for(cfg, "sgd").needs_oracle:
-        w64 = w.astype(np.float64)
-        oracle_session = run.oracle_session()
-        oracle = train(oracle_session, oracle_config(cfg), w64)  # attncheck's own SGD, always
-        moves = gradient_rounding(cfg, rule_for(cfg, "sgd"), oracle_session, w64, oracle.first_grads)
+    oracle, moves = oracle_trajectory(cfg, w.astype(np.float64)) if rule_for(cfg, "sgd").needs_oracle else (None, {})
     session = run.session()
     try:
         mine = train(session, cfg, w, run.candidate.optimizer or SGD)
