@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from attncheck.commands import COMMANDS
 from attncheck.config import Config
 from attncheck.diagnose import Layout, Masks, layout_of
 from attncheck.errors import UsageError
@@ -183,8 +184,15 @@ def figures(report: Report, *, every_row: bool = False) -> list[tuple[str, Any]]
         fig.suptitle(f"{row.section} {row.quantity}: {row.status.value.upper()}\n" + _wrap(facts, width), fontsize=9)
         if row.diagnosis:
             fig.supxlabel(_wrap("diagnosis: " + row.diagnosis, int(width * 1.3)), fontsize=7, x=0.01, ha="left")
-        out.append((f"{report.name}-{report.command}-{row.section}-{row.quantity}", fig))
+        out.append((_file_stem(report, row), fig))
     return out
+
+
+def _file_stem(report, row) -> str:
+    """case-command-quantity, with the section between where it is not the command's own:
+    basic-grad-in_proj_weight[q], basic-grad-forward-output, basic-grad-finite-diff-query."""
+    own = COMMANDS[report.command].section if report.command in COMMANDS else None
+    return "-".join([report.name, report.command, *([row.section] if row.section != own else []), str(row.quantity)])
 
 
 def _wrap(text: str, width: int) -> str:

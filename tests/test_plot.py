@@ -58,7 +58,7 @@ def test_a_key_padding_bug_shows_at_the_padded_columns():
 def test_one_figure_per_failing_quantity_with_a_panel_per_head():
     report = check(dict(average_attn_weights=False), "forward", impl=HeadsReversed)
     named = figures(report)
-    assert [name.split("-", 2)[2] for name, _ in named] == ["forward-attn_weights", "fast-path-attn_weights"]
+    assert [name.split("-", 2)[2] for name, _ in named] == ["attn_weights", "fast-path-attn_weights"]
     fig = named[0][1]
     images = [ax for ax in fig.axes if ax.get_images()]
     assert len(images) == 4
@@ -116,9 +116,9 @@ def test_files_in_a_directory(tmp_path):
     report = check(PER_HEAD_CAUSAL, "forward", impl=CausalOffByOne)
     written = write_plots([report], tmp_path / "plots")
     assert sorted(p.name for p in written) == sorted(
-        ["config-forward-forward-output.png", "config-forward-forward-attn_weights.png",
+        ["config-forward-output.png", "config-forward-attn_weights.png",
          "config-forward-fast-path-output.png", "config-forward-fast-path-attn_weights.png"])  # fmt: skip
-    height, width, _ = imread(tmp_path / "plots" / "config-forward-forward-attn_weights.png").shape
+    height, width, _ = imread(tmp_path / "plots" / "config-forward-attn_weights.png").shape
     assert width > 1000 and 300 < height < width  # four panels side by side
 
 
@@ -171,3 +171,10 @@ def test_ctrl_c_while_the_plots_are_drawn_leaves_no_file_and_says_so(tmp_path, m
                                  "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml")])  # fmt: skip
     assert result.exit_code == 130 and "interrupted; no output file was written" in result.output, result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_is_named_case_command_quantity_with_the_section_only_where_it_is_another(tmp_path):
+    report = check({"tgt_len": 4, "seed": 3}, "grad", impl=HeadTwoQGradZero)
+    names = sorted(p.name for p in write_plots([report], tmp_path / "plots"))
+    assert names and all(n.startswith("config-grad-") for n in names), names
+    assert names == ["config-grad-in_proj_weight_q.png"] and not [n for n in names if "grad-grad" in n], names
