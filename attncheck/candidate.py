@@ -187,7 +187,8 @@ def importable_spec(impl: Any) -> str | None:
 
 def _import_file(who: str, path: Path):
     if not path.is_file():
-        raise UsageError(f"{who}: no such file {str(path)!r}")
+        where = "" if path.is_absolute() else f" (from {os.getcwd()}: {str(path.resolve())!r})"
+        raise UsageError(f"{who}: no such file {str(path)!r}{where}")
     name = f"attncheck_candidate_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:

@@ -79,7 +79,8 @@ class Check:
             impl = _candidate(impl, self.config)
         case = Case(self.case, self.config, self.skip_reason, self.line, self.impl_line)
         suite = Suite(self.case, self.source, [case])
-        return prepare(suite, (self.command,), impl=impl).run(hung=_hung_checks()).reports[0]
+        origin = None if self.impl is None else "attncheck.cases()"  # else the case's own `impl`, placed in its file
+        return prepare(suite, (self.command,), impl=impl, impl_origin=origin).run(hung=_hung_checks()).reports[0]
 
     def assert_passed(self) -> None:
         """Pass, fail with the rows that did not pass, or skip (unsupported, or skipped by the suite):

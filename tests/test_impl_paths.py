@@ -4,6 +4,7 @@ the line that wrote it."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -95,3 +96,12 @@ def test_the_api_names_its_own_impl_argument_not_the_command_lines_option(projec
     # A new user's `attncheck.check(None, "forward", impl="nothere.py:X")` raised "--impl 'nothere.py:X': ...".
     with pytest.raises(UsageError, match=r"^attncheck\.check\(\): impl 'gone\.py:Candidate': no such file"):
         attncheck.check(None, "forward", impl="gone.py:Candidate")
+
+
+def test_cases_names_its_own_impl_argument_and_where_a_relative_path_led(project):
+    # A new user's `attncheck.cases(impl="../x.py:C")` from another folder failed with "--impl '../x.py:C': no such file".
+    [check, *_] = [p.values[0] for p in attncheck.cases(impl="../gone.py:Candidate", commands="forward")]
+    with pytest.raises(pytest.fail.Exception) as failed:
+        check.assert_passed()
+    expected = f"attncheck.cases(): impl '../gone.py:Candidate': no such file '../gone.py' (from {os.getcwd()}: '{Path('../gone.py').resolve()}')"
+    assert expected in str(failed.value), str(failed.value)
