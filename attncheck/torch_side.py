@@ -107,18 +107,38 @@ def threads_for(cfg: Config) -> int:
 
 
 def _on_config_threads(run):
-    """`run(cfg, w)` with torch on `threads_for(cfg)` threads, restored after."""
+    """`run(cfg, w)` with torch on `threads_for(cfg)` threads, restored after, and autocast off: a
+    caller's `torch.autocast` would run torch's side in its dtype (bfloat16 for a float32 config)."""
 
     @functools.wraps(run)
     def on_threads(cfg: Config, w: Workload):
         before = torch.get_num_threads()
         torch.set_num_threads(threads_for(cfg))
         try:
-            return run(cfg, w)
+            with torch.autocast(cfg.device, enabled=False):
+                return run(cfg, w)
         finally:
             torch.set_num_threads(before)
 
     return on_threads
+
+
+def settings() -> tuple:
+    """torch's process-wide switches that choose among its kernels for the same call, and so the
+    bits of its results: SDPA's backends (on CPU too: flash off moved need_weights: false's output),
+    TF32 and reduced-precision reductions on CUDA, deterministic algorithms. Read at each call of
+    the functions below, they are part of what `expectations.once` keys a result by, so a process
+    that changes one between checks (a test that turns a backend off) gets torch's results anew.
+    A switch this torch lacks reads None."""
+    cuda, matmul = torch.backends.cuda, torch.backends.cuda.matmul
+    read = lambda owner, name: getattr(owner, name, lambda: None)()  # noqa: E731
+    return (
+        read(cuda, "flash_sdp_enabled"), read(cuda, "mem_efficient_sdp_enabled"), read(cuda, "math_sdp_enabled"),
+        read(cuda, "cudnn_sdp_enabled"), read(cuda, "fp16_bf16_reduction_math_sdp_allowed"), torch.get_float32_matmul_precision(),
+        getattr(matmul, "allow_tf32", None), getattr(matmul, "allow_fp16_reduced_precision_reduction", None),
+        getattr(matmul, "allow_bf16_reduced_precision_reduction", None), getattr(torch.backends.cudnn, "allow_tf32", None),
+        torch.are_deterministic_algorithms_enabled(),
+    )  # fmt: skip
 
 
 def use_one_thread() -> None:
@@ -211,7 +231,7 @@ def _loss(cfg: Config, w: Workload, out: torch.Tensor, second: torch.Tensor | No
     return loss
 
 
-@expectations.once
+@expectations.once(also=settings)
 @_on_config_threads
 def forward(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
     """torch's output and weights on its standard path (training mode, dropout 0)."""
@@ -226,7 +246,7 @@ def fast_path_blocker(cfg: Config) -> str | None:
     return kind_of(cfg).fast_path_blocker(cfg)
 
 
-@expectations.once
+@expectations.once(also=settings)
 @_on_config_threads
 def forward_fast_path(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:
     """torch's output and weights in eval() under no_grad(), where it takes the fast path."""
@@ -247,7 +267,7 @@ class GradResult:
     second: np.ndarray | None = None  # the LSE where it is in the loss
 
 
-@expectations.once
+@expectations.once(also=settings)
 @_on_config_threads
 def grad(cfg: Config, w: Workload) -> GradResult:
     """Forward, the config's loss and autograd gradients of every parameter and input, on a path
@@ -272,7 +292,7 @@ class SGDResult:
     final_loss: float = float("nan")
 
 
-@expectations.once(also=lambda: DIRECT_SGD_UPDATE)
+@expectations.once(also=lambda: (DIRECT_SGD_UPDATE, settings()))
 @_on_config_threads
 def sgd(cfg: Config, w: Workload) -> SGDResult:
     """`steps` full training steps with torch.optim.SGD's update on the same batch (on the path of `grad`)."""

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from attncheck import expectations, torch_side
 from attncheck.candidate import Candidate, Session
@@ -100,6 +101,38 @@ def test_a_switch_named_by_also_is_part_of_the_key(monkeypatch):
     direct = torch_side.sgd(cfg, w)
     monkeypatch.setattr(torch_side, "DIRECT_SGD_UPDATE", False)
     assert torch_side.sgd(cfg, w) is not direct
+
+
+def test_a_check_under_a_callers_autocast_changes_no_later_check():
+    """torch's side runs with autocast off: a check inside a caller's torch.autocast (a test's
+    fixture) neither judges against bfloat16 results nor leaves them kept for the checks after it,
+    where they widened the budget 800-fold and passed Float16Probabilities."""
+    cfg = Config(seed=2)
+    bad = Candidate("bad", wrong_impls.Float16Probabilities)
+    assert run_check("forward", cfg, bad).failures
+    expectations.forget()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch_side.forward(cfg, make_workload(cfg))[0].dtype == np.float32
+        assert run_check("forward", cfg, bad).failures
+    assert run_check("forward", cfg, bad).failures
+
+
+def test_torchs_kernel_switches_are_part_of_the_key():
+    """With SDPA's flash backend off, torch's CPU output moves (need_weights: false takes SDPA):
+    what was kept with it on is not handed out."""
+    cfg = Config(seed=3, need_weights=False, tgt_len=64, embed_dim=64)
+    w = make_workload(cfg)
+    on = torch_side.forward(cfg, w)[0]
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        off = torch_side.forward(cfg, w)[0]
+        expectations.forget()
+        np.testing.assert_array_equal(off, torch_side.forward(cfg, w)[0])
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+    assert off is not on
+    assert not np.array_equal(off, on)  # else this case shows nothing
+    assert torch_side.forward(cfg, w)[0] is not off
 
 
 def test_the_least_recently_used_is_dropped_past_the_bound(monkeypatch):
