@@ -442,7 +442,7 @@ class Capability:
     unsupported: tuple[tuple[str, str, str], ...]  # (case, command, the candidate's reason)
     verdict: Status
     checks: tuple[tuple[str, str], ...] = ()  # every (case, command) of the feature
-    reported: tuple[str, ...] = ()  # a probe's: the cases whose row reported a difference (INFO) rather than judged one
+    reported: tuple[str, ...] = ()  # a probe's: the cases where its rows only reported (INFO), judging nothing
     skipped: tuple[str, ...] = ()  # a probe's: the cases where it had nothing to compare (one batch element, say)
     skipped_why: str = ""  # a probe that had nothing to compare in any case: why, where every case said the same
     not_run: tuple[tuple[str, str], ...] = ()  # (case, command) of the checks not run (Report.not_run): supported or not, unknown
@@ -488,7 +488,10 @@ def probe_capabilities(reports: list[Report]) -> list[Capability]:
     for probe, found in rows.items():
         cases = tuple(dict.fromkeys(r.name for r, _ in found))
         checks = tuple(dict.fromkeys((r.name, r.command) for r, _ in found))
-        reported = tuple(dict.fromkeys(r.name for r, row in found if row.status is INFO))
+        # Cases where the probe only reported: a case with a judged row (an option the options probe
+        # tells, beside a dropout_p it only reports) was judged.
+        judged = {r.name for r, row in found if row.status not in (INFO, SKIPPED)}
+        reported = tuple(dict.fromkeys(r.name for r, row in found if row.status is INFO and r.name not in judged))
         skipped = tuple(dict.fromkeys(r.name for r, row in found if row.status is SKIPPED))
         verdict = aggregate((row.status for _, row in found), unsupported="ignore")
         why = {row.note for _, row in found if row.status is SKIPPED}

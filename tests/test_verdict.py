@@ -170,6 +170,12 @@ def test_a_probe_that_only_reported_differences_is_info_not_inconclusive():
     assert mixed.verdict is PASS
     [failed] = probe_capabilities([probed("a", INFO), probed("b", FAIL)])
     assert failed.verdict is FAIL
+    # A case with a judged row beside a reported one was judged (a new user's kernel that refused
+    # dropout_p in every case: the options probe listed all 16 cases as "reported, not judged", FAIL).
+    both = probed("b", FAIL)
+    both.rows.append(Row("probe", "determinism", INFO, note="refused"))
+    [judged] = probe_capabilities([probed("a", INFO), both])
+    assert judged.verdict is FAIL and judged.reported == ("a",)
 
 
 def test_an_sgd_step_that_no_gradient_moved_is_never_a_pass():
