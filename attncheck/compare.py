@@ -295,9 +295,9 @@ def measure(
         row.candidate_error = float(cand_err.max()) if o.size else 0.0
         row.torch_error = float(torch_err.max()) if o.size else 0.0
         row.allowed = rule.factor * row.torch_error + max(rule.floor * scale, rounding)
-        if others and o.size:  # said only where this path's error alone would not have allowed the candidate's
-            own = float(np.where(np.isnan(own_err), np.inf, own_err).max())
-            other_wider = row.candidate_error > rule.factor * own + max(rule.floor * scale, rounding)
+        if others and o.size:  # said only where it decides: this path's error alone would not have allowed the
+            own = float(np.where(np.isnan(own_err), np.inf, own_err).max())  # candidate's, the least accurate's does
+            other_wider = rule.factor * own + max(rule.floor * scale, rounding) < row.candidate_error <= row.allowed
         row.rounding_floor = rounding or None
         row.ratio = _ratio(row.candidate_error, row.allowed)
         bad = cand_err > row.allowed

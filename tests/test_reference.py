@@ -94,7 +94,9 @@ def test_the_standard_paths_allowance_is_noted_only_where_it_decided():
     beyond = measure("fast-path", "output", o + 1.0, fast, rule, oracle=o, also=(standard,))
     assert not inside.mismatched and "another of torch's paths" not in inside.note
     assert not wider.mismatched and "another of torch's paths" in wider.note  # 1e-2 > 2 x 1e-3: the standard path's allowance let it in
-    assert beyond.mismatched and "another of torch's paths" in beyond.note  # what it was allowed, and why that much
+    # Failing either way: the allowance decided nothing (a new user read it on almost every failing
+    # row, at 4e6 x the allowance, as noise); the torch err column shows the wider path's error.
+    assert beyond.mismatched and "another of torch's paths" not in beyond.note
     assert not any("another of torch's paths" in r.note for section in ("forward", "fast-path") for r in _rows(check_forward(cfg()), section).values())
 
 
