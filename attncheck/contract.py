@@ -96,6 +96,25 @@ def _function_hint(factory: Any) -> str:
     return f"\nIts first parameters are an attention function's ({', '.join(names)}): check it as one, with {named} (`module:` in a config)."
 
 
+def _module_hint(cfg, factory: Any) -> str:
+    """For a function kind's breach: a class that a module kind builds (from the parameters, as
+    nn.MultiheadAttention is) is most likely a module checked with a kernel's `--module`."""
+    if kind_of(cfg).has_parameters or not isinstance(factory, type):
+        return ""
+    from attncheck.config import config_from_mapping
+    from attncheck.kinds import kinds
+
+    fitting, default = [], config_from_mapping({}).module
+    for kind in kinds().values():
+        if kind.has_parameters:
+            built = kind.build_arguments(config_from_mapping({"module": kind.name}), factory, _Named("params"))
+            if built is not None and _mismatch(factory, *built) is None:
+                fitting.append(f"`--module {kind.name}`" + (f" (the default, so no `--module {cfg.module}`)" if kind.name == default else ""))
+    if not fitting:
+        return ""
+    return f"\nIt is built from parameters, as a module is: check it as one, with {' or '.join(fitting)}; in a config, with `module:`."
+
+
 def breach(cfg, factory: Any) -> str:
     """Why the kind's calls cannot reach `factory` (see the module's docstring); "" when they can
     or its signatures do not say."""
@@ -105,7 +124,8 @@ def breach(cfg, factory: Any) -> str:
     if built is not None:
         wrong = _mismatch(factory, *built)
         if wrong is not None:
-            return f"attncheck builds it as {_call_text(name, *built)}\nbut its signature is {name}{wrong[0]}: {wrong[1]}" + _function_hint(factory)
+            hint = _function_hint(factory) or _module_hint(cfg, factory)
+            return f"attncheck builds it as {_call_text(name, *built)}\nbut its signature is {name}{wrong[0]}: {wrong[1]}" + hint
     forward, bound_self, called = factory, False, name
     if built is not None:
         if not isinstance(factory, type):

@@ -155,3 +155,18 @@ def test_a_forward_set_on_the_object_is_left_to_the_checks(tmp_path):
         """))
     result = runner.invoke(app, ["forward", "--impl", f"{path}:Picked", "-c", "configs/default.yaml"])
     assert "does not fit the contract" not in result.output, result.output
+
+
+def test_a_module_checked_as_a_kernel_is_pointed_to_the_module_kinds():
+    # A new user's NumPy MHA class under --module sdpa: "attncheck builds it as NumpyMHA()" and no
+    # word of the module kinds, where the reverse mistake (a kernel without --module) gets one.
+    class MHA:
+        def __init__(self, params, *, num_heads, batch_first, embed_dim=None, kdim=None, vdim=None, bias=True, add_bias_kv=False,
+                     add_zero_attn=False, dropout=0.0):  # fmt: skip
+            pass
+
+    why = breach(config_from_mapping({"module": "sdpa"}), MHA)
+    assert why.startswith("attncheck builds it as ") and ".MHA()\nbut its signature is " in why
+    assert why.endswith("It is built from parameters, as a module is: check it as one, with `--module multihead_attention` "
+                        "(the default, so no `--module sdpa`); in a config, with `module:`."), why  # fmt: skip
+    assert "as a module is" not in breach(config_from_mapping({"module": "sdpa"}), lambda query, key, value, attn_mask=None: query)
