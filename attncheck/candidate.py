@@ -407,12 +407,12 @@ class Session:
         return self.forward(self.build(w.params), w, layout)
 
     def build_and_forward_each(self, ws: list[Workload], layout: str | None = None) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """`build_and_forward` of each workload in order (the finite differences' many losses):
-        the same calls, in one request to a candidate's process."""
+        """`build_and_forward` of each workload in order (the finite differences' many losses), in one request."""
         return [self.build_and_forward(w, layout) for w in ws]
 
     def _call_forward(self, obj: Any, query: Any, key: Any, value: Any, masks: tuple, extras: dict[str, Any]) -> Any:
-        """The kind's call of the object's forward; a framework session may compile it (JaxSession)."""
+        """The kind's call of the object's forward (its notes kept); a framework session may compile it (JaxSession)."""
+        self.notes.extend(n for n in kind_of(self.cfg).call_notes(self.cfg, obj) if n not in self.notes)
         return kind_of(self.cfg).call_forward(self.cfg, obj, query, key, value, *masks, **extras)
 
     def _guard(self, what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:

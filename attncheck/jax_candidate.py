@@ -348,6 +348,7 @@ class JaxSession(FrameworkSession):
             return eager()
         inputs = dict(self._leaves)  # by gradient key: one array for query, key and value under self-attention
         what = call_name(obj, kind.forward_of(obj))  # "forward()", or a function kernel's name
+        self.notes.extend(n for n in kind.call_notes(cfg, obj) if n not in self.notes)
 
         def called(named: dict[str, Any]) -> Any:
             q, k, v = kind.arguments(cfg, named)

@@ -39,3 +39,34 @@ def test_nothing_outside_the_kinds_branches_on_the_module():
             if KIND_BRANCH.search(line.split("#")[0]):  # code, not comments
                 offenders.append(f"{relative}:{number}: {line.strip()}")
     assert offenders == []
+
+
+def test_the_causal_hint_reaches_a_forward_that_takes_it_and_its_absence_is_noted():
+    # A new user's MHA whose is_causal branch raised passed the is-causal case: the hint never reached a candidate.
+    from attncheck.checks import run_check
+    from attncheck.candidate import Candidate
+    from attncheck.config import load_suite
+    from attncheck.reference import MultiheadAttention
+    from attncheck.report import FAIL, PASS
+
+    class BrokenHint(MultiheadAttention):
+        def forward(self, query, key, value, *, is_causal=False, **options):
+            if is_causal:
+                raise RuntimeError("my is_causal branch")
+            return super().forward(query, key, value, **options)
+
+    class NoHint(MultiheadAttention):
+        def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, need_weights=True, average_attn_weights=True):
+            return super().forward(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                                   need_weights=need_weights, average_attn_weights=average_attn_weights)  # fmt: skip
+
+    cfg = next(case.config for case in load_suite(None).cases if case.name == "is-causal")
+    broken = run_check("forward", cfg, Candidate("broken", BrokenHint))
+    assert broken.verdict is FAIL and "my is_causal branch" in broken.failures[0].note, broken.failures
+    reference = run_check("forward", cfg)
+    assert reference.verdict is PASS and not [n for n in reference.notes if n.startswith("is_causal")]
+    without = run_check("forward", cfg, Candidate("without", NoHint))
+    assert without.verdict is PASS
+    assert [n for n in without.notes if n.startswith("is_causal: its forward takes no `is_causal` keyword")], without.notes
+    plain = run_check("forward", cfg.model_copy(update={"is_causal": False}), Candidate("broken", BrokenHint))
+    assert plain.verdict is PASS and not [n for n in plain.notes if n.startswith("is_causal")]

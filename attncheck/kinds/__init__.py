@@ -103,6 +103,10 @@ class ModuleKind:
         args, kwargs = self.forward_arguments(cfg, query, key, value, attn_mask, key_padding_mask, **arrays)
         return self.forward_of(obj)(*args, **kwargs)
 
+    def call_notes(self, cfg: Config, obj: Any) -> list[str]:
+        """What the report should say about how `call_forward` called the object (none by default)."""
+        return []
+
     def returns_pair(self, cfg: Config) -> bool:
         """Whether forward returns (output, second) rather than the output alone."""
         return self.returns_weights
@@ -328,3 +332,15 @@ def kinds() -> dict[str, ModuleKind]:
 def kind_of(cfg: Any) -> ModuleKind:
     """The kind a config checks."""
     return kinds()[getattr(cfg, "module", "multihead_attention")]
+
+
+def takes_keyword(fn: Any, name: str) -> bool:
+    """Whether `fn` can be called with the keyword `name`: a parameter of that name, or **kwargs
+    (a signature that cannot be read takes it: calling tells)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name and p.kind is not p.POSITIONAL_ONLY or p.kind is p.VAR_KEYWORD for p in parameters)

@@ -1,5 +1,5 @@
 """nn.MultiheadAttention as a module kind: forward(query, key, value, *, attn_mask, key_padding_mask,
-need_weights, average_attn_weights) -> (output, weights).
+need_weights, average_attn_weights[, is_causal]) -> (output, weights).
 
 Dimensions: E embed dim, Ek key dim (kdim), Ev value dim (vdim).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attncheck.kinds import ModuleKind
+from attncheck.kinds import ModuleKind, takes_keyword
 
 
 def attention_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -109,6 +109,21 @@ class MultiheadAttentionKind(ModuleKind):
     def forward_arguments(self, cfg, query, key, value, attn_mask, key_padding_mask, **arrays) -> tuple[tuple, dict[str, Any]]:
         return (query, key, value), dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                                          need_weights=cfg.need_weights, average_attn_weights=cfg.average_attn_weights)  # fmt: skip
+
+    def call_forward(self, cfg, obj, query, key, value, attn_mask, key_padding_mask, **arrays) -> Any:
+        """As torch's module is called, and with torch's causal hint `is_causal=True` beside the
+        causal mask (config `is_causal`) where the forward takes it: a parameter of that name, or
+        **kwargs. A forward without it is called with the mask alone (call_notes says so)."""
+        args, kwargs = self.forward_arguments(cfg, query, key, value, attn_mask, key_padding_mask, **arrays)
+        if cfg.is_causal and takes_keyword(self.forward_of(obj), "is_causal"):
+            kwargs["is_causal"] = True
+        return self.forward_of(obj)(*args, **kwargs)
+
+    def call_notes(self, cfg, obj) -> list[str]:
+        if cfg.is_causal and not takes_keyword(self.forward_of(obj), "is_causal"):
+            return ["is_causal: its forward takes no `is_causal` keyword, so it was called with the causal mask alone "
+                    "(torch's module is given the hint too); add `is_causal=False` to forward() to have the hint checked"]
+        return []
 
     # ------------------------------------------------------------------------ gradients
     def inputs(self, cfg, w) -> dict[str, Any]:

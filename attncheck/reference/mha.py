@@ -151,8 +151,13 @@ class MultiheadAttention(BlockedAttention):
         key_padding_mask: np.ndarray | None = None,
         need_weights: bool = True,
         average_attn_weights: bool = True,
+        is_causal: bool = False,
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Attention output and (optionally) weights, with torch's shapes and semantics."""
+        """Attention output and (optionally) weights, with torch's shapes and semantics. is_causal
+        is torch's hint that attn_mask is the causal mask: the mask says the same, so it is what is
+        applied; without one torch raises, and so does this."""
+        if is_causal and attn_mask is None:
+            raise ValueError("Need attn_mask if specifying the is_causal hint (torch's words)")
         if self.storage.itemsize == 2:
             query, key, value, attn_mask, key_padding_mask = (_compute(a) for a in (query, key, value, attn_mask, key_padding_mask))
         logits = self.H * int(np.prod(query.shape[:-1])) * key.shape[-2 if query.ndim == 2 or self.batch_first else 0]  # B H L S0
