@@ -57,14 +57,15 @@ class Check:
     line: int | None = None  # the case's line in its suite file
     source: str = "<attncheck.cases>"  # the suite file
     impl_line: int | None = None  # the line of the case's `impl` in it, to place a load error
+    label: str | None = None  # put before the id: which of several implementations a test checks
 
     @classmethod
-    def of(cls, suite: Suite, case: Case, command: str, impl: Any = None) -> Check:
-        return cls(case.name, command, case.config, impl, case.skip_reason, case.line, suite.source, case.impl_line)
+    def of(cls, suite: Suite, case: Case, command: str, impl: Any = None, label: str | None = None) -> Check:
+        return cls(case.name, command, case.config, impl, case.skip_reason, case.line, suite.source, case.impl_line, label)
 
     @property
     def id(self) -> str:
-        return f"{self.case}[{self.command}]"
+        return f"{self.label + '-' if self.label else ''}{self.case}[{self.command}]"
 
     def run(self) -> Report:
         """The check's Report, through the pipeline every entry point runs (attncheck.suite.prepare);
@@ -166,13 +167,14 @@ def _skip(reason: str) -> BaseException:
 
 
 def cases(suite: str | PathLike | None = None, impl: Any = None, commands: str | tuple[str, ...] | None = None,
-          module: str | None = None) -> list:  # fmt: skip
+          module: str | None = None, label: str | None = None) -> list:  # fmt: skip
     """The checks of a suite file as pytest params, with ids `case[command]`, to parametrize a test.
 
     suite: a suite or config file (None: the embedded default suite of `module`, by default
     nn.MultiheadAttention's: module="sdpa" gives the kernel suite, as `--module sdpa` does);
     impl: a SPEC, a class or factory, or None for each case's `impl`; commands: "forward,grad" or
-    a tuple (default: all three). Cases the suite skips come with a skip mark. Use
+    a tuple (default: all three); label: ids `label-case[command]`, to tell several implementations'
+    checks apart in one test. Cases the suite skips come with a skip mark. Use
     `check.assert_passed()` in the test.
     """
     from attncheck.config import load_suite
@@ -183,7 +185,7 @@ def cases(suite: str | PathLike | None = None, impl: Any = None, commands: str |
     loaded = load_suite(suite, module=module)
     for case in loaded.cases:
         for command in commands_for(case, names):
-            check = Check.of(loaded, case, command, impl)
+            check = Check.of(loaded, case, command, impl, label)
             marks = [pytest.mark.skip(reason=case.skip_reason)] if case.config is None else []
             params.append(pytest.param(check, id=check.id, marks=marks))
     return params

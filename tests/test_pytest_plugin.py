@@ -244,6 +244,10 @@ def test_cases_ids_and_skip_marks():
     assert [p.id for p in params] == [f"{case.name}[forward]" for case in load_suite(None).cases]
     assert params[0].id == "basic[forward]"
     assert isinstance(params[0].values[0], Check) and not params[0].marks
+    # Several implementations in one test (a new user's library): a label each keeps their ids apart.
+    labelled = [p for label in ("numpy", "torch") for p in attncheck.cases(None, impl="x.py:X", commands="forward", label=label)]
+    assert [p.id for p in labelled[:2]] == ["numpy-basic[forward]", f"numpy-{params[1].id}"]
+    assert len({p.id for p in labelled}) == len(labelled) == 2 * len(params)
 
 
 class Canned(Check):
