@@ -124,7 +124,7 @@ def _second_row(probe: str, label: str, p: Probing, second: dict[str, np.ndarray
     (promised, its config key) INFO, or FAIL where the config promises the same bits."""
     for name, value in second.items():
         if p.within(name, p.first.get(name)).failed:
-            return _row(probe, label, INFO, f"the check's own {name} is outside the budget, so nothing is judged")
+            return _row(probe, label, INFO, f"not judged: the check's own {name} fails already (outside the budget), so this probe has no correct result to hold its call to")
         judged = p.within(name, value)
         if judged.failed:
             return _as_probe(probe, label, judged, f"{what}: {name} outside the budget, where the check's own call is inside")
