@@ -40,20 +40,20 @@ def oracle_config(cfg: Config) -> Config:
     return cfg.model_copy(update={"dtype": "float64"})
 
 
+def oracle_session(cfg: Config) -> Session:
+    """The float64 oracle: the config's module's NumPy reference, run in float64."""
+    return Session(oracle_config(cfg), reference_for(cfg))
+
+
 @expectations.once
 def oracle_forward(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None, float | None]:
     """The float64 oracle's output and second output (weights or LSE) on the workload, and the
     magnitude of its logits (None from a reference that has none: the layer's)."""
-    oracle = Session(oracle_config(cfg), reference_for(cfg))
+    oracle = oracle_session(cfg)
     w64 = w.astype(np.float64)
     obj = oracle.build(w64.params)
     out, second = oracle.forward(obj, w64)
     return out, second, getattr(obj, "logit_magnitude", None)
-
-
-def oracle_session(cfg: Config) -> Session:
-    """The float64 oracle: the config's module's NumPy reference, run in float64."""
-    return Session(oracle_config(cfg), reference_for(cfg))
 
 
 def session_for(cfg: Config, candidate: Candidate, bulk: bool = False) -> Session:
