@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from attncheck import masks
+from attncheck import expectations, masks
 from attncheck.config import Config
 from attncheck.dtypes import np_dtype
 from attncheck.kinds import kind_of
@@ -209,8 +209,11 @@ def make_target(cfg: Config) -> np.ndarray:
     return gen.standard_normal(output_shape(cfg)).astype(np_dtype(cfg.dtype))
 
 
+@expectations.once
 def make_workload(cfg: Config) -> Workload:
-    """Everything one check needs, drawn from the config's seed."""
+    """Everything one check needs, drawn from the config's seed: once per process, and read-only
+    (attncheck.expectations), so every check of a case hands torch, the oracle and the candidate
+    the same arrays."""
     own = kind_of(cfg).make_workload(cfg)
     if own is not None:
         return own

@@ -36,6 +36,8 @@ def tensor(a: np.ndarray, device: str | torch.device = "cpu") -> torch.Tensor:
     bfloat16 (ml_dtypes) goes through float32, which holds every bfloat16 value exactly."""
     if a.dtype == BFLOAT16:
         return torch.from_numpy(a.astype(np.float32)).to(device=device, dtype=torch.bfloat16)
+    if not a.flags.writeable:  # a workload's arrays are read-only (attncheck.expectations): copied first, not wrapped
+        return torch.from_numpy(np.array(a, order="C")).to(device)
     return torch.from_numpy(np.ascontiguousarray(a)).to(device, copy=True)
 
 

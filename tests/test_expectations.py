@@ -155,3 +155,22 @@ def test_the_least_recently_used_is_dropped_past_the_bound(monkeypatch):
     f(Config(seed=5), make_workload(Config(seed=5)))
     f(Config(seed=5), make_workload(Config(seed=5)))
     assert calls == [1, 2, 3, 4, 2, 5, 5]  # over MAX_ENTRY: never kept
+
+
+def test_a_workload_is_drawn_once_read_only_and_its_digest_kept_with_it(monkeypatch):
+    cfg = Config(seed=4, key_padding_mask="random")
+    w = make_workload(cfg)
+    assert make_workload(cfg) is w and make_workload(Config(seed=5)) is not w
+    with pytest.raises(ValueError, match="read-only"):
+        w.query[0] = 0.0
+    assert not w.params["in_proj_weight"].flags.writeable and not w.key_padding_mask.flags.writeable
+    hashed = []
+    real = expectations._update
+    # the call's arguments, a tuple, as each digest begins (the recursion goes on inside the workload)
+    monkeypatch.setattr(expectations, "_update", lambda h, value, seen: (hashed.append(value) if isinstance(value, tuple) else None) or real(h, value, seen))
+    first = expectations._digest((w,))
+    assert expectations._digest((w,)) == first and len(hashed) == 1  # the second from what was kept with it
+    writable = dataclasses.replace(w, query=w.query.copy())
+    expectations._digest((writable,))
+    expectations._digest((writable,))
+    assert len(hashed) == 3  # a workload that can change is hashed each time

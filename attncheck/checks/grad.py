@@ -105,9 +105,10 @@ def gradient_rounding(cfg: Config, rule, oracle_session: Session, w64: Workload,
 
 
 @expectations.once
-def oracle_gradients(cfg: Config, w64: Workload) -> tuple[tuple, float, dict[str, np.ndarray]]:
+def oracle_gradients(cfg: Config, w: Workload) -> tuple[tuple, float, dict[str, np.ndarray]]:
     """The float64 oracle's (output, loss, gradients) on the workload, the magnitude of its logits
     (0 from the layer's reference, which has none) and what rounding moves each gradient by."""
+    w64 = w.astype(np.float64)
     session = oracle_session(cfg)
     obj = session.build(w64.params)
     oracle = run_grad(session, oracle_config(cfg), w64, obj)
@@ -127,7 +128,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     oracle, moves, logits = None, {}, 0.0
     w64 = w.astype(np.float64)
     if grad_rule.needs_oracle or cfg.dtype != "float64":  # the finite differences reuse it below
-        oracle, logits, moves = oracle_gradients(cfg, w64)
+        oracle, logits, moves = oracle_gradients(cfg, w)
         forward_rule = with_logit_floor(forward_rule, cfg, logits)
 
     session = run.session()

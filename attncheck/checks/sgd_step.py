@@ -110,9 +110,10 @@ def judged_steps(cfg: Config, w: Workload, t, oracle: Trajectory | None) -> tupl
 
 
 @expectations.once
-def oracle_trajectory(cfg: Config, w64: Workload) -> tuple[Trajectory, dict[str, np.ndarray]]:
+def oracle_trajectory(cfg: Config, w: Workload) -> tuple[Trajectory, dict[str, np.ndarray]]:
     """The float64 oracle trained by attncheck's own SGD (always), and what rounding moves each
     first gradient by."""
+    w64 = w.astype(np.float64)
     session = oracle_session(cfg)
     oracle = train(session, oracle_config(cfg), w64)
     return oracle, gradient_rounding(cfg, rule_for(cfg, "sgd"), session, w64, oracle.first_grads)
@@ -125,7 +126,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
     t = torch_side.sgd(cfg, w)
     other_cfg = kind_of(cfg).other_gradient_path(cfg, w)
     t_alt = None if other_cfg is None else torch_side.sgd(other_cfg, w)  # torch's other path (compare.measure's `also`)
-    oracle, moves = oracle_trajectory(cfg, w.astype(np.float64)) if rule_for(cfg, "sgd").needs_oracle else (None, {})
+    oracle, moves = oracle_trajectory(cfg, w) if rule_for(cfg, "sgd").needs_oracle else (None, {})
     session = run.session()
     try:
         mine = train(session, cfg, w, run.candidate.optimizer or SGD)
