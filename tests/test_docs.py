@@ -220,3 +220,28 @@ def test_the_suites_page_states_the_short_output_limits():
     page = folded((DOCS / "how-to" / "suites.md").read_text())
     assert f"then one line every {PROGRESS_EVERY_S:g} s" in page
     assert f"cut to {SCREEN_LINES} lines" in page and f"once {FAILURE_LINES} lines are used" in page
+
+
+# The failing report the README and the backward tutorial print, whose rows must be what the
+# command prints now (a new user found the README's torch err and ratio stale: 2.69e-08 and
+# 7.2e+06x where the command gives other figures since torch's other path joined torch's error).
+PRINTED = "attncheck grad -c configs/default.yaml --impl examples/wrong_softmax_diagonal.py:MultiheadAttention"
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/tutorials/backward.md"])
+def test_a_printed_reports_rows_are_the_commands(name, capsys):
+    from attncheck.cli import main
+
+    text = (ROOT / name).read_text()
+    block = next(b for b in code_blocks(text, "text") if b.startswith(f"$ {PRINTED}\n"))
+    with pytest.raises(SystemExit):
+        main(PRINTED.split()[1:])
+    printed: dict[str, list[str]] = {}
+    for line in capsys.readouterr().out.splitlines():
+        if line.strip():
+            printed.setdefault(line.split()[0], line.split())  # the grad table's row, before finite-diff's
+    rows = [line.split("#")[0].split() for line in block.splitlines()[1:] if re.match(r"(in_proj|out_proj|input)\S* ", line)]
+    assert len(rows) >= 4
+    for row in rows:
+        actual = iter(printed[row[0]])
+        assert all(token in actual for token in row), (row, printed[row[0]])  # the row's words, in order
