@@ -15,7 +15,8 @@ from rich.text import Text
 
 from attncheck.files import QuietWhenClosed, TrimmedLines, isatty
 from attncheck.kinds import kind_of
-from attncheck.report import FAIL, INCONCLUSIVE, INFO, NOT_PROVIDED, PASS, SKIPPED, UNSUPPORTED, Reason, Report, Row, failure_lines
+from attncheck.report import (FAIL, INCONCLUSIVE, INFO, NOT_PROVIDED, PASS, PROBE_SECTION, SKIPPED, UNSUPPORTED, Reason, Report, Row,
+                              failure_lines)
 
 STATUS_STYLE = {PASS: "green", FAIL: "bold red", NOT_PROVIDED: "yellow", SKIPPED: "dim", INFO: "cyan",
                  INCONCLUSIVE: "bold magenta", UNSUPPORTED: "yellow"}  # fmt: skip
@@ -183,7 +184,8 @@ def details(report: Report, limit: int | None = None) -> list[Any]:
     """Each failing row in the one failure shape (report.failure_lines), `limit` of them when given
     (then a line saying how many more): those whose diagnosis points somewhere first, since "everywhere"
     or none says least; each other note, one line. With `limit` (a distinct failure's example, cut to
-    a screen) a passing row's note is left out: six passing probes' lines had pushed the table out."""
+    a screen) a passing row's note is left out, and a probe's report that judged nothing: six passing
+    probes' lines had pushed the table out, and "probe determinism: not judged" followed every failure."""
     lines: list[Any] = []
     failing = [r for r in report.rows if r.failed]
     # A broken contract first (an input written in place explains the numbers after it), then the
@@ -199,7 +201,8 @@ def details(report: Report, limit: int | None = None) -> list[Any]:
             head, *rest = failure_lines(r)
             lines.append(Padding(Text(head, style=STATUS_STYLE[r.status]), (0, 0, 0, 2), expand=False))
             lines += [Padding(Text(line), (0, 0, 0, 4), expand=False) for line in rest]
-        elif r.note and not (r.status == PASS and (r.rule_kind == "finite-diff" or limit is not None)):  # that note only restates the table
+        elif r.note and not (r.status == PASS and (r.rule_kind == "finite-diff" or limit is not None)  # that note only restates the table
+                             or limit is not None and r.status == INFO and r.section == PROBE_SECTION):  # a probe's report beside a failure
             key = (r.section, r.status, r.note)
             if key not in noted:
                 noted[key] = []

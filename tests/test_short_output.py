@@ -304,3 +304,16 @@ def test_calls_that_hung_alike_are_one_failure_whatever_their_limit():
                           note=f"no answer in {limit} s during forward(): the candidate's process was killed"))  # fmt: skip
     assert failure_key(hung[0]) == failure_key(hung[1])
     assert len(distinct_failures(hung)) == 1
+
+
+def test_a_distinct_failure_leaves_out_what_its_probes_only_reported():
+    # A student's wrong backward: "probe determinism: not judged: the check's own ... fails already"
+    # followed every failure's example; the full report (--verbose) keeps it.
+    from attncheck.render import details
+
+    failing = report("case", "grad", ("grad", "in_proj_weight", "fail"))
+    failing.rows.append(Row("probe", "determinism", "info", note="not judged: the check's own in_proj_weight fails already"))
+    failing.rows.append(Row("probe", "strides", "fail", note="a layout moved it"))
+    shown = lambda limit: " ".join(str(line) for line in details(failing, limit))  # noqa: E731
+    assert "not judged" not in shown(FAILURE_LINES) and "determinism" not in shown(FAILURE_LINES)
+    assert "not judged: the check's own in_proj_weight fails already" in shown(None)
