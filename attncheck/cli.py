@@ -341,7 +341,7 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
     from rich.console import Group
     from rich.text import Text
 
-    from attncheck.diagnose import half_precision_hint
+    from attncheck.diagnose_half import half_precision_hint
     from attncheck.render import is_live, make_console, render
     from attncheck.render_suite import print_failures, progress_bar, suite_summary, suite_verdict
 

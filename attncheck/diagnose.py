@@ -17,6 +17,9 @@ where    the heads, query rows, key columns or positions the error is confined t
          unmasked positions (and which mask), the diagonal band (a causal mask off by one), the
          appended bias_k or zero-attention column, the first or last key.
 
+In half precision, a row within reach of a sum accumulated in the half dtype gets that said
+instead (attncheck.diagnose_half): at that size a location or a factor is rounding's as likely.
+
 A diagnosis is a hint for the reader, not a verdict: it never changes a row's status. It is never
 confidently wrong: a suspect or pattern is printed only when the candidate's arrays fit it and do
 not fit the expected value itself (else the error is too small to tell one relation from another,
@@ -35,12 +38,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from attncheck.config import Config
-from attncheck.dtypes import HALF
+from attncheck.diagnose_half import rounding_sized
 from attncheck.errors import counted
 from attncheck.inputs import make_attn_mask, make_key_padding_mask
 from attncheck.kinds import kind_of
 from attncheck.masks import attn_by_head, blocked, padding_by_head
-from attncheck.report import FAIL, PASS, Reason, Report, Row
+from attncheck.report import FAIL, Report, Row
 from attncheck.suspects import FIT_RTOL, Rerun, Suspects, fits
 
 # A factor is named (sqrt(D), H, ...) when it matches to this relative precision.
@@ -78,37 +81,15 @@ def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, k
     for row in report.rows:
         if row.status is not FAIL or row.evidence is None:
             continue
+        if rounding_sized(row, cfg):
+            row.diagnosis = rounding_sized(row, cfg)
+            continue
         if masks is None and row.parameter == "attn_weights":
             masks = Masks.from_arrays(cfg, attn_mask, key_padding_mask)
         patterns, where = _diagnosis(row, cfg, masks, suspects, autodiff)
         # A pattern already says what the candidate holds; else it may hold another quantity's value.
         swapped = "" if patterns else _swapped_with(row, report.rows)
         row.diagnosis = "; ".join(filter(None, [swapped, *patterns, *where]))
-
-
-# The most a half-precision accumulator's error stands above the allowance in the default suite's
-# shapes and well beyond (half-precision.md: 5.8x over 512 keys): a failing row further out is a bug.
-HALF_HINT_RATIO = 20.0
-
-
-def half_precision_hint(reports: list[Report]) -> str | None:
-    """What a run says when every check that failed is a half-precision case failing on its values,
-    and a float32 or float64 case of the same command passed: the computation is right, its
-    precision is not (a new user's np.einsum accumulated float16 in float16; `@` passes)."""
-    failed = [r for r in reports if r.verdict is FAIL]
-    if not failed or any(r.config.dtype not in HALF for r in failed):
-        return None
-    if any(row.reason is not Reason.VALUES for r in failed for row in r.failures):
-        return None  # a dtype, a NaN, a crash: said by its own rows
-    if any(row.ratio is None or row.ratio > HALF_HINT_RATIO for r in failed for row in r.failures):
-        return None  # far outside the allowance: a bug the half cases alone reach (float16-wide's D = 128), not rounding
-    commands = {r.command for r in failed}
-    if not any(r.verdict is PASS and r.command in commands and r.config.dtype in ("float32", "float64") for r in reports):
-        return None
-    return ("Only half-precision cases fail, on their values, a few times the allowance, and float32 or float64 cases pass: the "
-            "computation is likely right and loses precision in float16 or bfloat16. The commonest cause is a sum accumulated in "
-            "the half dtype (np.einsum on float16 arrays adds in float16, and so does np.sum along a strided axis; np.matmul, `@` "
-            "and torch's matmul add in float32): compute in float32 and return the inputs' dtype (docs/how-to/half-precision.md).")
 
 
 def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False) -> None:
@@ -124,6 +105,9 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
             continue
         named = axes.get(row.parameter or "")
         if row.status is not FAIL or row.evidence is None or named is None:
+            continue
+        if rounding_sized(row, cfg):
+            row.diagnosis = rounding_sized(row, cfg)
             continue
         c, x = np.asarray(row.evidence.candidate, dtype=np.float64), np.asarray(row.evidence.reference, dtype=np.float64)
         if c.shape != x.shape or x.ndim != len(named):

@@ -372,3 +372,22 @@ def test_several_batch_entries_are_named_in_the_plural():
     c[[0, 2]] += 0.5
     row = Row("forward", "attn_weights", FAIL, evidence=Evidence(c, x, x, 1e-6))
     assert "only in batch entries 0, 2 (of 3)" in diagnose(row, cfg(average_attn_weights=False, batch_size=3))
+
+
+def test_a_half_precision_row_of_rounding_size_names_no_location_or_factor():
+    # A new student's np.einsum MHA (float16 sums added in float16) read "only in key column 53
+    # (of 130)" on float16-long, 4 of 16,900 elements, and "candidate = 0.967 x expected" in grad.
+    from attncheck.candidate import Candidate
+    from attncheck.checks import run_check
+    from attncheck.config import load_suite
+    from attncheck.testing.wrong_reach import HalfAccumulatedSoftmax
+    from attncheck.testing.wrong_impls import ScaleByHeadDim
+
+    cfg = next(case.config for case in load_suite(None).cases if case.name == "float16-long")
+    for command in ("forward", "grad"):
+        report = run_check(command, cfg, Candidate("einsum-like", HalfAccumulatedSoftmax))
+        assert report.failures, command
+        for row in report.failures:
+            assert re.fullmatch(r"[\d.]+x the allowance, in float16: the size a sum accumulated in float16 gives, .*", row.diagnosis), row.diagnosis
+    far = run_check("forward", cfg, Candidate("wrong scale", ScaleByHeadDim)).failures
+    assert far and all("accumulated" not in row.diagnosis and row.diagnosis for row in far), [r.diagnosis for r in far]

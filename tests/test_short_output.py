@@ -171,7 +171,7 @@ def test_a_run_failing_only_in_half_precision_on_its_values_says_so():
     # A new user's correct np.einsum MHA failed float16-long alone, and the diagnoses pointed at a
     # head and a column: nothing said that einsum accumulates float16 in float16.
     from attncheck.config import config_from_mapping
-    from attncheck.diagnose import half_precision_hint
+    from attncheck.diagnose_half import half_precision_hint
 
     def made(dtype: str, status, reason=Reason.VALUES, ratio=2.2) -> Report:
         row = Row("forward", "output", status, reason=reason if status is FAIL else None, ratio=ratio)
