@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,7 @@ from attncheck.inputs import make_attn_mask, make_key_padding_mask
 from attncheck.kinds import kind_of
 from attncheck.masks import attn_by_head, blocked, padding_by_head
 from attncheck.report import FAIL, Report, Row
-from attncheck.suspects import FIT_RTOL, Rerun, Suspects, fits
+from attncheck.suspects import FIT_RTOL, Rerun, Suspects, fits, scale_suspect
 
 # A factor is named (sqrt(D), H, ...) when it matches to this relative precision.
 NAME_RTOL = 2e-3
@@ -92,14 +93,26 @@ def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, k
         row.diagnosis = "; ".join(filter(None, [swapped, *patterns, *where]))
 
 
-def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False) -> None:
+def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False,
+                 rescaled: Callable[[float], np.ndarray | None] | None = None) -> None:
     """A kind the diagnosis cannot read (its layouts are not a module's): for every failing row
     whose array's axes `axes` names (by the row's parameter), where its error lies (the heads,
     batch entries, rows it is confined to: a kernel's GQA grouping wrong in 2 of 6 query heads) and
     the relations that need no layout (a sign, a factor: an LSE in base 2 is 1/ln(2) x torch's). A
     failing finite difference gets what its ratio says (`autodiff` as for _finite_difference): a
-    kernel whose backward forgot the softmax scale, sqrt(D)."""
+    kernel whose backward forgot the softmax scale, sqrt(D). A failing output is tried against the
+    oracle's with another softmax scale (`rescaled`, suspects.scale_suspect), whatever its layout."""
     for row in report.rows:
+        if rescaled is not None and row.parameter == "output" and row.status is FAIL and row.evidence is not None:
+            c = np.asarray(row.evidence.candidate, dtype=np.float64)
+            allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), c.shape)
+            scaled = scale_suspect(cfg, c, allowed, rescaled) if not rounding_sized(row, cfg) else ""
+            if scaled:
+                named = axes.get("output")
+                x = np.asarray(row.evidence.reference, dtype=np.float64)
+                where = _where(c, x, allowed, Layout(named), cfg, None) if named and x.shape == c.shape and x.ndim == len(named) else []
+                row.diagnosis = "; ".join([scaled, *where])
+                continue
         if row.section == "finite-diff" and row.status is FAIL and row.evidence is not None:
             row.diagnosis = _finite_difference(float(row.evidence.candidate), float(row.evidence.reference), cfg, autodiff)
             continue

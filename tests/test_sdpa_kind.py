@@ -495,3 +495,30 @@ def test_a_wrong_float64_forward_is_not_taken_for_float32_arithmetic():
     assert report.verdict == "fail"
     assert {r.section for r in report.failures} == {"finite-diff"}, [(r.section, r.quantity) for r in report.failures]
     assert not [r for r in report.rows if r.section == "finite-diff" and r.status == "info"]
+
+
+def test_a_kernels_wrong_softmax_scale_is_named_with_the_scale_it_used():
+    # A new user's kernel that forgot the scale only under is_causal read "only in query rows 1-12
+    # (of 13)"; the output is what the oracle gives with scale 1, and the diagnosis now says so.
+    from attncheck.testing.dense_sdpa import DenseSDPA
+    from attncheck.testing.wrong_kernels import CausalUpperLeft, ScaleIgnored
+
+    class NoScale(DenseSDPA):
+        def _scale(self, scale, E):
+            return 1.0
+
+    class Twice(DenseSDPA):
+        def _scale(self, scale, E):
+            return 1.0 / E
+
+    causal = config_from_mapping({"module": "sdpa", "causal": "lower_right", "tgt_len": 5, "src_len": 7, "head_dim": 8})  # DenseSDPA's
+    [row] = run_check("forward", causal, candidate_from_object(NoScale)).failures
+    assert row.diagnosis.startswith("the output is the float64 oracle's with softmax scale 1 (no scale at all: the scale is missing) "
+                                    "where it is 0.354 (D=8)"), row.diagnosis  # fmt: skip
+    [row] = run_check("forward", causal, candidate_from_object(Twice)).failures
+    assert "softmax scale 0.125 (1/D: the scale applied twice)" in row.diagnosis, row.diagnosis
+    given = causal.model_copy(update={"scale": 0.7})
+    [row] = run_check("forward", given, candidate_from_object(ScaleIgnored)).failures
+    assert "(1/sqrt(D), the default: the given scale is ignored) where it is 0.7" in row.diagnosis, row.diagnosis
+    other = [r for r in run_check("forward", causal, candidate_from_object(CausalUpperLeft)).failures if r.parameter == "output"]  # no scale fits
+    assert other and all("softmax scale" not in r.diagnosis for r in other), [r.diagnosis for r in other]

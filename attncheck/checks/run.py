@@ -120,6 +120,14 @@ class CheckRun:
         except CandidateProblem:
             return None
 
+    def rescaled(self, scale: float) -> np.ndarray | None:
+        """The float64 oracle's output on this workload with another softmax scale (a function
+        kind's `scale`), for the diagnosis to compare; None if the reference raised."""
+        try:
+            return oracle_forward(self.cfg.model_copy(update={"scale": scale}), self.w)[0]
+        except CandidateProblem:
+            return None
+
     def session(self) -> Session:
         """The candidate's session, in the config's dtype."""
         self.sessions.append(session_for(self.cfg, self.candidate))
@@ -141,7 +149,8 @@ class CheckRun:
             self.report.notes.append(HALF_LARGE_NOTE)
         if not kind.diagnosable:  # where the kind names its axes, and the finite differences (packed, decode kinds too)
             # A NumPy kernel's gradients are its own backward's; a torch or JAX one's may be autograd's or a custom rule's.
-            where_report(self.report, self.cfg, kind.where_axes, autodiff=False if self.report.framework == "numpy" else None)
+            where_report(self.report, self.cfg, kind.where_axes, autodiff=False if self.report.framework == "numpy" else None,
+                         rescaled=self.rescaled)
         else:
             diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun,
                             autodiff=by_autograd(self.cfg, self.candidate))  # fmt: skip
