@@ -514,13 +514,15 @@ def unchanged(original: np.ndarray, now: np.ndarray) -> bool:
 
 
 def laid_out(array: np.ndarray, layout: str) -> np.ndarray:
-    """`array`'s values in a view of another memory layout (LAYOUTS), made in the caller's process."""
+    """`array`'s values in a view of another memory layout (LAYOUTS), made in the caller's process:
+    always a copy (np.asfortranarray would hand back an array already in Fortran order, one with at
+    most one axis longer than 1, itself: a workload's kept, read-only array)."""
     fill = np.nan if is_float(array.dtype) else 0
     if layout == "transposed":
-        return np.asfortranarray(array)
+        return np.array(array, order="F")
     if layout == "swapped":
         if array.ndim < 3:
-            return np.asfortranarray(array)
+            return np.array(array, order="F")
         return np.swapaxes(np.swapaxes(array, -3, -2).copy(), -3, -2)
     if layout == "offset":
         buffer = np.full(array.size + PAD, fill, dtype=array.dtype)
