@@ -514,11 +514,9 @@ def unchanged(original: np.ndarray, now: np.ndarray) -> bool:
 
 
 def laid_out(array: np.ndarray, layout: str) -> np.ndarray:
-    """`array`'s values in a view of another memory layout (LAYOUTS), made in the caller's process:
-    always a copy (np.asfortranarray would hand back an array already in Fortran order, one with at
-    most one axis longer than 1, itself: a workload's kept, read-only array)."""
+    """A copy of `array` in a view of another memory layout (LAYOUTS), made in the caller's process."""
     fill = np.nan if is_float(array.dtype) else 0
-    if layout == "transposed":
+    if layout == "transposed":  # np.asfortranarray would hand back a (1, 1, E) array itself: the kept workload's
         return np.array(array, order="F")
     if layout == "swapped":
         if array.ndim < 3:
