@@ -514,13 +514,13 @@ def unchanged(original: np.ndarray, now: np.ndarray) -> bool:
 
 
 def laid_out(array: np.ndarray, layout: str) -> np.ndarray:
-    """`array`'s values in a view of another memory layout (LAYOUTS), made in the caller's process."""
+    """A copy of `array` in a view of another memory layout (LAYOUTS), made in the caller's process."""
     fill = np.nan if is_float(array.dtype) else 0
-    if layout == "transposed":
-        return np.asfortranarray(array)
+    if layout == "transposed":  # np.asfortranarray would hand back a (1, 1, E) array itself: the kept workload's
+        return np.array(array, order="F")
     if layout == "swapped":
         if array.ndim < 3:
-            return np.asfortranarray(array)
+            return np.array(array, order="F")
         return np.swapaxes(np.swapaxes(array, -3, -2).copy(), -3, -2)
     if layout == "offset":
         buffer = np.full(array.size + PAD, fill, dtype=array.dtype)

@@ -18,7 +18,9 @@ where    the heads, query rows, key columns or positions the error is confined t
          appended bias_k or zero-attention column, the first or last key.
 
 In half precision, a row within reach of a sum accumulated in the half dtype gets that said
-instead (attncheck.diagnose_half): at that size a location or a factor is rounding's as likely.
+instead of a location or a factor no dimension names (attncheck.diagnose_half): at that size
+either is rounding's as likely. A suspect the rerun reproduces, or a relation such as a transpose
+or a factor a dimension names, is still said: rounding fits none of them.
 
 A diagnosis is a hint for the reader, not a verdict: it never changes a row's status. It is never
 confidently wrong: a suspect or pattern is printed only when the candidate's arrays fit it and do
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +46,7 @@ from attncheck.inputs import make_attn_mask, make_key_padding_mask
 from attncheck.kinds import kind_of
 from attncheck.masks import attn_by_head, blocked, padding_by_head
 from attncheck.report import FAIL, Report, Row
-from attncheck.suspects import FIT_RTOL, Rerun, Suspects, fits, scale_suspect
+from attncheck.suspects import FIT_RTOL, Rerun, Suspects, fits
 
 # A factor is named (sqrt(D), H, ...) when it matches to this relative precision.
 NAME_RTOL = 2e-3
@@ -82,51 +83,13 @@ def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, k
     for row in report.rows:
         if row.status is not FAIL or row.evidence is None:
             continue
-        if rounding_sized(row, cfg):
-            row.diagnosis = rounding_sized(row, cfg)
-            continue
+        rounding = rounding_sized(row, cfg)
         if masks is None and row.parameter == "attn_weights":
             masks = Masks.from_arrays(cfg, attn_mask, key_padding_mask)
-        patterns, where = _diagnosis(row, cfg, masks, suspects, autodiff)
+        patterns, where = _diagnosis(row, cfg, masks, suspects, autodiff, rounding=bool(rounding))
         # A pattern already says what the candidate holds; else it may hold another quantity's value.
         swapped = "" if patterns else _swapped_with(row, report.rows)
-        row.diagnosis = "; ".join(filter(None, [swapped, *patterns, *where]))
-
-
-def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False,
-                 rescaled: Callable[[float], np.ndarray | None] | None = None) -> None:
-    """A kind the diagnosis cannot read (its layouts are not a module's): for every failing row
-    whose array's axes `axes` names (by the row's parameter), where its error lies (the heads,
-    batch entries, rows it is confined to: a kernel's GQA grouping wrong in 2 of 6 query heads) and
-    the relations that need no layout (a sign, a factor: an LSE in base 2 is 1/ln(2) x torch's). A
-    failing finite difference gets what its ratio says (`autodiff` as for _finite_difference): a
-    kernel whose backward forgot the softmax scale, sqrt(D). A failing output is tried against the
-    oracle's with another softmax scale (`rescaled`, suspects.scale_suspect), whatever its layout."""
-    for row in report.rows:
-        if rescaled is not None and row.parameter == "output" and row.status is FAIL and row.evidence is not None:
-            c = np.asarray(row.evidence.candidate, dtype=np.float64)
-            allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), c.shape)
-            scaled = scale_suspect(cfg, c, allowed, rescaled) if not rounding_sized(row, cfg) else ""
-            if scaled:
-                named = axes.get("output")
-                x = np.asarray(row.evidence.reference, dtype=np.float64)
-                where = _where(c, x, allowed, Layout(named), cfg, None) if named and x.shape == c.shape and x.ndim == len(named) else []
-                row.diagnosis = "; ".join([scaled, *where])
-                continue
-        if row.section == "finite-diff" and row.status is FAIL and row.evidence is not None:
-            row.diagnosis = _finite_difference(float(row.evidence.candidate), float(row.evidence.reference), cfg, autodiff)
-            continue
-        named = axes.get(row.parameter or "")
-        if row.status is not FAIL or row.evidence is None or named is None:
-            continue
-        if rounding_sized(row, cfg):
-            row.diagnosis = rounding_sized(row, cfg)
-            continue
-        c, x = np.asarray(row.evidence.candidate, dtype=np.float64), np.asarray(row.evidence.reference, dtype=np.float64)
-        if c.shape != x.shape or x.ndim != len(named):
-            continue
-        allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), x.shape)
-        row.diagnosis = "; ".join([words for _, words in _relation(c, x, allowed, cfg)] + _where(c, x, allowed, Layout(named), cfg, None))
+        row.diagnosis = "; ".join(filter(None, [swapped, *patterns, *where])) or rounding
 
 
 def _swapped_with(row: Row, rows: list[Row]) -> str:
@@ -157,8 +120,11 @@ def diagnose(row: Row, cfg: Config, masks: Masks | None = None) -> str:
     return "; ".join(patterns + where)
 
 
-def _diagnosis(row: Row, cfg: Config, masks: Masks | None, suspects: Suspects | None = None, autodiff: bool = False) -> tuple[list[str], list[str]]:
-    """(explanations, where): what the arrays fit (a suspect, a relation; several: ambiguous), and where the error lies."""
+def _diagnosis(row: Row, cfg: Config, masks: Masks | None, suspects: Suspects | None = None, autodiff: bool = False,
+               rounding: bool = False) -> tuple[list[str], list[str]]:
+    """(explanations, where): what the arrays fit (a suspect, a relation; several: ambiguous), and where the error lies.
+    `rounding`: the error is of the size half-precision rounding gives, so neither where it lies nor
+    a factor no dimension names is said (both are rounding's as likely)."""
     ev = row.evidence
     c, x = np.asarray(ev.candidate, dtype=np.float64), np.asarray(ev.reference, dtype=np.float64)
     if c.shape != x.shape:
@@ -171,7 +137,9 @@ def _diagnosis(row: Row, cfg: Config, masks: Masks | None, suspects: Suspects | 
     findings = []
     if not small:
         suspected = suspects.matching(_attention_quantity(row, cfg), c, x, allowed) if suspects else []
-        findings = _explanations(suspected, _patterns(c, x, allowed, layout, cfg))
+        findings = _explanations(suspected, [p for p in _patterns(c, x, allowed, layout, cfg) if not (rounding and p[0] == UNNAMED_FACTOR)])
+    if rounding:
+        return findings, []
     if layout.weights and masks is None:
         masks = Masks.of(cfg)
     # A pattern explains the error: the masks are not blamed for it.
@@ -347,6 +315,11 @@ def _patterns(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, layout: Layout,
     return [(family, words) for family, words in found if words]
 
 
+# The family of a factor relation no dimension of the config names (0.967 x expected): rounding's
+# as likely as a bug's where the error is of half-precision rounding's size.
+UNNAMED_FACTOR = "unnamed factor"
+
+
 def _relation(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, cfg: Config) -> list[tuple[str, str]]:
     """The relations that need no layout, a sign flip or a constant factor, as (family, words)."""
     finite = np.isfinite(c) & np.isfinite(x)
@@ -356,7 +329,7 @@ def _relation(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, cfg: Config) ->
     found = [("sign", "candidate = -expected: a sign flip")] if fits(c, -x, allowed, scale) else []
     k = float(np.sum(c[finite] * x[finite]) / np.sum(x[finite] ** 2))  # k = -1 is the sign flip's relation, said once
     if math.isfinite(k) and min(abs(k - 1), abs(k + 1)) > MIN_FACTOR_GAP and k != 0 and fits(c, k * x, allowed, scale):
-        found.append(("factor", _factor_words(k, cfg)))
+        found.append(("factor" if _named(k, cfg) else UNNAMED_FACTOR, _factor_words(k, cfg)))
     return found
 
 

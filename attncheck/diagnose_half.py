@@ -4,8 +4,10 @@ A correct computation that accumulates in the half dtype (np.einsum on float16 a
 half-precision cases by a few times the allowance, at elements that follow the rounding, not the
 attention: a new student's float16-long read "only in key column 53 (of 130)" (4 of 16,900
 elements) and, in grad, "candidate = 0.967 x expected". At that size a location or a factor is
-rounding's as likely as a bug's, so the row says so instead (`rounding_sized`), and a run whose
-only failures are such rows says what to change (`half_precision_hint`).
+rounding's as likely as a bug's, so the row says so instead (`rounding_sized`; attncheck.diagnose
+still names what rounding cannot fit: a suspect its rerun reproduces, a transpose, a factor a
+dimension names), and a run whose only failures are such rows says what to change
+(`half_precision_hint`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def half_precision_hint(reports: list[Report]) -> str | None:
 
 def rounding_sized(row: Row, cfg) -> str:
     """A half-precision row failing on its values within HALF_HINT_RATIO of the allowance: that it
-    is of the size accumulating in the half dtype gives, and how to tell; "" for any other row."""
+    is of the size accumulating in the half dtype gives, and how to tell; "" for any other row.
+    The words stand where nothing rounding cannot fit is found (attncheck.diagnose)."""
     if cfg.dtype not in HALF or row.section == "finite-diff":  # the finite differences run in float64
         return ""
     if row.reason is not Reason.VALUES or row.ratio is None or row.ratio > HALF_HINT_RATIO:

@@ -391,3 +391,19 @@ def test_a_half_precision_row_of_rounding_size_names_no_location_or_factor():
             assert re.fullmatch(r"[\d.]+x the allowance, in float16: the size a sum accumulated in float16 gives, .*", row.diagnosis), row.diagnosis
     far = run_check("forward", cfg, Candidate("wrong scale", ScaleByHeadDim)).failures
     assert far and all("accumulated" not in row.diagnosis and row.diagnosis for row in far), [r.diagnosis for r in far]
+
+
+def test_a_half_precision_row_of_rounding_size_keeps_a_bug_the_arrays_fit():
+    # bfloat16's allowance puts real bugs within 20x of it: a suspect the rerun reproduces, or a
+    # relation a dimension names, is no rounding, and was replaced by the rounding-size words.
+    from attncheck.candidate import Candidate
+    from attncheck.checks import run_check
+    from attncheck.config import load_suite
+    from attncheck.testing.wrong_impls import BiasGradAveragedOverBatch, ScaleByHeadDim, WeightsAveragedOverBatch
+
+    cfg = next(case.config for case in load_suite(None).cases if case.name == "bfloat16")
+    for command, impl, quantity, words in (("forward", ScaleByHeadDim, "output", "the logits are divided by D instead of sqrt(D)"),
+                                           ("forward", WeightsAveragedOverBatch, "attn_weights", "averaged over the batch"),
+                                           ("grad", BiasGradAveragedOverBatch, "out_proj.bias", "(0.334 = 1/B;")):  # fmt: skip
+        row = next(r for r in run_check(command, cfg, Candidate("bug", impl)).failures if r.section != "fast-path" and r.quantity == quantity)
+        assert row.ratio <= 20 and words in row.diagnosis and "accumulated" not in row.diagnosis, (row.ratio, row.diagnosis)

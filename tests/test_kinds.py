@@ -55,6 +55,14 @@ def test_the_causal_hint_reaches_a_forward_that_takes_it_and_its_absence_is_note
                 raise RuntimeError("my is_causal branch")
             return super().forward(query, key, value, **options)
 
+    def documented(self, query, key, value, *, attn_mask=None, key_padding_mask=None, need_weights=True, average_attn_weights=True):
+        return MultiheadAttention.forward(self, query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                                          need_weights=need_weights, average_attn_weights=average_attn_weights)  # fmt: skip
+
+    class HandsOn(MultiheadAttention):  # **kwargs handed on to a function of the four documented keywords
+        def forward(self, query, key, value, **kwargs):
+            return documented(self, query, key, value, **kwargs)
+
     class NoHint(MultiheadAttention):
         def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, need_weights=True, average_attn_weights=True):
             return super().forward(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
@@ -63,10 +71,12 @@ def test_the_causal_hint_reaches_a_forward_that_takes_it_and_its_absence_is_note
     cfg = next(case.config for case in load_suite(None).cases if case.name == "is-causal")
     broken = run_check("forward", cfg, Candidate("broken", BrokenHint))
     assert broken.verdict is FAIL and "my is_causal branch" in broken.failures[0].note, broken.failures
+    handed_on = run_check("forward", cfg, Candidate("handed on", HandsOn))  # it raised TypeError on is_causal
+    assert handed_on.verdict is PASS and [n for n in handed_on.notes if n.startswith("is_causal: its forward names no")], handed_on.failures
     reference = run_check("forward", cfg)
     assert reference.verdict is PASS and not [n for n in reference.notes if n.startswith("is_causal")]
     without = run_check("forward", cfg, Candidate("without", NoHint))
     assert without.verdict is PASS
-    assert [n for n in without.notes if n.startswith("is_causal: its forward takes no `is_causal` keyword")], without.notes
+    assert [n for n in without.notes if n.startswith("is_causal: its forward names no `is_causal` parameter")], without.notes
     plain = run_check("forward", cfg.model_copy(update={"is_causal": False}), Candidate("broken", BrokenHint))
     assert plain.verdict is PASS and not [n for n in plain.notes if n.startswith("is_causal")]

@@ -180,6 +180,35 @@ def test_a_layout_keeps_the_values_and_changes_the_memory(layout):
     assert not (view.flags.c_contiguous and view.base is None)
 
 
+def test_a_layout_is_a_copy_even_of_an_array_already_in_that_order():
+    a = np.arange(6.0).reshape(1, 1, 6)  # C and Fortran order at once
+    a.flags.writeable = False  # as a kept workload's arrays are
+    for layout in LAYOUTS:
+        view = laid_out(a, layout)
+        assert view.flags.writeable and not np.shares_memory(view, a), layout
+
+
+def test_a_candidate_in_the_judges_process_is_never_handed_the_kept_workload():
+    """(1, 1, E) inputs are in Fortran order already: the transposed layout handed the read-only
+    workload itself to a candidate that cannot be isolated, and its in-place write raised there."""
+    from attncheck.inputs import make_workload
+    from attncheck.reference.mha import MultiheadAttention
+
+    handed = []
+
+    class WritesItsQuery(MultiheadAttention):  # defined in a function: runs in this process
+        def forward(self, query, key, value, **kwargs):
+            handed.append(query)
+            query *= 1.0  # in place, the values unchanged
+            return super().forward(query, key, value, **kwargs)
+
+    cfg = Config(tgt_len=1, batch_size=1, probes=["strides"])
+    report = run_check("forward", cfg, candidate_from_object(WritesItsQuery))
+    kept = make_workload(cfg).query
+    assert len(handed) > len(LAYOUTS) and not any(np.shares_memory(q, kept) for q in handed)
+    assert report.passed, report
+
+
 def test_torch_views_and_a_torch_kernel_that_assumes_contiguity():
     torch = pytest.importorskip("torch")
     F = torch.nn.functional

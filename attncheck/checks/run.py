@@ -19,7 +19,8 @@ from attncheck import expectations, torch_side
 from attncheck.candidate import Candidate, Session, make_session, reference_for
 from attncheck.config import Config
 from attncheck.dtypes import HALF
-from attncheck.diagnose import diagnose_report, where_report
+from attncheck.diagnose import diagnose_report
+from attncheck.diagnose_kernels import where_report
 from attncheck.errors import CandidateProblem, Unsupported
 from attncheck.frameworks import framework_of
 from attncheck.inputs import Workload, make_workload

@@ -47,7 +47,7 @@ class ModuleKind:
     has_fast_path: bool = True  # torch has an inference fast path to compare with
     diagnosable: bool = True  # attncheck.diagnose knows the layouts of its quantities
     # Where it is not: the axes of each quantity's array (by the rows' parameter), for a diagnosis
-    # that says where the error lies only (attncheck.diagnose.where_report)
+    # that says where the error lies only (attncheck.diagnose_kernels.where_report)
     where_axes: dict[str, tuple[str, ...]] = {}
     # Commands that do not apply to the kind, with the reason the report gives.
     unsupported_commands: dict[str, str] = {}
@@ -334,13 +334,15 @@ def kind_of(cfg: Any) -> ModuleKind:
     return kinds()[getattr(cfg, "module", "multihead_attention")]
 
 
-def takes_keyword(fn: Any, name: str) -> bool:
-    """Whether `fn` can be called with the keyword `name`: a parameter of that name, or **kwargs
-    (a signature that cannot be read takes it: calling tells)."""
+def names_keyword(fn: Any, name: str) -> bool:
+    """Whether `fn`'s signature names a parameter `name` that a keyword can fill. **kwargs does not
+    count: a forward(q, k, v, **kwargs) that hands them on to a function of the four documented
+    keywords was a correct candidate that raised TypeError on the keyword; nor does a signature
+    that cannot be read."""
     import inspect
 
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
-        return True
-    return any(p.name == name and p.kind is not p.POSITIONAL_ONLY or p.kind is p.VAR_KEYWORD for p in parameters)
+        return False
+    return any(p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in parameters)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attncheck.kinds import ModuleKind, takes_keyword
+from attncheck.kinds import ModuleKind, names_keyword
 
 
 def attention_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -112,16 +112,16 @@ class MultiheadAttentionKind(ModuleKind):
 
     def call_forward(self, cfg, obj, query, key, value, attn_mask, key_padding_mask, **arrays) -> Any:
         """As torch's module is called, and with torch's causal hint `is_causal=True` beside the
-        causal mask (config `is_causal`) where the forward takes it: a parameter of that name, or
-        **kwargs. A forward without it is called with the mask alone (call_notes says so)."""
+        causal mask (config `is_causal`) where the forward names a parameter `is_causal` (not through
+        **kwargs alone). A forward without one is called with the mask alone (call_notes says so)."""
         args, kwargs = self.forward_arguments(cfg, query, key, value, attn_mask, key_padding_mask, **arrays)
-        if cfg.is_causal and takes_keyword(self.forward_of(obj), "is_causal"):
+        if cfg.is_causal and names_keyword(self.forward_of(obj), "is_causal"):
             kwargs["is_causal"] = True
         return self.forward_of(obj)(*args, **kwargs)
 
     def call_notes(self, cfg, obj) -> list[str]:
-        if cfg.is_causal and not takes_keyword(self.forward_of(obj), "is_causal"):
-            return ["is_causal: its forward takes no `is_causal` keyword, so it was called with the causal mask alone "
+        if cfg.is_causal and not names_keyword(self.forward_of(obj), "is_causal"):
+            return ["is_causal: its forward names no `is_causal` parameter, so it was called with the causal mask alone "
                     "(torch's module is given the hint too); add `is_causal=False` to forward() to have the hint checked"]
         return []
 
