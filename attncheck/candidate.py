@@ -39,7 +39,7 @@ import numpy as np
 
 from attncheck.config.config_file import impl_file
 from attncheck.dtypes import is_float
-from attncheck.errors import CandidateError, Unsupported, UsageError, as_named, as_raised, bounded, did_you_mean, shorten
+from attncheck.errors import CandidateError, CandidateShapeError, Unsupported, UsageError, as_named, as_raised, bounded, did_you_mean, shorten
 from attncheck.frameworks import _type_name, detect_framework, framework_hint, framework_of, written_for
 from attncheck.inputs import Workload
 from attncheck.kinds import kind_of, kinds
@@ -398,7 +398,7 @@ class Session:
         expected = kind.output_shape(self.cfg, w)  # the modules: the first argument's own shape
         if out.shape != expected:
             what = f"{kind.first_argument}'s {expected}" if expected == w.query.shape else f"{expected}"
-            raise CandidateError(f"{called} returned an output of shape {out.shape}, expected {what}", where)
+            raise CandidateShapeError(f"{called} returned an output of shape {out.shape}, expected {what}", where)
         return out, None if second is None else self._as_numpy(second, f"{called} returned {second_name}", where)
 
     def build_and_forward(self, w: Workload, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -457,7 +457,7 @@ class Session:
                 continue  # None is "not provided"
             arrays[name] = g = self._as_numpy(g, f"backward() returned {name!r}", where)
             if g.shape != shapes[name]:
-                raise CandidateError(f"backward() returned {name!r} of shape {g.shape}, expected {shapes[name]}", where)
+                raise CandidateShapeError(f"backward() returned {name!r} of shape {g.shape}, expected {shapes[name]}", where)
         return arrays
 
     def _returned(self, output: Any, obj: Any, inputs: tuple[Any, Any, Any], masks: tuple[Any, Any], second: Any = None) -> None:

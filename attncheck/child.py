@@ -162,7 +162,7 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
     die_with(parent)
     gc.disable()  # until the candidate is loaded (Child.load): importing torch ran 3 to 5 full collections
     from attncheck.channel import encode_reply, read_exact, read_request
-    from attncheck.errors import CandidateProblem, TracerLeak, Unsupported, UsageError
+    from attncheck.errors import CandidateProblem, CandidateShapeError, TracerLeak, Unsupported, UsageError
 
     reader = os.fdopen(read_fd, "rb", buffering=0)
     writer = os.fdopen(write_fd, "wb", buffering=0)
@@ -188,6 +188,8 @@ def main(read_fd: int, write_fd: int, parent: int) -> None:
                         break
             except Unsupported as exc:
                 reply = _error("unsupported", exc)
+            except CandidateShapeError as exc:
+                reply = _error("shape", exc)
             except CandidateProblem as exc:
                 reply = _error("call", exc)
             except UsageError as exc:

@@ -135,6 +135,11 @@ class CandidateError(CandidateProblem):
     """A candidate implementation raised or returned something unusable: a failed check (exit 1)."""
 
 
+class CandidateShapeError(CandidateError):
+    """A candidate returned an array of the wrong shape (an output, a gradient, an LSE): a failed
+    check whose reason is `shape`, as the forward's own shape row says."""
+
+
 class CandidateTimeout(CandidateError):
     """A call into the candidate gave no answer within its time limit; its process was killed."""
 

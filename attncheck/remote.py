@@ -33,7 +33,7 @@ import numpy as np
 from attncheck import forkserver
 from attncheck.candidate import Candidate
 from attncheck.channel import Malformed, read_reply, write_request
-from attncheck.errors import CandidateError, CandidateTimeout, TracerLeak, Unsupported, UsageError, clean, shorten
+from attncheck.errors import CandidateError, CandidateShapeError, CandidateTimeout, TracerLeak, Unsupported, UsageError, clean, shorten
 from attncheck.kinds.sdpa import ALIGNMENTS
 
 # A call's time limit when the config sets none: a minute, and a second more per million attention
@@ -393,7 +393,8 @@ class RemoteSession:
                 self.process.stop()
                 raise CandidateError(f"the candidate's process broke during {what}: {shorten(error['message'], 200)}; it was replaced",
                                      None, error["traceback"])  # fmt: skip
-            raise CandidateError(_without(error["message"], location), location, error["traceback"], error["raised"])
+            wrong = CandidateShapeError if error["kind"] == "shape" else CandidateError
+            raise wrong(_without(error["message"], location), location, error["traceback"], error["raised"])
 
     def build(self, params: dict[str, np.ndarray]) -> Handle:
         reply = self._call("build", f"{self.candidate.spec}(...)", params, arrays=[])

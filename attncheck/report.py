@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
-from attncheck.errors import CandidateTimeout, counted
+from attncheck.errors import CandidateShapeError, CandidateTimeout, counted
 
 if TYPE_CHECKING:
     from attncheck.config import Case, Config
@@ -97,8 +97,9 @@ class Reason(str, enum.Enum):
 
     @classmethod
     def of_call(cls, err: Exception) -> Reason:
-        """Why a row that ends at a failed call into the candidate failed: it hung, or anything else."""
-        return cls.TIMEOUT if isinstance(err, CandidateTimeout) else cls.CALL
+        """Why a row that ends at a failed call into the candidate failed: it hung, it returned a
+        wrong shape, or anything else."""
+        return cls.TIMEOUT if isinstance(err, CandidateTimeout) else cls.SHAPE if isinstance(err, CandidateShapeError) else cls.CALL
 
     def __str__(self) -> str:
         return self.value
@@ -125,8 +126,9 @@ class Quantity:
 
 
 # Changes whenever a key is dropped or renamed or a value's meaning changes (docs/reference/reports.md):
-# 3 gave a call with no answer in time its own reason, `timeout` (it was `call`), and added `not run`.
-JSON_SCHEMA_VERSION = 3
+# 3 gave a call with no answer in time its own reason, `timeout` (it was `call`), and added `not run`;
+# 4 gave an array of the wrong shape returned in grad or sgd-step the reason `shape` (it was `call`).
+JSON_SCHEMA_VERSION = 4
 
 
 @dataclass

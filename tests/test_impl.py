@@ -38,6 +38,7 @@ class Broken:
     command: str
     message: str  # in the failing row's note
     located: bool = True  # the note names the # HERE line
+    reason: str = "call"  # the failing row's reason in the JSON
 
 
 BROKEN = {
@@ -74,7 +75,7 @@ BROKEN = {
             def forward(self, *args, **kw):  # HERE
                 out, w = super().forward(*args, **kw)
                 return out[:, :-1], w
-        """, "grad", "forward() returned an output of shape (2, 4, 24), expected query's (2, 5, 24)"),
+        """, "grad", "forward() returned an output of shape (2, 4, 24), expected query's (2, 5, 24)", reason="shape"),
     "wrong_gradient_shape": Broken(
         """
         class Candidate(Ref):
@@ -82,14 +83,14 @@ BROKEN = {
                 grads = super().backward(grad_output)
                 grads["out_proj.weight"] = grads["out_proj.weight"].T[:, :3]
                 return grads
-        """, "sgd-step", "backward() returned 'out_proj.weight' of shape (24, 3), expected (24, 24)"),
+        """, "sgd-step", "backward() returned 'out_proj.weight' of shape (24, 3), expected (24, 24)", reason="shape"),
     "wrong_dtype": Broken(
         """
         class Candidate(Ref):
             def forward(self, *args, **kw):
                 out, w = super().forward(*args, **kw)
                 return out.astype(np.float64), w
-        """, "forward", "output returned as float64 for float32 inputs", located=False),
+        """, "forward", "output returned as float64 for float32 inputs", located=False, reason="dtype"),
 }
 
 NO_WEIGHTS = """
@@ -139,6 +140,7 @@ def test_broken_candidate_is_a_located_failure(tmp_path, case):
     assert code == 1
     notes = [r["note"] for r in report["rows"] if r["status"] == "fail"]
     assert any(broken.message in n for n in notes), notes
+    assert {r["reason"] for r in report["rows"] if broken.message in r["note"]} == {broken.reason}  # shape: forward's word, in grad too
     if broken.located:
         assert any(f"{path}:{line}" in n for n in notes), notes
 

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+import attncheck
+
 from attncheck.candidate import Candidate, candidate_from_object
 from attncheck.checks import run_check
 from attncheck.cli import app
@@ -243,8 +245,11 @@ def test_an_lse_of_the_wrong_shape_fails_grad_as_it_fails_forward():
     assert run_check("forward", cfg, Candidate("t", LseTransposed)).sole_reason is Reason.SHAPE
     report = run_check("grad", cfg, Candidate("t", LseTransposed))
     (row,) = report.rows
-    assert report.verdict == "fail" and row.reason is Reason.CALL
+    assert report.verdict == "fail" and row.reason is Reason.SHAPE  # as forward's: it read `call` (left in stop 48's note)
     assert row.note == "its lse has shape (2, 5, 4), expected (2, 4, 5); the loss whose gradients are checked includes the lse"
+    # and the same reason through a candidate's own process, where the error crosses the channel
+    remote = attncheck.check(cfg, "grad", impl="tests/test_sdpa_kind.py:LseTransposed")
+    assert remote.verdict == "fail" and remote.sole_reason is Reason.SHAPE, remote.rows
 
 
 def test_an_lse_in_base_2_is_diagnosed_as_the_factor_1_over_ln_2():
