@@ -4,16 +4,16 @@ oracle's, kept for the next check of the same case.
 Both depend on the config and the workload alone, and the workload on the config alone (drawn
 from its seed: `inputs.make_workload` is kept here too, so the checks of a case share one
 read-only workload, whose digest is kept with it); and a process often judges the same case
-again: another candidate on the same suite (the pytest
-plugin or `attncheck.check` over several implementations, the project's own corpus of known-bad
-implementations), or the same case under another command or probe. `once` keeps a function's
-result keyed by everything it reads:
+again: another candidate on the same suite (the pytest plugin or `attncheck.check` over several
+implementations, the project's own corpus of known-bad implementations), or the same case under
+another command or probe. `once` keeps a function's result keyed by everything it reads:
 
 - the config, as its JSON, and whether it is a large call (`Config.is_large` follows a module
   constant: torch's thread count and the oracle's blocking both depend on it);
 - a digest of every array the workload holds (shape, dtype, bytes) and which of them are one
   array (the query that is the key under self-attention);
-- what else the caller names (`also`: a switch read at call time).
+- what else the caller names (`also`: a switch read at call time; torch's side names torch's
+  kernel switches, `torch_side.settings`).
 
 A kept result is handed out read-only: every NumPy array in it is marked unwritable, so a caller
 that writes into one raises instead of changing what the next check expects. At most MAX_BYTES
