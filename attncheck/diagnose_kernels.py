@@ -30,7 +30,7 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
         if rescaled is not None and row.parameter == "output" and row.status is FAIL and row.evidence is not None:
             c = np.asarray(row.evidence.candidate, dtype=np.float64)
             allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), c.shape)
-            scaled = scale_suspect(cfg, c, allowed, rescaled) if not rounding_sized(row, cfg) else ""
+            scaled = scale_suspect(cfg, c, allowed, rescaled)  # a rerun reproduces it: rounding cannot fit it
             if scaled:
                 named = axes.get("output")
                 x = np.asarray(row.evidence.reference, dtype=np.float64)
