@@ -36,9 +36,9 @@ def tensor(a: np.ndarray, device: str | torch.device = "cpu") -> torch.Tensor:
     bfloat16 (ml_dtypes) goes through float32, which holds every bfloat16 value exactly."""
     if a.dtype == BFLOAT16:
         return torch.from_numpy(a.astype(np.float32)).to(device=device, dtype=torch.bfloat16)
-    if not a.flags.writeable:  # a workload's arrays are read-only (attncheck.expectations): copied first, not wrapped
-        return torch.from_numpy(np.array(a, order="C")).to(device)
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device, copy=True)
+    # A NumPy copy of its own, wrapped: one copy whatever `a` is (torch warns on wrapping a read-only
+    # array, and a workload's are: attncheck.expectations).
+    return torch.from_numpy(np.array(a, order="C")).to(device)
 
 
 def numpy(t: torch.Tensor) -> np.ndarray:
