@@ -24,7 +24,7 @@ import typer
 
 from attncheck import __version__
 from attncheck.commands import COMMANDS, NAMES, parse_commands
-from attncheck.errors import ServerFork, UsageError
+from attncheck.errors import ServerFork, UsageError, counted
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_BUG, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
@@ -238,8 +238,8 @@ def _run(
         label = suite.name
         if shard_spec is not None:
             i, n = parse_shard(shard_spec)
-            suite = replace(suite, cases=shard(suite.cases, i, n))
-            label += f" · shard {i}/{n}"
+            whole, suite = len(suite.cases), replace(suite, cases=shard(suite.cases, i, n))
+            label += f" · shard {i}/{n}" + ("" if suite.cases else f" (the suite has {counted(whole, 'case')}, so shards after {whole} hold none): nothing was proven")
         view = View(verbose, tracebacks, keep_evidence=plot_path is not None)
         overrides = parse_settings(settings or [])
         overrides.update({k: v.value for k, v in (("tolerance", tolerance), ("framework", framework), ("device", device)) if v is not None})

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from attncheck.config import Case, Config, Suite, check_suite_memory, config_from_mapping
-from attncheck.errors import ConfigError, UsageError, nearest
+from attncheck.errors import ConfigError, UsageError, counted, nearest
 from attncheck.report import Report, SuiteResult
 
 if TYPE_CHECKING:
@@ -69,6 +69,11 @@ def parse_shard(spec: str) -> tuple[int, int]:
     return i, n
 
 
+# How much of a message the names of a suite's cases may take (characters; at least one is named):
+# configs/suite.yaml's matrix has 128 cases, each named by its 7 options, 16,000 characters in all.
+CASES_LISTED = 240
+
+
 def chosen_cases(suite: Suite, names: str) -> list[Case]:
     """The cases `--case` names (comma-separated), in the suite's order; a UsageError naming the
     suite's cases for a name it does not have. A matrix case's name has commas of its own
@@ -86,7 +91,10 @@ def chosen_cases(suite: Suite, names: str) -> list[Case]:
     if unknown or not wanted:
         near = [match for match in (nearest(name, known) for name in unknown) if match]
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
-        raise UsageError(f"--case {names!r}: {suite.name} has no case {', '.join(map(repr, unknown)) or 'named'}{hint}; its cases: {', '.join(known)}")
+        shown = next((n for n in range(len(known), 1, -1) if len(", ".join(known[:n])) <= CASES_LISTED), 1)
+        listed = ", ".join(known[:shown]) + (f", and {len(known) - shown} more" if shown < len(known) else "")
+        raise UsageError(f"--case {names!r}: {suite.name} has no case {', '.join(map(repr, unknown)) or 'named'}{hint}; "
+                         f"its {counted(len(known), 'case')}: {listed}")
     return [case for case in suite.cases if case.name in wanted]
 
 

@@ -128,7 +128,7 @@ def test_case_takes_a_matrix_cases_name_with_its_own_commas():
     assert [c.name for c in chosen_cases(suite, f"cross,{matrix},key_padding_mask=random,mask_dtype=float")] == [
         "cross", "key_padding_mask=random,mask_dtype=float", matrix]  # fmt: skip
     assert [c.name for c in chosen_cases(suite, "is_causal=false, add_bias_kv=true, batch_first=true")] == [matrix]  # as the summary wraps it
-    with pytest.raises(UsageError, match="no case 'cross', 'nope'|no case 'nope'; its cases"):
+    with pytest.raises(UsageError, match="no case 'cross', 'nope'|no case 'nope'; its 8 cases"):
         chosen_cases(suite, "cross,nope")
     with pytest.raises(UsageError, match=f"no case '{matrix[:-1]}' \\(did you mean {matrix}\\?\\)"):  # a typo in one: named as one
         chosen_cases(suite, matrix[:-1])
@@ -166,3 +166,18 @@ def test_a_suite_narrowed_to_one_check_keeps_the_suites_json_shape(tmp_path):
         shapes.append(("suite" in data, len(data.get("results", []))))
     assert shapes == [(True, 1), (True, 1)]
     assert "suite" not in json.loads((run("forward", "-c", "configs/default.yaml", "--json", str(out)), out.read_text())[1])
+
+
+def test_a_shard_with_no_cases_says_why_and_proves_nothing():
+    # A new engineer's four-job matrix over a three-case suite: the fourth job read only "no cases".
+    result = run("forward", "-c", "configs/causal.yaml", "--shard", "2/3")
+    assert result.exit_code == 4
+    assert "no cases in causal · shard 2/3 (the suite has 1 case, so shards after 1 hold none): nothing was proven" in " ".join(result.output.split())
+
+
+def test_an_unknown_case_of_a_large_suite_names_a_few_of_its_cases_and_counts_the_rest():
+    # configs/suite.yaml's matrix: the message listed all 128 names, 16,000 characters on one line.
+    result = run("forward", "-c", "configs/suite.yaml", "--case", "basic")
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2 and "option-grid has no case 'basic'; its 128 cases: bias=true," in message, message
+    assert message.endswith("and 126 more") and len(message) < 400, message
