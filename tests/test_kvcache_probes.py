@@ -97,3 +97,18 @@ def test_the_cli_runs_every_probe_on_a_decode_kernel():
     result = CliRunner().invoke(app, ["forward", "--module", "sdpa_kvcache", "--set", "probes=all", "--set", "deterministic=true"])
     assert result.exit_code == 0, result.output
     assert "probe: strides" in result.output and "probe: options" in result.output
+
+
+def test_a_cache_the_checks_own_call_writes_wrong_is_not_blamed_on_the_strides():
+    """AppendOneSlotLate writes its caches wrong in every layout: the check's own k_cache rows fail
+    and say so; the strides probe has no right write to hold its calls to, and says that (INFO),
+    not that the check's own call is right."""
+    from attncheck.testing.wrong_kvcache import AppendOneSlotLate
+
+    report = run_check("forward", _cases()["decode-append"], candidate_from_object(AppendOneSlotLate))
+    own = {r.quantity for r in report.failures if r.section != "probe"}
+    assert {"k_cache[appended]", "k_cache[not appended]"} <= own, own
+    rows = probe_rows(report)
+    for label in STRIDES:
+        assert rows[label].status is INFO, (label, rows[label].note)
+        assert "fails already" in rows[label].note and "own call is right" not in rows[label].note, label

@@ -58,7 +58,8 @@ def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bo
     report.rows.extend(repeat_rows(report, "forward", session, obj, cfg, w, backward=False))
     if cfg.probes_run:
         within = lambda name, a: compare_output(probes.SECTION, cfg, w, a, t_out, rule, o_out, also=(t_other,))  # noqa: E731
-        probing = probes.Probing(run, session, {"output": out}, within, probes.budget_of(output_row, rule, t_out))
+        failed_already = frozenset(r.quantity for r in report.rows if r.failed)
+        probing = probes.Probing(run, session, {"output": out}, within, probes.budget_of(output_row, rule, t_out), failed_already)
         report.rows.extend(probes.forward_probes(probing, w, t_out, rule, o_out, compare_output, t_other))
     report.rows.extend(finding_rows("forward", session))
     return run.finish()

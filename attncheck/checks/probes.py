@@ -65,6 +65,7 @@ class Probing:
     first: dict[str, np.ndarray | None]  # the check's own results: "output", and gradients under grad
     within: Within  # (quantity, the candidate's array) -> the check's comparison row
     budget: float  # the error the check allows its output, as one number
+    failed_already: frozenset[str] = frozenset()  # quantities the check's own rows fail (a decode kernel's caches, say)
 
     @property
     def cfg(self):
@@ -219,8 +220,12 @@ def strides(p: Probing, w, rule: Rule | None = None) -> list[Row]:
             continue
         row = _second_row("strides", label, p, {"output": out}, what, None)
         wrong = [] if row.failed or rule is None else [r for r in kind.written_rows(p.cfg, w, dict(p.session.written), rule) if r.failed]
-        if wrong:
-            row = _as_probe("strides", label, wrong[0], f"{what}: {wrong[0].quantity} wrong, where the check's own call is right")
+        fresh = [r for r in wrong if r.quantity not in p.failed_already]
+        if fresh:
+            row = _as_probe("strides", label, fresh[0], f"{what}: {fresh[0].quantity} wrong, where the check's own call is right")
+        elif wrong:  # as _second_row does for the output: the check's own row fails already and tells the story
+            told = ", ".join(dict.fromkeys(r.quantity for r in wrong))
+            row = _row("strides", label, INFO, f"not judged: the check's own {told} fails already, so this probe has no correct result to hold its writes to")
         rows.append(row)
     return rows
 
