@@ -96,7 +96,7 @@ CORPUS = {
     "SoftmaxWithoutMaxSubtraction": {"attn_weights": ["NaN in 17 places where torch has a number"]},
     "Float16Probabilities": {"output": ["small: the error is at most"], "attn_weights": ["small: the error is at most"]},
     "SoftmaxEpsilon": {"output": ["small: the error is at most"]},
-    "Float32Internally": {"output": ["small: the error is at most"]},
+    "Float32Internally": {"output": ["small: the error is at most", "of float32 rounding's size: float32 arithmetic inside?"]},
     # gradients
     "SoftmaxDiagonalBackward": {"finite-diff/input": ["the backward does not differentiate the candidate's own forward"]},
     "QueryGradScaleMissing": {**{q: [f"candidate = 2.24 x expected ({SQRT_D};"] for q in ("in_proj_weight[q]", "in_proj_bias[q]")},

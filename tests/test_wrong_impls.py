@@ -85,3 +85,22 @@ def test_cli_exits_1(name, args):
 def test_cli_exits_0_where_the_bug_cannot_show():
     result = CliRunner().invoke(app, ["forward", "--config", "configs/default.yaml", "--impl", SPEC.format("SoftmaxDiagonalBackward")])
     assert result.exit_code == 0, result.output
+
+
+def test_float32_inside_a_float64_case_fails_its_gradients_and_is_not_blamed_on_its_backward():
+    # A kernel writer's `.float()` from end to end: in a float64 case its forward and gradients fail
+    # (float32 rounding), and its finite differences failed too, saying its right backward was wrong.
+    float64 = cfg(dtype="float64")
+    report = run_check("grad", float64, Candidate(SPEC.format("Float32Internally"), wrong_impls.Float32Internally))
+    assert report.verdict == FAIL and {r.section for r in report.failures} == {"forward", "grad"}
+    [fd] = [r for r in report.rows if r.section == "finite-diff"]
+    assert fd.status == "info" and "keeps every bit when in_proj_weight, in_proj_bias" in fd.note and "float32 arithmetic inside" in fd.note
+
+
+def test_a_float64_forward_that_ignores_an_input_keeps_its_finite_differences():
+    # Its output keeps every bit when the value moves, as float32 arithmetic's would: where the
+    # forward fails, one such input is not enough to call it float32 inside.
+    cross = cfg(dtype="float64", self_attention=False)
+    report = run_check("grad", cross, Candidate(SPEC.format("KeyUsedAsValue"), wrong_impls.KeyUsedAsValue))
+    finite = [r for r in report.rows if r.section == "finite-diff"]
+    assert report.verdict == FAIL and len(finite) > 1 and not any("float32 arithmetic" in r.note for r in finite)
