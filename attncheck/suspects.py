@@ -206,6 +206,13 @@ def _softmax_over_queries(base: type) -> dict:
 
 
 # ------------------------------------------------------------------------------ masks
+# The fill of an inverted mask recomputed as code that masks with a finite number does: far enough
+# below any logit that logit + fill rounds to fill in float64, so a row masked whole is uniform.
+FINITE_FILL = -1e300
+FINITE_FILL_DETAIL = ("masked with a finite number (masked_fill(-1e9), `(1 - mask) * finfo.min`): a row it masks "
+                      "whole attends uniformly")  # fmt: skip
+
+
 def _mask_suspects(cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None) -> list[Suspect]:
     """Each mask ignored or (bool) read inverted; a per-group mask taken in the wrong group order."""
     suspects = []
@@ -216,8 +223,14 @@ def _mask_suspects(cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: 
         shape = str(tuple(mask.shape))
         suspects.append(Suspect(f"the {name} {shape} is ignored: the candidate equals attention without it", masks={field_name: None}))
         if mask.dtype == np.bool_:
-            suspects.append(Suspect(f"the bool {name} is read inverted: the candidate attends where it is True (torch: masked) "
-                                    "and not where it is False", masks={field_name: ~mask}))  # fmt: skip
+            inverted = (f"the bool {name} is read inverted: the candidate attends where it is True (torch: masked) "
+                        "and not where it is False")  # fmt: skip
+            suspects.append(Suspect(inverted, masks={field_name: ~mask}))
+            # Inverted and filled with a finite number, as Hugging Face's `(1 - attention_mask) * finfo.min`:
+            # a row the inverted mask covers whole attends uniformly where -inf gives NaN, so the -inf
+            # rerun's NaN pattern never matches such a candidate. FINITE_FILL is lost beside any logit in
+            # float64 as finfo.min is in float32, so only those rows differ between the two reruns.
+            suspects.append(Suspect(inverted, FINITE_FILL_DETAIL, masks={field_name: np.where(mask, 0.0, FINITE_FILL)}))
     B, H, L = cfg.effective_batch, cfg.num_heads, cfg.tgt_len
     if B == 1 or H == 1:  # one group order only
         return suspects

@@ -83,6 +83,17 @@ class KeyPaddingIgnored(MultiheadAttention):
         return super().forward(query, key, value, key_padding_mask=None, **kwargs)
 
 
+class KeyPaddingInvertedFiniteFill(MultiheadAttention):
+    """A bool key_padding_mask read as True = a real token, the masked keys filled with the dtype's
+    most negative number as Hugging Face's `(1 - attention_mask) * finfo.min` does: a sequence with
+    no padding then has every key masked and attends uniformly, where -inf would give NaN."""
+
+    def forward(self, query, key, value, *, key_padding_mask=None, **kwargs):
+        if key_padding_mask is not None and key_padding_mask.dtype == np.bool_:
+            key_padding_mask = np.where(key_padding_mask, 0, np.finfo(query.dtype).min).astype(query.dtype)  # (B, S)
+        return super().forward(query, key, value, key_padding_mask=key_padding_mask, **kwargs)
+
+
 class ZeroKeyWeightDropped(MultiheadAttention):
     """The weights it returns leave out the zero-attention key's share (set to 0); the output is right."""
 

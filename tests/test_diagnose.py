@@ -37,6 +37,7 @@ from tests.diagnose_candidates import (
     HeadsReversed,
     HeadTwoQGradZero,
     KeyPaddingIgnored,
+    KeyPaddingInvertedFiniteFill,
     NoLogitScale,
     OutBiasGradNegated,
     OutProjGradTransposed,
@@ -135,7 +136,7 @@ CAUSES = ["heads split", "heads merged", "heads permuted", "laid out head-major"
           "is ignored", "read inverted", "off by one", "averaged over the batch", "dropout", "sign flip", "transposed",
           "shifted by one", "swapped with", "x expected", "logits are", "are read as",
           "value is projected", "gives weight to", "gives them weight", "positions torch masks", "ambiguous",
-          "softmax is taken over"]  # fmt: skip
+          "softmax is taken over", "masked with a finite number"]  # fmt: skip
 
 
 def _wrong_words(diagnosis: str, expected: list[str], config) -> list[str]:
@@ -200,6 +201,13 @@ DIAGNOSES = [
     (QuerySplitByReshape, "forward", {}, "output", ["the query's heads split with a plain reshape"]),
     (QuerySplitByReshape, "forward", PER_HEAD, "attn_weights", ["the query's heads split with a plain reshape"]),
     (KeyPaddingIgnored, "forward", dict(key_padding_mask="random"), "output", ["the key_padding_mask (2, 5) is ignored"]),
+    # Hugging Face's `(1 - attention_mask) * finfo.min` given torch's mask: a sequence with no padding
+    # attends uniformly where the -inf rerun gives NaN, which read "everywhere" before the finite-fill rerun
+    (KeyPaddingInvertedFiniteFill, "forward", dict(key_padding_mask="random"), "output",
+     ["the bool key_padding_mask is read inverted", "masked with a finite number"]),
+    (KeyPaddingInvertedFiniteFill, "forward", dict(key_padding_mask="random", attn_mask="causal"), "attn_weights",
+     ["the bool key_padding_mask is read inverted", "masked with a finite number"]),
+    (wrong_impls.KeyPaddingInverted, "forward", dict(key_padding_mask="random"), "output", ["the bool key_padding_mask is read inverted"]),
     (wrong_impls.HeadsSplitByReshape, "forward", dict(embed_dim=12, num_heads=3, batch_size=3), "output",
      ["heads split with a plain reshape (no transpose)", "merged back with a plain reshape"]),
     (wrong_impls.HeadsSplitByReshape, "forward", PER_HEAD, "attn_weights", ["heads split with a plain reshape (no transpose)"]),
