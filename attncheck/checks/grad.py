@@ -67,6 +67,14 @@ def none_returned(section: str, names, what: str) -> Row:
     return Row(section, "gradients", INCONCLUSIVE, reason=Reason.MISSING, note=f"none of {', '.join(names)} was returned: {what}")
 
 
+# A gradient autograd does not give is zero, as torch's optimizers take a parameter's None: the
+# output does not depend on it through the graph, and where torch's is not zero that fails (a new
+# user's adapter copied the values into a library module's own parameters under no_grad: grad
+# passed with them "not provided", and only sgd-step saw nothing trained). The torch session's note
+# says why it happens (attncheck.torch_candidate).
+AUTOGRAD_ZERO = "autograd gives no gradient: judged as zero"
+
+
 def not_returned(section: str, quantity: Quantity | str, strict: bool, autograd: bool = False) -> Row:
     """A gradient the candidate did not return: not provided, or a failure under `strict`.
     `autograd`: its gradients are autograd's (run.by_autograd), not its backward()'s."""
@@ -162,13 +170,17 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     for name, expected in t.grads.items():
         for quantity, index in grad_quantities(cfg, name, per_head):
             actual = cand.get(name)
-            if actual is None:
+            if actual is None and not autograd:
                 report.rows.append(not_returned("grad", quantity, strict, autograd))
                 continue
+            zero = actual is None
+            actual = np.zeros_like(expected) if zero else actual
             o = None if o_grads is None else o_grads[name][index]
-            report.rows.append(compare("grad", quantity, actual[index], expected[index], grad_rule, oracle=o, scale=grad_scale,
-                                       candidate_nan_ok=spread, rounding=floor_of(moves, name, index),
-                                       also=also(lambda a: a.grads[name][index])))  # fmt: skip
+            row = compare("grad", quantity, actual[index], expected[index], grad_rule, oracle=o, scale=grad_scale,
+                          candidate_nan_ok=spread, rounding=floor_of(moves, name, index), also=also(lambda a: a.grads[name][index]))
+            if zero:
+                row.note = f"{row.note}; {AUTOGRAD_ZERO}" if row.note else AUTOGRAD_ZERO
+            report.rows.append(row)
 
     if not strict and all(cand.get(name) is None for name in t.grads):
         report.rows.append(none_returned("grad", t.grads, "grad judged no gradient"))
