@@ -202,3 +202,15 @@ def test_an_sgd_step_that_no_gradient_moved_is_never_a_pass():
     assert unmoved.quantity == "out_proj.bias"
     # its failure says why, not only the torch paths and step that a wrong update would show
     assert "`out_proj.bias` was never updated: backward() returned no gradient for it" in unmoved.note
+
+
+def test_a_capability_cell_names_every_case_once_or_a_few_and_counts_the_rest():
+    # The determinism probe reported in all 39 grad cases of the default suite under --set
+    # dtype=float64: the cell listed all 39 names over eight lines.
+    from attncheck.render_suite import CELL_NAMES, _named
+
+    names = [f"case-number-{i}" for i in range(39)]
+    assert _named(names, 39) == "every case"  # the cases column counts them
+    some = _named(names[:30], 39)
+    assert some.startswith("case-number-0, case-number-1") and some.endswith(" more") and len(some) <= CELL_NAMES + 12
+    assert _named(["one"], 1) == "one" and _named(["a", "b"], 3) == "a, b"
