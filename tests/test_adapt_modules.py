@@ -445,3 +445,13 @@ def test_the_recipe_for_torchs_own_encoder_layer_that_the_contract_error_gives_p
         main(["run", "--module", "transformer_encoder_layer", "--impl", f"{tmp_path / 'torch_own_layer.py'}:TransformerEncoderLayer"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert ended.value.code == 0 and re.match(r"PASS +(\d+) of \1 checks pass +\[", last), last  # every check, none unsupported
+
+
+def test_a_module_built_for_embed_dim_alone_has_kdim_and_vdim_unsupported():
+    # A new user's BERT-style module (separate query, key and value Linears of embed_dim) behind a
+    # factory taking `**_`: the kdim-vdim cases failed with a shape mismatch, where the module simply
+    # takes no key or value width of its own.
+    report = attncheck.check({"kdim": 6, "vdim": 6, "self_attention": False}, "forward", impl=ADAPTERS["annotated"])
+    assert report.verdict == "unsupported", [(r.quantity, r.status, r.note) for r in report.rows]
+    assert "kdim=6 not supported: linears.1.weight: the module's is" in report.rows[0].note, report.rows[0].note
+    assert "pass kdim to it where the module takes one" in report.rows[0].note

@@ -161,6 +161,16 @@ def self_attention(causal: bool) -> Callable:
     return call
 
 
+def _other_width(options: Mapping[str, Any], held: tuple, given: tuple) -> str:
+    """"kdim=7" where a key (or value) width other than embed_dim is what a mapped tensor has and
+    the module's does not; "" otherwise."""
+    for name in ("kdim", "vdim"):
+        width = options.get(name)
+        if width not in (None, options.get("embed_dim")) and width in tuple(given) and width not in tuple(held):
+            return f"{name}={width}"
+    return ""
+
+
 def torch_module(factory: Callable[..., Any], names: Mapping[str, str | Source] | None = None, *, prefix: str = "",
                  call: Callable[..., Any] = mha_call, refusing: Sequence[str] = ("add_zero_attn", "dropout")) -> type:  # fmt: skip
     """A candidate class from a torch nn.Module as it is: its own parameter names, layouts and forward.
@@ -193,8 +203,9 @@ def torch_module(factory: Callable[..., Any], names: Mapping[str, str | Source] 
     initial values are never used and autograd's gradients are attncheck's. Checked when built:
     every parameter of the module has a source (ValueError naming those without), every name is
     one of the module's, shapes agree; an attncheck parameter no source uses (bias_k with
-    add_bias_kv, say), or a module parameter whose source this config lacks (in_proj_bias with
-    bias=False), is NotImplementedError: unsupported.
+    add_bias_kv, say), a module parameter whose source this config lacks (in_proj_bias with
+    bias=False), or one built for embed_dim where a source has the config's kdim or vdim (a
+    factory taking `**_`), is NotImplementedError: unsupported.
     """
     import torch
 
@@ -214,7 +225,7 @@ def torch_module(factory: Callable[..., Any], names: Mapping[str, str | Source] 
         def __init__(self, params, *, num_heads, batch_first, **options):
             super().__init__()
             refuse(options, *refusing, reason="torch_module(refusing=...): no parameter shows it")
-            self.params, self.num_heads, self.batch_first = params, num_heads, batch_first
+            self.params, self.num_heads, self.batch_first, self.options = params, num_heads, batch_first, options
             some = params["out_proj.weight"]
             module = factory(num_heads=num_heads, **options)
             self.runner = _Runner(module.to(device=some.device, dtype=some.dtype).eval())
@@ -239,7 +250,12 @@ def torch_module(factory: Callable[..., Any], names: Mapping[str, str | Source] 
                 if full not in held:
                     raise ValueError(f"names: the module has no parameter {full!r}{_nearest_name(full, list(held))}")
                 if tuple(t.shape) != tuple(held[full].shape):
-                    raise ValueError(f"{full}: the module's is {tuple(held[full].shape)}, {source!r} gives {tuple(t.shape)}")
+                    said = f"{full}: the module's is {tuple(held[full].shape)}, {source!r} gives {tuple(t.shape)}"
+                    width = _other_width(self.options, held[full].shape, t.shape)
+                    if width:  # a module built for embed_dim alone (a factory taking `**_`): this option is unsupported
+                        raise NotImplementedError(f"{width} not supported: {said} (its factory built it for embed_dim "
+                                                  f"{self.options.get('embed_dim')}; pass {width.split('=')[0]} to it where the module takes one)")  # fmt: skip
+                    raise ValueError(said)
                 tensors["module." + full] = t
             unmapped = [n for n in own if "module." + n not in tensors]
             if unmapped:
