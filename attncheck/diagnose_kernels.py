@@ -1,12 +1,15 @@
 """The diagnosis of the kinds whose layouts attncheck.diagnose cannot read (the attention
 functions): where a failing row's error lies on the axes the kind names, the relations that need
-no layout (a sign, a factor), a finite difference's ratio, and a kernel's output that another
-softmax scale explains (attncheck.suspects.scale_suspect).
+no layout (a sign, a factor), a finite difference's ratio, and a kernel's output that the float64
+oracle gives under another reading of the config (`other_reading`: the softmax scale, the causal
+mask's alignment, the window, the softcap).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import math
 
 import numpy as np
 
@@ -14,23 +17,23 @@ from attncheck.config import Config
 from attncheck.diagnose import UNNAMED_FACTOR, Layout, _finite_difference, _relation, _where
 from attncheck.diagnose_half import rounding_sized
 from attncheck.report import FAIL, Report
-from attncheck.suspects import scale_suspect
+from attncheck.suspects import fits
 
 
 def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False,
-                 rescaled: Callable[[float], np.ndarray | None] | None = None) -> None:
+                 reread: Callable[[dict], np.ndarray | None] | None = None) -> None:
     """A kind the diagnosis cannot read (its layouts are not a module's): for every failing row
     whose array's axes `axes` names (by the row's parameter), where its error lies (the heads,
     batch entries, rows it is confined to: a kernel's GQA grouping wrong in 2 of 6 query heads) and
     the relations that need no layout (a sign, a factor: an LSE in base 2 is 1/ln(2) x torch's). A
     failing finite difference gets what its ratio says (`autodiff` as for _finite_difference): a
     kernel whose backward forgot the softmax scale, sqrt(D). A failing output is tried against the
-    oracle's with another softmax scale (`rescaled`, suspects.scale_suspect), whatever its layout."""
+    oracle's under other readings of the config (`reread`, `other_reading`), whatever its layout."""
     for row in report.rows:
-        if rescaled is not None and row.parameter == "output" and row.status is FAIL and row.evidence is not None:
+        if reread is not None and row.parameter == "output" and row.status is FAIL and row.evidence is not None:
             c = np.asarray(row.evidence.candidate, dtype=np.float64)
             allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), c.shape)
-            scaled = scale_suspect(cfg, c, allowed, rescaled)  # a rerun reproduces it: rounding cannot fit it
+            scaled = other_reading(cfg, c, allowed, reread)  # a rerun reproduces it: rounding cannot fit it
             if scaled:
                 named = axes.get("output")
                 x = np.asarray(row.evidence.reference, dtype=np.float64)
@@ -51,3 +54,66 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
         allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), x.shape)
         relations = [words for family, words in _relation(c, x, allowed, cfg) if not (rounding and family == UNNAMED_FACTOR)]
         row.diagnosis = "; ".join(relations + ([] if rounding else _where(c, x, allowed, Layout(named), cfg, None))) or rounding
+
+
+def readings(cfg: Config) -> list[tuple[dict, str]]:
+    """The other readings of a kernel's config that a wrong kernel computes, each with its words:
+    another softmax scale (none at all, applied twice, the default in place of the given one), the
+    causal mask aligned the other way (or not applied) where L != S, the window one off on a side (or
+    ignored), the softcap ignored or applied before the scale. A new kernel writer's bugs: causal
+    top-left where lower-right was declared read "only in query rows 0-27"; a window one short on
+    the left "only in key columns 12-28"; tanh on the unscaled logits nothing at all."""
+    D = cfg.head_dim_eff
+    given = cfg.scale if cfg.scale is not None else 1 / math.sqrt(D)
+    scales = {1.0: "no scale at all: the scale is missing", 1 / D: "1/D: the scale applied twice"}
+    if cfg.scale is not None:
+        scales[1 / math.sqrt(D)] = "1/sqrt(D), the default: the given scale is ignored"
+    tried = [({"scale": s}, f"softmax scale {s:.3g} ({words}) where it is {given:.3g} (D={D})")
+             for s, words in scales.items() if not math.isclose(s, given, rel_tol=1e-6)]  # fmt: skip
+    causal = getattr(cfg, "causal", "none")
+    if causal != "none":
+        other = {"upper_left": "lower_right", "lower_right": "upper_left"}.get(causal)
+        if other and cfg.tgt_len != cfg.S:
+            tried.append(({"causal": other}, f"the causal mask aligned {other} where the case asks {causal} (L={cfg.tgt_len}, S={cfg.S}: "
+                                             "upper_left is torch's is_causal, lower_right FlashAttention's)"))  # fmt: skip
+        tried.append(({"causal": "none"}, f"no causal mask: causal {causal} is ignored"))
+    window = getattr(cfg, "window_size", None)
+    if window is not None:
+        left, right = window
+        for side, step in (("left", -1), ("left", 1), ("right", -1), ("right", 1)):
+            was = left if side == "left" else right
+            if was >= 0 and was + step >= 0:  # -1 is unbounded: no side to be one off
+                l2, r2 = (was + step, right) if side == "left" else (left, was + step)
+                tried.append(({"window_size": [l2, r2]}, f"window_size [{l2}, {r2}] where the case asks [{left}, {right}]: one off on the {side}"))
+        tried.append(({"window_size": None}, f"no window: window_size [{left}, {right}] is ignored"))
+    softcap = getattr(cfg, "softcap", 0.0)
+    if softcap:
+        tried.append(({"softcap": 0.0}, f"no softcap: softcap {softcap:g} is ignored"))
+        tried.append(({"softcap": softcap * given}, f"softcap {softcap * given:.3g} = softcap x scale: the cap taken on the logits "
+                                                     "before the softmax scale"))  # fmt: skip
+    return tried
+
+
+def other_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, reread: Callable[[dict], np.ndarray | None]) -> str:
+    """A kernel's output that is the float64 oracle's under another reading of its config
+    (`readings`) and not under its own: `reread(update)` is the oracle's output on the check's
+    workload with the config so updated (None where not valid). "" when none fits; each that fits,
+    where several do."""
+    own = reread({})
+    if own is None or np.shape(own) != candidate.shape:
+        return ""
+    own = np.asarray(own, dtype=np.float64)
+    found = []
+    for update, words in readings(cfg):
+        other = reread(update)
+        if other is None or np.shape(other) != candidate.shape:
+            continue
+        other = np.asarray(other, dtype=np.float64)
+        finite = np.isfinite(other)
+        scale = float(np.abs(other[finite]).max()) if finite.any() else 0.0
+        if scale and fits(candidate, other, allowed, scale) and not fits(other, own, allowed, scale) \
+                and np.array_equal(np.isnan(candidate), np.isnan(other)):  # fmt: skip
+            found.append(words)
+    if len(found) > 1:
+        return "ambiguous, the output fits each of: the oracle's with " + " | ".join(found)
+    return f"the output is the float64 oracle's with {found[0]}" if found else ""

@@ -304,30 +304,3 @@ class Suspects:
             return [(f"{fitting[0].words}; {fitting[0].detail}", fitting[0].restated_by)]
         bugs = {s.words: s.restated_by for s in fitting}  # variants of one bug (the weights never see the merge) are one
         return list(bugs.items())
-
-
-def scale_suspect(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, rescaled: Callable[[float], np.ndarray | None]) -> str:
-    """A kernel's output that is the float64 oracle's with another softmax scale: none at all (1),
-    applied twice (1/D), or, where the config gives its own, the default 1/sqrt(D) in its place.
-    `rescaled(s)` is the oracle's output on the check's workload with scale s (None if it raised).
-    A new user's kernel that forgot the scale only under is_causal read "only in query rows 1-12
-    (of 13)" (row 0 sees one key, where any scale gives the same softmax). "" when none fits."""
-    D = cfg.head_dim_eff
-    given = cfg.scale if cfg.scale is not None else 1 / math.sqrt(D)
-    tried = {1.0: "no scale at all: the scale is missing", 1 / D: "1/D: the scale applied twice"}
-    if cfg.scale is not None:
-        tried[1 / math.sqrt(D)] = "1/sqrt(D), the default: the given scale is ignored"
-    found = []
-    for s, words in tried.items():
-        if math.isclose(s, given, rel_tol=1e-6):
-            continue
-        other = rescaled(s)
-        if other is None or np.shape(other) != candidate.shape:
-            continue
-        other = np.asarray(other, dtype=np.float64)
-        finite = np.isfinite(other)
-        if finite.any() and fits(candidate, other, allowed, float(np.abs(other[finite]).max())):
-            found.append(f"softmax scale {s:.3g} ({words}) where it is {given:.3g} (D={D})")
-    if len(found) > 1:
-        return "ambiguous, the output fits each of: the oracle's with " + " | ".join(found)
-    return f"the output is the float64 oracle's with {found[0]}" if found else ""

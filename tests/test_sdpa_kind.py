@@ -502,6 +502,22 @@ def test_a_wrong_float64_forward_is_not_taken_for_float32_arithmetic():
     assert not [r for r in report.rows if r.section == "finite-diff" and r.status == "info"]
 
 
+@pytest.mark.parametrize("kernel, keys, words", [
+    ("CausalUpperLeft", {"causal": "lower_right"},
+     "the causal mask aligned upper_left where the case asks lower_right (L=5, S=7: upper_left is torch's is_causal"),
+    ("WindowRightBoundExclusive", {"window_size": [2, 1]}, "window_size [2, 0] where the case asks [2, 1]: one off on the right"),
+    ("SoftcapOnUnscaledScores", {"softcap": 2.0}, "softcap 0.707 = softcap x scale: the cap taken on the logits before the softmax scale"),
+])  # fmt: skip
+def test_a_kernels_misreading_of_causal_window_or_softcap_is_named(kernel, keys, words):
+    # A new kernel writer's bugs: causal top-left where lower-right was declared read "only in query
+    # rows 0-27", a window one short "only in key columns 12-28", the softcap before the scale nothing.
+    from attncheck.testing import wrong_kernels
+
+    cfg = config_from_mapping({"module": "sdpa", "tgt_len": 5, "src_len": 7, "head_dim": 8, **keys})  # DenseSDPA's
+    [row] = [r for r in run_check("forward", cfg, candidate_from_object(getattr(wrong_kernels, kernel))).failures if r.parameter == "output"]
+    assert row.diagnosis.startswith(f"the output is the float64 oracle's with {words}"), row.diagnosis
+
+
 def test_a_kernels_wrong_softmax_scale_is_named_with_the_scale_it_used():
     # A new user's kernel that forgot the scale only under is_causal read "only in query rows 1-12
     # (of 13)"; the output is what the oracle gives with scale 1, and the diagnosis now says so.

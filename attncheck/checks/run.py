@@ -17,11 +17,11 @@ import numpy as np
 
 from attncheck import expectations, torch_side
 from attncheck.candidate import Candidate, Session, make_session, reference_for
-from attncheck.config import Config
+from attncheck.config import Config, config_from_mapping
 from attncheck.dtypes import HALF
 from attncheck.diagnose import diagnose_report
 from attncheck.diagnose_kernels import where_report
-from attncheck.errors import CandidateProblem, Unsupported
+from attncheck.errors import CandidateProblem, Unsupported, UsageError
 from attncheck.frameworks import framework_of
 from attncheck.inputs import Workload, make_workload
 from attncheck.kinds import kind_of
@@ -121,12 +121,14 @@ class CheckRun:
         except CandidateProblem:
             return None
 
-    def rescaled(self, scale: float) -> np.ndarray | None:
-        """The float64 oracle's output on this workload with another softmax scale (a function
-        kind's `scale`), for the diagnosis to compare; None if the reference raised."""
+    def reread(self, update: dict) -> np.ndarray | None:
+        """The float64 oracle's output on this workload under the config with `update` (another
+        softmax scale, causal alignment, window or softcap: a function kind's keys), for the
+        diagnosis to compare; None where that config is not valid or the reference raised."""
         try:
-            return oracle_forward(self.cfg.model_copy(update={"scale": scale}), self.w)[0]
-        except CandidateProblem:
+            cfg = config_from_mapping({**self.cfg.model_dump(exclude_unset=True), **update}, source="<diagnosis>")
+            return oracle_forward(cfg, self.w)[0]
+        except (UsageError, CandidateProblem):
             return None
 
     def session(self) -> Session:
@@ -151,7 +153,7 @@ class CheckRun:
         if not kind.diagnosable:  # where the kind names its axes, and the finite differences (packed, decode kinds too)
             # A NumPy kernel's gradients are its own backward's; a torch or JAX one's may be autograd's or a custom rule's.
             where_report(self.report, self.cfg, kind.where_axes, autodiff=False if self.report.framework == "numpy" else None,
-                         rescaled=self.rescaled)
+                         reread=self.reread)
         else:
             diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun,
                             autodiff=by_autograd(self.cfg, self.candidate))  # fmt: skip
