@@ -249,6 +249,31 @@ def _mask_suspects(cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: 
     return suspects
 
 
+# ------------------------------------------------------------------------------ biases
+def _bias_dropped(base: type, attr: str) -> dict:
+    """The reference with one bias (its attribute `attr`: bo, bq, bv) never added."""
+
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **kwargs)
+        setattr(self, attr, np.zeros_like(getattr(self, attr)))  # zeros: the in-projection adds its three biases together
+
+    return {"__init__": __init__}
+
+
+# The biases whose absence shows (the key's does not: softmax ignores a shift along the keys). A new
+# user's NumPy and Flax modules without the out-projection's bias read "everywhere: no head, row or
+# column is spared".
+BIASES = (("bo", "out_proj.bias is not added: the output is torch's without it"),
+          ("bq", "the query's in_proj_bias is not added (in_proj_bias[q])"),
+          ("bv", "the value's in_proj_bias is not added (in_proj_bias[v])"))  # fmt: skip
+
+
+def _bias_suspects(base: type, cfg: Config) -> list[Suspect]:
+    if not cfg.bias or not callable(getattr(base, "_out_projection_forward", None)):
+        return []
+    return [Suspect(words, methods=_bias_dropped(base, attr)) for attr, words in BIASES]
+
+
 # ------------------------------------------------------------------------------ the suspects
 class Suspects:
     """The suspects that apply to a config, each recomputed once, when a failing output or weights
@@ -269,7 +294,7 @@ class Suspects:
             if cfg.tgt_len > 1:  # one query: its softmax over the queries is 1 everywhere, not a bug's shape
                 self.suspects.append(Suspect(SOFTMAX_AXIS_WORDS, methods=_softmax_over_queries(base)))
         if all(hasattr(base, name) for name in ("_in_projection_forward", "forward")):
-            self.suspects += _value_suspects(base, cfg)
+            self.suspects += _value_suspects(base, cfg) + _bias_suspects(base, cfg)
         if not cfg.unbatched and cfg.effective_batch > 1 and callable(getattr(base, "_to_internal", None)):
             self.suspects.append(Suspect(_batch_axis_words(cfg), methods=_batch_first_read_as(base, not cfg.batch_first)))
         self.suspects += _mask_suspects(cfg, attn_mask, key_padding_mask)

@@ -142,3 +142,19 @@ class QuerySplitByReshape(_Dense):
     and value's with the transpose."""
 
     QUERY_SPLIT_BY_RESHAPE = True
+
+
+class OutProjBiasDropped(MultiheadAttention):
+    """The output projection's bias is never added (a new user's NumPy and Flax modules)."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.bo = None
+
+
+class ValueBiasDropped(MultiheadAttention):
+    """The value's part of in_proj_bias is never added."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.bv = np.zeros_like(self.bv)

@@ -39,11 +39,13 @@ from tests.diagnose_candidates import (
     KeyPaddingIgnored,
     KeyPaddingInvertedFiniteFill,
     NoLogitScale,
+    OutProjBiasDropped,
     OutBiasGradNegated,
     OutProjGradTransposed,
     QGradTimesSqrtD,
     QuerySplitByReshape,
     SoftmaxOverQueries,
+    ValueBiasDropped,
     ZeroKeyWeightDropped,
 )
 
@@ -190,6 +192,8 @@ DIAGNOSES = [
     (HeadsReversed, "forward", PER_HEAD, "attn_weights", ["heads permuted", "[3, 2, 1, 0]"]),
     (NoLogitScale, "forward", PER_HEAD, "attn_weights", ["the logits are not divided by sqrt(D)"]),
     (NoLogitScale, "forward", {}, "output", ["the logits are not divided by sqrt(D)"]),
+    (OutProjBiasDropped, "forward", {}, "output", ["out_proj.bias is not added: the output is torch's without it"]),
+    (ValueBiasDropped, "forward", {}, "output", ["the value's in_proj_bias is not added (in_proj_bias[v])"]),
     (QGradTimesSqrtD, "grad", {}, "in_proj_weight[q]", ["candidate = 2.45 x expected (2.45 = sqrt(D);"]),
     (QGradTimesSqrtD, "grad", {}, "in_proj_weight[q]@finite-diff", ["<grad, u> = 2.45 x the finite difference (2.45 = sqrt(D))"]),
     (OutProjGradTransposed, "grad", {}, "out_proj.weight", ["transposed"]),
