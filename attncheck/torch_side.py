@@ -248,6 +248,11 @@ def fast_path_blocker(cfg: Config) -> str | None:
     return kind_of(cfg).fast_path_blocker(cfg)
 
 
+def fast_path_misreads(cfg: Config) -> str | None:
+    """Why torch's fast path, taken for this config, cannot be compared with the module (None: it can)."""
+    return kind_of(cfg).fast_path_misreads(cfg)
+
+
 @expectations.once(also=settings)
 @_on_config_threads
 def forward_fast_path(cfg: Config, w: Workload) -> tuple[np.ndarray, np.ndarray | None]:

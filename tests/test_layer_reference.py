@@ -128,6 +128,49 @@ def test_every_command_passes_on_the_reference(overrides, dtype):
         assert_agrees(check(c))
 
 
+# A float mask with finite values on torch's fast path: torch reads it as bool, so the fast-path row
+# is skipped, not inconclusive (found by a new user's --set key_padding_mask_dtype=float: even the
+# reference was exit 4, torch's fast path NaN at every element).
+FLOAT_MASKS = [dict(key_padding_mask="random", key_padding_mask_dtype="float"),
+               dict(attn_mask="random", mask_dtype="float", key_padding_mask="random", key_padding_mask_dtype="bool"),
+               dict(attn_mask="random", attn_mask_dims=3, mask_dtype="float")]  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides", FLOAT_MASKS, ids=str)
+def test_torchs_fast_path_reads_a_float_mask_as_bool(overrides):
+    import torch
+
+    c = cfg(module="transformer_encoder_layer", **overrides)
+    w = make_workload(c)
+    module = torch_side.build_module(c, w.params).eval()
+    src = torch.from_numpy(w.query)
+    as_float = dict(src_mask=w.attn_mask, src_key_padding_mask=w.key_padding_mask)
+    as_bool = {k: None if m is None else (m != 0) for k, m in as_float.items()}
+    tensors = lambda masks: {k: None if m is None else torch.from_numpy(np.ascontiguousarray(m)) for k, m in masks.items()}  # noqa: E731
+    with torch.inference_mode():
+        fast_float, fast_bool = module(src, **tensors(as_float)), module(src, **tensors(as_bool))
+    with torch.no_grad():
+        standard = module.train()(src, **tensors(as_float))
+    # If these fail, torch's fast path takes float masks as its standard path does: drop fast_path_misreads.
+    torch.testing.assert_close(fast_float, fast_bool, rtol=0, atol=0, equal_nan=True)
+    assert standard.isfinite().all() and not torch.allclose(fast_float, standard)
+
+
+@pytest.mark.parametrize("overrides", FLOAT_MASKS, ids=str)
+def test_a_float_mask_skips_the_fast_path_rows_and_the_reference_passes(overrides):
+    report = check_forward(cfg(module="transformer_encoder_layer", **overrides))
+    assert_agrees(report)
+    fast = [r for r in report.rows if r.section == "fast-path"]
+    assert [r.status for r in fast] == ["skipped"] and "reads it as a bool mask" in fast[0].note, [(r.status, r.note) for r in fast]
+
+
+def test_a_float_causal_mask_still_compares_the_fast_path():
+    # 0 and -inf only: the fast path's bool reading agrees, so its row is judged
+    report = check_forward(cfg(module="transformer_encoder_layer", attn_mask="causal", mask_dtype="float"))
+    fast = [r for r in report.rows if r.section == "fast-path"]
+    assert report.verdict == "pass" and [r.status for r in fast] == ["pass"], [(r.status, r.note) for r in fast]
+
+
 # ------------------------------------------------------------------------------ config keys
 @pytest.mark.parametrize(
     "overrides, key",

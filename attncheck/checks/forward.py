@@ -112,6 +112,9 @@ def fast_path_rows(cfg, w, candidate, standard, rule, oracle, masked, other_out=
     blocker = torch_side.fast_path_blocker(cfg)
     if blocker is not None:
         return [Row("fast-path", "output", SKIPPED, note=f"torch takes no fast path here: {blocker}")]
+    misread = torch_side.fast_path_misreads(cfg)
+    if misread is not None:
+        return [Row("fast-path", "output", SKIPPED, note=f"torch's fast path is not compared here: {misread}")]
     fast = torch_side.forward_fast_path(cfg, w)
     names = ("output", "attn_weights") if cfg.need_weights else ("output",)
     nan_rows = (w.undefined, weights_rows(cfg, masked) if masked.any() else None)

@@ -251,6 +251,11 @@ class ModuleKind:
         """Why torch would not take its inference fast path for this config (None: it would)."""
         raise NotImplementedError
 
+    def fast_path_misreads(self, cfg: Config) -> str | None:
+        """Why torch's fast path, which it does take, computes something other than the module's
+        definition for this config, so that it cannot be compared (None: it can)."""
+        return None
+
     # ------------------------------------------------------------------------ probes
     # The batch-invariance probe's words for one element of a batch and for the whole.
     element_words: tuple[str, str] = ("batch element", "batch")

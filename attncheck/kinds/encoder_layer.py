@@ -136,6 +136,20 @@ class EncoderLayerKind(ModuleKind):
         ]
         return next((why for blocked, why in reasons if blocked), None)
 
+    def fast_path_misreads(self, cfg) -> str | None:
+        """torch's layer fast path (torch._transformer_encoder_layer_fwd, torch 2.13 on the CPU) reads
+        a float mask as a bool one: a key whose value is not 0 is masked, where the standard path adds
+        the value to the logits. The config's float masks hold finite values at allowed keys (a causal
+        one holds 0 and the fill only), so the fast path masks keys it should not, often every key of
+        a row (NaN there). tests/test_layer_reference.py pins the behaviour."""
+        finite_attn_mask = cfg.attn_mask not in ("none", "causal") and cfg.mask_dtype == "float"
+        finite_padding = cfg.key_padding_mask != "none" and cfg.key_padding_mask_dtype_eff == "float"
+        if not (finite_attn_mask or finite_padding):
+            return None
+        which = " and ".join(n for n, f in (("src_mask", finite_attn_mask), ("src_key_padding_mask", finite_padding)) if f)
+        return (f"a float {which} with values other than 0 and -inf: torch's fast path reads it as a bool mask "
+                "(every key whose value is not 0 masked), where its standard path adds it to the logits")  # fmt: skip
+
     # ------------------------------------------------------------------------ memory
     def extra_memory(self, cfg) -> tuple[int, int]:
         # The feed-forward network: (B, L, F) hidden activations (before and after the activation,
