@@ -56,13 +56,13 @@ class Candidate:
     factory: Callable[..., Any]
     framework: str = "numpy"  # detected at load (detect_framework); a config's `framework` overrides it
     builtin: bool = False  # one of attncheck's own NumPy references
-    # The update rule the sgd-step check trains the candidate's gradients with: attncheck's SGD
-    # (None), or a known-bad one (attncheck.testing) whose own update is under check.
+    # The update rule sgd-step trains the gradients with: attncheck's SGD (None), or a known-bad one (attncheck.testing).
     optimizer: type | None = None
     # Run in a process of its own (attncheck.remote): then `factory` is None in the judge's
     # process, which never imports the candidate, and what it knows came from that process.
     remote: bool = False
     class_without_backward: bool = False  # a class whose objects have no backward(grad_output)
+    function_without_backward: bool = False  # a function with none: a kernel kind calls it as the object
     isolation_note: str = ""  # why a candidate runs in the judge's process, when it does
     # The causal mask it implements (module: sdpa; its `causal_alignment` attribute): "upper_left"
     # (SDPA's is_causal) or "lower_right" (FlashAttention's causal=True); None: whatever the
@@ -76,8 +76,8 @@ class Candidate:
         return framework_of(cfg, self) == "numpy" and self.class_without_backward
 
 
-def _class_without_backward(factory: Any) -> bool:
-    return isinstance(factory, type) and not callable(getattr(factory, "backward", None))
+def _class_without_backward(factory: Any, is_class: bool = True) -> bool:
+    return isinstance(factory, type) == is_class and not callable(getattr(factory, "backward", None))
 
 
 def make_session(cfg, candidate: Candidate, bulk: bool = False, compiled: bool = False) -> Session:
@@ -153,7 +153,7 @@ def load_candidate(spec: str | None, origin: str | None = None) -> Candidate | N
     if not callable(obj):
         raise UsageError(f"{who}: {attr} is a {type(obj).__name__}, not a class or function")
     return Candidate(spec, obj, detect_framework(obj), class_without_backward=_class_without_backward(obj),
-                     causal_alignment=declared_alignment(obj))  # fmt: skip
+                     function_without_backward=_class_without_backward(obj, False), causal_alignment=declared_alignment(obj))  # fmt: skip
 
 
 def candidate_from_object(impl: Any) -> Candidate:
@@ -169,7 +169,7 @@ def candidate_from_object(impl: Any) -> Candidate:
         f"{spec} runs in attncheck's own process, not isolated: a separate process cannot import it "
         "(defined in __main__, inside a function, or under another name); a module-level class or a SPEC string is isolated")  # fmt: skip
     return Candidate(spec, impl, detect_framework(impl), class_without_backward=_class_without_backward(impl), isolation_note=note,
-                     causal_alignment=declared_alignment(impl))  # fmt: skip
+                     function_without_backward=_class_without_backward(impl, False), causal_alignment=declared_alignment(impl))  # fmt: skip
 
 
 def importable_spec(impl: Any) -> str | None:

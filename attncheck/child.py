@@ -94,6 +94,7 @@ class Child:
             gc.freeze()
             gc.enable()
         return {"framework": self.candidate.framework, "class_without_backward": self.candidate.class_without_backward,
+                "function_without_backward": self.candidate.function_without_backward,
                 "causal_alignment": self.candidate.causal_alignment}  # fmt: skip
 
     def _each(self, session, workloads: list, layout: str | None) -> Iterator[dict[str, Any]]:

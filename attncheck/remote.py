@@ -284,6 +284,7 @@ def load(spec: str, origin: str | None = None) -> Candidate:
         raise UsageError(f"{process._who()}: its causal_alignment is {str(alignment)[:80]}; expected one of {', '.join(ALIGNMENTS)} "
                          "(the causal mask it implements: upper_left, SDPA's is_causal, or lower_right, FlashAttention's causal=True)")  # fmt: skip
     return Candidate(spec, None, str(loaded.get("framework")), remote=True, class_without_backward=bool(loaded.get("class_without_backward")),
+                     function_without_backward=bool(loaded.get("function_without_backward")),
                      causal_alignment=alignment)  # fmt: skip
 
 

@@ -264,6 +264,26 @@ def test_a_gradient_autograd_does_not_give_is_judged_as_zero():
     assert {r.status for r in report.rows if r.section == "finite-diff" and r.quantity != "input"} == {"info"}
     assert any("training never updates it" in n for n in report.notes)
 
+
+def test_a_kernel_function_whose_input_autograd_does_not_reach_fails_it():
+    # A torch kernel function (no class, no backward: its gradients are autograd's, as a class's
+    # are) that takes the value outside the graph: grad passed with `value` "not returned by
+    # backward()", a method no function has.
+    import torch.nn.functional as F
+
+    from attncheck.candidate import candidate_from_object
+    from attncheck.checks import run_check
+    from attncheck.config import config_from_mapping
+
+    def detached_value(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return F.scaled_dot_product_attention(query, key, value.detach(), attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+    report = run_check("grad", config_from_mapping({"module": "sdpa", "framework": "torch"}), candidate_from_object(detached_value))
+    grad = {r.quantity: r for r in report.rows if r.section == "grad"}
+    assert report.verdict == "fail" and grad["query"].status == "pass"
+    assert grad["value"].status == "fail" and "autograd gives no gradient: judged as zero" in grad["value"].note
+    assert not report.rows_with("not provided")
+
 # SPECs that cannot be turned into a candidate: (file contents or None, spec, message).
 BAD_SPECS = {
     "missing_file": (None, "{dir}/nope.py:Candidate", "no such file"),

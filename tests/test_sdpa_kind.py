@@ -543,3 +543,16 @@ def test_a_kernels_wrong_softmax_scale_is_named_with_the_scale_it_used():
     assert "(1/sqrt(D), the default: the given scale is ignored) where it is 0.7" in row.diagnosis, row.diagnosis
     other = [r for r in run_check("forward", causal, candidate_from_object(CausalUpperLeft)).failures if r.parameter == "output"]  # no scale fits
     assert other and all("softmax scale" not in r.diagnosis for r in other), [r.diagnosis for r in other]
+
+
+def test_the_repeat_call_at_a_large_size_expects_its_own_inputs_shape():
+    # Past LARGE_LOGITS the repeat call runs on inputs REPEAT_LENGTH long; the output shape it
+    # expected was the config's (L = 2048), so torch's own SDPA failed 'repeat call: shape'.
+    import torch.nn.functional as F
+
+    cfg = config_from_mapping({"module": "sdpa", "framework": "torch", "num_heads": 1, "batch_size": 1, "tgt_len": 2048,
+                               "src_len": 2050, "head_dim": 8, "probes": []})  # fmt: skip
+    assert cfg.is_large
+    report = run_check("forward", cfg, candidate_from_object(F.scaled_dot_product_attention))
+    assert report.passed, [(r.quantity, r.note) for r in report.failures]
+    assert any("the repeat call ran on inputs of length 64" in n for n in report.notes)

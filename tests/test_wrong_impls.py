@@ -104,3 +104,21 @@ def test_a_float64_forward_that_ignores_an_input_keeps_its_finite_differences():
     report = run_check("grad", cross, Candidate(SPEC.format("KeyUsedAsValue"), wrong_impls.KeyUsedAsValue))
     finite = [r for r in report.rows if r.section == "finite-diff"]
     assert report.verdict == FAIL and len(finite) > 1 and not any("float32 arithmetic" in r.note for r in finite)
+
+
+def test_a_float64_forward_whose_output_no_input_moves_is_not_called_float32_inside():
+    # A kernel whose every row came out zero (each treated as having no allowed key) keeps every
+    # bit when any input is nudged, as float32 arithmetic would, and under any larger move too: its
+    # finite differences read "float32 arithmetic inside", a confidently wrong diagnosis.
+    import torch.nn.functional as F
+
+    from attncheck.candidate import candidate_from_object
+    from attncheck.config import config_from_mapping
+
+    def zero_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa) * 0.0
+
+    float64 = config_from_mapping({"module": "sdpa", "framework": "torch", "dtype": "float64"})
+    report = run_check("grad", float64, candidate_from_object(zero_rows))
+    finite = [r for r in report.rows if r.section == "finite-diff"]
+    assert report.verdict == FAIL and finite and not any("float32 arithmetic" in r.note for r in finite)

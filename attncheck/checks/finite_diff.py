@@ -113,6 +113,10 @@ FLOAT64_MARGIN = 1e3
 # derivative) was 3e6-4e9 of the units above on the default suite, Float32Internally 8.8e3-2.4e7
 # (a review, 2026-11-26); the first must keep its finite differences, which catch it.
 NUDGE = 1e-10
+# ...and each that kept its bits moved again by this much, which any arithmetic down to bfloat16's
+# (2^-8) carries to the output: one that still keeps them is not read by the forward at all (a
+# wrong kernel whose every row came out zero), and float32 inside is not what it shows.
+MOVE = 1e-2
 
 
 def not_float64(cfg, w64: Workload, out0, second0, loss0: float, oracle, magnitude: float, logit_magnitude: float, fill: float,
@@ -122,8 +126,9 @@ def not_float64(cfg, w64: Workload, out0, second0, loss0: float, oracle, magnitu
     contract allows), or, where its float64 loss is further from the oracle's than float64 rounding
     explains, an output that a parameter or input moved by NUDGE leaves bit for bit the same
     (float32 inside on its path): any one where its output agrees with torch's in a float32 or half
-    case, every one where it does not or the case is float64. `forward_at(workloads)` is the
-    candidate's (output, second output) at each."""
+    case, every one where it does not or the case is float64; each such one moving the output when
+    moved by MOVE (one it ignores says nothing). `forward_at(workloads)` is the candidate's (output,
+    second output) at each."""
     narrow = [f"its {name} is {a.dtype}" for name, a in (("output", out0), ("LSE", second0))
               if isinstance(a, np.ndarray) and a.dtype != np.float64]  # fmt: skip
     if narrow:
@@ -138,6 +143,9 @@ def not_float64(cfg, w64: Workload, out0, second0, loss0: float, oracle, magnitu
     nudged = [_perturbed(cfg, w64, name, value * NUDGE) for name, value in values.items()]  # one at a time: a path
     same = lambda a, b: a is None and b is None or (a is not None and b is not None and np.array_equal(a, b, equal_nan=True))  # noqa: E731
     still = [name for name, (out1, second1) in zip(values, forward_at(nudged)) if same(out0, out1) and same(second0, second1)]
+    if still:  # only those the output depends on at all
+        moved = forward_at([_perturbed(cfg, w64, name, values[name] * MOVE) for name in still])
+        still = [name for name, (out1, second1) in zip(still, moved) if not (same(out0, out1) and same(second0, second1))]
     # Where the check's own output fails (a float64 case, whose call this is), a forward that
     # ignores one input keeps its bits too: there every input must (float32 from end to end, a
     # new kernel writer's `.float()`, whose finite differences failed, blaming its right backward).

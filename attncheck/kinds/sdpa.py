@@ -191,7 +191,8 @@ class FunctionKind(ModuleKind):
         return f"{name} has no backward(grad_out, grad_lse=None) (docs/how-to/kernels.md): a NumPy kernel's gradients need one"
 
     def output_shape(self, cfg, w) -> tuple[int, ...]:
-        return (cfg.batch_size, cfg.num_heads, cfg.tgt_len, cfg.head_dim_v_eff)
+        B, Hq, L, _ = w.query.shape  # the workload's, not the config's: the repeat call's are shorter at large sizes
+        return (B, Hq, L, cfg.head_dim_v_eff)
 
     # Where a candidate's alignment comes from: it may have set none (then SDPA's is_causal alignment).
     ALIGNMENT_SOURCE = "its causal_alignment, upper_left unless set"

@@ -161,7 +161,8 @@ class KvCacheKind(FunctionKind):
         return None
 
     def output_shape(self, cfg, w) -> tuple[int, ...]:
-        return (cfg.batch_size, cfg.tgt_len, cfg.num_heads, cfg.head_dim_v_eff)
+        B, Lq, Hq, _ = w.query.shape  # the workload's, not the config's: the repeat call's are shorter at large sizes
+        return (B, Lq, Hq, cfg.head_dim_v_eff)
 
     # ------------------------------------------------------------------------ inputs
     def inputs(self, cfg, w) -> dict[str, Any]:
