@@ -455,3 +455,71 @@ def test_a_module_built_for_embed_dim_alone_has_kdim_and_vdim_unsupported():
     assert report.verdict == "unsupported", [(r.quantity, r.status, r.note) for r in report.rows]
     assert "kdim=6 not supported: linears.1.weight: the module's is" in report.rows[0].note, report.rows[0].note
     assert "pass kdim to it where the module takes one" in report.rows[0].note
+
+
+class OwnNamesLayer(nn.Module):
+    """A student's encoder layer, parameters named its own way: fused qkv, `ff_in`/`ff_out`, `ln_a`/`ln_b`."""
+
+    def __init__(self, d_model, nhead, dim_feedforward, norm_first, activation, eps):
+        super().__init__()
+        self.h, self.norm_first, self.act = nhead, norm_first, F.gelu if activation == "gelu" else F.relu
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.ff_in, self.ff_out = nn.Linear(d_model, dim_feedforward), nn.Linear(dim_feedforward, d_model)
+        self.ln_a, self.ln_b = nn.LayerNorm(d_model, eps=eps), nn.LayerNorm(d_model, eps=eps)
+
+    def attend(self, x, bias):
+        B, N, E = x.shape
+        q, k, v = (t.reshape(B, N, self.h, E // self.h).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return self.proj(F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).reshape(B, N, E))
+
+    def forward(self, x, bias=None):
+        if self.norm_first:
+            x = x + self.attend(self.ln_a(x), bias)
+            return x + self.ff_out(self.act(self.ff_in(self.ln_b(x))))
+        x = self.ln_a(x + self.attend(x, bias))
+        return self.ln_b(x + self.ff_out(self.act(self.ff_in(x))))
+
+
+class OwnNamesCandidate(nn.Module):
+    """The contract around it, attncheck's tensors bound in (adapt.bind): batch-first, masks as one additive bias."""
+
+    NAMES = {"qkv.weight": "self_attn.in_proj_weight", "qkv.bias": "self_attn.in_proj_bias", "proj.weight": "self_attn.out_proj.weight",
+             "proj.bias": "self_attn.out_proj.bias", "ff_in.weight": "linear1.weight", "ff_in.bias": "linear1.bias",
+             "ff_out.weight": "linear2.weight", "ff_out.bias": "linear2.bias", "ln_a.weight": "norm1.weight", "ln_a.bias": "norm1.bias",
+             "ln_b.weight": "norm2.weight", "ln_b.bias": "norm2.bias"}  # fmt: skip
+
+    def __init__(self, params, *, num_heads, batch_first, d_model, dim_feedforward, activation, layer_norm_eps, norm_first, bias=True, **_):
+        super().__init__()
+        if not bias:
+            raise NotImplementedError("its Linear and LayerNorm layers have biases")
+        self.layer = OwnNamesLayer(d_model, num_heads, dim_feedforward, norm_first, activation, layer_norm_eps)
+        adapt.bind(self.layer, {own: params[theirs] for own, theirs in self.NAMES.items()})
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        if src_key_padding_mask is not None:
+            raise NotImplementedError("no key padding")
+        bias = None if src_mask is None else torch.zeros(src_mask.shape, dtype=src.dtype).masked_fill(src_mask, float("-inf")) \
+            if src_mask.dtype == torch.bool else src_mask  # fmt: skip
+        return self.layer(src, bias)
+
+
+def test_a_layer_of_its_own_names_bound_to_attnchecks_tensors_has_every_gradient_judged():
+    # The documented recipe for such a layer loaded the values into its own names: its forward was
+    # right and every gradient zero (no gradient through the graph), failing grad once that is judged.
+    for command in ("grad", "sgd-step"):
+        report = attncheck.check({"module": "transformer_encoder_layer", "attn_mask": "causal", "is_causal": False}, command,
+                                 impl=OwnNamesCandidate)  # fmt: skip
+        assert report.verdict == "pass", [(r.section, r.quantity, r.status, r.note) for r in report.rows if r.status != "pass"]
+    grads = {r.quantity for r in report.rows if r.section == "sgd" and r.status == "pass"}
+    assert {"self_attn.out_proj.weight", "linear1.weight", "norm2.bias"} <= {str(q) for q in grads}, grads
+
+
+def test_bind_names_what_it_cannot_bind():
+    layer = lambda: OwnNamesLayer(8, 2, 16, False, "relu", 1e-5)  # noqa: E731
+    full = {name: torch.zeros(p.shape) for name, p in layer().named_parameters()}
+    with pytest.raises(ValueError, match="the module has no parameter 'qkv.wieght' \\(did you mean 'qkv.weight'\\?\\)"):
+        adapt.bind(layer(), {**full, "qkv.wieght": full["qkv.weight"]})
+    with pytest.raises(ValueError, match="no tensor for the module's ln_b.bias: it would compute with its own initial values"):
+        adapt.bind(layer(), {k: v for k, v in full.items() if k != "ln_b.bias"})
+    with pytest.raises(ValueError, match="bind: proj.weight: the module's is \\(8, 8\\), the tensor given is \\(8, 7\\)"):
+        adapt.bind(layer(), {**full, "proj.weight": torch.zeros(8, 7)})

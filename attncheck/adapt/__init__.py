@@ -25,12 +25,13 @@ paired with its inverse for the gradients:
     backward  mse_target, undo_batch_mean
     modules   torch_module(factory, names, call=...): a torch nn.Module run with its own parameter
               names through torch.func.functional_call; sources transposed, interleaved_qkv,
-              concat, mapped; calls mha_call, self_attention(causal)
+              concat, mapped; calls mha_call, self_attention(causal); bind(module, tensors): a
+              module of its own names (an encoder layer) computing with attncheck's tensors
     kernels   flash_attn_func_candidate(fn): a function with flash_attn_func's signature and
               (B, L, H, E) layout as a `module: sdpa` candidate (scaled_dot_product_attention's
               signature, (B, H, L, E)); it only swaps axes, so NumPy, torch and JAX arrays alike
 
-Every helper but torch_module's runs on NumPy: masks of torch or JAX are read on the host (the
+Every helper but torch_module's and bind runs on NumPy: masks of torch or JAX are read on the host (the
 masks are data, never differentiated) and the result handed back in their library and device.
 
 Every helper asserts the shapes it is given and raises ValueError naming what was expected: an
@@ -57,7 +58,7 @@ from attncheck.adapt.masking import (
 )  # fmt: skip
 from attncheck.adapt.refusing import refuse, require_self_attention, unsupported
 from attncheck.adapt.torch_modules import (
-    TORCH_NAMES, Source, concat, interleaved_qkv, mapped, mha_call, self_attention, torch_module, transposed,
+    TORCH_NAMES, Source, bind, concat, interleaved_qkv, mapped, mha_call, self_attention, torch_module, transposed,
 )  # fmt: skip
 
 # The public API, in the order of the overview above (the reference page lists it in this order).
@@ -67,6 +68,6 @@ __all__ = [
     "split_heads", "merge_heads", "per_head", "per_head_grads", "Layout",
     "numpy_dtype", "additive_mask", "masked_mask", "keep_mask", "attention_mask", "padding_mask", "is_exactly_causal",
     "require_causal", "fully_masked_rows", "refuse_fully_masked_rows", "mse_target", "undo_batch_mean",
-    "TORCH_NAMES", "Source", "transposed", "interleaved_qkv", "concat", "mapped", "mha_call", "self_attention", "torch_module",
+    "TORCH_NAMES", "Source", "transposed", "interleaved_qkv", "concat", "mapped", "mha_call", "self_attention", "torch_module", "bind",
     "flash_attn_func_candidate",
 ]

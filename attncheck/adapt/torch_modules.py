@@ -284,3 +284,33 @@ def torch_module(factory: Callable[..., Any], names: Mapping[str, str | Source] 
 
     TorchModule.__name__ = TorchModule.__qualname__ = f"torch_module({getattr(factory, '__name__', 'factory')})"
     return TorchModule
+
+
+def bind(module: Any, tensors: Mapping[str, Any]) -> Any:
+    """Make a torch module compute with attncheck's tensors, and return it: each of its parameters
+    (as `named_parameters()` names it) is replaced by the tensor `tensors` gives it, one of the
+    `params` handed to the candidate or a slice, transpose or concatenation of them, so autograd's
+    gradients reach attncheck's tensors. For a module whose parameters have names of its own that
+    `torch_module` does not adapt (a whole encoder layer), in the candidate's __init__:
+
+        adapt.bind(self, {"attn.qkv.weight": params["self_attn.in_proj_weight"], "ln1.weight": params["norm1.weight"], ...})
+
+    Loading the values into its own parameters instead (`load_state_dict`, `copy_` under no_grad)
+    computes the same forward, but outside autograd's graph: every gradient is then zero.
+    ValueError where a name is not the module's, a shape differs, or a parameter is given no tensor
+    (it would compute with its own initial values)."""
+    own = dict(module.named_parameters())
+    unknown = [name for name in tensors if name not in own]
+    if unknown:
+        raise ValueError(f"bind: the module has no parameter {unknown[0]!r}{_nearest_name(unknown[0], list(own))}")
+    left = [name for name in own if name not in tensors]
+    if left:
+        raise ValueError(f"bind: no tensor for the module's {', '.join(left)}: it would compute with its own initial values")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ValueError(f"bind: {name}: the module's is {tuple(own[name].shape)}, the tensor given is {tuple(tensor.shape)}")
+        path, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(path)
+        del owner._parameters[leaf]  # a plain attribute from now on: the tensor itself, in autograd's graph
+        setattr(owner, leaf, tensor)
+    return module

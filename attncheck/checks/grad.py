@@ -67,11 +67,11 @@ def none_returned(section: str, names, what: str) -> Row:
     return Row(section, "gradients", INCONCLUSIVE, reason=Reason.MISSING, note=f"none of {', '.join(names)} was returned: {what}")
 
 
-# A gradient autograd does not give is zero, as torch's optimizers take a parameter's None: the
-# output does not depend on it through the graph, and where torch's is not zero that fails (a new
-# user's adapter copied the values into a library module's own parameters under no_grad: grad
-# passed with them "not provided", and only sgd-step saw nothing trained). The torch session's note
-# says why it happens (attncheck.torch_candidate).
+# A gradient autograd does not give is judged as zero, which it is through the graph: the output
+# does not depend on it there (torch's SGD then leaves the weight where it is), and where torch's
+# is not zero that fails (a new user's adapter copied the values into a library module's own
+# parameters under no_grad: grad passed with them "not provided", and only sgd-step saw nothing
+# trained). The torch session's note says why it happens (attncheck.torch_candidate).
 AUTOGRAD_ZERO = "autograd gives no gradient: judged as zero"
 
 
