@@ -17,7 +17,7 @@ from attncheck.config import Config
 from attncheck.diagnose import UNNAMED_FACTOR, Layout, _finite_difference, _relation, _where
 from attncheck.diagnose_half import rounding_sized
 from attncheck.report import FAIL, Report
-from attncheck.suspects import fits
+from attncheck.suspects import same_non_finite, fits
 
 
 def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False,
@@ -112,7 +112,7 @@ def other_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, rerea
         finite = np.isfinite(other)
         scale = float(np.abs(other[finite]).max()) if finite.any() else 0.0
         if scale and fits(candidate, other, allowed, scale) and not fits(other, own, allowed, scale) \
-                and np.array_equal(np.isnan(candidate), np.isnan(other)):  # fmt: skip
+                and same_non_finite(candidate, other):  # fmt: skip
             found.append(words)
     if len(found) > 1:
         return "ambiguous, the output fits each of: the oracle's with " + " | ".join(found)

@@ -48,6 +48,11 @@ def fits(candidate: np.ndarray, transformed: np.ndarray, allowed: np.ndarray, sc
     return bool(np.all(np.abs(candidate - transformed)[ok] <= tol[ok]))
 
 
+def same_non_finite(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays have the same NaN, +inf and -inf, at the same places."""
+    return all(np.array_equal(f(a), f(b)) for f in (np.isnan, np.isposinf, np.isneginf))
+
+
 @dataclass(frozen=True)
 class Suspect:
     """A bug recomputed: the oracle built with `methods` in place of the reference's, or given other masks."""
@@ -323,7 +328,9 @@ class Suspects:
             if v is None or np.shape(v) != c.shape:
                 continue
             v = np.asarray(v, dtype=np.float64)
-            if fits(c, v, allowed, scale) and not fits(v, x, allowed, scale) and np.array_equal(np.isnan(c), np.isnan(v)):
+            # fits() compares where both are finite: the rest must agree too (a student's mask added after the
+            # softmax gave -inf at every masked position and read "the attn_mask is ignored")
+            if fits(c, v, allowed, scale) and not fits(v, x, allowed, scale) and same_non_finite(c, v):
                 fitting.append(suspect)
         if len(fitting) == 1 and fitting[0].detail:
             return [(f"{fitting[0].words}; {fitting[0].detail}", fitting[0].restated_by)]

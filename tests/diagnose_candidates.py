@@ -9,6 +9,8 @@ whole run of the suite).
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from attncheck.reference import MultiheadAttention
@@ -158,3 +160,18 @@ class ValueBiasDropped(MultiheadAttention):
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
         self.bv = np.zeros_like(self.bv)
+
+
+class MaskAddedAfterSoftmax(MultiheadAttention):
+    """The additive mask is added to the probabilities, after the softmax (a student's): -inf at
+    every masked position, the allowed ones as if nothing were masked."""
+
+    _block = threading.local()  # the block being worked on, per thread (the reference's blocks may run on threads)
+
+    def _mask_block(self, a, g0, g1, l0, l1):
+        self._block.mask = super()._mask_block(a, g0, g1, l0, l1)
+        return None  # nothing added to the logits
+
+    def _normalize(self, p, total, safe):
+        p = super()._normalize(p, total, safe)
+        return p if self._block.mask is None else p + self._block.mask

@@ -38,6 +38,7 @@ from tests.diagnose_candidates import (
     HeadTwoQGradZero,
     KeyPaddingIgnored,
     KeyPaddingInvertedFiniteFill,
+    MaskAddedAfterSoftmax,
     NoLogitScale,
     OutProjBiasDropped,
     OutBiasGradNegated,
@@ -419,3 +420,12 @@ def test_a_half_precision_row_of_rounding_size_keeps_a_bug_the_arrays_fit():
                                            ("grad", BiasGradAveragedOverBatch, "out_proj.bias", "(0.334 = 1/B;")):  # fmt: skip
         row = next(r for r in run_check(command, cfg, Candidate("bug", impl)).failures if r.section != "fast-path" and r.quantity == quantity)
         assert row.ratio <= 20 and words in row.diagnosis and "accumulated" not in row.diagnosis, (row.ratio, row.diagnosis)
+
+
+def test_a_suspect_that_fits_where_both_are_finite_is_not_named_where_the_candidate_is_not():
+    # A student's additive mask added to the probabilities, after the softmax: -inf at every masked
+    # position, the allowed ones as with no mask, and the diagnosis said "the attn_mask (7, 7) is
+    # ignored: the candidate equals attention without it", false at every masked position.
+    report = check({"attn_mask": "causal"}, "forward", impl=MaskAddedAfterSoftmax)
+    weights = [r for r in report.failures if r.section == "forward" and r.quantity == "attn_weights"]
+    assert weights and "is ignored" not in weights[0].diagnosis and "positions torch masks" in weights[0].diagnosis, weights[0].diagnosis
