@@ -157,9 +157,23 @@ class GptBlockScaleInFloat32(_GptBlock):
         self.attn.scale = np.float32(np.sqrt(1.0 / self.attn.D))  # NumPy keeps float64 arrays float64 times it
 
 
+class SeqFirstReadAsBatchFirst(TransformerEncoderLayer):
+    """Reads src as (B, N, E) whatever batch_first says, and refuses float masks: a new user's
+    adapter built on a mask helper that takes bool masks only. The default layer suite's one
+    sequence-first case had a float src_mask, so the layout was never judged: it passed."""
+
+    def __init__(self, params, **options):
+        super().__init__(params, **{**options, "batch_first": True})
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        if any(m is not None and m.dtype != np.bool_ for m in (src_mask, src_key_padding_mask)):
+            raise NotImplementedError("bool masks only")
+        return super().forward(src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
+
+
 LAYERS = {
     cls.__name__: cls
     for cls in (UnbiasedVarianceNorm, EpsOutsideSqrt, AlwaysPreNorm, ResidualAfterNorm, GeluTanh,
                 FeedForwardBiasesDropped, NormBackwardWithoutMeanTerm, KeyPaddingDroppedWhenCausal, GptBlockGeluTanh,
-                GptBlockScaleInFloat32)
+                GptBlockScaleInFloat32, SeqFirstReadAsBatchFirst)
 }  # fmt: skip
