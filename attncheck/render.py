@@ -287,14 +287,15 @@ def render(report: Report, console: Console, *, tracebacks: bool = False) -> Non
 def report_parts(report: Report, width: int | None, *, tracebacks: bool = False, detailed: int | None = None) -> list[Any]:
     """A report as renderables: header, tables, losses, notes, the details of the failing rows,
     the traceback hint or tracebacks, the verdict. With `detailed` (a distinct failure's example,
-    cut to a screen) the details of `detailed` rows and the notes come right after the header, where
+    cut to a screen) the notes and the details of `detailed` rows come right after the header, where
     a cut cannot reach them, and the tables hold only the rows that did not pass, a line counting the others."""
     tables = section_tables(report, width, failing_only=detailed is not None)
     notes = [Text(f"note: {n}", style="dim") for n in report.notes]
     if detailed is None:
         parts: list[Any] = [header(report), *tables]
-    else:  # the notes too before the tables: they carry the remedies (a cut hid "To have them judged ...")
-        parts = [header(report), *details(report, detailed), *notes, *tables]
+    else:  # the notes first: they carry the remedies (a cut hid "To have them judged ...", and then a
+        # layer's "loaded with load_state_dict ...: adapt.bind" under the details of its first two rows)
+        parts = [header(report), *notes, *details(report, detailed), *tables]
         agreeing = sum(r.status is PASS for r in report.rows)
         if agreeing:
             parts.append(Text(f"({agreeing} other {'quantity agrees' if agreeing == 1 else 'quantities agree'}; --verbose shows them)", style="dim"))

@@ -133,10 +133,10 @@ class TorchSession(FrameworkSession):
         unreached = [name for name in params if grads[name] is None]
         if unreached:
             note = (f"autograd: no gradient reaches {', '.join(unreached)} from {called}'s output (through the tensor "
-                    "handed in, or the module's parameter of that name): judged as zero, its gradient through the graph (an "
-                    "optimizer leaves such a weight as it is); where torch's is not zero, the forward uses its values outside "
-                    "autograd's graph (copied under torch.no_grad or through .data?) and training never updates it "
-                    "(adapt.torch_module, or adapt.bind for a whole layer, maps a module's own names: docs/how-to/torch-modules.md)")  # fmt: skip
+                    "handed in, or the module's parameter of that name), judged as zero: where torch's is not, the values were "
+                    "used outside autograd's graph (loaded with load_state_dict or copy_ under torch.no_grad, or .data), and "
+                    "training would never update them; adapt.torch_module, or adapt.bind for a whole layer, maps a module's own "
+                    "names (docs/how-to/torch-modules.md)")  # fmt: skip
             if note not in self.notes:
                 self.notes.append(note)
         return grads, where

@@ -174,7 +174,7 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
     floor, BUDGET_FLOOR["float64"] of the check's largest gradient (`grad_scale`) per element of
     the direction.
     """
-    from attncheck.checks.grad import AUTOGRAD_ZERO, all_gradients, grad_quantities, not_returned, run_grad
+    from attncheck.checks.grad import all_gradients, grad_quantities, not_returned, run_grad
 
     cfg64 = oracle_config(cfg)
     session = session_for(cfg64, candidate, bulk=True)  # two forward calls per quantity, judged by their values
@@ -236,7 +236,7 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
         g = grads.get(name)
         for quantity, index in grad_quantities(cfg, name, per_head=False):
             if g is None and autograd:
-                rows.append(Row("finite-diff", quantity, INFO, note=f"{AUTOGRAD_ZERO} in its grad row"))
+                rows.append(Row("finite-diff", quantity, INFO, note="autograd gives no gradient: its grad row judges it as zero"))
             elif g is None:
                 rows.append(not_returned("finite-diff", quantity, strict, autograd))
             elif not np.isfinite(g[index]).all():

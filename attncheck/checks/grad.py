@@ -72,7 +72,7 @@ def none_returned(section: str, names, what: str) -> Row:
 # is not zero that fails (a new user's adapter copied the values into a library module's own
 # parameters under no_grad: grad passed with them "not provided", and only sgd-step saw nothing
 # trained). The torch session's note says why it happens (attncheck.torch_candidate).
-AUTOGRAD_ZERO = "autograd gives no gradient: judged as zero"
+AUTOGRAD_ZERO = "autograd gives no gradient: judged as zero (its values used outside autograd's graph? see the note)"
 
 
 def not_returned(section: str, quantity: Quantity | str, strict: bool, autograd: bool = False) -> Row:
