@@ -133,7 +133,7 @@ def _diagnosis(row: Row, cfg: Config, masks: Masks | None, suspects: Suspects | 
     if row.section == "finite-diff":
         return [], list(filter(None, [_finite_difference(float(c), float(x), cfg, autodiff)]))
     layout = layout_of(row, cfg, x.ndim)
-    small = _too_small(c, x, allowed, cfg.dtype)
+    small = _too_small(c, x, allowed)
     findings = []
     if not small:
         suspected = suspects.matching(_attention_quantity(row, cfg), c, x, allowed) if suspects else []
@@ -168,16 +168,9 @@ def _explanations(suspected: list[tuple[str, str]], patterns: list[tuple[str, st
     return found
 
 
-# A float64 case's error this size relative to max|expected| is float32 rounding's as likely as a
-# small bug's: Float32Internally (attncheck.testing.wrong_impls) gave 3.7e-08 to 5.6e-05 over the
-# default suite's grad in float64, SoftmaxEpsilon (sum + 1e-5) 2.2e-06 to 1.1e-05. Its float32 run tells.
-FLOAT32_SIZED = (1e-8, 1e-4)
-
-
-def _too_small(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, dtype: str) -> str:
+def _too_small(c: np.ndarray, x: np.ndarray, allowed: np.ndarray) -> str:
     """Words saying the error is below what a pattern can be told from, when the candidate fits the
-    expected value itself to within FIT_RTOL; "" otherwise. In a float64 case, an error of float32
-    rounding's size says how to tell whether it is that (FLOAT32_SIZED)."""
+    expected value itself to within FIT_RTOL; "" otherwise."""
     finite = np.isfinite(c) & np.isfinite(x)
     if finite.sum() < 2 or not np.array_equal(np.isnan(c), np.isnan(x)):
         return ""
@@ -185,9 +178,7 @@ def _too_small(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, dtype: str) ->
     if scale == 0.0 or not fits(c, x, allowed, scale):
         return ""
     worst = float(np.abs(c - x)[finite].max()) / scale
-    float32 = dtype == "float64" and FLOAT32_SIZED[0] <= worst <= FLOAT32_SIZED[1]
-    return (f"small: the error is at most {worst:.1e} of max|expected|, below the {FIT_RTOL:.0e} at which a pattern can be told"
-            + (", and of float32 rounding's size: float32 arithmetic inside? (such a computation passes the case run with --set dtype=float32)" if float32 else ""))
+    return f"small: the error is at most {worst:.1e} of max|expected|, below the {FIT_RTOL:.0e} at which a pattern can be told"
 
 
 # ----------------------------------------------------------------------------------- layouts

@@ -279,6 +279,68 @@ def _bias_suspects(base: type, cfg: Config) -> list[Suspect]:
     return [Suspect(words, methods=_bias_dropped(base, attr)) for attr, words in BIASES]
 
 
+# ------------------------------------------------------------------------------ encoder layers
+def _norms_swapped(base: type) -> dict:
+    """The layer with norm1's parameters where norm2's go, and norm2's where norm1's go."""
+
+    def _norm(self, i, x):
+        return base._norm(self, 3 - i, x)
+
+    return {"_norm": _norm}
+
+
+def _eps_outside_the_root(base: type) -> dict:
+    """Layer norm as (x - mean) / (sqrt(var) + eps) * w + b."""
+
+    def _norm(self, i, x):
+        centered = x - x.mean(axis=-1, keepdims=True)
+        rstd = 1.0 / (np.sqrt((centered * centered).mean(axis=-1, keepdims=True)) + x.dtype.type(self.eps))
+        y = centered * rstd * self._p(f"norm{i}.weight")
+        bias = self._p(f"norm{i}.bias")
+        return (y if bias is None else y + bias), None
+
+    return {"_norm": _norm}
+
+
+def _gelu_tanh(base: type) -> dict:
+    """GELU as its tanh approximation: 0.5 z (1 + tanh(sqrt(2 / pi) (z + 0.044715 z^3)))."""
+
+    def _ff(self, x, saved):
+        z = x @ self._p("linear1.weight").T + (0 if self._p("linear1.bias") is None else self._p("linear1.bias"))
+        r = 0.5 * z * (1 + np.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
+        return r @ self._p("linear2.weight").T + (0 if self._p("linear2.bias") is None else self._p("linear2.bias"))
+
+    return {"_ff": _ff}
+
+
+def _norm_placement_flipped(base: type) -> dict:
+    """Pre-norm where post-norm is asked, or post-norm where pre-norm is."""
+
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **kwargs)
+        self.norm_first = not self.norm_first
+
+    return {"__init__": __init__}
+
+
+def _layer_suspects(base: type, cfg: Config) -> list[Suspect]:
+    """A student's encoder-layer slips the layer's hooks can recompute (attncheck.layer_reference.HOOKS):
+    the two norms' parameters swapped, eps outside the root, GELU's tanh approximation, the norms
+    placed the other way. A new user's swapped norms read "everywhere: no head, row or column is spared"."""
+    if not all(callable(getattr(base, name, None)) for name in ("_norm", "_ff", "_p")):
+        return []
+    placed = "pre-norm where post-norm (norm_first: false) is asked" if not cfg.norm_first else "post-norm where pre-norm (norm_first: true) is asked"
+    suspects = [Suspect("norm1's and norm2's parameters swapped: the first layer norm computed with norm2.weight/bias and the second with norm1's",
+                        methods=_norms_swapped(base)),
+                Suspect(f"layer norm with eps outside the root: (x - mean) / (sqrt(var) + eps), where torch has / sqrt(var + eps) (eps {cfg.layer_norm_eps:g})",
+                        methods=_eps_outside_the_root(base)),
+                Suspect(placed, methods=_norm_placement_flipped(base))]  # fmt: skip
+    if cfg.activation == "gelu":
+        suspects.append(Suspect("GELU computed as its tanh approximation, where torch's activation='gelu' is the exact erf one",
+                                methods=_gelu_tanh(base)))  # fmt: skip
+    return suspects
+
+
 # ------------------------------------------------------------------------------ the suspects
 class Suspects:
     """The suspects that apply to a config, each recomputed once, when a failing output or weights
@@ -302,6 +364,7 @@ class Suspects:
             self.suspects += _value_suspects(base, cfg) + _bias_suspects(base, cfg)
         if not cfg.unbatched and cfg.effective_batch > 1 and callable(getattr(base, "_to_internal", None)):
             self.suspects.append(Suspect(_batch_axis_words(cfg), methods=_batch_first_read_as(base, not cfg.batch_first)))
+        self.suspects += _layer_suspects(base, cfg)
         self.suspects += _mask_suspects(cfg, attn_mask, key_padding_mask)
 
     def _results(self) -> list[tuple[Suspect, tuple | None]]:

@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 
+from attncheck.layer_reference import TransformerEncoderLayer
 from attncheck.reference import MultiheadAttention
 
 
@@ -175,3 +176,10 @@ class MaskAddedAfterSoftmax(MultiheadAttention):
     def _normalize(self, p, total, safe):
         p = super()._normalize(p, total, safe)
         return p if self._block.mask is None else p + self._block.mask
+
+
+class NormsSwapped(TransformerEncoderLayer):
+    """The layer's two layer norms take each other's parameters (a lab's adapter mapped them swapped)."""
+
+    def _norm(self, i, x):
+        return super()._norm(3 - i, x)

@@ -29,7 +29,7 @@ from attncheck.config import load_config
 from attncheck.compare import Evidence
 from attncheck.diagnose import diagnose, factor_meaning
 from attncheck.report import FAIL, Row
-from attncheck.testing import detection, wrong_impls
+from attncheck.testing import detection, wrong_impls, wrong_layers
 from attncheck.testing.detection import DEFAULT_SUITE_CATCHES
 from tests.conftest import cfg, default_suite_catch_report
 from tests.diagnose_candidates import (
@@ -40,6 +40,7 @@ from tests.diagnose_candidates import (
     KeyPaddingInvertedFiniteFill,
     MaskAddedAfterSoftmax,
     NoLogitScale,
+    NormsSwapped,
     OutProjBiasDropped,
     OutBiasGradNegated,
     OutProjGradTransposed,
@@ -100,7 +101,7 @@ CORPUS = {
     "SoftmaxWithoutMaxSubtraction": {"attn_weights": ["NaN in 17 places where torch has a number"]},
     "Float16Probabilities": {"output": ["small: the error is at most"], "attn_weights": ["small: the error is at most"]},
     "SoftmaxEpsilon": {"output": ["small: the error is at most"]},
-    "Float32Internally": {"output": ["small: the error is at most", "of float32 rounding's size: float32 arithmetic inside?"]},
+    "Float32Internally": {"output": ["small: the error is at most"]},
     # gradients
     "SoftmaxDiagonalBackward": {"finite-diff/input": ["the backward does not differentiate the candidate's own forward"]},
     "QueryGradScaleMissing": {**{q: [f"candidate = 2.24 x expected ({SQRT_D};"] for q in ("in_proj_weight[q]", "in_proj_bias[q]")},
@@ -194,6 +195,10 @@ DIAGNOSES = [
     (NoLogitScale, "forward", PER_HEAD, "attn_weights", ["the logits are not divided by sqrt(D)"]),
     (NoLogitScale, "forward", {}, "output", ["the logits are not divided by sqrt(D)"]),
     (OutProjBiasDropped, "forward", {}, "output", ["out_proj.bias is not added: the output is torch's without it"]),
+    (NormsSwapped, "forward", {"module": "transformer_encoder_layer"}, "output", ["norm1's and norm2's parameters swapped"]),
+    (wrong_layers.EpsOutsideSqrt, "forward", {"module": "transformer_encoder_layer", "layer_norm_eps": 0.5}, "output",
+     ["layer norm with eps outside the root: (x - mean) / (sqrt(var) + eps), where torch has / sqrt(var + eps) (eps 0.5)"]),
+    (wrong_layers.AlwaysPreNorm, "forward", {"module": "transformer_encoder_layer"}, "output", ["pre-norm where post-norm (norm_first: false) is asked"]),
     (ValueBiasDropped, "forward", {}, "output", ["the value's in_proj_bias is not added (in_proj_bias[v])"]),
     (QGradTimesSqrtD, "grad", {}, "in_proj_weight[q]", ["candidate = 2.45 x expected (2.45 = sqrt(D);"]),
     (QGradTimesSqrtD, "grad", {}, "in_proj_weight[q]@finite-diff", ["<grad, u> = 2.45 x the finite difference (2.45 = sqrt(D))"]),
