@@ -492,15 +492,20 @@ class OwnNamesCandidate(nn.Module):
         super().__init__()
         if not bias:
             raise NotImplementedError("its Linear and LayerNorm layers have biases")
+        self.batch_first = batch_first
         self.layer = OwnNamesLayer(d_model, num_heads, dim_feedforward, norm_first, activation, layer_norm_eps)
         adapt.bind(self.layer, {own: params[theirs] for own, theirs in self.NAMES.items()})
 
     def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
         if src_key_padding_mask is not None:
             raise NotImplementedError("no key padding")
+        if src_mask is not None and src_mask.dim() == 3:
+            raise NotImplementedError("2-D src_mask only")
         bias = None if src_mask is None else torch.zeros(src_mask.shape, dtype=src.dtype).masked_fill(src_mask, float("-inf")) \
             if src_mask.dtype == torch.bool else src_mask  # fmt: skip
-        return self.layer(src, bias)
+        x = src.unsqueeze(0) if src.dim() == 2 else src if self.batch_first else src.transpose(0, 1)  # (B, N, E)
+        y = self.layer(x, bias)
+        return y.squeeze(0) if src.dim() == 2 else y if self.batch_first else y.transpose(0, 1)
 
 
 def test_a_layer_of_its_own_names_bound_to_attnchecks_tensors_has_every_gradient_judged():
@@ -514,6 +519,16 @@ def test_a_layer_of_its_own_names_bound_to_attnchecks_tensors_has_every_gradient
     assert {"self_attn.out_proj.weight", "linear1.weight", "norm2.bias"} <= {str(q) for q in grads}, grads
 
 
+def test_the_how_to_pages_whole_layer_of_its_own_names_passes_the_layer_suite():
+    # torch-modules.md points to OwnNamesCandidate as the whole class: it read src as batch-first
+    # whatever batch_first said, and failed large-eps once that case was sequence-first.
+    from attncheck.config import load_suite
+
+    verdicts = {case.name: attncheck.check(case.config, "forward", impl=OwnNamesCandidate).verdict
+                for case in load_suite(None, module="transformer_encoder_layer").cases}  # fmt: skip
+    assert set(verdicts.values()) == {"pass", "unsupported"} and verdicts["large-eps"] == "pass", verdicts
+
+
 def test_bind_names_what_it_cannot_bind():
     layer = lambda: OwnNamesLayer(8, 2, 16, False, "relu", 1e-5)  # noqa: E731
     full = {name: torch.zeros(p.shape) for name, p in layer().named_parameters()}
@@ -523,3 +538,38 @@ def test_bind_names_what_it_cannot_bind():
         adapt.bind(layer(), {k: v for k, v in full.items() if k != "ln_b.bias"})
     with pytest.raises(ValueError, match="bind: proj.weight: the module's is \\(8, 8\\), the tensor given is \\(8, 7\\)"):
         adapt.bind(layer(), {**full, "proj.weight": torch.zeros(8, 7)})
+
+
+class TiedLayer(nn.Module):
+    """A module tying two linears' weights (one nn.Parameter under the names `a.weight` and `b.weight`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_bind_binds_a_tied_parameter_under_each_of_its_names():
+    # named_parameters() names a tied parameter once: binding `a.weight` left `b.weight` the
+    # module's own initial values, with no error, where bind says every parameter is given one.
+    w, x = torch.randn(4, 4, requires_grad=True), torch.randn(2, 4)
+    for name in ("a.weight", "b.weight"):
+        layer = adapt.bind(TiedLayer(), {name: w})
+        torch.testing.assert_close(layer(x), x @ w.T @ w.T)
+    with pytest.raises(ValueError, match="a.weight and b.weight are one parameter of the module \\(tied\\): give it one tensor"):
+        adapt.bind(TiedLayer(), {"a.weight": w, "b.weight": w.clone()})
+    with pytest.raises(ValueError, match="no tensor for the module's a.weight, b.weight"):
+        adapt.bind(TiedLayer(), {})
+
+
+def test_bind_wants_torch_tensors():
+    import numpy as np
+
+    with pytest.raises(ValueError, match="bind: weight: a torch tensor is expected, not ndarray"):
+        adapt.bind(nn.Linear(2, 1), {"weight": np.zeros((1, 2)), "bias": torch.zeros(1)})
+    layer = adapt.bind(nn.Linear(2, 1), {"weight": torch.zeros(1, 2), "bias": torch.zeros(1)})
+    with pytest.raises(ValueError, match="bind: the module has no parameters \\(bound already\\?\\)"):
+        adapt.bind(layer, {"weight": torch.zeros(1, 2)})

@@ -297,18 +297,41 @@ def bind(module: Any, tensors: Mapping[str, Any]) -> Any:
 
     Loading the values into its own parameters instead (`load_state_dict`, `copy_` under no_grad)
     computes the same forward, but outside autograd's graph: every gradient is then zero.
-    ValueError where a name is not the module's, a shape differs, or a parameter is given no tensor
-    (it would compute with its own initial values)."""
-    own = dict(module.named_parameters())
+    Parameters the module ties (one nn.Parameter under two names) take one tensor, given under
+    either name. Bind views (slices, transposes, reshapes) and concatenations: anything computed from
+    the tensors here (a product, a scaled weight) is differentiated once, and the second backward
+    attncheck makes on one object finds its graph freed; compute such things in forward.
+    ValueError where a name is not the module's, a shape differs, a value is not a torch tensor,
+    tied names are given different tensors, or a parameter is given no tensor (it would compute
+    with its own initial values)."""
+    import torch
+
+    own = dict(module.named_parameters(remove_duplicate=False))  # every name of a tied parameter
+    if not own:
+        raise ValueError("bind: the module has no parameters (bound already?)")
     unknown = [name for name in tensors if name not in own]
     if unknown:
         raise ValueError(f"bind: the module has no parameter {unknown[0]!r}{_nearest_name(unknown[0], list(own))}")
-    left = [name for name in own if name not in tensors]
-    if left:
-        raise ValueError(f"bind: no tensor for the module's {', '.join(left)}: it would compute with its own initial values")
     for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"bind: {name}: a torch tensor is expected, not {type(tensor).__name__}")
         if tuple(tensor.shape) != tuple(own[name].shape):
             raise ValueError(f"bind: {name}: the module's is {tuple(own[name].shape)}, the tensor given is {tuple(tensor.shape)}")
+    tied: dict[int, list[str]] = {}
+    for name, parameter in own.items():
+        tied.setdefault(id(parameter), []).append(name)
+    bound, left = {}, []
+    for names in tied.values():
+        given = {id(tensors[name]): tensors[name] for name in names if name in tensors}
+        if len(given) > 1:
+            raise ValueError(f"bind: {' and '.join(names)} are one parameter of the module (tied): give it one tensor")
+        if given:
+            bound.update(dict.fromkeys(names, given.popitem()[1]))
+        else:
+            left += names
+    if left:
+        raise ValueError(f"bind: no tensor for the module's {', '.join(left)}: it would compute with its own initial values")
+    for name, tensor in bound.items():
         path, _, leaf = name.rpartition(".")
         owner = module.get_submodule(path)
         del owner._parameters[leaf]  # a plain attribute from now on: the tensor itself, in autograd's graph
