@@ -284,18 +284,38 @@ def render(report: Report, console: Console, *, tracebacks: bool = False) -> Non
     console.print()
 
 
+# A note's lines in a distinct failure's example, where the notes come before the rows' details: a
+# candidate that printed an array while debugging had its note (up to 2,000 bytes of what it
+# printed) push the rows' mismatch and diagnosis out of the cut. The longest remedy, autograd's
+# note naming the 12 parameters of an encoder layer, takes 9 lines at 80 columns.
+NOTE_LINES = 10
+
+
+def clipped_note(note: str, width: int | None, lines: int = NOTE_LINES) -> str:
+    """A note cut to about `lines` lines of `width` columns (80 when not known), saying so where it is."""
+    columns, kept, used = width or 80, [], 0
+    for line in note.split("\n"):
+        if used >= lines:
+            break
+        kept.append(line[: (lines - used) * columns])
+        used += max(1, math.ceil(len(line) / columns))
+    shown = "\n".join(kept)
+    return note if shown == note else f"{shown}… ({len(note) - len(shown):,} more characters; --verbose shows the note whole)"
+
+
 def report_parts(report: Report, width: int | None, *, tracebacks: bool = False, detailed: int | None = None) -> list[Any]:
     """A report as renderables: header, tables, losses, notes, the details of the failing rows,
     the traceback hint or tracebacks, the verdict. With `detailed` (a distinct failure's example,
-    cut to a screen) the notes and the details of `detailed` rows come right after the header, where
-    a cut cannot reach them, and the tables hold only the rows that did not pass, a line counting the others."""
+    cut to a screen) the notes, each clipped to NOTE_LINES, and the details of `detailed` rows come
+    right after the header, where a cut cannot reach them, and the tables hold only the rows that did not pass, a line counting the others."""
     tables = section_tables(report, width, failing_only=detailed is not None)
     notes = [Text(f"note: {n}", style="dim") for n in report.notes]
     if detailed is None:
         parts: list[Any] = [header(report), *tables]
     else:  # the notes first: they carry the remedies (a cut hid "To have them judged ...", and then a
         # layer's "loaded with load_state_dict ...: adapt.bind" under the details of its first two rows)
-        parts = [header(report), *notes, *details(report, detailed), *tables]
+        clipped = [Text(f"note: {clipped_note(n, width and width - 6)}", style="dim") for n in report.notes]  # "note: "
+        parts = [header(report), *clipped, *details(report, detailed), *tables]
         agreeing = sum(r.status is PASS for r in report.rows)
         if agreeing:
             parts.append(Text(f"({agreeing} other {'quantity agrees' if agreeing == 1 else 'quantities agree'}; --verbose shows them)", style="dim"))

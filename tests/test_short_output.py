@@ -317,3 +317,17 @@ def test_a_distinct_failure_leaves_out_what_its_probes_only_reported():
     shown = lambda limit: " ".join(str(line) for line in details(failing, limit))  # noqa: E731
     assert "not judged" not in shown(FAILURE_LINES) and "determinism" not in shown(FAILURE_LINES)
     assert "not judged: the check's own in_proj_weight fails already" in shown(None)
+
+
+def test_a_long_note_does_not_push_a_distinct_failures_rows_out_of_its_screen():
+    # The notes come before the rows' details; a candidate that printed an array while debugging had
+    # its note (up to 2,000 bytes of what it printed) push the mismatch and diagnosis out of the cut.
+    printed = report("case", "forward", ("forward", "output", "fail"))
+    printed.rows[0].diagnosis = "the attn_mask is ignored"
+    printed.notes.append("the candidate printed: " + "\n".join(f"[[{', '.join(['0.12345678'] * 10)}]]" for _ in range(40)))
+    printed.notes.append("To have them judged, give such rows zero weight")
+    stream = io.StringIO()
+    print_failures([printed], make_console(stream))
+    text = stream.getvalue()
+    assert "Diagnosis: the attn_mask is ignored" in text and "note: To have them judged, give such rows zero weight" in text, text
+    assert "note: the candidate printed: [[0.12345678" in text and "--verbose shows the note whole" in text, text
