@@ -330,7 +330,7 @@ def _layer_suspects(base: type, cfg: Config) -> list[Suspect]:
     if not all(callable(getattr(base, name, None)) for name in ("_norm", "_ff", "_p")):
         return []
     placed = "pre-norm where post-norm (norm_first: false) is asked" if not cfg.norm_first else "post-norm where pre-norm (norm_first: true) is asked"
-    suspects = [Suspect("norm1's and norm2's parameters swapped: the first layer norm computed with norm2.weight/bias and the second with norm1's",
+    suspects = [Suspect("norm1's and norm2's parameters swapped: the first layer norm computed with norm2's and the second with norm1's",
                         methods=_norms_swapped(base)),
                 Suspect(f"layer norm with eps outside the root: (x - mean) / (sqrt(var) + eps), where torch has / sqrt(var + eps) (eps {cfg.layer_norm_eps:g})",
                         methods=_eps_outside_the_root(base)),
