@@ -125,11 +125,13 @@ def plan(
     cases = []
     given = ", ".join(f"{key}={value}" for key, value in (overrides or {}).items())  # --set and the options that set keys
     refused: list[ConfigError] = []
+    sets: set[str] = set()  # the keys the first refusing case sets itself
     for case in suite.cases:
         if case.config is not None and overrides:
             try:
                 case = replace(case, config=with_overrides(case.config, overrides, f"{suite.source}: case {case.name!r} with {given}"))
             except ConfigError as err:
+                sets = sets if refused else set(case.config.model_fields_set)
                 refused.append(err)
         cases.append(case)
     if refused:
@@ -137,7 +139,10 @@ def plan(
         same = len(refused) == sum(case.config is not None for case in suite.cases) and len(
             {tuple((p.key, p.message) for p in err.problems) for err in refused}) == 1  # fmt: skip
         if not same or len(refused) == 1:
-            raise refused[0]
+            # A key the case sets itself that the overrides contradict: say it can be overridden too
+            # (`--module transformer_encoder_layer --set attn_mask=random` met is_causal: true).
+            hint = lambda p: f"; the case sets {p.key} itself: override it too (--set {p.key}=...)" if p.key in sets - set(overrides) else ""  # noqa: E731
+            raise ConfigError([replace(p, message=p.message + hint(p)) for p in refused[0].problems])
         raise ConfigError([replace(p, source=f"{suite.source}: every case with {given}") for p in refused[0].problems])
     check_suite_memory(replace(suite, cases=cases))
     for case in cases:

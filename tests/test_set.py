@@ -121,3 +121,15 @@ def test_a_selection_of_the_default_suite_is_still_attnchecks_own(selection):
     # the suite without that mark, and those cases failed: exit 1 where the whole suite exits 0.
     code, output = run("forward", "--module", "sdpa", "--impl", "torch.nn.functional:scaled_dot_product_attention", *selection)
     assert code == 0 and "causal_alignment" in output, output
+
+
+def test_a_key_a_case_sets_itself_that_a_setting_contradicts_is_named_as_one_to_override_too():
+    # A student's --set attn_mask=random on the layer suite met a case's is_causal: true; the error
+    # was right and said nothing of overriding that key as well.
+    code, out = run("forward", "--module", "transformer_encoder_layer", "--set", "attn_mask=random")
+    assert code == 2 and "is_causal: true needs attn_mask: causal" in out
+    assert "the case sets is_causal itself: override it too (--set is_causal=...)" in out, out
+    code, out = run("forward", "--module", "transformer_encoder_layer", "--set", "attn_mask=random", "--set", "is_causal=false")
+    assert code == 0, out
+    code, out = run("forward", "--set", "num_heads=4")  # the setting's own key: nothing to add
+    assert code == 2 and "override it too" not in out
