@@ -323,6 +323,16 @@ def _norm_placement_flipped(base: type) -> dict:
     return {"__init__": __init__}
 
 
+def _layer_batch_first_read_as(base: type, batch_first: bool) -> dict:
+    """__init__ of a layer whose attention reads src batch-first or not, whatever it is told (the
+    layer's other steps act on the last axis alone)."""
+
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **{**kwargs, "batch_first": batch_first})
+
+    return {"__init__": __init__}
+
+
 def _layer_suspects(base: type, cfg: Config) -> list[Suspect]:
     """A student's encoder-layer slips the layer's hooks can recompute (attncheck.layer_reference.HOOKS):
     the two norms' parameters swapped, eps outside the root, GELU's tanh approximation, the norms
@@ -335,6 +345,10 @@ def _layer_suspects(base: type, cfg: Config) -> list[Suspect]:
                 Suspect(f"layer norm with eps outside the root: (x - mean) / (sqrt(var) + eps), where torch has / sqrt(var + eps) (eps {cfg.layer_norm_eps:g})",
                         methods=_eps_outside_the_root(base)),
                 Suspect(placed, methods=_norm_placement_flipped(base))]  # fmt: skip
+    if not cfg.unbatched and cfg.effective_batch > 1:
+        words = ("batch_first ignored: the (B, L, E) src is read as (L, B, E), attention runs across the batch" if cfg.batch_first else
+                 "the (L, B, E) src (batch_first=False) is read as (B, L, E): attention runs across the batch")  # fmt: skip
+        suspects.append(Suspect(words, methods=_layer_batch_first_read_as(base, not cfg.batch_first)))
     if cfg.activation == "gelu":
         suspects.append(Suspect("GELU computed as its tanh approximation, where torch's activation='gelu' is the exact erf one",
                                 methods=_gelu_tanh(base)))  # fmt: skip

@@ -199,6 +199,8 @@ DIAGNOSES = [
     (wrong_layers.EpsOutsideSqrt, "forward", {"module": "transformer_encoder_layer", "layer_norm_eps": 0.5}, "output",
      ["layer norm with eps outside the root: (x - mean) / (sqrt(var) + eps), where torch has / sqrt(var + eps) (eps 0.5)"]),
     (wrong_layers.AlwaysPreNorm, "forward", {"module": "transformer_encoder_layer"}, "output", ["pre-norm where post-norm (norm_first: false) is asked"]),
+    (wrong_layers.SeqFirstReadAsBatchFirst, "forward", {"module": "transformer_encoder_layer", "batch_first": False}, "output",
+     ["the (L, B, E) src (batch_first=False) is read as (B, L, E): attention runs across the batch"]),
     (ValueBiasDropped, "forward", {}, "output", ["the value's in_proj_bias is not added (in_proj_bias[v])"]),
     (QGradTimesSqrtD, "grad", {}, "in_proj_weight[q]", ["candidate = 2.45 x expected (2.45 = sqrt(D);"]),
     (QGradTimesSqrtD, "grad", {}, "in_proj_weight[q]@finite-diff", ["<grad, u> = 2.45 x the finite difference (2.45 = sqrt(D))"]),
