@@ -31,7 +31,7 @@ ATTENTION_PREFIX = "self_attn."
 
 # The private methods a known-bad layer (attncheck/testing/wrong_layers.py) may override: the
 # layer's declared seams, as attncheck.reference.HOOKS are the attention's (tests/test_hooks.py).
-HOOKS = ("_p", "_norm", "_norm_backward", "_ff")
+HOOKS = ("_p", "_norm", "_norm_backward", "_ff", "_sa")
 
 
 # ------------------------------------------------------------------------------------- linear

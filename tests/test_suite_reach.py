@@ -30,7 +30,7 @@ MHA, LAYER = "multihead_attention", "transformer_encoder_layer"
 NEW_CASES = {
     MHA: {"encoder-decoder-no-bias", "cross-attention-no-bias", "kdim-vdim-no-bias", "seq-first-no-bias", "long-causal",
           "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal", "float16-long", "float16-causal", "float16-wide", "bfloat16"},
-    LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block"},
+    LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block", "fully-padded-row"},
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the gap it stands for in the comment.
 REACH = {
@@ -50,6 +50,7 @@ REACH = {
     "KeyPaddingDroppedWhenCausal": (LAYER, {"causal-key-padding"}),  # 7: is_causal with key padding
     "GptBlockGeluTanh": (LAYER, {"pre-norm-gelu-causal", "float64-gpt-block"}),  # 8: no case a GPT block takes
     "GptBlockScaleInFloat32": (LAYER, {"float64-gpt-block"}),  # 9
+    "FullyMaskedRowsNaN": (LAYER, {"fully-padded-row"}),  # no layer case had a row whose every key is masked
 }
 
 
@@ -62,7 +63,7 @@ def _suite(kind: str):
 
 
 def test_the_table_covers_the_corpus_s_new_members_and_the_suites_new_cases():
-    assert set(wrong_reach.MODULES) | {"KeyPaddingDroppedWhenCausal", "GptBlockGeluTanh", "GptBlockScaleInFloat32"} == set(REACH)
+    assert set(wrong_reach.MODULES) | {"KeyPaddingDroppedWhenCausal", "GptBlockGeluTanh", "GptBlockScaleInFloat32", "FullyMaskedRowsNaN"} == set(REACH)
     from attncheck.testing import wrong_impls
 
     # each is usable as `--impl attncheck.testing.wrong_impls:NAME`, as the docs say

@@ -31,6 +31,7 @@ CATCHES = {
     "GptBlockScaleInFloat32": [("float64-gpt-block", "forward"), ("float64-gpt-block", "sgd-step")],
     # refuses seq-first-padding's float mask: large-eps is the sequence-first case it takes
     "SeqFirstReadAsBatchFirst": [("large-eps", "forward"), ("large-eps", "grad")],
+    "FullyMaskedRowsNaN": [("fully-padded-row", "forward"), ("fully-padded-row", "sgd-step")],
 }
 # Where a bug cannot show: pre-norm asked, pre-norm computed; the relu cases run no GELU; is_causal
 # without key padding, key padding without is_causal; a float32 scale in float32.
@@ -38,7 +39,8 @@ MISSES = {"AlwaysPreNorm": [("pre-norm-gelu", "forward")], "GeluTanh": [("post-n
           "NormBackwardWithoutMeanTerm": [("post-norm-relu", "forward")],
           "KeyPaddingDroppedWhenCausal": [("post-norm-gelu-causal", "forward"), ("seq-first-padding", "forward")],
           "GptBlockScaleInFloat32": [("pre-norm-gelu-causal", "forward"), ("pre-norm-gelu-causal", "grad")],
-          "SeqFirstReadAsBatchFirst": [("post-norm-relu", "forward"), ("causal-key-padding", "grad")]}  # fmt: skip
+          "SeqFirstReadAsBatchFirst": [("post-norm-relu", "forward"), ("causal-key-padding", "grad")],
+          "FullyMaskedRowsNaN": [("causal-key-padding", "forward"), ("seq-first-padding", "grad")]}  # fmt: skip
 
 
 def _cases():

@@ -171,9 +171,20 @@ class SeqFirstReadAsBatchFirst(TransformerEncoderLayer):
         return super().forward(src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
 
 
+class FullyMaskedRowsNaN(TransformerEncoderLayer):
+    """Its attention gives NaN on a query row whose every key is masked (a plain softmax over -inf,
+    as nn.MultiheadAttention's need_weights=True path), where the layer's SDPA path gives such a
+    row zero weight and the residual carries the input on. No case of the default layer suite had
+    such a row: a student's layer giving NaN there passed until --set key_padding_mask=full_row."""
+
+    def _sa(self, x, src_mask, src_key_padding_mask):
+        out, _ = self.attn.forward(x, x, x, attn_mask=src_mask, key_padding_mask=src_key_padding_mask, need_weights=True)
+        return out
+
+
 LAYERS = {
     cls.__name__: cls
     for cls in (UnbiasedVarianceNorm, EpsOutsideSqrt, AlwaysPreNorm, ResidualAfterNorm, GeluTanh,
                 FeedForwardBiasesDropped, NormBackwardWithoutMeanTerm, KeyPaddingDroppedWhenCausal, GptBlockGeluTanh,
-                GptBlockScaleInFloat32, SeqFirstReadAsBatchFirst)
+                GptBlockScaleInFloat32, SeqFirstReadAsBatchFirst, FullyMaskedRowsNaN)
 }  # fmt: skip
