@@ -182,7 +182,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
                 row.note = f"{row.note}; {AUTOGRAD_ZERO}" if row.note else AUTOGRAD_ZERO
             report.rows.append(row)
 
-    if not strict and all(cand.get(name) is None for name in t.grads):
+    if not strict and not autograd and all(cand.get(name) is None for name in t.grads):  # autograd's are judged as zero
         report.rows.append(none_returned("grad", t.grads, "grad judged no gradient"))
     note = kind_of(cfg).input_gradients(cfg, grads)[1]
     if note:
