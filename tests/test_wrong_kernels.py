@@ -40,6 +40,7 @@ EXPOSING = {
     "CausalBlockLocalKeyIndex": (Case(Hq=1, L=2, S=5, E=1, causal="lower_right"), {"out", "query", "key", "value"}),
     "LseLog2": (Case(Hq=1, L=1, E=1, lse=True), {"lse"}),
     "LseWithoutMax": (Case(Hq=1, L=1, E=1, lse=True), {"lse"}),
+    "LseNotShifted": (Case(Hq=1, L=1, S=2, E=1, lse=True, scale=1e4), {"lse"}),  # a logit of 805: exp overflows in float64
     "LseNanOnEmptyRows": (Case(Hq=1, L=1, E=1, mask="empty_row", lse=True), {"lse"}),
     "LseGradientIgnored": (Case(Hq=1, L=1, E=1, lse=True), {"query", "key"}),
 }
@@ -51,6 +52,7 @@ HIDDEN = {
     "CausalUpperLeft": Case(L=4, causal="lower_right"),  # L == S
     "CausalBlockLocalKeyIndex": Case(L=6, S=4, causal="lower_right"),  # all keys in one block
     "SoftcapOnUnscaledScores": Case(E=4, softcap=1.0, scale=1.0),  # scale 1
+    "LseNotShifted": Case(L=4, lse=True),  # logits of a few units: exp does not overflow
     "EmptyRowsNotZero": Case(L=4, mask="bool", causal="lower_right"),  # every row keeps its diagonal key
 }
 
