@@ -40,6 +40,13 @@ def counted(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+def listed(names: Sequence[str], limit: int) -> str:
+    """`names` joined by commas, as many as fit in `limit` characters (one at least), and how many
+    more: "a, b, c and 125 more" (configs/suite.yaml's 128 matrix cases take 16,000 characters)."""
+    shown = next((n for n in range(len(names), 1, -1) if len(", ".join(names[:n])) <= limit), 1)
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if shown < len(names) else "")
+
+
 def shorten(text: str, limit: int = QUOTE_LIMIT) -> str:
     """`text` cut to `limit` characters with an ellipsis and the full length, on one line."""
     text = " ".join(str(text).split())

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Column, Table
 from rich.text import Text
 
-from attncheck.errors import counted
+from attncheck.errors import counted, listed
 from attncheck.render import REASON_WORDS, STATUS_STYLE, fmt, report_parts, verdict_word
 from attncheck.report import FAIL, INCONCLUSIVE, INFO, PASS, SKIPPED, UNSUPPORTED, Capability, Reason, Report, SuiteResult, capabilities, case_verdict
 
@@ -109,10 +109,7 @@ CELL_NAMES = 120
 def _named(cases: list[str], of: int) -> str:
     """`cases` as a cell names them: "every case" where they are all `of` the feature's, else their
     names within CELL_NAMES characters and how many more."""
-    if len(cases) == of > 1:
-        return "every case"
-    shown = next((n for n in range(len(cases), 1, -1) if len(", ".join(cases[:n])) <= CELL_NAMES), 1)
-    return ", ".join(cases[:shown]) + (f" and {len(cases) - shown} more" if shown < len(cases) else "")
+    return "every case" if len(cases) == of > 1 else listed(cases, CELL_NAMES)
 
 
 def _unsupported_checks(cap: Capability, shared: dict[str, str] | None = None) -> str:

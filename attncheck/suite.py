@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from attncheck.config import Case, Config, Suite, check_suite_memory, config_from_mapping
-from attncheck.errors import ConfigError, UsageError, counted, nearest
+from attncheck.errors import ConfigError, UsageError, counted, listed, nearest
 from attncheck.report import Report, SuiteResult
 
 if TYPE_CHECKING:
@@ -91,10 +91,8 @@ def chosen_cases(suite: Suite, names: str) -> list[Case]:
     if unknown or not wanted:
         near = [match for match in (nearest(name, known) for name in unknown) if match]
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
-        shown = next((n for n in range(len(known), 1, -1) if len(", ".join(known[:n])) <= CASES_LISTED), 1)
-        listed = ", ".join(known[:shown]) + (f", and {len(known) - shown} more" if shown < len(known) else "")
         raise UsageError(f"--case {names!r}: {suite.name} has no case {', '.join(map(repr, unknown)) or 'named'}{hint}; "
-                         f"its {counted(len(known), 'case')}: {listed}")
+                         f"its {counted(len(known), 'case')}: {listed(known, CASES_LISTED)}")
     return [case for case in suite.cases if case.name in wanted]
 
 
@@ -124,26 +122,26 @@ def plan(
     jobs, skipped = [], []
     cases = []
     given = ", ".join(f"{key}={value}" for key, value in (overrides or {}).items())  # --set and the options that set keys
-    refused: list[ConfigError] = []
-    sets: set[str] = set()  # the keys the first refusing case sets itself
+    refused: list[tuple[Config, ConfigError]] = []  # each refusing case's config, and why
     for case in suite.cases:
         if case.config is not None and overrides:
             try:
                 case = replace(case, config=with_overrides(case.config, overrides, f"{suite.source}: case {case.name!r} with {given}"))
             except ConfigError as err:
-                sets = sets if refused else set(case.config.model_fields_set)
-                refused.append(err)
+                refused.append((case.config, err))
         cases.append(case)
     if refused:
         # Refused in every case for the same reasons (a value no config takes): the overrides' fault, not a case's.
+        first, err = refused[0]
         same = len(refused) == sum(case.config is not None for case in suite.cases) and len(
-            {tuple((p.key, p.message) for p in err.problems) for err in refused}) == 1  # fmt: skip
+            {tuple((p.key, p.message) for p in e.problems) for _, e in refused}) == 1  # fmt: skip
         if not same or len(refused) == 1:
             # A key the case sets itself that the overrides contradict: say it can be overridden too
             # (`--module transformer_encoder_layer --set attn_mask=random` met is_causal: true).
-            hint = lambda p: f"; the case sets {p.key} itself: override it too (--set {p.key}=...)" if p.key in sets - set(overrides) else ""  # noqa: E731
-            raise ConfigError([replace(p, message=p.message + hint(p)) for p in refused[0].problems])
-        raise ConfigError([replace(p, source=f"{suite.source}: every case with {given}") for p in refused[0].problems])
+            own = first.model_fields_set - set(overrides)
+            hint = lambda p: f"; the case sets {p.key} itself: override it too (--set {p.key}=...)" if p.key in own else ""  # noqa: E731
+            raise ConfigError([replace(p, message=p.message + hint(p)) for p in err.problems])
+        raise ConfigError([replace(p, source=f"{suite.source}: every case with {given}") for p in err.problems])
     check_suite_memory(replace(suite, cases=cases))
     for case in cases:
         if case.config is None:
