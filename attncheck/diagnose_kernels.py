@@ -7,9 +7,8 @@ mask's alignment, the window, the softcap).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -17,7 +16,7 @@ from attncheck.config import Config
 from attncheck.diagnose import UNNAMED_FACTOR, Layout, _finite_difference, _relation, _where
 from attncheck.diagnose_half import rounding_sized
 from attncheck.report import FAIL, Report
-from attncheck.suspects import same_non_finite, fits
+from attncheck.suspects import reproduces
 
 
 def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False,
@@ -33,12 +32,12 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
         if reread is not None and row.parameter == "output" and row.status is FAIL and row.evidence is not None:
             c = np.asarray(row.evidence.candidate, dtype=np.float64)
             allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), c.shape)
-            scaled = other_reading(cfg, c, allowed, reread)  # a rerun reproduces it: rounding cannot fit it
-            if scaled:
+            reading = other_reading(cfg, c, allowed, reread)  # a rerun reproduces it: rounding cannot fit it
+            if reading:
                 named = axes.get("output")
                 x = np.asarray(row.evidence.reference, dtype=np.float64)
                 where = _where(c, x, allowed, Layout(named), cfg, None) if named and x.shape == c.shape and x.ndim == len(named) else []
-                row.diagnosis = "; ".join([scaled, *where])
+                row.diagnosis = "; ".join([reading, *where])
                 continue
         if row.section == "finite-diff" and row.status is FAIL and row.evidence is not None:
             row.diagnosis = _finite_difference(float(row.evidence.candidate), float(row.evidence.reference), cfg, autodiff)
@@ -70,14 +69,14 @@ def readings(cfg: Config) -> list[tuple[dict, str]]:
         scales[1 / math.sqrt(D)] = "1/sqrt(D), the default: the given scale is ignored"
     tried = [({"scale": s}, f"softmax scale {s:.3g} ({words}) where it is {given:.3g} (D={D})")
              for s, words in scales.items() if not math.isclose(s, given, rel_tol=1e-6)]  # fmt: skip
-    causal = getattr(cfg, "causal", "none")
+    causal = cfg.causal
     if causal != "none":
         other = {"upper_left": "lower_right", "lower_right": "upper_left"}.get(causal)
         if other and cfg.tgt_len != cfg.S:
             tried.append(({"causal": other}, f"the causal mask aligned {other} where the case asks {causal} (L={cfg.tgt_len}, S={cfg.S}: "
                                              "upper_left is torch's is_causal, lower_right FlashAttention's)"))  # fmt: skip
         tried.append(({"causal": "none"}, f"no causal mask: causal {causal} is ignored"))
-    window = getattr(cfg, "window_size", None)
+    window = cfg.window_size
     if window is not None:
         left, right = window
         for side, step in (("left", -1), ("left", 1), ("right", -1), ("right", 1)):
@@ -86,7 +85,7 @@ def readings(cfg: Config) -> list[tuple[dict, str]]:
                 l2, r2 = (was + step, right) if side == "left" else (left, was + step)
                 tried.append(({"window_size": [l2, r2]}, f"window_size [{l2}, {r2}] where the case asks [{left}, {right}]: one off on the {side}"))
         tried.append(({"window_size": None}, f"no window: window_size [{left}, {right}] is ignored"))
-    softcap = getattr(cfg, "softcap", 0.0)
+    softcap = cfg.softcap
     if softcap:
         tried.append(({"softcap": 0.0}, f"no softcap: softcap {softcap:g} is ignored"))
         tried.append(({"softcap": softcap * given}, f"softcap {softcap * given:.3g} = softcap x scale: the cap taken on the logits "
@@ -111,8 +110,7 @@ def other_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, rerea
         other = np.asarray(other, dtype=np.float64)
         finite = np.isfinite(other)
         scale = float(np.abs(other[finite]).max()) if finite.any() else 0.0
-        if scale and fits(candidate, other, allowed, scale) and not fits(other, own, allowed, scale) \
-                and same_non_finite(candidate, other):  # fmt: skip
+        if scale and reproduces(candidate, other, own, allowed, scale):
             found.append(words)
     if len(found) > 1:
         return "ambiguous, the output fits each of: the oracle's with " + " | ".join(found)

@@ -53,6 +53,14 @@ def same_non_finite(a: np.ndarray, b: np.ndarray) -> bool:
     return all(np.array_equal(f(a), f(b)) for f in (np.isnan, np.isposinf, np.isneginf))
 
 
+def reproduces(candidate: np.ndarray, recomputed: np.ndarray, expected: np.ndarray, allowed: np.ndarray, scale: float) -> bool:
+    """Whether a bug recomputed explains the candidate: the candidate equals it and the expected
+    value does not. fits() compares where both are finite, so their NaN and infinities must be at
+    the same places too (a student's mask added after the softmax gave -inf at every masked position
+    and read "the attn_mask is ignored")."""
+    return fits(candidate, recomputed, allowed, scale) and not fits(recomputed, expected, allowed, scale) and same_non_finite(candidate, recomputed)
+
+
 @dataclass(frozen=True)
 class Suspect:
     """A bug recomputed: the oracle built with `methods` in place of the reference's, or given other masks."""
@@ -404,10 +412,7 @@ class Suspects:
             v = None if result is None else result[which]
             if v is None or np.shape(v) != c.shape:
                 continue
-            v = np.asarray(v, dtype=np.float64)
-            # fits() compares where both are finite: the rest must agree too (a student's mask added after the
-            # softmax gave -inf at every masked position and read "the attn_mask is ignored")
-            if fits(c, v, allowed, scale) and not fits(v, x, allowed, scale) and same_non_finite(c, v):
+            if reproduces(c, np.asarray(v, dtype=np.float64), x, allowed, scale):
                 fitting.append(suspect)
         if len(fitting) == 1 and fitting[0].detail:
             return [(f"{fitting[0].words}; {fitting[0].detail}", fitting[0].restated_by)]
