@@ -25,6 +25,7 @@ import numpy as np
 
 from attncheck.config import Config
 from attncheck.kinds import kind_of
+from attncheck.layer_reference import linear_forward
 from attncheck import masks
 from attncheck.masks import additive
 
@@ -155,10 +156,12 @@ def _batch_first_read_as(base: type, batch_first: bool) -> dict:
     return {"__init__": __init__}
 
 
-def _batch_axis_words(cfg: Config) -> str:
+def _batch_axis_words(cfg: Config, inputs: str = "inputs are") -> str:
+    """`inputs`: what is read and its verb ("src is" for a layer)."""
     if cfg.batch_first:
-        return "batch_first ignored: the (B, L, E) inputs are read as (L, B, E), attention runs across the batch"
-    return "the (L, B, E) inputs (batch_first=False) are read as (B, L, E): attention runs across the batch"
+        return f"batch_first ignored: the (B, L, E) {inputs} read as (L, B, E), attention runs across the batch"
+    what, verb = inputs.rsplit(" ", 1)
+    return f"the (L, B, E) {what} (batch_first=False) {verb} read as (B, L, E): attention runs across the batch"
 
 
 # ------------------------------------------------------------------------------ value
@@ -314,9 +317,9 @@ def _gelu_tanh(base: type) -> dict:
     """GELU as its tanh approximation: 0.5 z (1 + tanh(sqrt(2 / pi) (z + 0.044715 z^3)))."""
 
     def _ff(self, x, saved):
-        z = x @ self._p("linear1.weight").T + (0 if self._p("linear1.bias") is None else self._p("linear1.bias"))
+        z = linear_forward(x, self._p("linear1.weight"), self._p("linear1.bias"))
         r = 0.5 * z * (1 + np.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
-        return r @ self._p("linear2.weight").T + (0 if self._p("linear2.bias") is None else self._p("linear2.bias"))
+        return linear_forward(r, self._p("linear2.weight"), self._p("linear2.bias"))
 
     return {"_ff": _ff}
 
@@ -354,9 +357,7 @@ def _layer_suspects(base: type, cfg: Config) -> list[Suspect]:
                         methods=_eps_outside_the_root(base)),
                 Suspect(placed, methods=_norm_placement_flipped(base))]  # fmt: skip
     if not cfg.unbatched and cfg.effective_batch > 1:
-        words = ("batch_first ignored: the (B, L, E) src is read as (L, B, E), attention runs across the batch" if cfg.batch_first else
-                 "the (L, B, E) src (batch_first=False) is read as (B, L, E): attention runs across the batch")  # fmt: skip
-        suspects.append(Suspect(words, methods=_layer_batch_first_read_as(base, not cfg.batch_first)))
+        suspects.append(Suspect(_batch_axis_words(cfg, "src is"), methods=_layer_batch_first_read_as(base, not cfg.batch_first)))
     if cfg.activation == "gelu":
         suspects.append(Suspect("GELU computed as its tanh approximation, where torch's activation='gelu' is the exact erf one",
                                 methods=_gelu_tanh(base)))  # fmt: skip

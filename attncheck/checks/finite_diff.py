@@ -238,7 +238,7 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
             if g is None and autograd:
                 rows.append(Row("finite-diff", quantity, INFO, note="autograd gives no gradient: its grad row judges it as zero"))
             elif g is None:
-                rows.append(not_returned("finite-diff", quantity, strict, autograd))
+                rows.append(not_returned("finite-diff", quantity, strict))
             elif not np.isfinite(g[index]).all():
                 why = ("the NaN of a row with no allowed key reaches it, as in torch's standard path" if grads_nan
                        else "NaN or inf where torch's gradient is finite")  # fmt: skip

@@ -171,7 +171,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
         for quantity, index in grad_quantities(cfg, name, per_head):
             actual = cand.get(name)
             if actual is None and not autograd:
-                report.rows.append(not_returned("grad", quantity, strict, autograd))
+                report.rows.append(not_returned("grad", quantity, strict))
                 continue
             zero = actual is None
             actual = np.zeros_like(expected) if zero else actual

@@ -256,7 +256,7 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
     switches = kind.option_switches(cfg)
     if not switches and not kind.takes_dropout:
         return rows
-    o_on = _oracle(cfg, w) if o_out is None else o_out  # once: every option and dropout compare with it
+    o_on = oracle_forward(cfg, w)[0] if o_out is None else o_out  # once: every option and dropout compare with it
     for name, off in switches:
         label = f"options: {name}"
         cfg_off = cfg.model_copy(update=off)
@@ -268,7 +268,7 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
         for undefined in (w.undefined, w_off.undefined):
             if undefined is not None:
                 defined = ~undefined if defined is None else defined & ~undefined
-        o_off = _oracle(cfg_off, w_off)
+        o_off = oracle_forward(cfg_off, w_off)[0]
         told = _largest_difference(o_on, o_off, defined)
         t_off, _ = torch_side.forward(cfg_off, w_off)
         needed = p.budget + _reach(rule, p.budget, t_out, o_on, defined) + _reach(rule, _budget(rule, t_off, o_off), t_off, o_off, defined)
@@ -357,11 +357,6 @@ def _dropout(p: Probing, w, o_on: np.ndarray, t_out: np.ndarray, rule: Rule) -> 
 def _finite_where(defined: np.ndarray | None, *outputs: np.ndarray) -> bool:
     """Whether every output is finite wherever it has a defined value (`defined`; None: everywhere)."""
     return all(bool(np.isfinite(np.asarray(a, dtype=np.float64))[True if defined is None else defined].all()) for a in outputs)
-
-
-def _oracle(cfg, w) -> np.ndarray:
-    """The float64 oracle's output for a config and its workload."""
-    return oracle_forward(cfg, w)[0]
 
 
 # ----------------------------------------------------------------------------------- the checks
