@@ -23,14 +23,10 @@ candidate.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
-import inspect
 import os
 import sys
-import sysconfig
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -39,13 +35,11 @@ import numpy as np
 
 from attncheck.config.config_file import impl_file
 from attncheck.dtypes import is_float
-from attncheck.errors import CandidateError, CandidateShapeError, Unsupported, UsageError, as_named, as_raised, bounded, did_you_mean, shorten
+from attncheck.errors import CandidateError, CandidateShapeError, Unsupported, UsageError, did_you_mean, shorten
 from attncheck.frameworks import _type_name, detect_framework, framework_hint, framework_of, written_for
+from attncheck.guarded import call_name, defined_at, guard, what_raised
 from attncheck.inputs import Workload
 from attncheck.kinds import kind_of, kinds
-
-# A candidate's exception message is echoed in at most this many characters (its traceback: errors.bounded).
-MESSAGE_LIMIT = 200
 
 
 @dataclass(frozen=True)
@@ -143,7 +137,7 @@ def load_candidate(spec: str | None, origin: str | None = None) -> Candidate | N
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # any failure to import, sys.exit included, is the user's to fix
-            raise UsageError(f"{who}: cannot import module {target!r}: {_raised(exc)}") from None
+            raise UsageError(f"{who}: cannot import module {target!r}: {what_raised(exc)}") from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -202,104 +196,10 @@ def _import_file(who: str, path: Path):
         raise
     except BaseException as exc:  # sys.exit at import too: never a silent green exit
         del sys.modules[name]
-        raise UsageError(f"{who}: importing {str(path)!r} failed: {_raised(exc)}") from None
+        raise UsageError(f"{who}: importing {str(path)!r} failed: {what_raised(exc)}") from None
     finally:
         sys.path.remove(str(path.resolve().parent))
     return module
-
-
-# ------------------------------------------------------------------------------ guarded calls
-# The installed attncheck package: frames in files under it are attncheck's, not the candidate's.
-# Compared as a directory, not by name, so a user's own repository called "attncheck" still counts
-# as the candidate's code.
-_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
-# Where installed libraries and the standard library live: a frame there (NumPy's einsum, say) is
-# not where the user should look, unless nothing else is left.
-_LIBRARY_DIRS = tuple(
-    os.path.join(os.path.abspath(p), "") for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-)
-
-
-def _is_ours(filename: str) -> bool:
-    return os.path.abspath(filename).startswith(_PACKAGE_DIR)
-
-
-def _is_library(filename: str) -> bool:
-    return os.path.abspath(filename).startswith(_LIBRARY_DIRS) or filename.startswith("<")
-
-
-def _located(exc: BaseException) -> str | None:
-    """file:line of the innermost frame of a traceback in the candidate's own code: outside the
-    attncheck package and, where the traceback has such a frame, outside installed libraries."""
-    tb, own, outside = exc.__traceback__, None, None
-    while tb is not None:
-        filename = tb.tb_frame.f_code.co_filename
-        if not _is_ours(filename):
-            outside = f"{filename}:{tb.tb_lineno}"
-            if not _is_library(filename):
-                own = outside
-        tb = tb.tb_next
-    return own or outside
-
-
-def _traceback(exc: BaseException) -> str:
-    """The exception as Python prints it, from the first frame outside attncheck (its own calls
-    dropped), as the candidate's code raised it (errors.as_raised)."""
-    exc = as_raised(exc)
-    tb = exc.__traceback__
-    while tb is not None and _is_ours(tb.tb_frame.f_code.co_filename):
-        tb = tb.tb_next
-    # Bounded as its message is: a 5 MB message overflowed the reply to the judge ("malformed data")
-    return bounded(as_named("".join(traceback.format_exception(type(exc), exc, tb)).rstrip()))
-
-
-def call_name(obj: Any, method: Any) -> str:
-    """How messages name calling `method` of `obj`: "forward()", or a function kernel's own name ("broken()")."""
-    return "forward()" if method is not obj else f"{getattr(obj, '__name__', type(obj).__name__)}()"
-
-
-def _defined_at(fn: Any) -> str | None:
-    """file:line where a candidate's method is defined: the place to look when it returns junk."""
-    try:
-        return _source_line(inspect.unwrap(getattr(fn, "__func__", fn)))
-    except TypeError:  # not hashable: look it up every time
-        return _source_line.__wrapped__(fn)
-
-
-@functools.lru_cache(maxsize=256)
-def _source_line(fn: Any) -> str | None:
-    """_defined_at's lookup, once per function (every call into a candidate names its method):
-    getsourcelines' line, without its tokenizing of the whole definition (3 ms at first use)."""
-    try:
-        filename, line = inspect.getsourcefile(fn), inspect.findsource(inspect.unwrap(fn))[1] + 1
-    except (TypeError, OSError):
-        return None
-    return None if filename is None or _is_ours(filename) else f"{filename}:{line}"
-
-
-def _raised(exc: BaseException) -> str:
-    """What an exception says, in one bounded line; SystemExit named for what it is."""
-    if isinstance(exc, SystemExit):
-        return f"SystemExit({exc.code!r}): the candidate tried to end the process"
-    return f"{type(exc).__name__}: {shorten(str(exc), MESSAGE_LIMIT)}"
-
-
-def _guard(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
-    """Call into the candidate; anything it raises becomes a CandidateError naming the call.
-
-    BaseException too: a candidate calling sys.exit() must not end attncheck with its exit code
-    (pytest treats sys.exit inside a test the same way). Only the user's own Ctrl-C goes through.
-    """
-    try:
-        return fn(*args, **kwargs)
-    except KeyboardInterrupt:
-        raise
-    except NotImplementedError as exc:  # the candidate declares this feature unsupported
-        reason = shorten(str(exc), MESSAGE_LIMIT)
-        raise Unsupported(f"{what} raised NotImplementedError: {reason}", _located(exc), _traceback(exc), reason or "NotImplementedError") from exc
-    except BaseException as exc:  # the candidate's bug is a finding, not a crash of attncheck
-        raised = _raised(exc)
-        raise CandidateError(f"{what} raised {raised}", _located(exc), _traceback(exc), raised) from exc
 
 
 class Session:
@@ -315,6 +215,9 @@ class Session:
         self.cfg, self.candidate = cfg, candidate
         self.findings: list[str] = []  # contract breaches: failing rows
         self.notes: list[str] = []  # what the report should say about the calls, e.g. conversions
+        # Whether its last gradients were autograd's (a torch or JAX object without backward()): then
+        # one autograd does not give is judged as zero (checks.run.by_autograd, for a factory function's objects).
+        self.autograd = False
         self._handed: list[tuple[str, np.ndarray, np.ndarray]] = []  # (what, original, the candidate's copy)
         # The arrays the contract lets forward() write in place (ModuleKind.written_arguments), as
         # the last call left them: the kind's forward_rows judge them.
@@ -385,7 +288,7 @@ class Session:
         called = call_name(obj, method)
         result = self._call_guarded(called, self._call_forward, obj, query, key, value, handed_masks, handed_extras)
         self._check_handed(called)
-        where = _defined_at(method)
+        where = defined_at(method)
         self.written = {name: self._as_numpy(handed_extras[name], f"its `{name}` argument after {called}", where)
                         for name in writable if name in handed_extras}  # fmt: skip
         second_name = kind.second_output
@@ -418,7 +321,7 @@ class Session:
     def _guard(self, what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
         """_guard, with a failure that reads as code of another framework told so (framework_hint)."""
         try:
-            return _guard(what, fn, *args, **kwargs)
+            return guard(what, fn, *args, **kwargs)
         except CandidateError as err:
             wanted = [] if err.__cause__ is None else written_for(err.__cause__, framework_of(self.cfg, self.candidate))
             hint = framework_hint(self.cfg, self.candidate, wanted)
@@ -466,6 +369,7 @@ class Session:
 
     def _gradients(self, obj: Any, grad_output: np.ndarray, grad_second: np.ndarray | None = None) -> tuple[Any, str | None]:
         """What the candidate's backward(grad_output) returned, and where that method is defined."""
+        self.autograd = False
         kind = kind_of(self.cfg)
         if not callable(getattr(obj, "backward", None)):
             # Not a wrong answer but a feature it does not have: gradients are unsupported.
@@ -474,7 +378,7 @@ class Session:
         grads = self._call_guarded("backward()", kind.call_backward, self.cfg, obj, self._hand("its `grad_output` argument", grad_output),
                                    handed_second)  # fmt: skip
         self._check_handed("backward()")
-        return grads, _defined_at(obj.backward)
+        return grads, defined_at(obj.backward)
 
     def _as_numpy(self, value: Any, what: str, where: str | None) -> np.ndarray:
         """`value` as a NumPy array, converted once here; a conversion is noted in `self.notes`."""
@@ -582,7 +486,7 @@ def as_numpy(value: Any, what: str, where: str | None = None) -> np.ndarray:
         try:
             array = np.from_dlpack(value)
         except Exception:  # noqa: BLE001
-            raise CandidateError(f"{what} of type {kind} that NumPy cannot convert: {_raised(first)}", where) from None
+            raise CandidateError(f"{what} of type {kind} that NumPy cannot convert: {what_raised(first)}", where) from None
     if array.dtype.kind not in "biufc" and not is_float(array.dtype):  # bfloat16's kind is "V"
         raise CandidateError(f"{what} of type {kind} that converts to a NumPy array of dtype {array.dtype}, not numbers", where)
     return array

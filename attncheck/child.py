@@ -80,7 +80,8 @@ class Child:
             out, weights = session.forward(obj, rest[1], rest[2])  # the inputs' layout: None, or a name of candidate.LAYOUTS
             return self.with_findings(session, {"output": out, "weights": weights, "written": session.written})
         if op == "backward":
-            return self.with_findings(session, {"grads": session.backward(obj, rest[1], rest[2], rest[3])})
+            grads = session.backward(obj, rest[1], rest[2], rest[3])
+            return self.with_findings(session, {"grads": grads, "autograd": session.autograd})
         raise ValueError(f"unknown request {op!r}")
 
     def load(self, spec: str, origin: str | None) -> dict[str, Any]:
@@ -114,7 +115,7 @@ def _call_name(obj: Any, look_up: Callable[[], Any]) -> str:
     kernel: obj itself, named by its own name), for those the judge writes itself (the process died
     during the call, or gave no answer in time). Told as a session opens, and again for each object
     built, whose lookup runs the candidate's code: one that raises is left to the call to raise."""
-    from attncheck.candidate import call_name
+    from attncheck.guarded import call_name
 
     try:
         return call_name(obj, look_up())

@@ -64,8 +64,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from attncheck.candidate import FrameworkSession, _defined_at, call_name, unchanged
+from attncheck.candidate import FrameworkSession, unchanged
 from attncheck.errors import CandidateProblem, TracerLeak
+from attncheck.guarded import call_name, defined_at
 from attncheck.jax_programs import _compiled_quickly, _device, _gpu_precision_note, _jit, _kept, _program, _x64, jax, jnp
 from attncheck.kinds import kind_of
 
@@ -536,8 +537,9 @@ class JaxSession(FrameworkSession):
         the LSE too, where the kind puts it in the loss), traced on each call and compiled."""
         if callable(getattr(obj, "backward", None)):
             return super()._gradients(obj, grad_output, grad_second)
+        self.autograd = True
         kind = kind_of(self.cfg)
-        where = _defined_at(kind.forward_of(obj))
+        where = defined_at(kind.forward_of(obj))
         called, inputs, masks, extras, dtypes = self._call
         params = self._params_of[id(called)][1]
         cfg = self.cfg

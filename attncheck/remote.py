@@ -325,6 +325,7 @@ class RemoteSession:
         self.cfg, self.candidate, self.bulk = cfg, candidate, bulk
         self.findings: list[str] = []
         self.notes: list[str] = []
+        self.autograd = False  # candidate.Session.autograd, as the candidate's process told it
         self.process = process_for(candidate.spec)
         self.sid = next(_SESSIONS)
         self.opened_in = 0  # the process generation this session was opened in
@@ -430,7 +431,7 @@ class RemoteSession:
         what = "backward()" if self.calls == "forward()" else f"the backward of {self.calls}"  # a function kernel's is autograd's
         self._alive(obj, what)
         reply = self._call("backward", what, obj.number, grad_output, w, grad_second, arrays=[*w.params.values(), w.query, w.key, w.value])
-        grads = reply.get("grads")
+        grads, self.autograd = reply.get("grads"), reply.get("autograd") is True
         if not isinstance(grads, dict):
             raise CandidateError(f"the candidate's process answered {what} with no gradients")
         return {str(k): _array(v, f"{what} returned {k!r}") for k, v in grads.items()}

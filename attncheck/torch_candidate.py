@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from attncheck import torch_side
-from attncheck.candidate import PAD, FrameworkSession, _defined_at, _is_library, call_name, unchanged
-from attncheck.frameworks import framework_hint, returned_by
+from attncheck.candidate import PAD, FrameworkSession, unchanged
 from attncheck.errors import CandidateError
+from attncheck.frameworks import framework_hint, returned_by
+from attncheck.guarded import call_name, defined_at, is_library
 from attncheck.kinds import kind_of
 
 
@@ -97,9 +98,10 @@ class TorchSession(FrameworkSession):
         its LSE, where the kind puts it in the loss)."""
         if callable(getattr(obj, "backward", None)):
             return super()._gradients(obj, grad_output, grad_second)
+        self.autograd = True
         kind = kind_of(self.cfg)
         method = kind.forward_of(obj)
-        where, called = _defined_at(method), call_name(obj, method)
+        where, called = defined_at(method), call_name(obj, method)
         out = self._output
         if not isinstance(out, torch.Tensor) or out.grad_fn is None:
             hint = framework_hint(self.cfg, self.candidate, returned_by(out, "torch"))
@@ -123,7 +125,7 @@ class TorchSession(FrameworkSession):
             found = self._guard(f"autograd through {called}", torch.autograd.grad, outputs, [t for _, t in sources],
                                 grad_outputs=cotangents, allow_unused=True)  # fmt: skip
         except CandidateError as err:  # raised in torch's engine, whose frame it named: the graph is forward's
-            if err.location is None or not _is_library(err.location.rpartition(":")[0]):
+            if err.location is None or not is_library(err.location.rpartition(":")[0]):
                 raise
             raise CandidateError(f"{err.message}; in the graph {called} recorded", where, err.traceback, err.raised) from err
         grads: dict[str, torch.Tensor | None] = {name: None for name in {**params, **self._inputs}}

@@ -265,6 +265,54 @@ def test_a_gradient_autograd_does_not_give_is_judged_as_zero():
     assert any("training would never update them" in n and "adapt.bind" in n for n in report.notes)
 
 
+COPIED_BY_A_FACTORY = textwrap.dedent("""
+    import torch
+
+
+    class Copied(torch.nn.Module):
+        def __init__(self, params, *, embed_dim, num_heads, batch_first, **kw):
+            super().__init__()
+            self.inner = torch.nn.MultiheadAttention(embed_dim, num_heads, batch_first=batch_first, dtype=params["in_proj_weight"].dtype)
+            with torch.no_grad():
+                for name, p in self.inner.named_parameters():
+                    p.copy_(params[name])
+
+        def forward(self, query, key, value, **kw):
+            return self.inner(query, key, value, **kw)
+
+
+    def make(params, **options):
+        return Copied(params, **options)
+""")
+
+
+@pytest.mark.parametrize("isolated", [True, False], ids=["own-process", "in-process"])
+def test_a_factory_functions_module_gets_its_missing_gradients_judged_as_zero(tmp_path, monkeypatch, isolated):
+    # The judge learns that a factory function's objects have no backward() only once one is
+    # built: the session tells it after the backward, and the gradients autograd does not give
+    # are judged as zero, as a class's are, not "not provided" (which let grad pass).
+    (tmp_path / "copied_by_factory.py").write_text(COPIED_BY_A_FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if isolated:
+        impl = f"{tmp_path / 'copied_by_factory.py'}:make"
+    else:
+        from copied_by_factory import make
+
+        def impl(params, **options):  # defined in a function: not importable by name, so run in this process
+            return make(params, **options)
+
+        assert attncheck.candidate.candidate_from_object(impl).isolation_note
+    framework = {"framework": "torch"}  # a function defined here is not detected as torch's
+    grad_report = attncheck.check(framework, "grad", impl=impl)
+    grad = {r.quantity: r for r in grad_report.rows if r.section == "grad"}
+    assert grad_report.verdict == "fail" and grad["input"].status == "pass"
+    assert grad["out_proj.weight"].status == "fail" and "autograd gives no gradient: judged as zero" in grad["out_proj.weight"].note
+    assert not grad_report.rows_with("not provided")
+    assert {r.status for r in grad_report.rows if r.section == "finite-diff" and r.quantity != "input"} == {"info"}
+    sgd = attncheck.check(framework, "sgd-step", impl=impl)
+    assert sgd.verdict == "fail" and any("no gradient through autograd" in r.note for r in sgd.rows)
+
+
 def test_a_kernel_function_whose_input_autograd_does_not_reach_fails_it():
     # A torch kernel function (no class, no backward: its gradients are autograd's, as a class's
     # are) that takes the value outside the graph: grad passed with `value` "not returned by

@@ -182,7 +182,7 @@ def test_a_candidates_method_is_located_on_the_line_inspect_gives(tmp_path, monk
     import functools
     import inspect
 
-    from attncheck.candidate import _defined_at
+    from attncheck.guarded import defined_at
 
     (tmp_path / "located.py").write_text(textwrap.dedent("""\
         import functools
@@ -210,7 +210,7 @@ def test_a_candidates_method_is_located_on_the_line_inspect_gives(tmp_path, monk
     sys.modules.pop("located")  # the test's own module: not left for later tests to import
 
     for fn, line in ((located.Candidate.build, 11), (located.Candidate.forward, 16), (functools.partial(located.Candidate.forward), None)):
-        assert _defined_at(fn) == (None if line is None else f"{tmp_path / 'located.py'}:{line}")
+        assert defined_at(fn) == (None if line is None else f"{tmp_path / 'located.py'}:{line}")
         if line is not None:
             assert inspect.getsourcelines(fn)[1] == line
 

@@ -158,14 +158,15 @@ def not_float64(cfg, w64: Workload, out0, second0, loss0: float, oracle, magnitu
 
 def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, strict: bool = False, grads_nan: bool = False,
                            notes: list[str] | None = None, logit_magnitude: float = 0.0, grad_scale: float = 0.0,
-                           forward_agrees: bool = True) -> list[Row]:  # fmt: skip
+                           forward_agrees: bool = True, autograd: bool = False) -> list[Row]:  # fmt: skip
     """One direction per reported quantity (rows that localize), or at large sizes (Config.is_large)
     one joint direction over all of them (a row that proves), where each float64 forward costs
     seconds: one direction per quantity follows only when the joint one fails, to say which
     gradient is wrong. At small sizes the joint row would save milliseconds and lose the localization.
 
     `grads64` are the candidate's float64 gradients when the check already has them; `oracle` the
-    oracle's (output, loss, gradients), which are the built-in reference's own. JOINT_NOTE goes to
+    oracle's (output, loss, gradients), which are the built-in reference's own; `autograd`: the
+    check's session took them with autograd (run.by_autograd, Session.autograd). JOINT_NOTE goes to
     `notes` when the joint direction is taken, and so does what the session notes of its calls.
 
     What a row allows is the gradient rule's model of rounding, in float64: the loss's rounding
@@ -231,7 +232,7 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
         return losses
 
     rows, probes = [], []  # probes: (quantity, name, index) of the finite gradients to check
-    autograd = by_autograd(cfg, candidate)
+    autograd = autograd or by_autograd(cfg, candidate) or session.autograd
     for name in shapes:
         g = grads.get(name)
         for quantity, index in grad_quantities(cfg, name, per_head=False):

@@ -162,7 +162,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     report.rows.append(loss_row)
     report.losses.append(LossStep(0, loss, t.loss))
 
-    cand, autograd = all_gradients(cfg, grads), by_autograd(cfg, candidate)
+    cand, autograd = all_gradients(cfg, grads), by_autograd(cfg, candidate) or session.autograd
     # A candidate that gives NaN where no value is defined (accepted above) spreads it through its
     # backward, as torch's standard path does: its NaN gradients are then not judged, not wrong.
     spread = w.undefined is not None and bool(np.isnan(out[w.undefined]).any())
@@ -210,7 +210,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     report.rows.extend(finding_rows("grad", session))
     report.rows.extend(finite_difference_rows(cfg, run.candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict,
                                               spread, notes=report.notes, logit_magnitude=logits, grad_scale=grad_scale,
-                                              forward_agrees=all(r.status == PASS for r in (output_row, loss_row))))  # fmt: skip
+                                              forward_agrees=all(r.status == PASS for r in (output_row, loss_row)), autograd=autograd))  # fmt: skip
     if spread and report.rows_with(INCONCLUSIVE):
         report.notes.append(NAN_SPREAD_REMEDY if not cfg.is_function else NAN_SPREAD_REMEDY_KERNEL)
     return run.finish()

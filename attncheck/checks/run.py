@@ -71,7 +71,8 @@ def session_for(cfg: Config, candidate: Candidate, bulk: bool = False) -> Sessio
 def by_autograd(cfg: Config, candidate: Candidate | None) -> bool:
     """Whether autograd (torch's, jax.vjp) computes the candidate's gradients: a torch or JAX class
     without a backward of its own, or a kernel kind's function without one (the function is the
-    object called). A factory function's objects are only known once built: not counted."""
+    object called). A factory function's objects are only known once built: their session's
+    `autograd` says, after a backward."""
     without = candidate is not None and (candidate.class_without_backward or (cfg.is_function and candidate.function_without_backward))
     return without and framework_of(cfg, candidate) in ("torch", "jax")
 

@@ -139,7 +139,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
     # adding up to 1 / (1 - momentum) of it: after `step` steps, at most `reach * step` floors.
     reach = cfg.lr / (1.0 - cfg.momentum) if cfg.momentum < 1 else cfg.lr
     last, why = judged_steps(cfg, w, t, oracle)
-    autograd = by_autograd(cfg, candidate)
+    autograd = by_autograd(cfg, candidate) or session.autograd
     for name in t.params[0]:
         for quantity, index in grad_quantities(cfg, name, per_head=False):
             first_bad, row = None, None
