@@ -127,8 +127,9 @@ class Quantity:
 
 # Changes whenever a key is dropped or renamed or a value's meaning changes (docs/reference/reports.md):
 # 3 gave a call with no answer in time its own reason, `timeout` (it was `call`), and added `not run`;
-# 4 gave an array of the wrong shape returned in grad or sgd-step the reason `shape` (it was `call`).
-JSON_SCHEMA_VERSION = 4
+# 4 gave an array of the wrong shape returned in grad or sgd-step the reason `shape` (it was `call`);
+# 5 keeps in `config` the keys of the module under check only (Config.own_keys).
+JSON_SCHEMA_VERSION = 5
 
 
 @dataclass
@@ -373,7 +374,7 @@ class Report:
             "name": self.name,
             "impl": self.impl,
             "verdict": str(self.verdict),
-            "config": {**self.config.model_dump(mode="json"), "framework": self.framework},
+            "config": {**self.config.model_dump(mode="json", include=set(self.config.own_keys)), "framework": self.framework},
             "rows": [r.to_dict() for r in self.rows],
             "losses": [{k: _json_float(v) for k, v in asdict(s).items()} for s in self.losses],
             "notes": list(self.notes),

@@ -13,6 +13,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from typer.testing import CliRunner
 
+import attncheck
 from attncheck.cli import app
 
 runner = CliRunner()
@@ -129,7 +130,7 @@ def test_suite_json(suites, tmp_path):
     out = tmp_path / "r.json"
     run("run", "-c", suites["failing"], "--json", out)
     data = json.loads(out.read_text())
-    assert data["schema"] == 4 and data["suite"] == "tiny" and data["verdict"] == "fail"
+    assert data["schema"] == 5 and data["suite"] == "tiny" and data["verdict"] == "fail"
     assert len(data["results"]) == (MATRIX_RUNNABLE + 1) * 3
     assert [s["case"] for s in data["skipped"]] == ["add_bias_kv=true,is_causal=true"]
     assert "is_causal" in data["skipped"][0]["reason"]
@@ -322,3 +323,19 @@ def test_a_junit_failure_message_stays_within_its_cap_with_many_failing_rows():
     assert "(and grad in_proj_weight[q] head 1, " in message and message.endswith(" more)")
     two = failure_message(Report("grad", "c", "x:Y", Config(), rows=rows[:2]))
     assert two.endswith("... (and grad in_proj_weight[q] head 1)") and len(two) == MESSAGE_CHARS
+
+
+@pytest.mark.parametrize("module, keys", [("multihead_attention", {}), ("transformer_encoder_layer", {}), ("sdpa", {}),
+                                         ("sdpa_varlen", {}), ("sdpa_varlen", {"seqlens_q": [3, 0, 5], "seqlens_k": [4, 2, 5]}),
+                                         ("sdpa_kvcache", {})])
+def test_a_reports_json_config_holds_its_modules_keys_and_loads_back_as_the_config(module, keys):
+    # Schema 4 carried every key of every module: a kernel's report had embed_dim, lr and the
+    # layer's activation, and loading it back was a config error (a key of another module set).
+    from attncheck.config import config_from_mapping
+
+    cfg = config_from_mapping({"module": module, "dtype": "float64", "seed": 3, **keys})
+    dumped = attncheck.check(cfg, "forward").to_dict()["config"]
+    assert dumped["module"] == module and dumped["dtype"] == "float64" and dumped["framework"] == "numpy"
+    assert ("embed_dim" in dumped) == (not cfg.is_function) and ("causal" in dumped) == cfg.is_function
+    assert ("activation" in dumped) == cfg.is_layer and ("cache_seqlens" in dumped) == (module == "sdpa_kvcache")
+    assert config_from_mapping(dumped).model_dump() == {**cfg.model_dump(), "framework": "numpy"}  # the framework checked

@@ -199,6 +199,21 @@ class Config(BaseModel):
         return self.module in (SDPA, SDPA_VARLEN, SDPA_KVCACHE)
 
     @property
+    def own_keys(self) -> tuple[str, ...]:
+        """The keys that mean something for the module under check, in the schema's order: a
+        report's JSON carries these (a key of another module is a config error where set)."""
+        foreign = set() if self.module == SDPA_KVCACHE else set(KVCACHE_ONLY_KEYS)
+        foreign |= set() if self.module == SDPA_VARLEN else set(VARLEN_ONLY_KEYS)
+        if self.module == SDPA_VARLEN:  # no batch and no mask; listed lengths replace the bounds (config/varlen.py)
+            foreign |= {"batch_size", "attn_mask", "attn_mask_dims", "mask_dtype"}
+            foreign |= {"tgt_len", "src_len"} if isinstance(self.seqlens_q, list) else set()
+        if self.is_function:
+            foreign |= set(MODULE_ONLY_KEYS)
+        else:
+            foreign |= set(SDPA_ONLY_KEYS) | (set(MHA_ONLY_KEYS) if self.is_layer else set(LAYER_ONLY_KEYS))
+        return tuple(key for key in type(self).model_fields if key not in foreign)
+
+    @property
     def head_dim_eff(self) -> int:
         """D, the features of one head: head_dim (module: sdpa, default 8), else E / H."""
         if self.is_function:
