@@ -457,6 +457,40 @@ def test_a_module_built_for_embed_dim_alone_has_kdim_and_vdim_unsupported():
     assert "pass kdim to it where the module takes one" in report.rows[0].note
 
 
+class SeparateProjections(nn.Module):
+    """Query, key and value Linears of their own widths, as a module that takes kdim and vdim has."""
+
+    def __init__(self, embed_dim, num_heads, kdim=None, vdim=None, **_):
+        super().__init__()
+        self.h = num_heads
+        self.q = nn.Linear(embed_dim, embed_dim)
+        self.k = nn.Linear(kdim or embed_dim, embed_dim)
+        self.v = nn.Linear(vdim or embed_dim, embed_dim)
+        self.o = nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, q, k, v, options):
+        split = lambda x: x.unflatten(-1, (self.h, -1)).transpose(1, 2)  # noqa: E731 - (B, N, E) -> (B, H, N, D)
+        out = F.scaled_dot_product_attention(split(self.q(q)), split(self.k(k)), split(self.v(v)))
+        return self.o(out.transpose(1, 2).flatten(2)), None
+
+
+def test_a_module_taking_kdim_and_vdim_with_key_and_value_mapped_the_other_way_is_a_mapping_error():
+    # A module that takes kdim and vdim, its key and value weights mapped from each other's source:
+    # the shapes differ as for a module built for embed_dim alone, but the option is not what is
+    # missing; "kdim=... not supported" would send the user to the factory, not the names.
+    names = {"q.weight": "q_proj_weight", "k.weight": "v_proj_weight", "v.weight": "k_proj_weight", "o.weight": "out_proj.weight",
+             "q.bias": "in_proj_bias[q]", "k.bias": "in_proj_bias[k]", "v.bias": "in_proj_bias[v]", "o.bias": "out_proj.bias"}
+    swapped = adapt.torch_module(SeparateProjections, names, call=lambda m, q, k, v, **o: m(q, k, v, o))
+    report = attncheck.check({"kdim": 6, "vdim": 10, "self_attention": False}, "forward", impl=swapped)
+    assert report.verdict == "fail", [(r.quantity, r.status, r.note) for r in report.rows]
+    assert "k.weight: the module's is (24, 6), 'v_proj_weight' gives (24, 10)" in report.rows[0].note, report.rows[0].note
+    assert "not supported" not in report.rows[0].note
+    right = {**names, "k.weight": "k_proj_weight", "v.weight": "v_proj_weight"}
+    report = attncheck.check({"kdim": 6, "vdim": 10, "self_attention": False}, "forward", impl=adapt.torch_module(
+        SeparateProjections, right, call=lambda m, q, k, v, **o: m(q, k, v, o)))
+    assert report.verdict == "pass", [(r.quantity, r.status, r.note) for r in report.rows]
+
+
 class OwnNamesLayer(nn.Module):
     """A student's encoder layer, parameters named its own way: fused qkv, `ff_in`/`ff_out`, `ln_a`/`ln_b`."""
 

@@ -162,11 +162,13 @@ def self_attention(causal: bool) -> Callable:
 
 
 def _other_width(options: Mapping[str, Any], held: tuple, given: tuple) -> str:
-    """"kdim=7" where a key (or value) width other than embed_dim is what a mapped tensor has and
-    the module's does not; "" otherwise."""
+    """"kdim=7" where a mapped tensor has a key (or value) width other than embed_dim and the
+    module's has embed_dim in its place (a module built for embed_dim alone); "" otherwise: a module
+    built with kdim and vdim whose tensors are mapped the other way round is a mapping error."""
+    embed = options.get("embed_dim")
     for name in ("kdim", "vdim"):
         width = options.get(name)
-        if width not in (None, options.get("embed_dim")) and width in tuple(given) and width not in tuple(held):
+        if width not in (None, embed) and tuple(embed if d == width else d for d in given) == tuple(held):
             return f"{name}={width}"
     return ""
 
