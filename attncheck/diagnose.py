@@ -133,11 +133,17 @@ def _diagnosis(row: Row, cfg: Config, masks: Masks | None, suspects: Suspects | 
     if row.section == "finite-diff":
         return [], list(filter(None, [_finite_difference(float(c), float(x), cfg, autodiff)]))
     layout = layout_of(row, cfg, x.ndim)
-    small = _too_small(c, x, allowed)
+    worst = _too_small(c, x, allowed)
+    small = "" if worst is None else f"small: the error is at most {worst:.1e} of max|expected|, below the {FIT_RTOL:.0e} at which a pattern can be told"
     findings = []
     if not small:
         suspected = suspects.matching(_attention_quantity(row, cfg), c, x, allowed) if suspects else []
         findings = _explanations(suspected, [p for p in _patterns(c, x, allowed, layout, cfg) if not (rounding and p[0] == UNNAMED_FACTOR)])
+    elif suspects and not rounding:  # too small for a pattern: a recomputed bug may still be told, to the row's own tolerance
+        suspected = suspects.matching(_attention_quantity(row, cfg), c, x, allowed, precise=True)
+        findings = [f"{words} (the candidate equals it to within the row's tolerance; its error is at most {worst:.1e} of max|expected|)"
+                    for words in _explanations(suspected, [])]
+        small = "" if findings else small
     if rounding:
         return findings, []
     if layout.weights and masks is None:
@@ -168,17 +174,16 @@ def _explanations(suspected: list[tuple[str, str]], patterns: list[tuple[str, st
     return found
 
 
-def _too_small(c: np.ndarray, x: np.ndarray, allowed: np.ndarray) -> str:
-    """Words saying the error is below what a pattern can be told from, when the candidate fits the
-    expected value itself to within FIT_RTOL; "" otherwise."""
+def _too_small(c: np.ndarray, x: np.ndarray, allowed: np.ndarray) -> float | None:
+    """The largest error relative to max|expected| when the candidate fits the expected value
+    itself to within FIT_RTOL (too small for a pattern to be told); None otherwise."""
     finite = np.isfinite(c) & np.isfinite(x)
     if finite.sum() < 2 or not np.array_equal(np.isnan(c), np.isnan(x)):
-        return ""
+        return None
     scale = float(np.abs(x[finite]).max())
     if scale == 0.0 or not fits(c, x, allowed, scale):
-        return ""
-    worst = float(np.abs(c - x)[finite].max()) / scale
-    return f"small: the error is at most {worst:.1e} of max|expected|, below the {FIT_RTOL:.0e} at which a pattern can be told"
+        return None
+    return float(np.abs(c - x)[finite].max()) / scale
 
 
 # ----------------------------------------------------------------------------------- layouts

@@ -40,12 +40,13 @@ FIT_RTOL = 1e-3
 Rerun = Callable[..., "tuple[np.ndarray, np.ndarray | None] | None"]
 
 
-def fits(candidate: np.ndarray, transformed: np.ndarray, allowed: np.ndarray, scale: float) -> bool:
-    """Whether the candidate equals a transformed expected value, where both are finite."""
+def fits(candidate: np.ndarray, transformed: np.ndarray, allowed: np.ndarray, scale: float, rtol: float = FIT_RTOL) -> bool:
+    """Whether the candidate equals a transformed expected value, where both are finite: to within
+    `allowed` or `rtol` of `scale`, whichever is larger."""
     ok = np.isfinite(candidate) & np.isfinite(transformed)
     if ok.sum() < max(1, candidate.size // 2):
         return False
-    tol = np.maximum(allowed, FIT_RTOL * scale)
+    tol = np.maximum(allowed, rtol * scale)
     return bool(np.all(np.abs(candidate - transformed)[ok] <= tol[ok]))
 
 
@@ -54,12 +55,15 @@ def same_non_finite(a: np.ndarray, b: np.ndarray) -> bool:
     return all(np.array_equal(f(a), f(b)) for f in (np.isnan, np.isposinf, np.isneginf))
 
 
-def reproduces(candidate: np.ndarray, recomputed: np.ndarray, expected: np.ndarray, allowed: np.ndarray, scale: float) -> bool:
+def reproduces(candidate: np.ndarray, recomputed: np.ndarray, expected: np.ndarray, allowed: np.ndarray, scale: float,
+               rtol: float = FIT_RTOL) -> bool:  # fmt: skip
     """Whether a bug recomputed explains the candidate: the candidate equals it and the expected
     value does not. fits() compares where both are finite, so their NaN and infinities must be at
     the same places too (a student's mask added after the softmax gave -inf at every masked position
-    and read "the attn_mask is ignored")."""
-    return fits(candidate, recomputed, allowed, scale) and not fits(recomputed, expected, allowed, scale) and same_non_finite(candidate, recomputed)
+    and read "the attn_mask is ignored"). `rtol` 0: to within the row's own tolerance alone, for an
+    error too small for FIT_RTOL (Suspects.matching's `precise`)."""
+    return (fits(candidate, recomputed, allowed, scale, rtol) and not fits(recomputed, expected, allowed, scale, rtol)
+            and same_non_finite(candidate, recomputed))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -324,6 +328,50 @@ def _gelu_tanh(base: type) -> dict:
     return {"_ff": _ff}
 
 
+def _unbiased_variance(base: type) -> dict:
+    """Layer norm with the squared deviations divided by E - 1 (torch.var's and np.var(ddof=1)'s)."""
+
+    def _norm(self, i, x):
+        centered = x - x.mean(axis=-1, keepdims=True)
+        var = (centered * centered).sum(axis=-1, keepdims=True) / (x.shape[-1] - 1)
+        y = centered / np.sqrt(var + x.dtype.type(self.eps)) * self._p(f"norm{i}.weight")
+        bias = self._p(f"norm{i}.bias")
+        return (y if bias is None else y + bias), None
+
+    return {"_norm": _norm}
+
+
+def _residual_misplaced(norm_first: bool) -> dict:
+    """forward of a layer that takes its residual at the wrong point: post-norm as
+    x + norm(f(x)) (the norm before the sum), pre-norm from the normed input, norm(x) + f(norm(x))."""
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        x, saved = np.asarray(src), {}
+        if norm_first:
+            n1 = self._norm(1, x)[0]
+            h = n1 + self._sa(n1, src_mask, src_key_padding_mask)
+            n2 = self._norm(2, h)[0]
+            return self._stored(n2 + self._ff(n2, saved))
+        h = x + self._norm(1, self._sa(x, src_mask, src_key_padding_mask))[0]
+        return self._stored(h + self._norm(2, self._ff(h, saved))[0])
+
+    return {"forward": forward}
+
+
+def _feed_forward_biases_dropped(base: type) -> dict:
+    def _p(self, name):
+        return None if name in ("linear1.bias", "linear2.bias") else base._p(self, name)
+
+    return {"_p": _p}
+
+
+def _activation_swapped(base: type, activation: str) -> dict:
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **{**kwargs, "activation": activation})
+
+    return {"__init__": __init__}
+
+
 def _norm_placement_flipped(base: type) -> dict:
     """Pre-norm where post-norm is asked, or post-norm where pre-norm is."""
 
@@ -346,16 +394,28 @@ def _layer_batch_first_read_as(base: type, batch_first: bool) -> dict:
 
 def _layer_suspects(base: type, cfg: Config) -> list[Suspect]:
     """A student's encoder-layer slips the layer's hooks can recompute (attncheck.layer_reference.HOOKS):
-    the two norms' parameters swapped, eps outside the root, GELU's tanh approximation, the norms
-    placed the other way. A new user's swapped norms read "everywhere: no head, row or column is spared"."""
-    if not all(callable(getattr(base, name, None)) for name in ("_norm", "_ff", "_p")):
+    the two norms' parameters swapped, eps outside the root or the unbiased variance, the residual
+    taken at the wrong point, the feed-forward biases left out, the other activation or GELU's tanh
+    approximation, the norms placed the other way. A new user's swapped norms read "everywhere: no
+    head, row or column is spared", and a residual after the norm did until it was a suspect."""
+    if not all(callable(getattr(base, name, None)) for name in ("_norm", "_ff", "_p", "_sa", "_stored")):
         return []
     placed = "pre-norm where post-norm (norm_first: false) is asked" if not cfg.norm_first else "post-norm where pre-norm (norm_first: true) is asked"
     suspects = [Suspect("norm1's and norm2's parameters swapped: the first layer norm computed with norm2's and the second with norm1's",
                         methods=_norms_swapped(base)),
                 Suspect(f"layer norm with eps outside the root: (x - mean) / (sqrt(var) + eps), where torch has / sqrt(var + eps) (eps {cfg.layer_norm_eps:g})",
                         methods=_eps_outside_the_root(base)),
+                Suspect("layer norm with the unbiased variance: the squared deviations divided by E - 1 (torch.var's default), "
+                        "where LayerNorm divides by E", methods=_unbiased_variance(base)),
+                Suspect("the residual taken from the normed input: norm(x) + f(norm(x)), where torch's pre-norm layer has x + f(norm(x))"
+                        if cfg.norm_first else
+                        "the residual added after the norm: x + norm(f(x)), where torch's post-norm layer has norm(x + f(x))",
+                        methods=_residual_misplaced(cfg.norm_first)),
                 Suspect(placed, methods=_norm_placement_flipped(base))]  # fmt: skip
+    if cfg.bias:
+        suspects.append(Suspect("the feed-forward biases are not added (linear1.bias, linear2.bias)", methods=_feed_forward_biases_dropped(base)))
+    other = "relu" if cfg.activation == "gelu" else "gelu"
+    suspects.append(Suspect(f"activation {other} where {cfg.activation} is asked", methods=_activation_swapped(base, other)))
     if not cfg.unbatched and cfg.effective_batch > 1:
         suspects.append(Suspect(_batch_axis_words(cfg, "src is"), methods=_layer_batch_first_read_as(base, not cfg.batch_first)))
     if cfg.activation == "gelu":
@@ -400,9 +460,12 @@ class Suspects:
                 self.results.append((suspect, self.rerun(factory, **suspect.masks)))
         return self.results
 
-    def matching(self, quantity: str, c: np.ndarray, x: np.ndarray, allowed: np.ndarray) -> list[tuple[str, str]]:
+    def matching(self, quantity: str, c: np.ndarray, x: np.ndarray, allowed: np.ndarray, precise: bool = False) -> list[tuple[str, str]]:
         """(words, restated_by) of each bug whose recomputed `quantity` ("output" or "attn_weights")
-        the candidate equals and the expected value does not; variants of one bug are one."""
+        the candidate equals and the expected value does not; variants of one bug are one.
+        `precise`: equal to within the row's own tolerance, without FIT_RTOL's floor: for an error
+        below FIT_RTOL, where only a recomputed bug (float64, exact) can be told from the expected
+        value (GELU's tanh approximation in float32: 9e-5 of max|expected|)."""
         which = {"output": 0, "attn_weights": 1}.get(quantity)
         finite = np.isfinite(x)
         if which is None or self.rerun is None or not self.suspects or not finite.any():
@@ -413,7 +476,7 @@ class Suspects:
             v = None if result is None else result[which]
             if v is None or np.shape(v) != c.shape:
                 continue
-            if reproduces(c, np.asarray(v, dtype=np.float64), x, allowed, scale):
+            if reproduces(c, np.asarray(v, dtype=np.float64), x, allowed, scale, 0.0 if precise else FIT_RTOL):
                 fitting.append(suspect)
         if len(fitting) == 1 and fitting[0].detail:
             return [(f"{fitting[0].words}; {fitting[0].detail}", fitting[0].restated_by)]

@@ -187,6 +187,22 @@ def test_the_corpus_table_names_every_known_bad_implementation():
     assert set(CORPUS) == {c.impl for c in DEFAULT_SUITE_CATCHES}
 
 
+class ResidualFromNormedInput(wrong_layers.TransformerEncoderLayer):
+    """Pre-norm with the residual taken from the normed input (`x = norm1(x); x = x + sa(x)`)."""
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        n1 = self._norm(1, np.asarray(src))[0]
+        h = n1 + self._sa(n1, src_mask, src_key_padding_mask)
+        n2 = self._norm(2, h)[0]
+        return n2 + self._ff(n2, {})
+
+
+class ReluWhereGeluIsAsked(wrong_layers.TransformerEncoderLayer):
+    def __init__(self, params, **options):
+        super().__init__(params, **options)
+        self.activation = "relu"
+
+
 PER_HEAD = dict(average_attn_weights=False, batch_size=3)
 DIAGNOSES = [
     (CausalOffByOne, "forward", dict(attn_mask="causal"), "attn_weights",
@@ -199,6 +215,20 @@ DIAGNOSES = [
     (wrong_layers.EpsOutsideSqrt, "forward", {"module": "transformer_encoder_layer", "layer_norm_eps": 0.5}, "output",
      ["layer norm with eps outside the root: (x - mean) / (sqrt(var) + eps), where torch has / sqrt(var + eps) (eps 0.5)"]),
     (wrong_layers.AlwaysPreNorm, "forward", {"module": "transformer_encoder_layer"}, "output", ["pre-norm where post-norm (norm_first: false) is asked"]),
+    # each read "everywhere: no head, row or column is spared" before it was a suspect
+    (wrong_layers.ResidualAfterNorm, "forward", {"module": "transformer_encoder_layer"}, "output",
+     ["the residual added after the norm: x + norm(f(x)), where torch's post-norm layer has norm(x + f(x))"]),
+    (ResidualFromNormedInput, "forward", {"module": "transformer_encoder_layer", "norm_first": True}, "output",
+     ["the residual taken from the normed input: norm(x) + f(norm(x)), where torch's pre-norm layer has x + f(norm(x))"]),
+    (wrong_layers.UnbiasedVarianceNorm, "forward", {"module": "transformer_encoder_layer"}, "output",
+     ["layer norm with the unbiased variance: the squared deviations divided by E - 1"]),
+    (wrong_layers.FeedForwardBiasesDropped, "forward", {"module": "transformer_encoder_layer"}, "output",
+     ["the feed-forward biases are not added (linear1.bias, linear2.bias)"]),
+    (ReluWhereGeluIsAsked, "forward", {"module": "transformer_encoder_layer", "activation": "gelu"}, "output", ["activation relu where gelu is asked"]),
+    # its float32 error, 9e-5 of max|expected|, is below the 1e-3 any pattern needs: the recomputed
+    # bug is told to the row's own tolerance
+    (wrong_layers.GeluTanh, "forward", {"module": "transformer_encoder_layer", "activation": "gelu"}, "output",
+     ["GELU computed as its tanh approximation", "(the candidate equals it to within the row's tolerance; its error is at most"]),
     (wrong_layers.SeqFirstReadAsBatchFirst, "forward", {"module": "transformer_encoder_layer", "batch_first": False}, "output",
      ["the (L, B, E) src (batch_first=False) is read as (B, L, E): attention runs across the batch"]),
     (ValueBiasDropped, "forward", {}, "output", ["the value's in_proj_bias is not added (in_proj_bias[v])"]),
