@@ -27,6 +27,7 @@ CATCHES = {
     "RotaryOnWholeCache": [("rotary-interleaved", "output"), ("rotary-half", "output")],
     "SplitMaxDropped": [("splits-5", "output"), ("splits-5", "lse"), ("decode", "output")],
     "ReadsPastSeqlen": [("decode", "poisoning"), ("paged-64-gqa", "poisoning")],
+    "DiagonalTopLeft": [("append-causal-lq4", "output"), ("window-causal", "output"), ("alibi", "output")],
 }
 
 
