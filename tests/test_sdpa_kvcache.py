@@ -54,6 +54,24 @@ def test_caught_by_the_default_decode_suite(name):
         assert any(r.quantity == quantity and r.mismatched for r in report.failures), (case, [(r.quantity, r.note) for r in report.failures])
 
 
+@pytest.mark.parametrize("case, lengths", [("append-causal-lq4", "Lq=4 against S=35, 92, 110 keys"),
+                                           ("speculative-lq16", "Lq=16 against S=16, 133, 256 keys")])  # fmt: skip
+def test_a_top_left_kernel_reads_as_the_oracle_aligned_upper_left(case, lengths):
+    # The config takes lower_right alone (config/kvcache_rules.py), so the other reading of the
+    # alignment was never tried: the kernel's output had no diagnosis. The oracle computes it all the same.
+    report = run_check("forward", _cases()[case], candidate_from_object(WRONG_KVCACHE["DiagonalTopLeft"]))
+    [row] = [r for r in report.failures if r.quantity == "output"]
+    assert row.diagnosis == ("the output is the float64 oracle's with the causal mask aligned upper_left where the case asks lower_right "
+                             f"({lengths} (cache_seqlens + new tokens): upper_left is torch's is_causal, lower_right FlashAttention's)")
+
+
+def test_a_top_left_window_is_no_reading_and_gets_none():
+    """Its window is top-left too, where the oracle's upper_left reading keeps it bottom-right: nothing fits, nothing is said."""
+    report = run_check("forward", _cases()["window-causal"], candidate_from_object(WRONG_KVCACHE["DiagonalTopLeft"]))
+    [row] = [r for r in report.failures if r.quantity == "output"]
+    assert "upper_left" not in (row.diagnosis or ""), row.diagnosis
+
+
 def test_the_correct_kernel_and_the_reference_pass_every_case():
     for candidate in (candidate_from_object(CORRECT_KVCACHE), None):
         for name, cfg in _cases().items():

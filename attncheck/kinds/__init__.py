@@ -49,6 +49,9 @@ class ModuleKind:
     # Where it is not: the axes of each quantity's array (by the rows' parameter), for a diagnosis
     # that says where the error lies only (attncheck.diagnose_kernels.where_report)
     where_axes: dict[str, tuple[str, ...]] = {}
+    # The causal alignments its config may ask for; the others its oracle still computes for the
+    # diagnosis's other reading (CheckRun.reread: a packed or decode kernel aligned top-left).
+    config_alignments: tuple[str, ...] = ("upper_left", "lower_right")
     # Commands that do not apply to the kind, with the reason the report gives.
     unsupported_commands: dict[str, str] = {}
     features: tuple[Feature, ...] = ()  # the capability table's rows: a case is the first it meets
