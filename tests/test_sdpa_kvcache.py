@@ -72,6 +72,32 @@ def test_a_top_left_window_is_no_reading_and_gets_none():
     assert "upper_left" not in (row.diagnosis or ""), row.diagnosis
 
 
+class OutputHeadsFirst(DecodeKernel):
+    """Returns its output (B, Hq, Lq, Ev), SDPA's layout, where flash_attn_with_kvcache's is (B, Lq, Hq, Ev)."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs).transpose(0, 2, 1, 3)
+
+
+def test_a_wrong_output_shape_names_the_axes_that_differ():
+    # It read "shape (2, 6, 2, 8), expected q's (2, 2, 6, 8)": which axis was which was the reader's to work out.
+    [row] = run_check("forward", _cfg(num_heads=6), candidate_from_object(OutputHeadsFirst)).failures
+    assert row.reason is Reason.SHAPE
+    assert "returned an output of shape (2, 6, 2, 8), expected (B, Lq, Hq, Ev) = (2, 2, 6, 8): Lq is 6 where 2, Hq is 2 where 6" in row.note
+
+
+@pytest.mark.parametrize("got, expected, letters, words", [
+    ((3, 2, 4), (3, 4, 4), ("B", "Hq", "L"), "shape (3, 2, 4), expected (B, Hq, L) = (3, 4, 4): Hq is 2 where 4"),
+    ((41, 8), (41, 4, 8), ("Tq", "Hq", "Ev"), "shape (41, 8), expected (Tq, Hq, Ev) = (41, 4, 8): 2 axes where 3"),
+    ((3, 2, 4), (3, 4, 4), None, "shape (3, 2, 4), expected (3, 4, 4)"),
+    ((3, 2, 4), (3, 4, 4), ("B", "L"), "shape (3, 2, 4), expected (3, 4, 4)"),  # letters that do not fit are not used
+])  # fmt: skip
+def test_shape_words(got, expected, letters, words):
+    from attncheck.errors import shape_words
+
+    assert shape_words(got, expected, letters) == words
+
+
 def test_the_correct_kernel_and_the_reference_pass_every_case():
     for candidate in (candidate_from_object(CORRECT_KVCACHE), None):
         for name, cfg in _cases().items():

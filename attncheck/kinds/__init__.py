@@ -141,6 +141,13 @@ class ModuleKind:
         """The shape the output must have: the first argument's own, for the modules."""
         return w.query.shape
 
+    def axis_letters(self, cfg: Config) -> dict[str, tuple[str, ...]]:
+        """The letters of each returned array's axes (by quantity: the output, a kernel's LSE), as
+        the kind's docstring names its dimensions: what a wrong shape's message names the axes by."""
+        if cfg.unbatched:
+            return {"output": ("L", "E")}
+        return {"output": ("B", "L", "E") if cfg.batch_first else ("L", "B", "E")}
+
     def written_arguments(self, cfg: Config) -> tuple[str, ...]:
         """The extra arrays (Workload.extras) the contract has the candidate write into in place:
         handed unguarded, and returned after the call (Session.written) for `forward_rows` to judge."""

@@ -174,6 +174,9 @@ class KvCacheKind(FunctionKind):
         B, Lq, Hq, _ = w.query.shape  # the workload's, not the config's: the repeat call's are shorter at large sizes
         return (B, Lq, Hq, cfg.head_dim_v_eff)
 
+    def axis_letters(self, cfg) -> dict[str, tuple[str, ...]]:
+        return {"output": ("B", "Lq", "Hq", "Ev"), "lse": ("B", "Hq", "Lq")}
+
     # ------------------------------------------------------------------------ inputs
     def inputs(self, cfg, w) -> dict[str, Any]:
         return {"q": w.query, **({"k": w.key, "v": w.value} if cfg.new_tokens else {})}

@@ -150,6 +150,9 @@ class VarlenKind(FunctionKind):
     def output_shape(self, cfg, w) -> tuple[int, ...]:
         return (w.query.shape[0], cfg.num_heads, cfg.head_dim_v_eff)
 
+    def axis_letters(self, cfg) -> dict[str, tuple[str, ...]]:
+        return {"output": ("Tq", "Hq", "Ev"), "lse": ("Hq", "Tq")}
+
     def unsupported_case(self, cfg, candidate) -> str | None:
         return None  # one alignment, bottom-right: nothing for a candidate to declare
 
