@@ -219,7 +219,8 @@ def measure(
     oracle (attncheck.checks.rounding): the budget's floor is the larger of the two.
 
     Non-finite values: NaN where torch has NaN agrees only where `nan_ok` says the masks explain
-    it (a row with no allowed key). NaN or inf that torch itself gives anywhere else leaves those
+    it (a row with no allowed key). An infinity where torch is finite is a difference of inf, and
+    the note counts them by sign. NaN or inf that torch itself gives anywhere else leaves those
     elements unjudged (`row.unjudged`). `undefined` marks elements with no defined value (such a
     row on torch's SDPA path): a candidate's NaN there is accepted, any other value is compared.
 
@@ -328,6 +329,10 @@ def measure(
     if nan_wrong.any():
         notes.append(f"NaN in {counted(int((nan_a & finite_e & ~accepted).sum()), 'place')} torch has none, "
                      f"missing in {counted(int((explained & ~nan_a).sum()), 'place')} torch has NaN")
+    inf_a = np.isinf(a) & finite_e  # an overflow (an LSE with no max taken out): the difference alone reads "inf"
+    if inf_a.any():
+        signs = [f"{sign}inf in {counted(n, 'place')}" for sign, n in (("+", int((inf_a & (a > 0)).sum())), ("-", int((inf_a & (a < 0)).sum()))) if n]
+        notes.append(f"{' and '.join(signs)} where torch is finite, the first at {_index(int(np.argmax(inf_a)), a.shape)}")
     if spread.any():
         notes.append(f"NaN at {int(spread.sum())} of {row.numel} elements, spread from the NaN the candidate gives where no value is defined: not judged there")
     if (~finite_e & ~explained).any():
