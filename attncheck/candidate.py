@@ -35,7 +35,7 @@ import numpy as np
 
 from attncheck.config.config_file import impl_file
 from attncheck.dtypes import is_float
-from attncheck.errors import CandidateError, CandidateShapeError, Unsupported, UsageError, did_you_mean, shorten
+from attncheck.errors import CandidateError, CandidateShapeError, Unsupported, UsageError, did_you_mean, shape_words, shorten
 from attncheck.frameworks import _type_name, detect_framework, framework_hint, framework_of, written_for
 from attncheck.guarded import call_name, defined_at, guard, what_raised
 from attncheck.inputs import Workload
@@ -300,8 +300,7 @@ class Session:
         out = self._as_numpy(output, f"{called} returned an output", where)
         expected = kind.output_shape(self.cfg, w)  # the modules: the first argument's own shape
         if out.shape != expected:
-            what = f"{kind.first_argument}'s {expected}" if expected == w.query.shape else f"{expected}"
-            raise CandidateShapeError(f"{called} returned an output of shape {out.shape}, expected {what}", where)
+            raise CandidateShapeError(f"{called} returned an output of {shape_words(out.shape, expected, kind.axis_letters(self.cfg).get('output'))}", where)
         return out, None if second is None else self._as_numpy(second, f"{called} returned {second_name}", where)
 
     def build_and_forward(self, w: Workload, layout: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:

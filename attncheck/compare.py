@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attncheck.dtypes import HALF, eps
-from attncheck.errors import counted
+from attncheck.errors import counted, shape_words
 from attncheck.report import FAIL, INCONCLUSIVE, NOT_PROVIDED, PASS, Quantity, Reason, Row
 
 # (kind, dtype) -> (atol, rtol) for the fixed rule.
@@ -186,10 +186,11 @@ def compare(
     candidate_nan_ok: bool = False,
     rounding: float = 0.0,
     also: tuple[np.ndarray | None, ...] = (),
+    axes: tuple[str, ...] | None = None,
 ) -> Row:
     """Compare a candidate's array with torch's under a rule, and decide the row (see `decide`)."""
     row = measure(section, quantity, actual, expected, rule, oracle=oracle, scale=scale, nan_ok=nan_ok, undefined=undefined,
-                  candidate_nan_ok=candidate_nan_ok, rounding=rounding, also=also)  # fmt: skip
+                  candidate_nan_ok=candidate_nan_ok, rounding=rounding, also=also, axes=axes)  # fmt: skip
     return decide(row, strict=strict)
 
 
@@ -207,6 +208,7 @@ def measure(
     candidate_nan_ok: bool = False,
     rounding: float = 0.0,
     also: tuple[np.ndarray | None, ...] = (),
+    axes: tuple[str, ...] | None = None,
 ) -> Row:
     """Every finding of comparing a candidate's array with torch's under a rule; no verdict yet.
 
@@ -217,7 +219,8 @@ def measure(
     oracle (attncheck.checks.rounding): the budget's floor is the larger of the two.
 
     Non-finite values: NaN where torch has NaN agrees only where `nan_ok` says the masks explain
-    it (a row with no allowed key). NaN or inf that torch itself gives anywhere else leaves those
+    it (a row with no allowed key). An infinity where torch is finite is a difference of inf, and
+    the note counts them by sign. NaN or inf that torch itself gives anywhere else leaves those
     elements unjudged (`row.unjudged`). `undefined` marks elements with no defined value (such a
     row on torch's SDPA path): a candidate's NaN there is accepted, any other value is compared.
 
@@ -229,6 +232,9 @@ def measure(
     inputs scaled by 12, seed 1) was 0.82 off the oracle where its fast path was 0.03, 26x the
     fast path's budget; torch's SDPA path (examples/torch_sdpa.py, the default config in float16,
     scale 12, seed 1) 0.25 where the standard path was 0.05, 5x the standard path's.
+
+    `axes` are the letters of the array's axes (the kind's axis_letters): a wrong shape names by
+    them the axes that differ.
     """
     expected = np.asarray(expected)
     row = Row(section, quantity, "", shape=expected.shape, numel=int(expected.size), rule=rule.describe(), rule_kind=rule.kind)
@@ -238,7 +244,7 @@ def measure(
     actual = np.asarray(actual)
     if actual.shape != expected.shape:
         row.mismatched, row.reason = row.numel, Reason.SHAPE
-        row.note = f"shape {actual.shape}, expected {expected.shape}"
+        row.note = shape_words(actual.shape, expected.shape, axes)
         return row
     # A dtype other than torch's is an attribute the checks judge (checks.calls.dtype_rows); values are compared here.
 
@@ -323,6 +329,10 @@ def measure(
     if nan_wrong.any():
         notes.append(f"NaN in {counted(int((nan_a & finite_e & ~accepted).sum()), 'place')} torch has none, "
                      f"missing in {counted(int((explained & ~nan_a).sum()), 'place')} torch has NaN")
+    inf_a = np.isinf(a) & finite_e  # an overflow (an LSE with no max taken out): the difference alone reads "inf"
+    if inf_a.any():
+        signs = [f"{sign}inf in {counted(n, 'place')}" for sign, n in (("+", int((inf_a & (a > 0)).sum())), ("-", int((inf_a & (a < 0)).sum()))) if n]
+        notes.append(f"{' and '.join(signs)} where torch is finite, the first at {_index(int(np.argmax(inf_a)), a.shape)}")
     if spread.any():
         notes.append(f"NaN at {int(spread.sum())} of {row.numel} elements, spread from the NaN the candidate gives where no value is defined: not judged there")
     if (~finite_e & ~explained).any():

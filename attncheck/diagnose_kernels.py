@@ -15,6 +15,7 @@ import numpy as np
 from attncheck.config import Config
 from attncheck.diagnose import UNNAMED_FACTOR, Layout, _finite_difference, _relation, _where
 from attncheck.diagnose_half import rounding_sized
+from attncheck.kinds import kind_of
 from attncheck.report import FAIL, Report
 from attncheck.suspects import reproduces
 
@@ -72,8 +73,9 @@ def readings(cfg: Config) -> list[tuple[dict, str]]:
     causal = cfg.causal
     if causal != "none":
         other = {"upper_left": "lower_right", "lower_right": "upper_left"}.get(causal)
-        if other and cfg.tgt_len != cfg.S:
-            tried.append(({"causal": other}, f"the causal mask aligned {other} where the case asks {causal} (L={cfg.tgt_len}, S={cfg.S}: "
+        lengths = kind_of(cfg).alignment_lengths(cfg)
+        if other and lengths:
+            tried.append(({"causal": other}, f"the causal mask aligned {other} where the case asks {causal} ({lengths}: "
                                              "upper_left is torch's is_causal, lower_right FlashAttention's)"))  # fmt: skip
         tried.append(({"causal": "none"}, f"no causal mask: causal {causal} is ignored"))
     window = cfg.window_size

@@ -47,6 +47,20 @@ def listed(names: Sequence[str], limit: int) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if shown < len(names) else "")
 
 
+def shape_words(got: tuple[int, ...], expected: tuple[int, ...], letters: Sequence[str] | None = None) -> str:
+    """`shape (2, 13, 4, 8), expected (B, Hq, L, Ev) = (2, 4, 13, 8): Hq is 13 where 4, L is 4 where 13`:
+    a wrong shape, each axis that differs named by its letter (`letters`, the kind's layout of the
+    array; without them, or where they do not fit, the two shapes alone)."""
+    got, expected = tuple(got), tuple(expected)
+    if letters is None or len(letters) != len(expected):
+        return f"shape {got}, expected {expected}"
+    layout = f"({', '.join(letters)})"
+    if len(got) != len(expected):
+        return f"shape {got}, expected {layout} = {expected}: {len(got)} {'axis' if len(got) == 1 else 'axes'} where {len(expected)}"
+    differ = ", ".join(f"{a} is {g} where {e}" for a, g, e in zip(letters, got, expected) if g != e)
+    return f"shape {got}, expected {layout} = {expected}: {differ}"
+
+
 def shorten(text: str, limit: int = QUOTE_LIMIT) -> str:
     """`text` cut to `limit` characters with an ellipsis and the full length, on one line."""
     text = " ".join(str(text).split())

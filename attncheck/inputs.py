@@ -326,10 +326,12 @@ def total_loss(cfg: Config, w: Workload, out: np.ndarray, second: np.ndarray | N
     d_second = None
     if kind_of(cfg).second_in_loss(cfg):
         if second is None or second.shape != w.target_lse.shape:  # the candidate's: forward's lse row says so, the loss cannot take it
-            from attncheck.errors import CandidateError, CandidateShapeError
+            from attncheck.errors import CandidateError, CandidateShapeError, shape_words
 
-            name, got = kind_of(cfg).second_output, "none" if second is None else f"shape {second.shape}"
-            raise (CandidateError if second is None else CandidateShapeError)(f"its {name} has {got}, expected {w.target_lse.shape}; the loss whose gradients are checked includes the {name}")
+            kind = kind_of(cfg)
+            name = kind.second_output
+            got = f"none, expected {w.target_lse.shape}" if second is None else shape_words(second.shape, w.target_lse.shape, kind.axis_letters(cfg).get(name))
+            raise (CandidateError if second is None else CandidateShapeError)(f"its {name} has {got}; the loss whose gradients are checked includes the {name}")
         lse_loss, d_second = lse_loss_and_grad(second, w.target_lse, w.lse_undefined)
         loss += lse_loss
         magnitude += lse_magnitude(second, w.target_lse, w.lse_undefined)

@@ -75,7 +75,7 @@ BROKEN = {
             def forward(self, *args, **kw):  # HERE
                 out, w = super().forward(*args, **kw)
                 return out[:, :-1], w
-        """, "grad", "forward() returned an output of shape (2, 4, 24), expected query's (2, 5, 24)", reason="shape"),
+        """, "grad", "forward() returned an output of shape (2, 4, 24), expected (B, L, E) = (2, 5, 24): L is 4 where 5", reason="shape"),
     "wrong_gradient_shape": Broken(
         """
         class Candidate(Ref):

@@ -16,7 +16,7 @@ from attncheck.checks import run_check
 from attncheck.cli import app
 from attncheck.config import Config, load_suite
 from attncheck.report import FAIL, INFO, PASS
-from attncheck.testing.wrong_kvcache import CORRECT_KVCACHE, KVCACHE_PROBES
+from attncheck.testing.wrong_kvcache import CORRECT_KVCACHE, KVCACHE_PROBES, WRONG_KVCACHE
 
 from tests.helpers import assert_shown_by_probes, probe_rows
 
@@ -84,6 +84,28 @@ def test_every_option_of_a_decode_case_is_probed_and_the_oracle_tells_each():
     rows = probe_rows(run_check("forward", cfg))
     names = ("softcap", "window", "ALiBi", "scale", "causal", "rotary", "rotary_interleaved")
     assert {label: r.status for label, r in rows.items()} == {f"options: {name}": PASS for name in names}
+
+
+def test_a_window_that_a_top_left_diagonal_makes_moot_is_not_called_ignored():
+    """A kernel measuring causal and the window from the top-left diagonal: in window-causal its window
+    cuts no key its causal mask keeps, so its output is the same with the window and without. It read
+    "ignores window"; its output is neither the oracle's with the window nor without it."""
+    report = run_check("forward", _cases()["window-causal"], candidate_from_object(WRONG_KVCACHE["DiagonalTopLeft"]))
+    row = probe_rows(report)["options: window"]
+    assert row.status is INFO and "ignores" not in row.note, row.note
+    assert row.note.startswith("not judged: its outputs with window and without are the same") and "names no cause" in row.note
+    assert [r.quantity for r in report.failures] == ["output"]
+
+
+def test_a_kernel_that_ignores_the_window_is_still_called_so():
+    """Its output with the window is the oracle's without it: the row says so beside "ignores"."""
+
+    class WindowIgnoredKv(CORRECT_KVCACHE):
+        def forward(self, *args, window_size=(-1, -1), **kwargs):
+            return super().forward(*args, **kwargs)
+
+    row = probe_rows(run_check("forward", _cases()["window-causal"], candidate_from_object(WindowIgnoredKv)))["options: window"]
+    assert row.status is FAIL and row.note.startswith("ignores window: ") and "its output with window is the oracle's without it" in row.note
 
 
 def test_a_decode_case_with_one_query_cannot_tell_causal_and_says_so():

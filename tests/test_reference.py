@@ -120,3 +120,15 @@ def test_nan_in_the_wrong_place_is_a_mismatch():
 
     row = _rows(check_forward(cfg(key_padding_mask="full_row"), Candidate("nan", NanEverywhere)), "forward")["output"]
     assert row.status == "fail" and row.mismatched == 1 and "NaN in 1 place torch has none" in row.note
+
+
+def test_an_infinity_where_torch_is_finite_is_counted_by_sign():
+    from attncheck.compare import Fixed, compare
+
+    expected = np.arange(6.0).reshape(2, 3)
+    actual = expected.copy()
+    actual[0, 2], actual[1, 0], actual[1, 1] = -np.inf, np.inf, -np.inf
+    row = compare("forward", "lse", actual, expected, Fixed(1e-5, 1e-5))
+    assert row.status == "fail" and row.mismatched == 3
+    assert row.note == "+inf in 1 place and -inf in 2 places where torch is finite, the first at (0, 2)"
+    assert compare("forward", "lse", expected, expected, Fixed(1e-5, 1e-5)).note == ""

@@ -242,11 +242,14 @@ def test_an_lse_of_the_wrong_shape_fails_grad_as_it_fails_forward():
     # grad put it in the loss as it came: NumPy's broadcast error, exit 3 ("a bug in attncheck"),
     # and a whole `run` lost with no report written (a new user's kernel, NumPy's and torch's alike)
     cfg = _cfg(tgt_len=5, src_len=7, return_lse=True)
-    assert run_check("forward", cfg, Candidate("t", LseTransposed)).sole_reason is Reason.SHAPE
+    forward = run_check("forward", cfg, Candidate("t", LseTransposed))
+    assert forward.sole_reason is Reason.SHAPE
+    assert [r.note for r in forward.failures] == ["shape (2, 5, 4), expected (B, Hq, L) = (2, 4, 5): Hq is 5 where 4, L is 4 where 5"]
     report = run_check("grad", cfg, Candidate("t", LseTransposed))
     (row,) = report.rows
     assert report.verdict == "fail" and row.reason is Reason.SHAPE  # as forward's: it read `call` (left in stop 48's note)
-    assert row.note == "its lse has shape (2, 5, 4), expected (2, 4, 5); the loss whose gradients are checked includes the lse"
+    assert row.note == ("its lse has shape (2, 5, 4), expected (B, Hq, L) = (2, 4, 5): Hq is 5 where 4, L is 4 where 5; "
+                        "the loss whose gradients are checked includes the lse")
     # and the same reason through a candidate's own process, where the error crosses the channel
     remote = attncheck.check(cfg, "grad", impl="tests/test_sdpa_kind.py:LseTransposed")
     assert remote.verdict == "fail" and remote.sole_reason is Reason.SHAPE, remote.rows

@@ -27,6 +27,7 @@ CATCHES = {
     "RotaryOnWholeCache": [("rotary-interleaved", "output"), ("rotary-half", "output")],
     "SplitMaxDropped": [("splits-5", "output"), ("splits-5", "lse"), ("decode", "output")],
     "ReadsPastSeqlen": [("decode", "poisoning"), ("paged-64-gqa", "poisoning")],
+    "DiagonalTopLeft": [("append-causal-lq4", "output"), ("window-causal", "output"), ("alibi", "output")],
 }
 
 
@@ -51,6 +52,50 @@ def test_caught_by_the_default_decode_suite(name):
         assert report.verdict == "fail", (case, report.verdict)
         assert all(r.quantity != "candidate" for r in report.failures), (case, [r.note for r in report.failures])
         assert any(r.quantity == quantity and r.mismatched for r in report.failures), (case, [(r.quantity, r.note) for r in report.failures])
+
+
+@pytest.mark.parametrize("case, lengths", [("append-causal-lq4", "Lq=4 against S=35, 92, 110 keys"),
+                                           ("speculative-lq16", "Lq=16 against S=16, 133, 256 keys")])  # fmt: skip
+def test_a_top_left_kernel_reads_as_the_oracle_aligned_upper_left(case, lengths):
+    # The config takes lower_right alone (config/kvcache_rules.py), so the other reading of the
+    # alignment was never tried: the kernel's output had no diagnosis. The oracle computes it all the same.
+    report = run_check("forward", _cases()[case], candidate_from_object(WRONG_KVCACHE["DiagonalTopLeft"]))
+    [row] = [r for r in report.failures if r.quantity == "output"]
+    assert row.diagnosis == ("the output is the float64 oracle's with the causal mask aligned upper_left where the case asks lower_right "
+                             f"({lengths} (cache_seqlens + new tokens): upper_left is torch's is_causal, lower_right FlashAttention's)")
+
+
+def test_a_top_left_window_is_no_reading_and_gets_none():
+    """Its window is top-left too, where the oracle's upper_left reading keeps it bottom-right: nothing fits, nothing is said."""
+    report = run_check("forward", _cases()["window-causal"], candidate_from_object(WRONG_KVCACHE["DiagonalTopLeft"]))
+    [row] = [r for r in report.failures if r.quantity == "output"]
+    assert "upper_left" not in (row.diagnosis or ""), row.diagnosis
+
+
+class OutputHeadsFirst(DecodeKernel):
+    """Returns its output (B, Hq, Lq, Ev), SDPA's layout, where flash_attn_with_kvcache's is (B, Lq, Hq, Ev)."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs).transpose(0, 2, 1, 3)
+
+
+def test_a_wrong_output_shape_names_the_axes_that_differ():
+    # It read "shape (2, 6, 2, 8), expected q's (2, 2, 6, 8)": which axis was which was the reader's to work out.
+    [row] = run_check("forward", _cfg(num_heads=6), candidate_from_object(OutputHeadsFirst)).failures
+    assert row.reason is Reason.SHAPE
+    assert "returned an output of shape (2, 6, 2, 8), expected (B, Lq, Hq, Ev) = (2, 2, 6, 8): Lq is 6 where 2, Hq is 2 where 6" in row.note
+
+
+@pytest.mark.parametrize("got, expected, letters, words", [
+    ((3, 2, 4), (3, 4, 4), ("B", "Hq", "L"), "shape (3, 2, 4), expected (B, Hq, L) = (3, 4, 4): Hq is 2 where 4"),
+    ((41, 8), (41, 4, 8), ("Tq", "Hq", "Ev"), "shape (41, 8), expected (Tq, Hq, Ev) = (41, 4, 8): 2 axes where 3"),
+    ((3, 2, 4), (3, 4, 4), None, "shape (3, 2, 4), expected (3, 4, 4)"),
+    ((3, 2, 4), (3, 4, 4), ("B", "L"), "shape (3, 2, 4), expected (3, 4, 4)"),  # letters that do not fit are not used
+])  # fmt: skip
+def test_shape_words(got, expected, letters, words):
+    from attncheck.errors import shape_words
+
+    assert shape_words(got, expected, letters) == words
 
 
 def test_the_correct_kernel_and_the_reference_pass_every_case():

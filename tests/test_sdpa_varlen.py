@@ -15,6 +15,7 @@ from attncheck.cli import app
 from attncheck.config import config_from_mapping, load_suite
 from attncheck.errors import ConfigError
 from attncheck.kinds.sdpa_varlen import cumulative
+from attncheck.reference.sdpa import ScaledDotProductAttention
 from attncheck.reference.sdpa_varlen import VarlenAttention
 from attncheck.testing.wrong_varlen import CORRECT_KERNEL, WRONG_KERNELS
 
@@ -199,3 +200,26 @@ def test_the_correct_varlen_kernel_passes_every_case():
     for name, cfg in _cases().items():
         for command in ("forward", "grad"):
             assert run_check(command, cfg, candidate).verdict == "pass", (name, command)
+
+
+@pytest.mark.parametrize("case, lengths", [("causal", "sequences of Lq x Lk 13x29, 7x3"), ("window-2-1", "sequences of Lq x Lk 13x29, 7x3"),
+                                           ("decode", "sequences of Lq x Lk 1x29, 1x40, 1x7")])  # fmt: skip
+def test_a_top_left_kernel_reads_as_the_oracle_aligned_upper_left(case, lengths):
+    # The config takes lower_right alone (config/varlen.py), so the other reading of the alignment
+    # was never tried: the kernel's output had no diagnosis. The oracle computes it all the same.
+    cfg = next(c.config for c in load_suite(None, module="sdpa_varlen").cases if c.name == case)
+    report = run_check("forward", cfg, candidate_from_object(WRONG_KERNELS["CausalTopLeftPerSequence"]))
+    [row] = [r for r in report.failures if r.quantity == "output"]
+    assert row.diagnosis.startswith("the output is the float64 oracle's with the causal mask aligned upper_left where the case asks "
+                                    f"lower_right ({lengths}: upper_left is torch's is_causal"), row.diagnosis  # fmt: skip
+
+
+def test_the_oracle_aligned_upper_left_is_each_sequence_top_left():
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(7, 2, 4)), rng.normal(size=(9, 2, 4)), rng.normal(size=(9, 2, 4))
+    cu_q, cu_k = cumulative([3, 4]), cumulative([5, 4])
+    out = VarlenAttention(causal_alignment="upper_left").forward(q, k, v, cu_q, cu_k, 4, 5, causal=True)
+    first = ScaledDotProductAttention("upper_left").forward(q[None, :3].transpose(0, 2, 1, 3), k[None, :5].transpose(0, 2, 1, 3),
+                                                            v[None, :5].transpose(0, 2, 1, 3), is_causal=True)  # fmt: skip
+    np.testing.assert_allclose(out[:3], first[0].transpose(1, 0, 2), rtol=1e-12)
+    assert not np.allclose(out, VarlenAttention().forward(q, k, v, cu_q, cu_k, 4, 5, causal=True))

@@ -154,4 +154,4 @@ def test_poisoning_fails_an_output_not_shaped_like_q():
     cfg = _varlen(framework="torch")
     assert run_check("forward", cfg, candidate_from_object(flash_attn_varlen_func)).passed
     (row,) = run_check("forward", cfg, candidate_from_object(total_rows_only)).failures
-    assert row.quantity == "poisoning" and "3 rows longer than the sequences" in row.note and "expected q's (18, 4, 8)" in row.note
+    assert row.quantity == "poisoning" and "3 rows longer than the sequences" in row.note and "expected (Tq, Hq, Ev) = (18, 4, 8): Tq is 15 where 18" in row.note

@@ -60,3 +60,11 @@ def test_the_correct_kernel_passes_what_it_supports():
             verdict = run_check(command, cfg, candidate).verdict
             expected = "unsupported" if cfg.causal == "upper_left" and cfg.tgt_len != cfg.S else "pass"
             assert verdict == expected, (name, command, verdict)
+
+
+def test_an_overflowing_lse_says_where_it_is_infinite():
+    # The row read "Greatest absolute difference from torch: inf" and no more: not that the
+    # candidate's LSE was +inf (exp overflowed) where torch's is finite.
+    report = run_check("forward", _cases()["large-logits-lse"], candidate_from_object(WRONG_KERNELS["LseNotShifted"]))
+    [row] = report.failures
+    assert row.quantity == "lse" and row.note == "+inf in 4 places where torch is finite, the first at (0, 2, 0)", row.note

@@ -73,21 +73,21 @@ def compare_output(section: str, cfg: Config, w, out, t_out, rule, o_out, also: 
     they are zeros, and a candidate's NaN there is as good (no defined value), unless the config
     fixes the convention (module: sdpa's fully_masked_rows: zero, or nan: NaN required there).
     """
-    undefined = w.undefined
+    undefined, axes = w.undefined, kind_of(cfg).axis_letters(cfg).get("output")
     if undefined is None or cfg.need_weights:
-        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined, also=also)
+        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined, also=also, axes=axes)
     if cfg.fully_masked_rows == "nan":
         t_out = np.where(undefined, np.nan, t_out).astype(t_out.dtype)
         o_out = None if o_out is None else np.where(undefined, np.nan, o_out)
-        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined, also=also)
+        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined, also=also, axes=axes)
     return compare(section, "output", out, t_out, rule, oracle=o_out, undefined=None if cfg.fully_masked_rows == "zero" else undefined,
-                   also=also)
+                   also=also, axes=axes)
 
 
 def lse_rows(cfg: Config, w, lse, t_lse, rule, o_lse) -> list[Row]:
     """The LSE against torch's: -inf exactly on rows with no allowed key, values on the others."""
     if lse is None or lse.shape != t_lse.shape or w.lse_undefined is None:
-        return [compare("forward", "lse", lse, t_lse, rule, oracle=o_lse)]
+        return [compare("forward", "lse", lse, t_lse, rule, oracle=o_lse, axes=kind_of(cfg).axis_letters(cfg).get("lse"))]
     empty = w.lse_undefined
     wrong = empty & ~np.isneginf(lse.astype(np.float64))
     rows = []

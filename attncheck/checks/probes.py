@@ -271,7 +271,8 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
         o_off = oracle_forward(cfg_off, w_off)[0]
         told = _largest_difference(o_on, o_off, defined)
         t_off, _ = torch_side.forward(cfg_off, w_off)
-        needed = p.budget + _reach(rule, p.budget, t_out, o_on, defined) + _reach(rule, _budget(rule, t_off, o_off), t_off, o_off, defined)
+        reach_off = _reach(rule, _budget(rule, t_off, o_off), t_off, o_off, defined)
+        needed = p.budget + _reach(rule, p.budget, t_out, o_on, defined) + reach_off
         if not told > needed:
             rows.append(_row("options", label, INFO, f"this case cannot tell {name} on from off: the oracle's outputs differ by "
                              f"{told:.3g}, not more than the {needed:.3g} a correct candidate's two outputs may lie from them "
@@ -290,16 +291,36 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
             continue
         moved = _largest_difference(p.first["output"], out_off, defined)
         if moved <= p.budget:
-            other = "; a causal mask of the other alignment looks the same where L != S" if name == "causal" else ""
-            rows.append(_row("options", label, FAIL, f"ignores {name}: its outputs with {name} and without are the same, {moved:.3g} apart, "
-                             f"within the budget ({p.budget:.3g}), where the oracle's differ by {told:.3g}{other}",
-                             reason=Reason.VALUES))  # fmt: skip
+            rows.append(_unmoved(p, name, label, moved, told, _largest_difference(p.first["output"], o_off, defined), reach_off))
         else:
             rows.append(_row("options", label, PASS, f"{name} changes the output by {moved:.3g} (the oracle's: {told:.3g}; "
                              f"budget {p.budget:.3g})"))  # fmt: skip
     if kind.takes_dropout:
         rows.append(_dropout(p, w, o_on, t_out, rule))
     return rows
+
+
+def _unmoved(p: Probing, name: str, label: str, moved: float, told: float, off_apart: float, reach_off: float) -> Row:
+    """The row of an option whose turning off leaves the candidate's output where it was (`moved`
+    apart, within the budget), where the oracle's moves by `told`. "ignores" only where one of its
+    two outputs is right: its output with the option is the oracle's without it (`off_apart` within
+    the reach_off a correct output without it may lie, plus the budget between the candidate's two
+    outputs), or the check's own output row passes (the option always applied: its call with the
+    option off is wrong). The case's margin (told > both reaches and the budget) keeps the two
+    apart. Neither: something else makes the option change nothing (a decode kernel's diagonal
+    aligned top-left: its window then cuts no key its causal mask keeps), the check's own output
+    row fails already, and the probe names no cause."""
+    same = f"its outputs with {name} and without are the same, {moved:.3g} apart, within the budget ({p.budget:.3g}), where the oracle's differ by {told:.3g}"
+    if off_apart <= reach_off + p.budget:
+        other = "; a causal mask of the other alignment looks the same where L != S" if name == "causal" else ""
+        return _row("options", label, FAIL, f"ignores {name}: {same}, and its output with {name} is the oracle's without it, "
+                    f"{off_apart:.3g} apart (up to {reach_off + p.budget:.3g} allowed){other}", reason=Reason.VALUES)  # fmt: skip
+    if not p.within("output", p.first["output"]).failed:
+        return _row("options", label, FAIL, f"ignores {name}: {same}, and both are the oracle's with {name} (the check's own "
+                    f"output row passes): its call with {name} off is the wrong one", reason=Reason.VALUES)  # fmt: skip
+    return _row("options", label, INFO, f"not judged: {same}, but its output is neither the oracle's with {name} (the check's own "
+                f"output row fails) nor without it ({off_apart:.3g} apart, more than the {reach_off + p.budget:.3g} allowed): "
+                f"more is wrong than {name} ignored, and this probe names no cause")  # fmt: skip
 
 
 # The dropout_p of the options probe's one call with dropout: every check runs with 0 (both sides

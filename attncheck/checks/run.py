@@ -127,10 +127,17 @@ class CheckRun:
     def reread(self, update: dict) -> np.ndarray | None:
         """The float64 oracle's output on this workload under the config with `update` (another
         softmax scale, causal alignment, window or softcap: a function kind's keys), for the
-        diagnosis to compare; None where that config is not valid or the reference raised."""
+        diagnosis to compare; None where that config is not valid or the reference raised.
+
+        A causal alignment the kind's config may not ask for (the packed and decode kinds take
+        lower_right alone) is its oracle's all the same: the config is validated with its own and
+        given the other after (kind.config_alignments)."""
+        causal = update.get("causal", "none")
+        aside = {} if causal == "none" or causal in kind_of(self.cfg).config_alignments else {"causal": causal}
+        valid = {**update, "causal": self.cfg.causal} if aside else update
         try:
-            cfg = config_from_mapping({**self.cfg.model_dump(exclude_unset=True), **update}, source="<diagnosis>")
-            return oracle_forward(cfg, self.w)[0]
+            cfg = config_from_mapping({**self.cfg.model_dump(exclude_unset=True), **valid}, source="<diagnosis>")
+            return oracle_forward(cfg.model_copy(update=aside), self.w)[0]
         except (UsageError, CandidateProblem):
             return None
 

@@ -49,6 +49,9 @@ class ModuleKind:
     # Where it is not: the axes of each quantity's array (by the rows' parameter), for a diagnosis
     # that says where the error lies only (attncheck.diagnose_kernels.where_report)
     where_axes: dict[str, tuple[str, ...]] = {}
+    # The causal alignments its config may ask for; the others its oracle still computes for the
+    # diagnosis's other reading (CheckRun.reread: a packed or decode kernel aligned top-left).
+    config_alignments: tuple[str, ...] = ("upper_left", "lower_right")
     # Commands that do not apply to the kind, with the reason the report gives.
     unsupported_commands: dict[str, str] = {}
     features: tuple[Feature, ...] = ()  # the capability table's rows: a case is the first it meets
@@ -137,6 +140,13 @@ class ModuleKind:
     def output_shape(self, cfg: Config, w: Workload) -> tuple[int, ...]:
         """The shape the output must have: the first argument's own, for the modules."""
         return w.query.shape
+
+    def axis_letters(self, cfg: Config) -> dict[str, tuple[str, ...]]:
+        """The letters of each returned array's axes (by quantity: the output, a kernel's LSE), as
+        the kind's docstring names its dimensions: what a wrong shape's message names the axes by."""
+        if cfg.unbatched:
+            return {"output": ("L", "E")}
+        return {"output": ("B", "L", "E") if cfg.batch_first else ("L", "B", "E")}
 
     def written_arguments(self, cfg: Config) -> tuple[str, ...]:
         """The extra arrays (Workload.extras) the contract has the candidate write into in place:

@@ -194,6 +194,14 @@ class FunctionKind(ModuleKind):
         B, Hq, L, _ = w.query.shape  # the workload's, not the config's: the repeat call's are shorter at large sizes
         return (B, Hq, L, cfg.head_dim_v_eff)
 
+    def axis_letters(self, cfg) -> dict[str, tuple[str, ...]]:
+        return {"output": ("B", "Hq", "L", "Ev"), "lse": ("B", "Hq", "L")}
+
+    def alignment_lengths(self, cfg) -> str:
+        """The query and key lengths, in words, where the two causal alignments differ ("" where
+        they agree on every row: L == S)."""
+        return "" if cfg.tgt_len == cfg.S else f"L={cfg.tgt_len}, S={cfg.S}"
+
     # Where a candidate's alignment comes from: it may have set none (then SDPA's is_causal alignment).
     ALIGNMENT_SOURCE = "its causal_alignment, upper_left unless set"
 

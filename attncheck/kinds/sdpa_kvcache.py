@@ -76,6 +76,7 @@ class KvCacheKind(FunctionKind):
     name = "sdpa_kvcache"
     takes_dropout = False  # flash_attn_with_kvcache has no dropout_p
     where_axes: dict[str, tuple[str, ...]] = {}  # other layouts than SDPA's (B, H, L, E): not read
+    config_alignments = ("lower_right",)  # flash_attn_with_kvcache's causal=True (config/kvcache_rules.py)
     torch_name = "flash_attn_with_kvcache"
     reference_spec = "attncheck.reference.kvcache:flash_attn_with_kvcache"
     first_argument = "q"
@@ -114,6 +115,11 @@ class KvCacheKind(FunctionKind):
         what += ["LSE"] if cfg.return_lse else []
         return shape, " · ".join(what + [f"torch: plain torch in {cfg.dtype}, per sequence"])
 
+    def alignment_lengths(self, cfg) -> str:
+        """Lq and each sequence's keys (S = cache_seqlens + new tokens), where the alignments differ."""
+        S = lengths_of(cfg) + cfg.new_tokens  # (B,)
+        return "" if all(s in (0, cfg.tgt_len) for s in S) else f"Lq={cfg.tgt_len} against S={', '.join(map(str, S))} keys (cache_seqlens + new tokens)"
+
     @property
     def reference(self):
         from attncheck.reference.kvcache import flash_attn_with_kvcache
@@ -121,6 +127,10 @@ class KvCacheKind(FunctionKind):
         return flash_attn_with_kvcache
 
     def instantiate(self, cfg, factory: Any, params: dict[str, Any]) -> Any:
+        if factory is self.reference and cfg.causal == "upper_left":  # only the diagnosis's other reading asks (CheckRun.reread)
+            from attncheck.reference.kvcache import with_causal_alignment
+
+            return with_causal_alignment("upper_left")
         return ModuleKind.instantiate(self, cfg, factory, params)
 
     def written_arguments(self, cfg) -> tuple[str, ...]:
@@ -133,7 +143,7 @@ class KvCacheKind(FunctionKind):
         kwargs["cache_seqlens"] = arrays["cache_seqlens"]
         if cfg.page_size is not None:
             kwargs["block_table"] = arrays["block_table"]
-        kwargs.update(softmax_scale=cfg.scale, causal=cfg.causal == "lower_right")
+        kwargs.update(softmax_scale=cfg.scale, causal=cfg.causal != "none")
         if cfg.window_size is not None:
             kwargs["window_size"] = tuple(cfg.window_size)
         if cfg.softcap > 0:
@@ -163,6 +173,9 @@ class KvCacheKind(FunctionKind):
     def output_shape(self, cfg, w) -> tuple[int, ...]:
         B, Lq, Hq, _ = w.query.shape  # the workload's, not the config's: the repeat call's are shorter at large sizes
         return (B, Lq, Hq, cfg.head_dim_v_eff)
+
+    def axis_letters(self, cfg) -> dict[str, tuple[str, ...]]:
+        return {"output": ("B", "Lq", "Hq", "Ev"), "lse": ("B", "Hq", "Lq")}
 
     # ------------------------------------------------------------------------ inputs
     def inputs(self, cfg, w) -> dict[str, Any]:

@@ -72,6 +72,7 @@ def empty_rows(cfg, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray) -> np.nd
 class VarlenKind(FunctionKind):
     name = "sdpa_varlen"
     where_axes: dict[str, tuple[str, ...]] = {}  # other layouts than SDPA's (B, H, L, E): not read
+    config_alignments = ("lower_right",)  # flash_attn_varlen_func's causal=True (config/varlen.py)
     torch_name = "flash_attn_varlen_func"
     reference_spec = "attncheck.reference.sdpa_varlen:VarlenAttention"
     first_argument = "q"
@@ -102,6 +103,11 @@ class VarlenKind(FunctionKind):
         what = what.replace("torch: ", "torch per sequence: ", 1)
         return shape, what
 
+    def alignment_lengths(self, cfg) -> str:
+        """The sequences whose queries and keys differ in number (Lq x Lk), where the alignments differ."""
+        differ = [f"{lq}x{lk}" for lq, lk in zip(*seqlens(cfg)) if lq and lk and lq != lk]
+        return f"sequences of Lq x Lk {', '.join(differ)}" if differ else ""
+
     # ------------------------------------------------------------------------ both sides
     @property
     def reference(self):
@@ -112,8 +118,9 @@ class VarlenKind(FunctionKind):
     def instantiate(self, cfg, factory: Any, params: dict[str, Any]) -> Any:
         """The reference follows the config's empty-row convention; a class is built with no
         arguments; a function is called as it is."""
-        if factory is self.reference:
-            return factory(fully_masked_rows="nan" if cfg.fully_masked_rows == "nan" else "zero")
+        if factory is self.reference:  # causal upper_left: only the diagnosis's other reading asks (CheckRun.reread)
+            return factory(fully_masked_rows="nan" if cfg.fully_masked_rows == "nan" else "zero",
+                           causal_alignment="upper_left" if cfg.causal == "upper_left" else "lower_right")  # fmt: skip
         return super(FunctionKind, self).instantiate(cfg, factory, params)
 
     def keys_per_row(self, cfg) -> int:
@@ -142,6 +149,9 @@ class VarlenKind(FunctionKind):
 
     def output_shape(self, cfg, w) -> tuple[int, ...]:
         return (w.query.shape[0], cfg.num_heads, cfg.head_dim_v_eff)
+
+    def axis_letters(self, cfg) -> dict[str, tuple[str, ...]]:
+        return {"output": ("Tq", "Hq", "Ev"), "lse": ("Hq", "Tq")}
 
     def unsupported_case(self, cfg, candidate) -> str | None:
         return None  # one alignment, bottom-right: nothing for a candidate to declare

@@ -70,6 +70,36 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Arithmetic in float64 for float64 q, else float32; num_splits changes nothing here (one pass).
     """
+    result, magnitude = attend_with_kvcache("lower_right", q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                            cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
+                                            softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)  # fmt: skip
+    # The checks floor the forward's budget by the logits' rounding (compare.with_logit_floor), read
+    # from the oracle object as sdpa's and sdpa_varlen's references give it; this oracle is a
+    # function, so its last call's largest |scale q_i . k_j| bound over the sequences is kept on it.
+    # Without it a correct float32 kernel failed at 1.001x (benchmarks/false_alarms.py --seed 5,
+    # #1308: 256 cached keys, input_scale 12, the reference itself as the candidate).
+    flash_attn_with_kvcache.logit_magnitude = magnitude
+    return result
+
+
+def with_causal_alignment(causal_alignment: str):
+    """flash_attn_with_kvcache, called the same way, with its causal mask aligned `causal_alignment`
+    (attend_with_kvcache); its logit magnitude is not kept."""
+
+    def aligned(*args, **kwargs):
+        return attend_with_kvcache(causal_alignment, *args, **kwargs)[0]
+
+    return aligned
+
+
+def attend_with_kvcache(causal_alignment, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                        cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                        window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                        return_softmax_lse=False):  # fmt: skip
+    """flash_attn_with_kvcache's (result, logit magnitude), its causal mask aligned `causal_alignment`:
+    lower_right, FlashAttention's; upper_left (SDPA's is_causal: query i sees keys 0..i, the window and
+    ALiBi still from the bottom-right diagonal) only for the diagnosis, which reads a kernel's output as
+    the oracle's under another reading of the config."""
     if cache_batch_idx is not None or cache_leftpad is not None:
         raise NotImplementedError("cache_batch_idx and cache_leftpad are not part of attncheck's contract")
     q = np.asarray(q)
@@ -102,7 +132,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             k_cache[new_rows, new_cols] = k_new.astype(k_cache.dtype)  # the in-place append
             v_cache[new_rows, new_cols] = v_new.astype(v_cache.dtype)
             kb, vb = np.concatenate([kb, k_new]), np.concatenate([vb, v_new])  # (c + Lnew, Hkv, E)
-        attention = ScaledDotProductAttention(causal_alignment="lower_right")
+        attention = ScaledDotProductAttention(causal_alignment=causal_alignment)
         out, lse = attention.forward(qb.transpose(1, 0, 2)[None], kb.transpose(1, 0, 2)[None], vb.transpose(1, 0, 2)[None],
                                      is_causal=causal, scale=softmax_scale, enable_gqa=True,
                                      window_size=tuple(window_size) if local else None, softcap=softcap,
@@ -113,16 +143,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             magnitudes.append(attention.logit_magnitude)
         lses.append(lse[0])  # (Hq, Lq)
     out = np.stack(outs).astype(storage)  # (B, Lq, Hq, Ev)
-    # The checks floor the forward's budget by the logits' rounding (compare.with_logit_floor), read
-    # from the oracle object as sdpa's and sdpa_varlen's references give it; this oracle is a
-    # function, so its last call's largest |scale q_i . k_j| bound over the sequences is kept on it.
-    # Without it a correct float32 kernel failed at 1.001x (benchmarks/false_alarms.py --seed 5,
-    # #1308: 256 cached keys, input_scale 12, the reference itself as the candidate).
-    flash_attn_with_kvcache.logit_magnitude = max(magnitudes, default=None)
+    magnitude = max(magnitudes, default=None)
     if not return_softmax_lse:
-        return out
+        return out, magnitude
     lse_dtype = np.dtype(np.float32) if storage.itemsize < 4 else storage
-    return out, np.stack(lses).astype(lse_dtype)  # (B, Hq, Lq)
+    return (out, np.stack(lses).astype(lse_dtype)), magnitude  # (B, Hq, Lq)
 
 
 def appended(k_cache: np.ndarray, v_cache: np.ndarray, k, v, rotary_cos, rotary_sin,

@@ -23,7 +23,7 @@ from dataclasses import replace
 import numpy as np
 
 from attncheck.reference.kernel import DEFAULT_BLOCK_ELEMENTS, DEFAULT_PARALLEL_LOGITS, RoundingNoise
-from attncheck.reference.sdpa import FULLY_MASKED_ROWS, ScaledDotProductAttention
+from attncheck.reference.sdpa import ALIGNMENTS, FULLY_MASKED_ROWS, ScaledDotProductAttention
 
 
 def sequences(cu_seqlens_q, cu_seqlens_k) -> list[tuple[int, int, int, int]]:
@@ -44,16 +44,20 @@ class VarlenAttention:
 
     `fully_masked_rows` is what a row with no allowed key outputs ("zero", FlashAttention's, or
     "nan"). `logit_magnitude` is the last forward's largest |scale q_i . k_j| over its sequences.
+    `causal_alignment` is FlashAttention's, lower_right; upper_left (SDPA's is_causal, per sequence)
+    only for the diagnosis, which reads a kernel's output as the oracle's under another reading.
     """
 
     # Set only to measure rounding's reach (kernel.RoundingNoise), handed to each sequence's kernel.
     rounding: RoundingNoise | None = None
 
     def __init__(self, fully_masked_rows: str = "zero", *, block_elements: int = DEFAULT_BLOCK_ELEMENTS,
-                 parallel_logits: int = DEFAULT_PARALLEL_LOGITS):  # fmt: skip
+                 parallel_logits: int = DEFAULT_PARALLEL_LOGITS, causal_alignment: str = "lower_right"):  # fmt: skip
         if fully_masked_rows not in FULLY_MASKED_ROWS:
             raise ValueError(f"fully_masked_rows must be one of {FULLY_MASKED_ROWS}, got {fully_masked_rows!r}")
-        self.fully_masked_rows = fully_masked_rows
+        if causal_alignment not in ALIGNMENTS:
+            raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
+        self.fully_masked_rows, self.causal_alignment = fully_masked_rows, causal_alignment
         self.block_elements, self.parallel_logits = block_elements, parallel_logits
         self.logit_magnitude: float | None = None
         self._saved: tuple | None = None
@@ -88,7 +92,7 @@ class VarlenAttention:
                 if q1 > q0 and self.fully_masked_rows == "nan":
                     out[q0:q1] = np.nan
                 continue
-            kernel = ScaledDotProductAttention("lower_right", self.fully_masked_rows, block_elements=self.block_elements,
+            kernel = ScaledDotProductAttention(self.causal_alignment, self.fully_masked_rows, block_elements=self.block_elements,
                                                parallel_logits=self.parallel_logits)  # fmt: skip
             if self.rounding is not None:
                 kernel.rounding = replace(self.rounding, seed=self.rounding.seed * 7919 + s + 1)  # each sequence its own draws

@@ -17,7 +17,7 @@ import numpy as np
 from attncheck.reference.kvcache import rope, rotary_positions
 
 SPLIT_KEYS = 64  # num_splits=0: chunks of this many keys (the kernel's own heuristic)
-HOOKS = ("_append_positions", "_slot", "_rotate_cached", "_combine", "_keys_read", "_num_splits", "_partial")
+HOOKS = ("_append_positions", "_slot", "_rotate_cached", "_combine", "_keys_read", "_num_splits", "_partial", "_offset")
 
 
 class DecodeKernel:
@@ -55,8 +55,7 @@ class DecodeKernel:
             vb = np.stack([v_cache[r, s] for r, s in places]).astype(compute) if S else np.zeros((0, Hkv, v_cache.shape[-1]), compute)
             if cos is not None:
                 kb = self._rotate_cached(kb, cos, sin, c, rotary_interleaved)
-            i, j = np.arange(Lq)[:, None], np.arange(S)[None, :]
-            offset = j - (i + S - Lq)  # (Lq, S): keys past the bottom-right diagonal
+            offset = self._offset(Lq, S)  # (Lq, S)
             allowed = np.ones((Lq, S), dtype=bool)
             if causal:
                 allowed &= offset <= 0
@@ -105,6 +104,11 @@ class DecodeKernel:
     def _rotate_cached(self, kb, cos, sin, c, interleaved):
         """The keys read from the cache are stored rotated already: nothing to do."""
         return kb
+
+    def _offset(self, Lq: int, S: int) -> np.ndarray:
+        """(Lq, S) each key's position past its query's bottom-right diagonal, j - (i + S - Lq): what
+        causal, the window and ALiBi are measured from."""
+        return np.arange(S)[None, :] - (np.arange(Lq)[:, None] + S - Lq)
 
     def _keys_read(self, c: int, Lnew: int) -> int:
         """How many keys sequence b attends over: its cached ones and the new ones."""

@@ -73,6 +73,18 @@ class ReadsPastSeqlen(DecodeKernel):
         return c + Lnew + 1
 
 
+class DiagonalTopLeft(DecodeKernel):
+    """Measures every key from the top-left diagonal, j - i, where FlashAttention's is bottom-right,
+    j - (i + S - Lq) (SDPA's is_causal carried over): causal, the window and ALiBi are all aligned
+    top-left, so a query sees the first keys of the cache instead of the last.
+
+    Exposed by any causal, windowed or ALiBi case of several query tokens (Lq = 1 under causal
+    alone, too: the one query sees key 0 only)."""
+
+    def _offset(self, Lq, S):
+        return np.arange(S)[None, :] - np.arange(Lq)[:, None]
+
+
 # ------------------------------------------------------------------------------------ the probes
 # Kernels only a probe shows (or shows besides a comparison): tests/test_kvcache_probes.py names the
 # probe row each ends in, with no config or with the config's promise.
@@ -125,4 +137,5 @@ class RotaryLayoutIgnored(DecodeKernel):
 
 KVCACHE_PROBES = {cls.__name__: cls for cls in (SplitsFromBatchSize, CacheMadeContiguous, SoftcapIgnoredKv, RotaryLayoutIgnored)}
 
-WRONG_KVCACHE = {cls.__name__: cls for cls in (AppendOneSlotLate, BlockTableIgnored, RotaryOnWholeCache, SplitMaxDropped, ReadsPastSeqlen)}
+WRONG_KVCACHE = {cls.__name__: cls for cls in (AppendOneSlotLate, BlockTableIgnored, RotaryOnWholeCache, SplitMaxDropped, ReadsPastSeqlen,
+                                                DiagonalTopLeft)}
