@@ -28,22 +28,26 @@ from attncheck.kinds import kind_of
 
 def _laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
     """The tensor's values in a view of another memory layout (attncheck.candidate.LAYOUTS): a
-    leaf of its own, as a contiguous copy would be."""
-    with torch.no_grad():
-        if layout == "transposed" or (layout == "swapped" and t.dim() < 3):
-            dims = tuple(reversed(range(t.dim())))
-            return t.permute(dims).contiguous().permute(dims)
-        if layout == "swapped":
-            return t.transpose(-3, -2).contiguous().transpose(-3, -2)
-        fill = float("nan") if t.is_floating_point() else 0
-        if layout == "offset":
-            buffer = torch.full((t.numel() + PAD,), fill, dtype=t.dtype, device=t.device)
-            view = buffer[PAD:].view(t.shape)
-        else:  # padded
-            buffer = torch.full((*t.shape[:-1], t.shape[-1] + PAD), fill, dtype=t.dtype, device=t.device)
-            view = buffer[..., : t.shape[-1]]
-        view.copy_(t)
-        return view
+    leaf of its own, as a contiguous copy would be. `t` requires no gradient (the session asks for
+    one after), and the view is made with grad mode as the caller has it, not under no_grad: a
+    forward-only kernel that writes a tensor needing a gradient into a view made under no_grad
+    (a decode kernel appending to its cache) gets torch's "A view was created in no_grad mode and is
+    being modified inplace with grad mode enabled", where the same kernel passes on contiguous inputs."""
+    assert not t.requires_grad
+    if layout == "transposed" or (layout == "swapped" and t.dim() < 3):
+        dims = tuple(reversed(range(t.dim())))
+        return t.permute(dims).contiguous().permute(dims)
+    if layout == "swapped":
+        return t.transpose(-3, -2).contiguous().transpose(-3, -2)
+    fill = float("nan") if t.is_floating_point() else 0
+    if layout == "offset":
+        buffer = torch.full((t.numel() + PAD,), fill, dtype=t.dtype, device=t.device)
+        view = buffer[PAD:].view(t.shape)
+    else:  # padded
+        buffer = torch.full((*t.shape[:-1], t.shape[-1] + PAD), fill, dtype=t.dtype, device=t.device)
+        view = buffer[..., : t.shape[-1]]
+    view.copy_(t)
+    return view
 
 
 class TorchSession(FrameworkSession):

@@ -8,8 +8,12 @@ CAUGHT names, for each kernel, a default-suite case, config keys set on top of i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
+
+import attncheck
 
 from attncheck.candidate import LAYOUTS, candidate_from_object
 from attncheck.checks import run_check
@@ -19,6 +23,8 @@ from attncheck.report import FAIL, INFO, PASS
 from attncheck.testing.wrong_kvcache import CORRECT_KVCACHE, KVCACHE_PROBES, WRONG_KVCACHE
 
 from tests.helpers import assert_shown_by_probes, probe_rows
+
+ROOT = Path(__file__).resolve().parent.parent
 
 STRIDES = [f"strides: {layout}" for layout in LAYOUTS]
 INVARIANCE = ("batch_invariance", "batch_invariance: num_splits 1")
@@ -134,3 +140,19 @@ def test_a_cache_the_checks_own_call_writes_wrong_is_not_blamed_on_the_strides()
     for label in STRIDES:
         assert rows[label].status is INFO, (label, rows[label].note)
         assert "fails already" in rows[label].note and "own call is right" not in rows[label].note, label
+
+
+def test_a_torch_decode_kernel_not_under_no_grad_passes_every_probe(tmp_path):
+    # A red-team tester's plain torch decode kernel, appending with `k_cache[rows, slots] = k_new`
+    # and not wrapped in torch.no_grad: its strides probe raised torch's "A view was created in
+    # no_grad mode and is being modified inplace with grad mode enabled" (the probe made its cache
+    # views under no_grad, and handed q and k requiring a gradient the kind never takes): 1 of 18.
+    import re
+
+    source = (ROOT / "examples" / "torch_flash_decode.py").read_text()
+    assert "@torch.no_grad()\ndef flash_attn_with_kvcache(" in source
+    (tmp_path / "decode_with_grad_mode.py").write_text(source.replace("@torch.no_grad()\ndef flash_attn_with_kvcache(", "def flash_attn_with_kvcache("))
+    report = attncheck.check({"module": "sdpa_kvcache", "new_tokens": 2, "probes": ["strides"]}, "forward",
+                             impl=f"{tmp_path / 'decode_with_grad_mode.py'}:flash_attn_with_kvcache")
+    strides = [r for r in report.rows if re.match(r"strides: ", str(r.quantity))]
+    assert report.verdict == "pass" and len(strides) >= 3, [(r.quantity, r.status, r.note) for r in report.rows if r.failed]
