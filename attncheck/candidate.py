@@ -275,10 +275,8 @@ class Session:
         if method is None:
             raise CandidateError(f"{self.candidate.spec} built a {type(obj).__name__} with no forward() method")
         # One array passed as query, key and value stays one array (self-attention), so a candidate
-        # may test `key is query`; likewise key and value (encoder-decoder attention). A kind with no
-        # gradients (the decode kernel) is called as in inference: nothing handed requires one.
-        differentiated = "grad" not in kind.unsupported_commands
-        handed = {name: self._hand(f"its `{kind.argument_of(name)}` argument", a, grad_of=name if differentiated else None, layout=layout)
+        # may test `key is query`; likewise key and value (encoder-decoder attention).
+        handed = {name: self._hand(f"its `{kind.argument_of(name)}` argument", a, grad_of=name, layout=layout)
                   for name, a in kind.inputs(self.cfg, w).items()}  # fmt: skip
         query, key, value = kind.arguments(self.cfg, handed)
         handed_masks = tuple(self._hand(f"its `{name}` argument", a) for name, a in zip(kind.mask_arguments, (w.attn_mask, w.key_padding_mask)))

@@ -69,7 +69,9 @@ class TorchSession(FrameworkSession):
         if layout is not None:
             t = _laid_out(t, layout)
         if grad_of is not None and t.is_floating_point():
-            t.requires_grad_(True)
+            # A kind with no gradients (the decode kernel) is called as in inference: nothing it is
+            # handed requires one.
+            t.requires_grad_("grad" not in kind_of(self.cfg).unsupported_commands)
             self._leaves[grad_of] = t
         return t
 
