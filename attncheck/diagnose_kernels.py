@@ -58,17 +58,28 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
 
 def readings(cfg: Config) -> list[tuple[dict, str]]:
     """The other readings of a kernel's config that a wrong kernel computes, each with its words:
-    another softmax scale (none at all, applied twice, the default in place of the given one), the
+    another softmax scale (none at all, multiplied where it divides, applied twice, the default in
+    place of the given one, 1/sqrt(Ev) where the value's head dim differs), the
     causal mask aligned the other way (or not applied) where L != S, the window one off on a side (or
     ignored), the softcap ignored or applied before the scale. A new kernel writer's bugs: causal
     top-left where lower-right was declared read "only in query rows 0-27"; a window one short on
     the left "only in key columns 12-28"; tanh on the unscaled logits nothing at all."""
-    D = cfg.head_dim_eff
+    D, Ev = cfg.head_dim_eff, cfg.head_dim_v_eff
     given = cfg.scale if cfg.scale is not None else 1 / math.sqrt(D)
-    scales = {1.0: "no scale at all: the scale is missing", 1 / D: "1/D: the scale applied twice"}
-    if cfg.scale is not None:
-        scales[1 / math.sqrt(D)] = "1/sqrt(D), the default: the given scale is ignored"
-    tried = [({"scale": s}, f"softmax scale {s:.3g} ({words}) where it is {given:.3g} (D={D})")
+    natural = [(1.0, "no scale at all: the scale is missing"), (math.sqrt(D), "sqrt(D): multiplied where it divides")]
+    if cfg.scale is None:
+        natural.append((1 / D, "1/D: the scale applied twice"))
+    else:
+        natural += [(given * given, "the given scale applied twice"), (1 / given, "1/scale: divided by the given scale"),
+                    (1 / math.sqrt(D), "1/sqrt(D), the default: the given scale is ignored")]  # fmt: skip
+    if Ev != D:  # the value's head dim read for the query's and key's
+        natural.append((1 / math.sqrt(Ev), "1/sqrt(Ev): the value's head dim in place of the query's and key's"))
+    scales: dict[float, list[str]] = {}
+    for s, words in natural:  # two readings of one number (1/D = 1/sqrt(Ev) where Ev = D^2) are said together
+        same = next((t for t in scales if math.isclose(s, t, rel_tol=1e-6)), s)
+        scales.setdefault(same, []).append(words)
+    dims = f"D={D}" + (f", Ev={Ev}" if Ev != D else "")
+    tried = [({"scale": s}, f"softmax scale {s:.3g} ({' or '.join(words)}) where it is {given:.3g} ({dims})")
              for s, words in scales.items() if not math.isclose(s, given, rel_tol=1e-6)]  # fmt: skip
     causal = cfg.causal
     if causal != "none":

@@ -548,6 +548,33 @@ def test_a_kernels_wrong_softmax_scale_is_named_with_the_scale_it_used():
     assert other and all("softmax scale" not in r.diagnosis for r in other), [r.diagnosis for r in other]
 
 
+def test_a_kernels_scale_from_the_value_head_dim_or_multiplied_is_named():
+    # A red-team kernel took the scale 1/sqrt(Ev) from the value's head dim: with Ev != D it read
+    # nothing at all, as did sqrt(D) multiplied where it divides. Where Ev = D the first is no bug,
+    # and is not said.
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class FromValueDim(DenseSDPA):
+        def forward(self, query, key, value, *args, **kwargs):
+            self.Ev = value.shape[-1]
+            return super().forward(query, key, value, *args, **kwargs)
+
+        def _scale(self, scale, E):
+            return self.Ev**-0.5
+
+    class Multiplied(DenseSDPA):
+        def _scale(self, scale, E):
+            return E**0.5
+
+    odd = config_from_mapping({"module": "sdpa", "tgt_len": 5, "src_len": 7, "head_dim": 5, "head_dim_v": 7})
+    [row] = run_check("forward", odd, candidate_from_object(FromValueDim)).failures
+    assert row.diagnosis.startswith("the output is the float64 oracle's with softmax scale 0.378 (1/sqrt(Ev): the value's head dim "
+                                    "in place of the query's and key's) where it is 0.447 (D=5, Ev=7)"), row.diagnosis  # fmt: skip
+    [row] = run_check("forward", odd, candidate_from_object(Multiplied)).failures
+    assert row.diagnosis.startswith("the output is the float64 oracle's with softmax scale 2.24 (sqrt(D): multiplied where it divides)"), row.diagnosis
+    assert run_check("forward", odd.model_copy(update={"head_dim_v": 5}), candidate_from_object(FromValueDim)).passed
+
+
 def test_the_repeat_call_at_a_large_size_expects_its_own_inputs_shape():
     # Past LARGE_LOGITS the repeat call runs on inputs REPEAT_LENGTH long; the output shape it
     # expected was the config's (L = 2048), so torch's own SDPA failed 'repeat call: shape'.
