@@ -288,10 +288,29 @@ BIASES = (("bo", "out_proj.bias is not added: the output is torch's without it")
           ("bv", "the value's in_proj_bias is not added (in_proj_bias[v])"))  # fmt: skip
 
 
+def _query_bias_unscaled(base: type) -> dict:
+    """The reference with the query's bias times sqrt(D): the core's 1/sqrt(D) on q then leaves it
+    unscaled, (x Wq^T + sqrt(D) bq) / sqrt(D) = x Wq^T / sqrt(D) + bq, as code that folds the scale
+    into Wq alone computes."""
+
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **kwargs)
+        self.bq = self.bq * self.bq.dtype.type(math.sqrt(self.D))
+
+    return {"__init__": __init__}
+
+
+QUERY_BIAS_UNSCALED_WORDS = ("the query's in_proj_bias is not scaled: q = x Wq^T / sqrt(D) + bq (the 1/sqrt(D) folded into "
+                             "Wq alone), where torch scales the whole projection, (x Wq^T + bq) / sqrt(D)")  # fmt: skip
+
+
 def _bias_suspects(base: type, cfg: Config) -> list[Suspect]:
     if not cfg.bias or not callable(getattr(base, "_out_projection_forward", None)):
         return []
-    return [Suspect(words, methods=_bias_dropped(base, attr)) for attr, words in BIASES]
+    suspects = [Suspect(words, methods=_bias_dropped(base, attr)) for attr, words in BIASES]
+    if cfg.head_dim_eff > 1:  # D = 1: the scale is 1, no bug
+        suspects.append(Suspect(QUERY_BIAS_UNSCALED_WORDS, methods=_query_bias_unscaled(base)))
+    return suspects
 
 
 # ------------------------------------------------------------------------------ encoder layers
