@@ -193,3 +193,16 @@ class NormsSwapped(TransformerEncoderLayer):
 
     def _norm(self, i, x):
         return super()._norm(3 - i, x)
+
+
+class SecondResidualFromInput(TransformerEncoderLayer):
+    """The second residual adds the layer's input src, not the attention block's result h:
+    post-norm norm2(src + ff(h)), pre-norm src + ff(norm2(h)) (a red-team layer's post-norm)."""
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        x = np.asarray(src)
+        if self.norm_first:
+            h = x + self._sa(self._norm(1, x)[0], src_mask, src_key_padding_mask)
+            return x + self._ff(self._norm(2, h)[0], {})
+        h = self._norm(1, x + self._sa(x, src_mask, src_key_padding_mask))[0]
+        return self._norm(2, x + self._ff(h, {}))[0]

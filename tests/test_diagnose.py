@@ -47,6 +47,7 @@ from tests.diagnose_candidates import (
     QGradTimesSqrtD,
     QuerySplitByReshape,
     ScaleFoldedIntoQueryWeight,
+    SecondResidualFromInput,
     SoftmaxOverQueries,
     ValueBiasDropped,
     ZeroKeyWeightDropped,
@@ -141,7 +142,7 @@ CAUSES = ["heads split", "heads merged", "heads permuted", "laid out head-major"
           "is ignored", "read inverted", "off by one", "averaged over the batch", "dropout", "sign flip", "transposed",
           "shifted by one", "swapped with", "x expected", "logits are", "are read as",
           "value is projected", "gives weight to", "gives them weight", "positions torch masks", "ambiguous",
-          "softmax is taken over", "masked with a finite number", "is not scaled"]  # fmt: skip
+          "softmax is taken over", "masked with a finite number", "is not scaled", "second residual"]  # fmt: skip
 
 
 def _wrong_words(diagnosis: str, expected: list[str], config) -> list[str]:
@@ -221,6 +222,10 @@ DIAGNOSES = [
      ["the residual added after the norm: x + norm(f(x)), where torch's post-norm layer has norm(x + f(x))"]),
     (ResidualFromNormedInput, "forward", {"module": "transformer_encoder_layer", "norm_first": True}, "output",
      ["the residual taken from the normed input: norm(x) + f(norm(x)), where torch's pre-norm layer has x + f(norm(x))"]),
+    (SecondResidualFromInput, "forward", {"module": "transformer_encoder_layer"}, "output",
+     ["the second residual adds the layer's input: norm2(src + ff(h)), where torch's post-norm layer has norm2(h + ff(h))"]),
+    (SecondResidualFromInput, "forward", {"module": "transformer_encoder_layer", "norm_first": True}, "output",
+     ["the second residual adds the layer's input: src + ff(norm2(h)), where torch's pre-norm layer has h + ff(norm2(h))"]),
     (wrong_layers.UnbiasedVarianceNorm, "forward", {"module": "transformer_encoder_layer"}, "output",
      ["layer norm with the unbiased variance: the squared deviations divided by E - 1"]),
     (wrong_layers.FeedForwardBiasesDropped, "forward", {"module": "transformer_encoder_layer"}, "output",
