@@ -575,6 +575,32 @@ def test_a_kernels_scale_from_the_value_head_dim_or_multiplied_is_named():
     assert run_check("forward", odd.model_copy(update={"head_dim_v": 5}), candidate_from_object(FromValueDim)).passed
 
 
+def test_a_kernels_alibi_without_the_abs_is_named_where_no_causal_mask_hides_it():
+    # A red-team kernel used the causal-only ALiBi, slope * (j - i - (S - L)), without a causal mask:
+    # it read only "only in query rows 0-11 (of 13)". Under the causal mask the two agree, and a
+    # kernel wrong in another way there (its ALiBi from the first row) is not read as this one.
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class AlibiNoAbs(DenseSDPA):
+        def _alibi(self, slopes, L, S, work):
+            slopes = np.asarray(slopes, dtype=work)[None, :, None, None]  # (1, Hq, 1, 1)
+            i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+            return slopes * (j - (i + S - L)).astype(work)  # (1, Hq, L, S)
+
+    class AlibiFromFirstRow(DenseSDPA):
+        def _alibi(self, slopes, L, S, work):
+            slopes = np.asarray(slopes, dtype=work)[None, :, None, None]
+            return -slopes * np.abs(np.arange(S)[None, :] - (S - L)).astype(work)  # every row as row 0
+
+    cfg = config_from_mapping({"module": "sdpa", "tgt_len": 5, "src_len": 7, "head_dim": 8, "alibi": True})
+    [row] = [r for r in run_check("forward", cfg, candidate_from_object(AlibiNoAbs)).failures if r.parameter == "output"]
+    assert row.diagnosis.startswith("the output is the float64 oracle's with ALiBi's bias without the abs, slope * (j - (i + S - L))"), row.diagnosis
+    causal = cfg.model_copy(update={"causal": "lower_right"})
+    assert run_check("forward", causal, candidate_from_object(AlibiNoAbs)).passed
+    other = [r for r in run_check("forward", causal, candidate_from_object(AlibiFromFirstRow)).failures if r.parameter == "output"]
+    assert other and all("ALiBi" not in r.diagnosis for r in other), [r.diagnosis for r in other]
+
+
 def test_the_repeat_call_at_a_large_size_expects_its_own_inputs_shape():
     # Past LARGE_LOGITS the repeat call runs on inputs REPEAT_LENGTH long; the output shape it
     # expected was the config's (L = 2048), so torch's own SDPA failed 'repeat call: shape'.
