@@ -464,6 +464,23 @@ class Float32Inside(ScaledDotProductAttention):
         return {k: g.astype(self._dtype) for k, g in super().backward(narrow(grad_out), narrow(grad_lse)).items()}
 
 
+class LseRoundedThroughFloat32(ScaledDotProductAttention):
+    """The LSE rounded through float32 and returned in the call's dtype (a red-team packed kernel's):
+    float64 everywhere else."""
+
+    def forward(self, *args, **kwargs):
+        result = super().forward(*args, **kwargs)
+        return (result[0], result[1].astype(np.float32).astype(result[1].dtype)) if isinstance(result, tuple) else result
+
+
+class LseGradientIgnored(ScaledDotProductAttention):
+    """A float64 kernel whose backward leaves out the LSE's cotangent: a backward bug the finite
+    differences must still see, however the LSE test reads it."""
+
+    def backward(self, grad_out, grad_lse=None):
+        return super().backward(grad_out, None)
+
+
 class WrongKeyGradient(LseInFloat32):
     """The key's gradient doubled: torch's and the oracle's rows catch it without finite differences."""
 
@@ -476,6 +493,9 @@ class WrongKeyGradient(LseInFloat32):
     (LseInFloat32, "its LSE is float32"),
     (RefusesFloat64, "declares float64 unsupported (float32 accumulators only)"),
     (Float32Inside, "keeps every bit when query, key, value move by 1e-10 relative: float32 arithmetic inside"),
+    # it failed the finite differences with "the gradient does not follow the forward's loss"
+    (LseRoundedThroughFloat32, "its output moves when query, key move by 1e-10 relative while its LSE keeps its bits: "
+                               "float32 arithmetic inside the LSE"),
 ])  # fmt: skip
 def test_a_kernel_whose_float64_call_is_not_float64_is_judged_without_finite_differences(kernel, why):
     # A new user's FlashAttention-style kernels: the LSE in float32 failed the finite-difference
@@ -488,6 +508,8 @@ def test_a_kernel_whose_float64_call_is_not_float64_is_judged_without_finite_dif
     assert fd.status == "info" and why in fd.note and "judged against torch's and the float64 oracle's" in fd.note
     wrong = run_check("grad", _cfg(return_lse=True), Candidate("wrong-key", WrongKeyGradient))
     assert wrong.verdict == "fail" and [r.quantity for r in wrong.failures] == ["key"]
+    ignored = run_check("grad", _cfg(return_lse=True), Candidate("lse-gradient-ignored", LseGradientIgnored))
+    assert {r.quantity for r in ignored.failures if r.section == "finite-diff"} >= {"query", "key"}, [(r.section, r.quantity) for r in ignored.failures]
 
 
 def test_a_wrong_float64_forward_is_not_taken_for_float32_arithmetic():
