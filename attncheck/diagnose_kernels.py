@@ -2,13 +2,14 @@
 functions): where a failing row's error lies on the axes the kind names, the relations that need
 no layout (a sign, a factor), a finite difference's ratio, and a kernel's output that the float64
 oracle gives under another reading of the config (`other_reading`: the softmax scale, the causal
-mask's alignment, the window, the softcap).
+mask's alignment, the window, the softcap, ALiBi's formula).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from attncheck.suspects import reproduces
 
 
 def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False,
-                 reread: Callable[[dict], np.ndarray | None] | None = None) -> None:
+                 reread: Callable[..., np.ndarray | None] | None = None) -> None:
     """A kind the diagnosis cannot read (its layouts are not a module's): for every failing row
     whose array's axes `axes` names (by the row's parameter), where its error lies (the heads,
     batch entries, rows it is confined to: a kernel's GQA grouping wrong in 2 of 6 query heads) and
@@ -56,19 +57,46 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
         row.diagnosis = "; ".join(relations + ([] if rounding else _where(c, x, allowed, Layout(named), cfg, None))) or rounding
 
 
-def readings(cfg: Config) -> list[tuple[dict, str]]:
+def _alibi_without_abs(self, slopes: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """ALiBi's bias as the causal-only form computes it, slope * (j - (i + S - L)): -slope * |offset|
+    left of the diagonal, +slope * offset right of it (the reference's `_alibi` replaced)."""
+    slopes = np.asarray(slopes)
+    return slopes * offset.astype(slopes.dtype)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """Another reading of a kernel's config: the config so updated, the reference's methods so replaced."""
+
+    update: dict
+    words: str
+    methods: dict = field(default_factory=dict)
+
+
+def readings(cfg: Config) -> list[Reading]:
     """The other readings of a kernel's config that a wrong kernel computes, each with its words:
-    another softmax scale (none at all, applied twice, the default in place of the given one), the
+    another softmax scale (none at all, multiplied where it divides, applied twice, the default in
+    place of the given one, 1/sqrt(Ev) where the value's head dim differs), the
     causal mask aligned the other way (or not applied) where L != S, the window one off on a side (or
-    ignored), the softcap ignored or applied before the scale. A new kernel writer's bugs: causal
+    ignored), the softcap ignored or applied before the scale, ALiBi's bias without its abs. A new kernel writer's bugs: causal
     top-left where lower-right was declared read "only in query rows 0-27"; a window one short on
     the left "only in key columns 12-28"; tanh on the unscaled logits nothing at all."""
-    D = cfg.head_dim_eff
+    D, Ev = cfg.head_dim_eff, cfg.head_dim_v_eff
     given = cfg.scale if cfg.scale is not None else 1 / math.sqrt(D)
-    scales = {1.0: "no scale at all: the scale is missing", 1 / D: "1/D: the scale applied twice"}
-    if cfg.scale is not None:
-        scales[1 / math.sqrt(D)] = "1/sqrt(D), the default: the given scale is ignored"
-    tried = [({"scale": s}, f"softmax scale {s:.3g} ({words}) where it is {given:.3g} (D={D})")
+    natural = [(1.0, "no scale at all: the scale is missing"), (math.sqrt(D), "sqrt(D): multiplied where it divides")]
+    if cfg.scale is None:
+        natural.append((1 / D, "1/D: the scale applied twice"))
+    else:
+        natural += [(given * given, "the given scale applied twice"), (1 / given, "1/scale: divided by the given scale"),
+                    (1 / math.sqrt(D), "1/sqrt(D), the default: the given scale is ignored")]  # fmt: skip
+    if Ev != D:  # the value's head dim read for the query's and key's
+        natural.append((1 / math.sqrt(Ev), "1/sqrt(Ev): the value's head dim in place of the query's and key's"))
+    scales: dict[float, list[str]] = {}
+    for s, words in natural:  # two readings of one number (1/D = 1/sqrt(Ev) where Ev = D^2) are said together
+        same = next((t for t in scales if math.isclose(s, t, rel_tol=1e-6)), s)
+        scales.setdefault(same, []).append(words)
+    dims = f"D={D}" + (f", Ev={Ev}" if Ev != D else "")
+    tried = [({"scale": s}, f"softmax scale {s:.3g} ({' or '.join(words)}) where it is {given:.3g} ({dims})")
              for s, words in scales.items() if not math.isclose(s, given, rel_tol=1e-6)]  # fmt: skip
     causal = cfg.causal
     if causal != "none":
@@ -92,21 +120,28 @@ def readings(cfg: Config) -> list[tuple[dict, str]]:
         tried.append(({"softcap": 0.0}, f"no softcap: softcap {softcap:g} is ignored"))
         tried.append(({"softcap": softcap * given}, f"softcap {softcap * given:.3g} = softcap x scale: the cap taken on the logits "
                                                      "before the softmax scale"))  # fmt: skip
-    return tried
+    found = [Reading(update, words) for update, words in tried]
+    if cfg.alibi:  # where a causal mask hides every key past the diagonal the two agree, and the reading cannot fit
+        found.append(Reading({}, "ALiBi's bias without the abs, slope * (j - (i + S - L)), the causal-only form, where it is "
+                                 "-slope * |j - (i + S - L)|: keys past the diagonal get a bias that grows",
+                             {"_alibi": _alibi_without_abs}))  # fmt: skip
+    return found
 
 
-def other_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, reread: Callable[[dict], np.ndarray | None]) -> str:
+def other_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, reread: Callable[..., np.ndarray | None]) -> str:
     """A kernel's output that is the float64 oracle's under another reading of its config
-    (`readings`) and not under its own: `reread(update)` is the oracle's output on the check's
-    workload with the config so updated (None where not valid). "" when none fits; each that fits,
-    where several do."""
+    (`readings`) and not under its own: `reread(update, methods)` is the oracle's output on the
+    check's workload with the config so updated and the reference's methods so replaced (None where
+    not valid, or where the kind's reference has no such method). "" when none fits; each that
+    fits, where several do."""
     own = reread({})
     if own is None or np.shape(own) != candidate.shape:
         return ""
     own = np.asarray(own, dtype=np.float64)
     found = []
-    for update, words in readings(cfg):
-        other = reread(update)
+    for reading in readings(cfg):
+        words = reading.words
+        other = reread(reading.update, reading.methods)
         if other is None or np.shape(other) != candidate.shape:
             continue
         other = np.asarray(other, dtype=np.float64)

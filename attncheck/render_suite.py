@@ -49,11 +49,15 @@ def case_lines(result: SuiteResult) -> Table:
 
 
 def _worst_cell(report: Report) -> Text:
-    """A check in a few characters: its worst ratio to what was allowed, or its verdict."""
+    """A check in a few characters: its worst ratio to what was allowed, or its verdict; a check
+    with a row failing on NaN says NaN, whatever the ratio its finite elements give."""
     verdict = report.verdict
     worst = report.worst()
     if verdict == PASS and worst is not None and worst.ratio is not None:
         return Text(f"{worst.ratio:.2g}x")
+    if verdict == FAIL and any(r.reason is Reason.NAN for r in report.failures):  # "0.0021x FAIL" hid a NaN output
+        shows = worst is not None and worst.ratio is not None and math.isfinite(worst.ratio) and worst.ratio > 1
+        return Text(f"{worst.ratio:.2g}x FAIL: NaN" if shows else "FAIL: NaN", style=STATUS_STYLE[FAIL])
     if verdict == FAIL and worst is not None and worst.ratio is not None and math.isfinite(worst.ratio):
         return Text(f"{worst.ratio:.2g}x FAIL", style=STATUS_STYLE[FAIL])
     if verdict == FAIL and report.sole_reason in REASON_WORDS:  # a dtype alone read as a total failure

@@ -288,10 +288,29 @@ BIASES = (("bo", "out_proj.bias is not added: the output is torch's without it")
           ("bv", "the value's in_proj_bias is not added (in_proj_bias[v])"))  # fmt: skip
 
 
+def _query_bias_unscaled(base: type) -> dict:
+    """The reference with the query's bias times sqrt(D): the core's 1/sqrt(D) on q then leaves it
+    unscaled, (x Wq^T + sqrt(D) bq) / sqrt(D) = x Wq^T / sqrt(D) + bq, as code that folds the scale
+    into Wq alone computes."""
+
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **kwargs)
+        self.bq = self.bq * self.bq.dtype.type(math.sqrt(self.D))
+
+    return {"__init__": __init__}
+
+
+QUERY_BIAS_UNSCALED_WORDS = ("the query's in_proj_bias is not scaled: q = x Wq^T / sqrt(D) + bq (the 1/sqrt(D) folded into "
+                             "Wq alone), where torch scales the whole projection, (x Wq^T + bq) / sqrt(D)")  # fmt: skip
+
+
 def _bias_suspects(base: type, cfg: Config) -> list[Suspect]:
     if not cfg.bias or not callable(getattr(base, "_out_projection_forward", None)):
         return []
-    return [Suspect(words, methods=_bias_dropped(base, attr)) for attr, words in BIASES]
+    suspects = [Suspect(words, methods=_bias_dropped(base, attr)) for attr, words in BIASES]
+    if cfg.head_dim_eff > 1:  # D = 1: the scale is 1, no bug
+        suspects.append(Suspect(QUERY_BIAS_UNSCALED_WORDS, methods=_query_bias_unscaled(base)))
+    return suspects
 
 
 # ------------------------------------------------------------------------------ encoder layers
@@ -358,6 +377,22 @@ def _residual_misplaced(norm_first: bool) -> dict:
     return {"forward": forward}
 
 
+def _second_residual_from_input(norm_first: bool) -> dict:
+    """forward of a layer whose second residual adds the layer's input src where torch adds the
+    attention block's result h: post-norm norm2(src + f(h)) with h = norm1(src + sa(src)), pre-norm
+    src + f(norm2(h)) with h = src + sa(norm1(src))."""
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        x, saved = np.asarray(src), {}
+        if norm_first:
+            h = x + self._sa(self._norm(1, x)[0], src_mask, src_key_padding_mask)
+            return self._stored(x + self._ff(self._norm(2, h)[0], saved))
+        h = self._norm(1, x + self._sa(x, src_mask, src_key_padding_mask))[0]
+        return self._stored(self._norm(2, x + self._ff(h, saved))[0])
+
+    return {"forward": forward}
+
+
 def _feed_forward_biases_dropped(base: type) -> dict:
     def _p(self, name):
         return None if name in ("linear1.bias", "linear2.bias") else base._p(self, name)
@@ -395,7 +430,7 @@ def _layer_batch_first_read_as(base: type, batch_first: bool) -> dict:
 def _layer_suspects(base: type, cfg: Config) -> list[Suspect]:
     """A student's encoder-layer slips the layer's hooks can recompute (attncheck.layer_reference.HOOKS):
     the two norms' parameters swapped, eps outside the root or the unbiased variance, the residual
-    taken at the wrong point, the feed-forward biases left out, the other activation or GELU's tanh
+    taken at the wrong point or the second one from the layer's input, the feed-forward biases left out, the other activation or GELU's tanh
     approximation, the norms placed the other way. A new user's swapped norms read "everywhere: no
     head, row or column is spared", and a residual after the norm did until it was a suspect."""
     if not all(callable(getattr(base, name, None)) for name in ("_norm", "_ff", "_p", "_sa", "_stored")):
@@ -411,6 +446,12 @@ def _layer_suspects(base: type, cfg: Config) -> list[Suspect]:
                         if cfg.norm_first else
                         "the residual added after the norm: x + norm(f(x)), where torch's post-norm layer has norm(x + f(x))",
                         methods=_residual_misplaced(cfg.norm_first)),
+                Suspect("the second residual adds the layer's input: src + ff(norm2(h)), where torch's pre-norm layer has "
+                        "h + ff(norm2(h)), h = src + sa(norm1(src))"
+                        if cfg.norm_first else
+                        "the second residual adds the layer's input: norm2(src + ff(h)), where torch's post-norm layer has "
+                        "norm2(h + ff(h)), h = norm1(src + sa(src))",
+                        methods=_second_residual_from_input(cfg.norm_first)),
                 Suspect(placed, methods=_norm_placement_flipped(base))]  # fmt: skip
     if cfg.bias:
         suspects.append(Suspect("the feed-forward biases are not added (linear1.bias, linear2.bias)", methods=_feed_forward_biases_dropped(base)))

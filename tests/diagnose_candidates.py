@@ -113,6 +113,7 @@ class _Dense:
 
     SOFTMAX_AXIS = -1  # the keys
     QUERY_SPLIT_BY_RESHAPE = False
+    SCALE_IN_QUERY_WEIGHT = False  # 1/sqrt(D) folded into Wq alone, bq left unscaled
 
     def __init__(self, params, *, num_heads, embed_dim, **kwargs):
         self.p, self.H, self.E = params, num_heads, embed_dim
@@ -121,12 +122,15 @@ class _Dense:
         if attn_mask is not None or key_padding_mask is not None:
             raise NotImplementedError("no masks")
         (B, L, E), S, H = query.shape, key.shape[1], self.H
-        W, b = self.p["in_proj_weight"], self.p["in_proj_bias"]
+        W, b = self.p["in_proj_weight"].copy(), self.p["in_proj_bias"]
+        scale = 1 / np.sqrt(E // H)
+        if self.SCALE_IN_QUERY_WEIGHT:
+            W[:E] *= scale
         project = lambda x, i: x @ W[i * E:(i + 1) * E].T + b[i * E:(i + 1) * E]  # noqa: E731
         heads = lambda x, n: x.reshape(B, n, H, E // H).transpose(0, 2, 1, 3)  # noqa: E731
         q = project(query, 0).reshape(B, H, L, E // H) if self.QUERY_SPLIT_BY_RESHAPE else heads(project(query, 0), L)
         k, v = heads(project(key, 1), S), heads(project(value, 2), S)
-        logits = q @ k.transpose(0, 1, 3, 2) / np.sqrt(E // H)
+        logits = q @ k.transpose(0, 1, 3, 2) * (1 if self.SCALE_IN_QUERY_WEIGHT else scale)
         p = np.exp(logits - logits.max(axis=self.SOFTMAX_AXIS, keepdims=True))
         p /= p.sum(axis=self.SOFTMAX_AXIS, keepdims=True)
         out = (p @ v).transpose(0, 2, 1, 3).reshape(B, L, E) @ self.p["out_proj.weight"].T + self.p["out_proj.bias"]
@@ -145,6 +149,12 @@ class QuerySplitByReshape(_Dense):
     and value's with the transpose."""
 
     QUERY_SPLIT_BY_RESHAPE = True
+
+
+class ScaleFoldedIntoQueryWeight(_Dense):
+    """1/sqrt(D) folded into the query's weight alone, its bias left unscaled: q = x Wq^T / sqrt(D) + bq."""
+
+    SCALE_IN_QUERY_WEIGHT = True
 
 
 class OutProjBiasDropped(MultiheadAttention):
@@ -183,3 +193,16 @@ class NormsSwapped(TransformerEncoderLayer):
 
     def _norm(self, i, x):
         return super()._norm(3 - i, x)
+
+
+class SecondResidualFromInput(TransformerEncoderLayer):
+    """The second residual adds the layer's input src, not the attention block's result h:
+    post-norm norm2(src + ff(h)), pre-norm src + ff(norm2(h)) (a red-team layer's post-norm)."""
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        x = np.asarray(src)
+        if self.norm_first:
+            h = x + self._sa(self._norm(1, x)[0], src_mask, src_key_padding_mask)
+            return x + self._ff(self._norm(2, h)[0], {})
+        h = self._norm(1, x + self._sa(x, src_mask, src_key_padding_mask))[0]
+        return self._norm(2, x + self._ff(h, {}))[0]

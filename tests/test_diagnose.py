@@ -46,6 +46,8 @@ from tests.diagnose_candidates import (
     OutProjGradTransposed,
     QGradTimesSqrtD,
     QuerySplitByReshape,
+    ScaleFoldedIntoQueryWeight,
+    SecondResidualFromInput,
     SoftmaxOverQueries,
     ValueBiasDropped,
     ZeroKeyWeightDropped,
@@ -140,7 +142,7 @@ CAUSES = ["heads split", "heads merged", "heads permuted", "laid out head-major"
           "is ignored", "read inverted", "off by one", "averaged over the batch", "dropout", "sign flip", "transposed",
           "shifted by one", "swapped with", "x expected", "logits are", "are read as",
           "value is projected", "gives weight to", "gives them weight", "positions torch masks", "ambiguous",
-          "softmax is taken over", "masked with a finite number"]  # fmt: skip
+          "softmax is taken over", "masked with a finite number", "is not scaled", "second residual"]  # fmt: skip
 
 
 def _wrong_words(diagnosis: str, expected: list[str], config) -> list[str]:
@@ -220,6 +222,10 @@ DIAGNOSES = [
      ["the residual added after the norm: x + norm(f(x)), where torch's post-norm layer has norm(x + f(x))"]),
     (ResidualFromNormedInput, "forward", {"module": "transformer_encoder_layer", "norm_first": True}, "output",
      ["the residual taken from the normed input: norm(x) + f(norm(x)), where torch's pre-norm layer has x + f(norm(x))"]),
+    (SecondResidualFromInput, "forward", {"module": "transformer_encoder_layer"}, "output",
+     ["the second residual adds the layer's input: norm2(src + ff(h)), where torch's post-norm layer has norm2(h + ff(h))"]),
+    (SecondResidualFromInput, "forward", {"module": "transformer_encoder_layer", "norm_first": True}, "output",
+     ["the second residual adds the layer's input: src + ff(norm2(h)), where torch's pre-norm layer has h + ff(norm2(h))"]),
     (wrong_layers.UnbiasedVarianceNorm, "forward", {"module": "transformer_encoder_layer"}, "output",
      ["layer norm with the unbiased variance: the squared deviations divided by E - 1"]),
     (wrong_layers.FeedForwardBiasesDropped, "forward", {"module": "transformer_encoder_layer"}, "output",
@@ -241,6 +247,9 @@ DIAGNOSES = [
     (SoftmaxOverQueries, "forward", {}, "output", ["the softmax is taken over the queries (axis -2) instead of the keys"]),
     (SoftmaxOverQueries, "forward", PER_HEAD, "attn_weights", ["the softmax is taken over the queries (axis -2) instead of the keys"]),
     (QuerySplitByReshape, "forward", {}, "output", ["the query's heads split with a plain reshape"]),
+    # a red-team module's; read "everywhere: no head, row or column is spared" before it was a suspect
+    (ScaleFoldedIntoQueryWeight, "forward", {}, "output", ["the query's in_proj_bias is not scaled: q = x Wq^T / sqrt(D) + bq"]),
+    (ScaleFoldedIntoQueryWeight, "forward", PER_HEAD, "attn_weights", ["the query's in_proj_bias is not scaled"]),
     (QuerySplitByReshape, "forward", PER_HEAD, "attn_weights", ["the query's heads split with a plain reshape"]),
     (KeyPaddingIgnored, "forward", dict(key_padding_mask="random"), "output", ["the key_padding_mask (2, 5) is ignored"]),
     # Hugging Face's `(1 - attention_mask) * finfo.min` given torch's mask: a sequence with no padding

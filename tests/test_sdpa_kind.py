@@ -464,6 +464,23 @@ class Float32Inside(ScaledDotProductAttention):
         return {k: g.astype(self._dtype) for k, g in super().backward(narrow(grad_out), narrow(grad_lse)).items()}
 
 
+class LseRoundedThroughFloat32(ScaledDotProductAttention):
+    """The LSE rounded through float32 and returned in the call's dtype (a red-team packed kernel's):
+    float64 everywhere else."""
+
+    def forward(self, *args, **kwargs):
+        result = super().forward(*args, **kwargs)
+        return (result[0], result[1].astype(np.float32).astype(result[1].dtype)) if isinstance(result, tuple) else result
+
+
+class LseGradientIgnored(ScaledDotProductAttention):
+    """A float64 kernel whose backward leaves out the LSE's cotangent: a backward bug the finite
+    differences must still see, however the LSE test reads it."""
+
+    def backward(self, grad_out, grad_lse=None):
+        return super().backward(grad_out, None)
+
+
 class WrongKeyGradient(LseInFloat32):
     """The key's gradient doubled: torch's and the oracle's rows catch it without finite differences."""
 
@@ -476,6 +493,9 @@ class WrongKeyGradient(LseInFloat32):
     (LseInFloat32, "its LSE is float32"),
     (RefusesFloat64, "declares float64 unsupported (float32 accumulators only)"),
     (Float32Inside, "keeps every bit when query, key, value move by 1e-10 relative: float32 arithmetic inside"),
+    # it failed the finite differences with "the gradient does not follow the forward's loss"
+    (LseRoundedThroughFloat32, "its output moves when query, key move by 1e-10 relative while its LSE keeps its bits: "
+                               "float32 arithmetic inside the LSE"),
 ])  # fmt: skip
 def test_a_kernel_whose_float64_call_is_not_float64_is_judged_without_finite_differences(kernel, why):
     # A new user's FlashAttention-style kernels: the LSE in float32 failed the finite-difference
@@ -488,6 +508,8 @@ def test_a_kernel_whose_float64_call_is_not_float64_is_judged_without_finite_dif
     assert fd.status == "info" and why in fd.note and "judged against torch's and the float64 oracle's" in fd.note
     wrong = run_check("grad", _cfg(return_lse=True), Candidate("wrong-key", WrongKeyGradient))
     assert wrong.verdict == "fail" and [r.quantity for r in wrong.failures] == ["key"]
+    ignored = run_check("grad", _cfg(return_lse=True), Candidate("lse-gradient-ignored", LseGradientIgnored))
+    assert {r.quantity for r in ignored.failures if r.section == "finite-diff"} >= {"query", "key"}, [(r.section, r.quantity) for r in ignored.failures]
 
 
 def test_a_wrong_float64_forward_is_not_taken_for_float32_arithmetic():
@@ -546,6 +568,59 @@ def test_a_kernels_wrong_softmax_scale_is_named_with_the_scale_it_used():
     assert "(1/sqrt(D), the default: the given scale is ignored) where it is 0.7" in row.diagnosis, row.diagnosis
     other = [r for r in run_check("forward", causal, candidate_from_object(CausalUpperLeft)).failures if r.parameter == "output"]  # no scale fits
     assert other and all("softmax scale" not in r.diagnosis for r in other), [r.diagnosis for r in other]
+
+
+def test_a_kernels_scale_from_the_value_head_dim_or_multiplied_is_named():
+    # A red-team kernel took the scale 1/sqrt(Ev) from the value's head dim: with Ev != D it read
+    # nothing at all, as did sqrt(D) multiplied where it divides. Where Ev = D the first is no bug,
+    # and is not said.
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class FromValueDim(DenseSDPA):
+        def forward(self, query, key, value, *args, **kwargs):
+            self.Ev = value.shape[-1]
+            return super().forward(query, key, value, *args, **kwargs)
+
+        def _scale(self, scale, E):
+            return self.Ev**-0.5
+
+    class Multiplied(DenseSDPA):
+        def _scale(self, scale, E):
+            return E**0.5
+
+    odd = config_from_mapping({"module": "sdpa", "tgt_len": 5, "src_len": 7, "head_dim": 5, "head_dim_v": 7})
+    [row] = run_check("forward", odd, candidate_from_object(FromValueDim)).failures
+    assert row.diagnosis.startswith("the output is the float64 oracle's with softmax scale 0.378 (1/sqrt(Ev): the value's head dim "
+                                    "in place of the query's and key's) where it is 0.447 (D=5, Ev=7)"), row.diagnosis  # fmt: skip
+    [row] = run_check("forward", odd, candidate_from_object(Multiplied)).failures
+    assert row.diagnosis.startswith("the output is the float64 oracle's with softmax scale 2.24 (sqrt(D): multiplied where it divides)"), row.diagnosis
+    assert run_check("forward", odd.model_copy(update={"head_dim_v": 5}), candidate_from_object(FromValueDim)).passed
+
+
+def test_a_kernels_alibi_without_the_abs_is_named_where_no_causal_mask_hides_it():
+    # A red-team kernel used the causal-only ALiBi, slope * (j - i - (S - L)), without a causal mask:
+    # it read only "only in query rows 0-11 (of 13)". Under the causal mask the two agree, and a
+    # kernel wrong in another way there (its ALiBi from the first row) is not read as this one.
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class AlibiNoAbs(DenseSDPA):
+        def _alibi(self, slopes, L, S, work):
+            slopes = np.asarray(slopes, dtype=work)[None, :, None, None]  # (1, Hq, 1, 1)
+            i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+            return slopes * (j - (i + S - L)).astype(work)  # (1, Hq, L, S)
+
+    class AlibiFromFirstRow(DenseSDPA):
+        def _alibi(self, slopes, L, S, work):
+            slopes = np.asarray(slopes, dtype=work)[None, :, None, None]
+            return -slopes * np.abs(np.arange(S)[None, :] - (S - L)).astype(work)  # every row as row 0
+
+    cfg = config_from_mapping({"module": "sdpa", "tgt_len": 5, "src_len": 7, "head_dim": 8, "alibi": True})
+    [row] = [r for r in run_check("forward", cfg, candidate_from_object(AlibiNoAbs)).failures if r.parameter == "output"]
+    assert row.diagnosis.startswith("the output is the float64 oracle's with ALiBi's bias without the abs, slope * (j - (i + S - L))"), row.diagnosis
+    causal = cfg.model_copy(update={"causal": "lower_right"})
+    assert run_check("forward", causal, candidate_from_object(AlibiNoAbs)).passed
+    other = [r for r in run_check("forward", causal, candidate_from_object(AlibiFromFirstRow)).failures if r.parameter == "output"]
+    assert other and all("ALiBi" not in r.diagnosis for r in other), [r.diagnosis for r in other]
 
 
 def test_the_repeat_call_at_a_large_size_expects_its_own_inputs_shape():

@@ -205,6 +205,21 @@ def test_a_check_failing_on_its_dtype_alone_says_so_in_the_summary():
     assert contradiction(contract.rows[-1]) == "contract" and contradiction(Row("forward", "x", FAIL)) == "see its lines"
 
 
+def test_a_check_failing_on_nan_says_nan_in_the_summary_whatever_its_ratio():
+    # A softmax shifted by the whole tensor's max gave NaN on large logits: its forward and grad
+    # cells read "0.0021x FAIL" (the finite elements' ratio) where the sgd-step cell said "FAIL: NaN".
+    from attncheck.render_suite import _worst_cell
+
+    cfg = load_suite(None).cases[0].config
+    nan = Report("forward", "large-logits", "x", cfg, rows=[Row("forward", "output", FAIL, reason=Reason.NAN, ratio=0.0021)])
+    assert _worst_cell(nan).plain == "FAIL: NaN"
+    both = Report("grad", "float16-long", "x", cfg, rows=[Row("grad", "query", FAIL, reason=Reason.VALUES, ratio=290.0),
+                                                          Row("grad", "key", FAIL, reason=Reason.NAN, ratio=0.5)])  # fmt: skip
+    assert _worst_cell(both).plain == "2.9e+02x FAIL: NaN"
+    values = Report("grad", "basic", "x", cfg, rows=[Row("grad", "query", FAIL, reason=Reason.VALUES, ratio=290.0)])
+    assert _worst_cell(values).plain == "2.9e+02x FAIL"
+
+
 def test_a_check_not_run_reads_not_run_wherever_its_verdict_is_printed():
     # Its verdict is inconclusive; the summary's cell said "not run" while the log's progress line,
     # --verbose's every-check table, the suite's verdict line and the failure's title said inconclusive alone.

@@ -142,7 +142,10 @@ def not_float64(cfg, w64: Workload, out0, second0, loss0: float, oracle, magnitu
     values = _values(cfg, w64)
     nudged = [_perturbed(cfg, w64, name, value * NUDGE) for name, value in values.items()]  # one at a time: a path
     same = lambda a, b: a is None and b is None or (a is not None and b is not None and np.array_equal(a, b, equal_nan=True))  # noqa: E731
-    still = [name for name, (out1, second1) in zip(values, forward_at(nudged)) if same(out0, out1) and same(second0, second1)]
+    at_nudge = forward_at(nudged)
+    still = [name for name, (out1, second1) in zip(values, at_nudge) if same(out0, out1) and same(second0, second1)]
+    if not still:  # the output is float64 on every path: its LSE may be float32 inside all the same
+        return _lse_not_float64(cfg, w64, out0, second0, values, at_nudge, forward_at, off, rounding)
     if still:  # only those the output depends on at all
         moved = forward_at([_perturbed(cfg, w64, name, values[name] * MOVE) for name in still])
         still = [name for name, (out1, second1) in zip(still, moved) if not (same(out0, out1) and same(second0, second1))]
@@ -154,6 +157,39 @@ def not_float64(cfg, w64: Workload, out0, second0, loss0: float, oracle, magnitu
     return (f"the candidate's float64 loss is {off:.3g} off the oracle's ({off / rounding:.3g} times float64 rounding), and its "
             f"output keeps every bit when {', '.join(still)} {'moves' if len(still) == 1 else 'move'} by {NUDGE:g} relative: "
             "float32 arithmetic inside")
+
+
+def _lse_not_float64(cfg, w64: Workload, out0, second0, values: dict, at_nudge: list, forward_at, off: float, rounding: float) -> str:
+    """Why the candidate's LSE (its second output) is float32 arithmetic inside where its output is
+    float64 ("" when it is not): every parameter or input moved by NUDGE moves the output but leaves
+    most of the LSE's elements that read it (those MOVE moves) bit for bit the same, and at least
+    one is read. Float64 moves every element it reaches by about NUDGE relative, float32 keeps all
+    but the few within NUDGE of a float32 rounding boundary (about 1 in 1,000), so "most" is at
+    least half: a kernel's LSE rounded through float32 failed the finite differences of its
+    float32 LSE cases, blaming a backward it does not have."""
+    if not isinstance(second0, np.ndarray) or not np.isfinite(second0).any():
+        return ""
+    kept = []  # (name, elements kept, elements moved by MOVE) of each input the LSE keeps most of its bits at
+    for name, (out1, second1) in zip(values, at_nudge):
+        if np.array_equal(out0, out1, equal_nan=True) or second1 is None or np.shape(second1) != second0.shape:
+            return ""  # the output's own path keeps its bits here (said above, or not float32's)
+        kept.append((name, np.asarray(second1) == second0))
+    reads = forward_at([_perturbed(cfg, w64, name, values[name] * MOVE) for name, _ in kept])
+    read_by = []
+    for (name, unchanged), (_, second2) in zip(kept, reads):
+        if second2 is None or np.shape(second2) != second0.shape:
+            return ""
+        reading = np.isfinite(second0) & (np.asarray(second2) != second0)  # the elements that read this input
+        if not reading.any():
+            continue  # the LSE does not read it (the value)
+        if 2 * int((unchanged & reading).sum()) < int(reading.sum()):
+            return ""  # float64 on this path: its elements moved
+        read_by.append(name)
+    if not read_by:
+        return ""
+    return (f"the candidate's float64 loss is {off:.3g} off the oracle's ({off / rounding:.3g} times float64 rounding), and its "
+            f"output moves when {', '.join(read_by)} {'moves' if len(read_by) == 1 else 'move'} by {NUDGE:g} relative while its "
+            "LSE keeps its bits: float32 arithmetic inside the LSE")
 
 
 def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, strict: bool = False, grads_nan: bool = False,

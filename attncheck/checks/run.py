@@ -124,10 +124,12 @@ class CheckRun:
         except CandidateProblem:
             return None
 
-    def reread(self, update: dict) -> np.ndarray | None:
+    def reread(self, update: dict, methods: dict | None = None) -> np.ndarray | None:
         """The float64 oracle's output on this workload under the config with `update` (another
-        softmax scale, causal alignment, window or softcap: a function kind's keys), for the
-        diagnosis to compare; None where that config is not valid or the reference raised.
+        softmax scale, causal alignment, window or softcap: a function kind's keys), and with the
+        reference's `methods` replaced where it has them (ALiBi's formula: `_alibi`), for the
+        diagnosis to compare; None where that config is not valid, the reference lacks a method
+        or raised.
 
         A causal alignment the kind's config may not ask for (the packed and decode kinds take
         lower_right alone) is its oracle's all the same: the config is validated with its own and
@@ -136,8 +138,15 @@ class CheckRun:
         aside = {} if causal == "none" or causal in kind_of(self.cfg).config_alignments else {"causal": causal}
         valid = {**update, "causal": self.cfg.causal} if aside else update
         try:
-            cfg = config_from_mapping({**self.cfg.model_dump(exclude_unset=True), **valid}, source="<diagnosis>")
-            return oracle_forward(cfg.model_copy(update=aside), self.w)[0]
+            cfg = config_from_mapping({**self.cfg.model_dump(exclude_unset=True), **valid}, source="<diagnosis>").model_copy(update=aside)
+            if not methods:
+                return oracle_forward(cfg, self.w)[0]
+            oracle, w64 = oracle_session(cfg), self.w.astype(np.float64)
+            obj = oracle.build(w64.params)
+            if not all(callable(getattr(obj, name, None)) for name in methods):
+                return None
+            obj.__class__ = type(f"{type(obj).__name__}Reread", (type(obj),), dict(methods))
+            return oracle.forward(obj, w64)[0]
         except (UsageError, CandidateProblem):
             return None
 

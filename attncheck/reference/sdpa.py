@@ -338,7 +338,7 @@ class ScaledDotProductAttention:
         heads = (np.arange(g0, g1) % a.Hkv)[:, None] * a.R + (rows // L)[None, :]  # (g, m) query head h
         batch = (np.arange(g0, g1) // a.Hkv)[:, None]  # (g, 1)
         if a.slopes is not None:
-            logits += alibi(a.slopes[batch, heads][..., None], key_offset(L, S, positions)[None])  # (g, m, 1) x (1, m, S)
+            logits += self._alibi(a.slopes[batch, heads][..., None], key_offset(L, S, positions)[None])  # (g, m, 1) x (1, m, S)
         allowed = None  # (m, S) or (g, m, S)
         if a.causal is not None:
             allowed = causal_allowed(L, S, a.causal, positions)
@@ -354,6 +354,11 @@ class ScaledDotProductAttention:
         if allowed is not None:
             np.copyto(logits, -np.inf, where=~allowed)
         return logits, t
+
+    def _alibi(self, slopes: np.ndarray, offset: np.ndarray) -> np.ndarray:
+        """ALiBi's bias, -slope * |offset| (`alibi`): a method, so that the diagnosis can rerun the
+        oracle with a kernel's other formula (attncheck.diagnose_kernels.readings)."""
+        return alibi(slopes, offset)
 
     # --------------------------------------------------------------- the core: forward, backward
     def _attention_forward(self, a: SdpaSaved) -> np.ndarray:
