@@ -41,6 +41,7 @@ CATCHES = {
     "LseWithoutSoftcap": [("softcap-alibi-lse", "forward"), ("softcap-alibi-lse", "grad")],
     "LseNanOnEmptyRows": [("causal-lower-right-long-q", "forward")],
     "LseGradientIgnored": [("lse", "grad")],
+    "HalfAccumulatedOutput": [("bfloat16-long", "forward"), ("bfloat16-long", "grad")],
 }
 
 
