@@ -157,9 +157,11 @@ def test_a_selection_with_nothing_to_run_says_so(tmp_path):
 
 
 def test_a_suite_narrowed_to_one_check_keeps_the_suites_json_shape(tmp_path):
-    # --case causal gave the single-report shape, --shard 1/41 the suite's, for one check each (a new-user trial)
+    # --case causal gave the single-report shape, --shard 1/N (N cases) the suite's, for one check each (a new-user trial)
+    from attncheck.config import load_suite
+
     shapes = []
-    for narrowed in (["--case", "causal"], ["--shard", "1/41"]):
+    for narrowed in (["--case", "causal"], ["--shard", f"1/{len(load_suite(None).cases)}"]):
         out = tmp_path / "r.json"
         assert run("forward", *narrowed, "--json", str(out)).exit_code == 0
         data = json.loads(out.read_text())

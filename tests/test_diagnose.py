@@ -79,6 +79,7 @@ CORPUS = {
     "EncoderDecoderSharedProjection": {"output": ["the value is projected with the key's weights"]},
     "KdimHeadScale": {"output": [BY_KDIM], "attn_weights": [BY_KDIM]},
     "UnbatchedKeyPaddingDropped": {"output": ["the key_padding_mask (4,) is ignored"], "attn_weights": ["the key_padding_mask (4,) is ignored"]},
+    "UnbatchedAlwaysAverages": {},  # weights of the wrong shape: no numbers to diagnose
     "DropoutLeftOn": {},  # averaged over heads: each head's dropped weights are mixed (per head: DIAGNOSES)
     # masks
     "MaskAfterSoftmax": {"attn_weights": ["only at unmasked positions; the masked ones agree"]},
@@ -136,6 +137,7 @@ CORPUS = {
     "KdimHeadDimFromKeyWidth": {},
     "SeqFirstReshapedNotTransposed": {},
     "CausalOnlyScaleInFloat32": {"output": ["small: the error is at most"]},
+    "IsCausalDropsPadding": {"output": ["the key_padding_mask (3, 4) is ignored"]},  # its weights are not returned (need_weights false)
 }  # fmt: skip
 # Words that name a cause: a diagnosis holds one only where its expected words do.
 CAUSES = ["heads split", "heads merged", "heads permuted", "laid out head-major", "is read head-major", "wrong order",

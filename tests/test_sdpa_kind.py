@@ -91,7 +91,7 @@ def test_the_default_suite_covers_what_the_issue_lists():
     assert {(6, 2), (6, 1)} <= ratios
     assert any(c.tgt_len > c.S for c in cases) and any(c.tgt_len < c.S for c in cases) and any(c.tgt_len == 1 for c in cases)
     windows = {tuple(c.window_size) for c in cases if c.window_size is not None}
-    assert windows == {(-1, 0), (4, 0), (0, 0), (1, 0), (0, 1), (4, 4), (8, 2)}
+    assert windows == {(-1, 0), (4, 0), (0, 0), (1, 0), (0, 1), (1, -1), (4, 4), (8, 2)}
     assert {c.causal for c in cases} >= {"upper_left", "lower_right"}
     assert any(c.softcap for c in cases) and any(c.alibi for c in cases) and any(c.scale for c in cases)
     assert {c.dtype for c in cases} == {"float32", "float64", "float16", "bfloat16"}
@@ -108,10 +108,10 @@ def test_torch_sdpa_passes_what_it_supports_with_no_config(tmp_path):
     assert all(v in ("pass", "unsupported") for v in statuses.values()), statuses
     assert not any(r["command"] == "sgd-step" for r in reports)  # run leaves out what a function has no use for
     # What SDPA has: GQA, both mask kinds, rows with no key, upper-left causal, numerics.
-    for case in ("gqa-6-2", "mqa-6-1", "bool-mask", "float-mask-4d", "fully-masked-rows", "causal-upper-left", "float16-gqa-causal"):
+    for case in ("gqa-6-2", "mqa-6-1", "bool-mask", "float-mask-4d", "float-mask-4d-gqa", "fully-masked-rows", "causal-upper-left", "float16-gqa-causal"):
         assert statuses[case, "forward"] == statuses[case, "grad"] == "pass", case
     # What it has not: FlashAttention's keywords, and bottom-right alignment when L != S.
-    for case in ("window-4-0", "softcap", "alibi", "lse", "causal-lower-right"):
+    for case in ("window-4-0", "window-1-inf", "softcap", "alibi", "softcap-alibi-lse", "lse", "causal-lower-right"):
         assert statuses[case, "forward"] == "unsupported", case
 
 

@@ -25,18 +25,23 @@ CATCHES = {
     "ScaleIgnored": [("scale", "forward")],
     "SoftcapOnUnscaledScores": [("softcap", "forward"), ("softcap-causal-gqa", "grad")],
     "SoftcapAfterMask": [("softcap-causal-gqa", "forward")],
+    "SoftcapAfterAlibi": [("softcap-alibi-lse", "forward"), ("softcap-alibi-lse", "grad")],
     "SoftcapChainRuleMissing": [("softcap", "grad")],
     "AlibiWrongSign": [("alibi", "forward"), ("alibi-causal", "grad")],
     "AlibiWithoutOffset": [("alibi", "forward")],
     "CausalUpperLeft": [("causal-lower-right", "forward"), ("decode-lower-right", "grad")],
     "WindowRightBoundExclusive": [("window-4-0", "forward"), ("window-0-0", "grad")],
+    "WindowRightUnboundedAsCausal": [("window-1-inf", "forward"), ("window-1-inf", "grad")],
+    "GqaMask4dOrder": [("float-mask-4d-gqa", "forward"), ("float-mask-4d-gqa", "grad")],
     "EmptyRowsNotZero": [("fully-masked-rows", "forward"), ("causal-lower-right-long-q", "forward")],
     "CausalBlockLocalKeyIndex": [("causal-gqa-past-one-block", "forward"), ("causal-lower-right", "grad")],
     "LseLog2": [("lse", "forward")],
     "LseWithoutMax": [("lse", "forward"), ("lse-gqa-causal", "grad")],
     "LseNotShifted": [("large-logits-lse", "forward"), ("large-logits-lse", "grad")],
+    "LseWithoutSoftcap": [("softcap-alibi-lse", "forward"), ("softcap-alibi-lse", "grad")],
     "LseNanOnEmptyRows": [("causal-lower-right-long-q", "forward")],
     "LseGradientIgnored": [("lse", "grad")],
+    "HalfAccumulatedOutput": [("bfloat16-long", "forward"), ("bfloat16-long", "grad")],
 }
 
 

@@ -8,7 +8,7 @@ wrong (HOOKS; tests/test_hooks.py holds the corpus to them):
     c      = softcap * tanh(s / softcap)                 _softcap (with dc/ds)
     logits = c + alibi + attn_mask, -inf where blocked   _alibi, _causal, _window, _masked; _logits orders them
     P      = softmax(logits), lse = log sum exp(logits)  _softmax, _lse
-    out    = P v, key-value head h // G for query head h _kv_heads
+    out    = P v, key-value head h // G for query head h _kv_heads, _weighted_values
   backward (beside it, below):
     dv = P^T dO;  dP = dO v^T;  dlogits = P * (dP - rowsum(dO * out)) + P * dlse   (_lse_grad)
     ds = dlogits * dc/ds  (_softcap_grad);  dq = scale ds k;  dk = scale ds^T q
@@ -31,7 +31,7 @@ import numpy as np
 
 # The private methods a known-bad kernel may override (tests/test_hooks.py).
 HOOKS = ("_kv_heads", "_scale", "_softcap", "_alibi", "_causal", "_window", "_masked", "_logits",
-         "_softmax", "_lse", "_lse_grad", "_softcap_grad", "_group_sum")  # fmt: skip
+         "_softmax", "_lse", "_lse_grad", "_softcap_grad", "_group_sum", "_weighted_values")  # fmt: skip
 
 
 @dataclass
@@ -75,7 +75,7 @@ class DenseSDPA:
         allowed, additive = self._mask_terms(attn_mask, is_causal, window_size, L, S, work)
         logits, dcap = self._logits(s, softcap, scale, bias, allowed, additive)  # (B, Hq, L, S)
         probs, row_max, row_sum = self._softmax(logits)  # (B, Hq, L, S), (B, Hq, L), (B, Hq, L)
-        out = np.einsum("bhls,bhse->bhle", probs, v)  # (B, Hq, L, Ev)
+        out = self._weighted_values(probs, v, np.dtype(query.dtype))  # (B, Hq, L, Ev)
 
         self._saved = _Saved(q, k, v, probs, dcap, out, scale, heads, Hkv, np.dtype(query.dtype))
         out = out.astype(query.dtype)
@@ -135,6 +135,10 @@ class DenseSDPA:
         slopes = slopes[None, :, None, None] if slopes.ndim == 1 else slopes[:, :, None, None]  # (B or 1, Hq, 1, 1)
         i, j = np.arange(L)[:, None], np.arange(S)[None, :]
         return -slopes * np.abs(i + S - L - j).astype(work)  # (B or 1, Hq, L, S)
+
+    def _weighted_values(self, probs: np.ndarray, v: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """P v, (B, Hq, L, Ev), summed over S in the arithmetic's dtype, whatever the inputs' `dtype`."""
+        return np.einsum("bhls,bhse->bhle", probs, v)
 
     # ------------------------------------------------------------------------------- masks
     def _causal(self, i: np.ndarray, j: np.ndarray, L: int, S: int) -> np.ndarray:

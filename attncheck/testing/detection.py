@@ -113,6 +113,7 @@ DEFAULT_SUITE_CATCHES = [
     SuiteCatch("EncoderDecoderSharedProjection", "encoder-decoder", "forward", {"forward": ("output",)}),
     SuiteCatch("KdimHeadScale", "kdim-vdim", "forward", FORWARD_ONLY),
     SuiteCatch("UnbatchedKeyPaddingDropped", "unbatched-key-padding", "forward", FORWARD_ONLY),
+    SuiteCatch("UnbatchedAlwaysAverages", "unbatched-key-padding", "forward", {"forward": ("attn_weights",)}),  # (L, S), not (H, L, S)
     # masks
     SuiteCatch("MaskAfterSoftmax", "causal", "forward", BOTH_FORWARD_PATHS),
     SuiteCatch("CausalDiagonalMasked", "causal", "forward", BOTH_FORWARD_PATHS),
@@ -173,6 +174,7 @@ DEFAULT_SUITE_CATCHES = [
     SuiteCatch("KdimHeadDimFromKeyWidth", "kdim-vdim-no-bias", "forward", FORWARD_ONLY),
     SuiteCatch("SeqFirstReshapedNotTransposed", "seq-first-no-bias", "forward", FORWARD_ONLY),
     SuiteCatch("CausalOnlyScaleInFloat32", "float64-causal", "forward", BOTH_FORWARD_PATHS),
+    SuiteCatch("IsCausalDropsPadding", "is-causal-key-padding", "forward", {"forward": ("output",), "fast-path": ("output",)}),  # need_weights false
 ]  # fmt: skip
 
 

@@ -373,6 +373,18 @@ class UnbatchedKeyPaddingDropped(MultiheadAttention):
         return super().forward(query, key, value, key_padding_mask=key_padding_mask, **kwargs)
 
 
+class UnbatchedAlwaysAverages(MultiheadAttention):
+    """Unbatched (2-D) inputs: the weights are averaged over the heads whatever average_attn_weights
+    says, on that code path of its own; batched inputs get per-head weights when asked. Invisible
+    with averaged weights or need_weights=False. The default suite's one unbatched case averaged:
+    it passed until that case asked for per-head weights."""
+
+    def forward(self, query, key, value, *, average_attn_weights=True, **kwargs):
+        if query.ndim == 2:
+            average_attn_weights = True
+        return super().forward(query, key, value, average_attn_weights=average_attn_weights, **kwargs)
+
+
 # ------------------------------------------------------------------------------------ shapes
 class SeqFirstAsBatchFirst(MultiheadAttention):
     """batch_first=False inputs (L, B, E) are read as (B, L, E): attention runs across the batch
@@ -558,7 +570,7 @@ MODULES = {
         SoftmaxWithoutMaxSubtraction, OutProjBiasGradMissing,
         BoolMaskInverted, KeyPaddingInverted, KeyPaddingHeadOrder, Mask3dHeadOrder, CausalDiagonalMasked, FloatMaskScaled,
         KeyPaddingFloatAsBool, MixedMaskPaddingCast, FullyMaskedRowsZeroed,
-        UnbatchedKeyPaddingDropped, SeqFirstAsBatchFirst, KeyUsedAsValue, EncoderDecoderSharedProjection,
+        UnbatchedKeyPaddingDropped, UnbatchedAlwaysAverages, SeqFirstAsBatchFirst, KeyUsedAsValue, EncoderDecoderSharedProjection,
         KeysChunkedTailDropped, BiasKvMaskedOut, PerHeadWeightsHeadMajor, Float16Probabilities, SoftmaxEpsilon,
         Float32Internally, QueryGradScaleMissing, BiasGradAveragedOverBatch, OutProjWeightGradTransposed,
         BiasKvGradSwapped, KeyValueProjectionCached, MaskSanitizedInPlace,

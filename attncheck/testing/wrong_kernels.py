@@ -87,6 +87,21 @@ class SoftcapAfterMask(DenseSDPA):
         return self._softcap(self._masked(logits, allowed), softcap, scale)  # c * tanh(-inf / c) = -c
 
 
+class SoftcapAfterAlibi(DenseSDPA):
+    """The softcap taken over the scores with ALiBi already added, c * tanh((s + alibi) / c), where
+    FlashAttention caps the scaled scores and adds ALiBi after: c * tanh(s / c) + alibi. The masks
+    come after both, as they should. No case of the default kernel suite had both: it passed.
+
+    Exposed by a softcap together with ALiBi (S >= 2); invisible without either.
+    """
+
+    def _logits(self, s, softcap, scale, bias, allowed, additive):
+        logits, dcap = self._softcap(s + bias, softcap, scale)  # should be the softcap of s, plus the bias
+        if additive is not None:
+            logits = logits + additive
+        return self._masked(logits, allowed), dcap
+
+
 class SoftcapChainRuleMissing(DenseSDPA):
     """The backward forgets the softcap's derivative: d(s) = d(capped) instead of d(capped) * (1 - tanh^2).
 
@@ -152,6 +167,48 @@ class WindowRightBoundExclusive(DenseSDPA):
         if right >= 0:
             inside &= j < i + S - L + right  # should be <=
         return inside
+
+
+class WindowRightUnboundedAsCausal(DenseSDPA):
+    """A window with a bounded left side and an unbounded right one, (left, -1), read as (left, 0):
+    "a sliding window looks back", so the keys ahead of the diagonal are dropped. The default
+    kernel suite's windows bounded the right side or neither: it passed.
+
+    Exposed by (left >= 0, -1) where a row has keys ahead of its diagonal (L >= 2); invisible under
+    causal, which drops those keys anyway.
+    """
+
+    def _window(self, i, j, L, S, window_size):
+        left, right = window_size
+        if left >= 0 and right < 0:
+            right = 0  # -1 is no bound, not the diagonal
+        return super()._window(i, j, L, S, (left, right))
+
+
+class GqaMask4dOrder(DenseSDPA):
+    """A per-head (B, Hq, L, S) mask regrouped under GQA as if its heads were ordered (G, Hkv): the
+    kernel's loop over key-value heads, then over each one's G query heads, reads mask head
+    g * Hkv + kv for query head kv * G + g, so a query head takes another head's mask. No case of
+    the default kernel suite had a 4-D mask under GQA: it passed.
+
+    Exposed by a mask that differs across heads with GQA (Hkv > 1 and G > 1); invisible under MQA
+    (Hkv = 1), without GQA, or with a mask the same for every head.
+    """
+
+    def _kv_heads(self, Hq, Hkv):
+        self._groups = Hkv, Hq // Hkv
+        return super()._kv_heads(Hq, Hkv)
+
+    def _logits(self, s, softcap, scale, bias, allowed, additive):
+        Hkv, G = self._groups
+
+        def regrouped(mask):  # (B, Hq, L, S) read as (B, G, Hkv, L, S): should be (B, Hkv, G, L, S)
+            if mask is None or mask.ndim != 4 or mask.shape[1] != Hkv * G:
+                return mask
+            B, Hq, L, S = mask.shape
+            return mask.reshape(B, G, Hkv, L, S).transpose(0, 2, 1, 3, 4).reshape(B, Hq, L, S)
+
+        return super()._logits(s, softcap, scale, bias, regrouped(allowed), regrouped(additive))
 
 
 class EmptyRowsNotZero(DenseSDPA):
@@ -241,6 +298,24 @@ class LseNotShifted(DenseSDPA):
             return np.log(np.exp(logits).sum(axis=-1))
 
 
+class LseWithoutSoftcap(DenseSDPA):
+    """lse taken over the logits without the softcap, log sum exp(s + alibi + masks), where the
+    output's softmax is over the capped ones: the two outputs disagree. The output is right. No
+    case of the default kernel suite asked for the LSE under a softcap: it passed.
+
+    Exposed by return_lse with a softcap and scores large enough for tanh to bend.
+    """
+
+    def _logits(self, s, softcap, scale, bias, allowed, additive):
+        uncapped = s + bias if additive is None else s + bias + additive
+        self._uncapped = self._masked(uncapped, allowed)  # (B, Hq, L, S)
+        return super()._logits(s, softcap, scale, bias, allowed, additive)
+
+    def _lse(self, logits, row_max, row_sum):
+        _, row_max, row_sum = self._softmax(self._uncapped)  # should be the capped logits' own
+        return super()._lse(self._uncapped, row_max, row_sum)
+
+
 class LseNanOnEmptyRows(DenseSDPA):
     """lse recomputed from the logits with the unguarded max, m + log sum exp(logits - m): a row
     with no allowed key gives exp(-inf - (-inf)) = NaN where -inf is due. The output is guarded and right.
@@ -264,12 +339,38 @@ class LseGradientIgnored(DenseSDPA):
         return np.zeros_like(probs)
 
 
+# ---------------------------------------------------------------------------- half precision
+KEY_BLOCK = 7  # keys per step of HalfAccumulatedOutput's running sum
+
+
+class HalfAccumulatedOutput(DenseSDPA):
+    """P v summed over blocks of KEY_BLOCK keys with the running output rounded to the inputs'
+    dtype after every block: a tiled kernel whose accumulator is bfloat16 or float16 between key
+    blocks, not float32. Right in float32 and float64; in half precision its error grows with the
+    number of blocks, S / KEY_BLOCK. The default kernel suite's bfloat16-long had 128 keys, where
+    it is within the allowance: it passed.
+
+    Exposed by half precision over thousands of keys (bfloat16, S = 2048); invisible in float32
+    and float64, where the rounding is the arithmetic's own.
+    """
+
+    def _weighted_values(self, probs, v, dtype):
+        if dtype.itemsize > 2:
+            return super()._weighted_values(probs, v, dtype)
+        S = v.shape[2]
+        out = np.zeros((*probs.shape[:3], v.shape[3]), dtype=dtype)  # (B, Hq, L, Ev) in the half dtype: the bug
+        for start in range(0, S, KEY_BLOCK):
+            block = slice(start, start + KEY_BLOCK)
+            out = (out.astype(v.dtype) + np.einsum("bhls,bhse->bhle", probs[..., block], v[:, :, block])).astype(dtype)
+        return out.astype(v.dtype)
+
+
 WRONG_KERNELS: dict[str, type[DenseSDPA]] = {
     cls.__name__: cls
     for cls in (
-        GqaHeadModulo, GqaGradFromOneHead, ScaleIgnored, SoftcapOnUnscaledScores, SoftcapAfterMask,
-        SoftcapChainRuleMissing, AlibiWrongSign, AlibiWithoutOffset, CausalUpperLeft,
-        WindowRightBoundExclusive, EmptyRowsNotZero, CausalBlockLocalKeyIndex, LseLog2, LseWithoutMax,
-        LseNotShifted, LseNanOnEmptyRows, LseGradientIgnored,
+        GqaHeadModulo, GqaGradFromOneHead, ScaleIgnored, SoftcapOnUnscaledScores, SoftcapAfterMask, SoftcapAfterAlibi,
+        SoftcapChainRuleMissing, AlibiWrongSign, AlibiWithoutOffset, CausalUpperLeft, WindowRightBoundExclusive,
+        WindowRightUnboundedAsCausal, GqaMask4dOrder, EmptyRowsNotZero, CausalBlockLocalKeyIndex, LseLog2, LseWithoutMax,
+        LseNotShifted, LseWithoutSoftcap, LseNanOnEmptyRows, LseGradientIgnored, HalfAccumulatedOutput,
     )
 }  # fmt: skip

@@ -182,9 +182,21 @@ class FullyMaskedRowsNaN(TransformerEncoderLayer):
         return out
 
 
+class PreNormDefaultEps(TransformerEncoderLayer):
+    """The pre-norm path's layer norms take torch's default eps, 1e-5, whatever layer_norm_eps says
+    (F.layer_norm called without eps there); the post-norm path passes it. The default layer
+    suite's one non-default eps (large-eps) was post-norm: it passed until pre-norm-gelu took
+    eps 1e-3, where its output is off by about 100 times the allowance."""
+
+    def __init__(self, params, **options):
+        super().__init__(params, **options)
+        if self.norm_first:
+            self.eps = 1e-5
+
+
 LAYERS = {
     cls.__name__: cls
     for cls in (UnbiasedVarianceNorm, EpsOutsideSqrt, AlwaysPreNorm, ResidualAfterNorm, GeluTanh,
                 FeedForwardBiasesDropped, NormBackwardWithoutMeanTerm, KeyPaddingDroppedWhenCausal, GptBlockGeluTanh,
-                GptBlockScaleInFloat32, SeqFirstReadAsBatchFirst, FullyMaskedRowsNaN)
+                GptBlockScaleInFloat32, SeqFirstReadAsBatchFirst, FullyMaskedRowsNaN, PreNormDefaultEps)
 }  # fmt: skip

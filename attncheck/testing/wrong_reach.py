@@ -334,10 +334,22 @@ class CausalOnlyScaleInFloat32(MultiheadAttention):
         return super().forward(query, key, value, attn_mask=attn_mask, **kwargs)
 
 
+class IsCausalDropsPadding(MultiheadAttention):
+    """With the is_causal hint, a causal path of its own (F.scaled_dot_product_attention's
+    is_causal=True, which takes no other mask) that drops the key padding mask. Invisible without
+    key padding, or without the hint. The default suite's is-causal case had no key padding: a
+    red-team module passed it until is-causal-key-padding was added."""
+
+    def forward(self, query, key, value, *, key_padding_mask=None, is_causal=False, **kwargs):
+        if is_causal:
+            key_padding_mask = None
+        return super().forward(query, key, value, key_padding_mask=key_padding_mask, is_causal=is_causal, **kwargs)
+
+
 # Every wrong module above, by name.
 MODULES = {
     cls.__name__: cls
     for cls in (HalfAccumulatedSoftmax, HalfAccumulatedOutProjection, HalfInputsFloat32Output, MaskFilledWithMinus1e9, HalfMeansFloat16, CausalMaskBlockLocal,
                 MaskAppliedAfterExp, OnlineSoftmaxEmptyBlockNaN, EncoderDecoderQueryKeySwapped, CrossAttentionKeyValueChunksSwapped,
-                KdimHeadDimFromKeyWidth, SeqFirstReshapedNotTransposed, CausalOnlyScaleInFloat32)
+                KdimHeadDimFromKeyWidth, SeqFirstReshapedNotTransposed, CausalOnlyScaleInFloat32, IsCausalDropsPadding)
 }  # fmt: skip
