@@ -73,7 +73,12 @@ def capability_table(features: list[Capability]) -> Table:
         for _, _, reason in cap.unsupported:
             features_of.setdefault(reason or "NotImplementedError", set()).add(cap.feature)
     shared = {reason: f"({i})" for i, reason in enumerate((r for r, seen in features_of.items() if len(seen) > 1), 1)}
-    caption = Text("\n".join(f"{mark} {reason}" for reason, mark in shared.items())) if shared else None
+    lines = [f"{mark} {reason}" for reason, mark in shared.items()]
+    # A feature every case has (an override: --set softcap=0.5) tells no case apart: each case is
+    # under its first other feature, with the reasons it gave there (ModuleKind.feature_of).
+    lines += [f"{cap.feature}: every case has it; its row holds the cases with no other feature, each other case is under its own"
+              for cap in features if cap.in_every_case]  # fmt: skip
+    caption = Text("\n".join(lines)) if lines else None
     table = Table(title="capabilities", title_justify="left", header_style="bold", pad_edge=False, box=None, caption=caption,
                   caption_justify="left")  # fmt: skip
     table.add_column("feature")

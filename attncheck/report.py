@@ -448,6 +448,7 @@ class Capability:
     skipped: tuple[str, ...] = ()  # a probe's: the cases where it had nothing to compare (one batch element, say)
     skipped_why: str = ""  # a probe that had nothing to compare in any case: why, where every case said the same
     not_run: tuple[tuple[str, str], ...] = ()  # (case, command) of the checks not run (Report.not_run): supported or not, unknown
+    in_every_case: bool = False  # every case has the feature: its row holds the cases with no other (ModuleKind.feature_of)
 
 
 def capabilities(reports: list[Report]) -> list[Capability]:
@@ -457,10 +458,15 @@ def capabilities(reports: list[Report]) -> list[Capability]:
 
     by_feature: dict[str, list[Report]] = {}
     order: list[str] = []
+    cases: dict[str, dict[str, Config]] = {}  # by kind, each case's config
+    for report in reports:
+        cases.setdefault(kind_of(report.config).name, {})[report.name] = report.config
+    in_every_case = {kind: kind_of(next(iter(c.values()))).features_in_every_case(list(c.values())) for kind, c in cases.items()}
     for report in reports:
         kind = kind_of(report.config)
         order += [name for name, _ in kind.features if name not in order]
-        by_feature.setdefault(kind.feature_of(report.config), []).append(report)
+        by_feature.setdefault(kind.feature_of(report.config, in_every_case[kind.name]), []).append(report)
+    everywhere = set().union(*in_every_case.values())
     table = []
     for name in order:
         group = by_feature.get(name)
@@ -470,7 +476,8 @@ def capabilities(reports: list[Report]) -> list[Capability]:
         verdict = aggregate((r.verdict for r in group), unsupported="ignore")
         checks = tuple((r.name, r.command) for r in group)
         not_run = tuple((r.name, r.command) for r in group if r.not_run)
-        table.append(Capability(name, tuple(dict.fromkeys(r.name for r in group)), unsupported, verdict, checks, not_run=not_run))
+        table.append(Capability(name, tuple(dict.fromkeys(r.name for r in group)), unsupported, verdict, checks, not_run=not_run,
+                                in_every_case=name in everywhere))  # fmt: skip
     return table + probe_capabilities(reports)
 
 
