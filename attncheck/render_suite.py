@@ -15,7 +15,7 @@ from rich.text import Text
 
 from attncheck.errors import counted, listed
 from attncheck.render import REASON_WORDS, STATUS_STYLE, fmt, report_parts, verdict_word
-from attncheck.report import FAIL, INCONCLUSIVE, INFO, PASS, SKIPPED, UNSUPPORTED, Capability, Reason, Report, SuiteResult, capabilities, case_verdict
+from attncheck.report import FAIL, INCONCLUSIVE, INFO, PASS, SKIPPED, UNSUPPORTED, Capability, NotJudged, Reason, Report, SuiteResult, capabilities, case_verdict
 
 
 def progress_line(done: int, total: int, report: Report) -> str:
@@ -89,7 +89,7 @@ def capability_table(features: list[Capability]) -> Table:
         if cap.verdict is SKIPPED and cap.skipped == cap.cases:
             supported = Text(f"no case: {cap.skipped_why or 'nothing to compare'}", style=STATUS_STYLE[INFO])
         elif cap.reported or cap.skipped:
-            said = [f"reported, not judged: {_named(cap.reported, len(cap.cases))}"] if cap.reported else []
+            said = _not_judged(cap)
             said += [f"nothing to compare: {_named(cap.skipped, len(cap.cases))}"] if cap.skipped else []
             supported = Text("; ".join(said), style=STATUS_STYLE[INFO])
         elif not cap.unsupported and not cap.not_run:
@@ -104,6 +104,28 @@ def capability_table(features: list[Capability]) -> Table:
                 supported.append(f"; {len(cap.not_run)} not run", style=STATUS_STYLE[INCONCLUSIVE])
         table.add_row(cap.feature, str(len(cap.cases)), supported, Text(cap.verdict.label, style=STATUS_STYLE[cap.verdict]))
     return table
+
+
+# What a probe's cases that judged nothing had, by why (NotJudged): each group is followed by its
+# row's name where the probe has several ("options: dropout_p"), then its cases.
+NOT_JUDGED_WORDS = {
+    NotJudged.REFUSED: "not judged, the candidate refused the call",
+    NotJudged.CANNOT_TELL: "not judged, the case cannot tell it on from off",
+    NotJudged.NOT_FINITE: "not judged, NaN or inf where the output has a value",
+    NotJudged.FAILS_ALREADY: "not judged, the check's own result fails already",
+    NotJudged.DIFFERENCE: "other bits within the budget, reported (nothing promises the same bits)",
+    None: "reported, not judged",
+}
+
+
+def _not_judged(cap: Capability) -> list[str]:
+    """A probe's cases that judged nothing, grouped by why and row: `not judged, the candidate refused
+    the call (options: dropout_p): plain, gqa-6-2`."""
+    groups: dict[tuple[NotJudged | None, str], list[str]] = {}
+    for case, row, why in cap.not_judged:
+        groups.setdefault((why, row), []).append(case)
+    return [f"{NOT_JUDGED_WORDS[why]}{f' ({row})' if row else ''}: {_named(list(dict.fromkeys(cases)), len(cap.cases))}"
+            for (why, row), cases in groups.items()]  # fmt: skip
 
 
 # How much of a cell the names of a feature's cases may take (characters, one name at least): a
