@@ -119,13 +119,19 @@ NOT_JUDGED_WORDS = {
 
 
 def _not_judged(cap: Capability) -> list[str]:
-    """A probe's cases that judged nothing, grouped by why and row: `not judged, the candidate refused
-    the call (options: dropout_p): plain, gqa-6-2`."""
-    groups: dict[tuple[NotJudged | None, str], list[str]] = {}
+    """A probe's cases that judged nothing, grouped by why, and the rows of one why by the cases they
+    share: `not judged, the candidate refused the call (options: dropout_p): plain, gqa-6-2`."""
+    cases_of: dict[tuple[NotJudged | None, str], list[str]] = {}
     for case, row, why in cap.not_judged:
-        groups.setdefault((why, row), []).append(case)
-    return [f"{NOT_JUDGED_WORDS[why]}{f' ({row})' if row else ''}: {_named(list(dict.fromkeys(cases)), len(cap.cases))}"
-            for (why, row), cases in groups.items()]  # fmt: skip
+        cases_of.setdefault((why, row), []).append(case)
+    rows_of: dict[tuple[NotJudged | None, tuple[str, ...]], list[str]] = {}
+    for (why, row), cases in cases_of.items():
+        rows_of.setdefault((why, tuple(dict.fromkeys(cases))), []).append(row)
+    said = []
+    for (why, cases), rows in rows_of.items():
+        which = f" ({', '.join(rows)})" if any(rows) else ""
+        said.append(f"{NOT_JUDGED_WORDS[why]}{which}: {_named(list(cases), len(cap.cases))}")
+    return said
 
 
 # How much of a cell the names of a feature's cases may take (characters, one name at least): a

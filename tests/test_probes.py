@@ -183,6 +183,17 @@ def test_a_case_whose_only_probe_call_the_candidate_refused_says_so_in_the_capab
     console.print(capability_table([options]))
     text = " ".join(console.export_text().split())
     assert "not judged, the candidate refused the call (options: dropout_p): every case" in text and "reported" not in text, text
+    # rows of one why that share their cases are named together
+    from attncheck.report import Capability
+
+    mixed = Capability("probe: options", ("a", "b", "c"), (), INFO, (), ("a", "b"), (
+        ("a", "options: causal", NotJudged.CANNOT_TELL), ("a", "options: dropout_p", NotJudged.CANNOT_TELL),
+        ("b", "options: dropout_p", NotJudged.REFUSED)))  # fmt: skip
+    console = Console(width=300, record=True, color_system=None)
+    console.print(capability_table([mixed]))
+    text = " ".join(console.export_text().split())
+    assert ("not judged, the case cannot tell it on from off (options: causal, options: dropout_p): a; "
+            "not judged, the candidate refused the call (options: dropout_p): b") in text, text  # fmt: skip
 
 
 def test_views_are_made_in_the_candidates_own_process():
