@@ -76,7 +76,8 @@ def capability_table(features: list[Capability]) -> Table:
     lines = [f"{mark} {reason}" for reason, mark in shared.items()]
     # A feature every case has (an override: --set softcap=0.5) tells no case apart: each case is
     # under its first other feature, with the reasons it gave there (ModuleKind.feature_of).
-    lines += [f"{cap.feature}: every case has it; its row holds the cases with no other feature, each other case is under its own"
+    lines += [f"{listed(list(cap.in_every_case), CELL_NAMES)}: every case has {'it' if len(cap.in_every_case) == 1 else 'them'}; "
+              f"the {cap.feature} row holds the cases with no other feature, each other case is under its own"
               for cap in features if cap.in_every_case]  # fmt: skip
     caption = Text("\n".join(lines)) if lines else None
     table = Table(title="capabilities", title_justify="left", header_style="bold", pad_edge=False, box=None, caption=caption,

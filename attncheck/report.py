@@ -467,7 +467,8 @@ class Capability:
     skipped: tuple[str, ...] = ()  # a probe's: the cases where it had nothing to compare (one batch element, say)
     skipped_why: str = ""  # a probe that had nothing to compare in any case: why, where every case said the same
     not_run: tuple[tuple[str, str], ...] = ()  # (case, command) of the checks not run (Report.not_run): supported or not, unknown
-    in_every_case: bool = False  # every case has the feature: its row holds the cases with no other (ModuleKind.feature_of)
+    # Where every case has the feature: the features every case has (its first; ModuleKind.feature_of), its row the cases with no other
+    in_every_case: tuple[str, ...] = ()
 
 
 def capabilities(reports: list[Report]) -> list[Capability]:
@@ -485,7 +486,7 @@ def capabilities(reports: list[Report]) -> list[Capability]:
         kind = kind_of(report.config)
         order += [name for name, _ in kind.features if name not in order]
         by_feature.setdefault(kind.feature_of(report.config, in_every_case[kind.name]), []).append(report)
-    everywhere = set().union(*in_every_case.values())
+    everywhere = [name for name in order if any(name in names for names in in_every_case.values())]
     table = []
     for name in order:
         group = by_feature.get(name)
@@ -496,7 +497,7 @@ def capabilities(reports: list[Report]) -> list[Capability]:
         checks = tuple((r.name, r.command) for r in group)
         not_run = tuple((r.name, r.command) for r in group if r.not_run)
         table.append(Capability(name, tuple(dict.fromkeys(r.name for r in group)), unsupported, verdict, checks, not_run=not_run,
-                                in_every_case=name in everywhere))  # fmt: skip
+                                in_every_case=tuple(everywhere) if name in everywhere else ()))  # fmt: skip
     return table + probe_capabilities(reports)
 
 

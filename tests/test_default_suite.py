@@ -192,14 +192,20 @@ def test_a_feature_every_case_has_leaves_each_case_under_its_own_features_with_i
         report("alibi", {"alibi": True}, no_softcap),
     ])  # fmt: skip
     assert [(c.feature, c.cases, c.in_every_case) for c in caps] == [
-        ("softcap", ("plain",), True), ("ALiBi", ("alibi",), False), ("causal", ("causal-lower-right", "causal-upper-left"), False)]  # fmt: skip
+        ("softcap", ("plain",), ("softcap",)), ("ALiBi", ("alibi",), ()), ("causal", ("causal-lower-right", "causal-upper-left"), ())]  # fmt: skip
     assert caps[2].unsupported == (("causal-lower-right", "forward", alignment), ("causal-upper-left", "forward", no_softcap))
     console = Console(width=200, record=True, color_system=None)
     console.print(suite_capability_table(caps))
-    assert "softcap: every case has it; its row holds the cases with no other feature, each other case is under its own" in console.export_text()
+    assert "softcap: every case has it; the softcap row holds the cases with no other feature, each other case is under its own" in console.export_text()
+    # Two (softcap and --set attn_mask=random): the first holds the cases, the line names both.
+    both = capabilities([report("plain", {"attn_mask": "random"}, ""), report("gqa", {"attn_mask": "random", "num_kv_heads": 1}, "")])
+    assert [(c.feature, c.cases, c.in_every_case) for c in both] == [("softcap", ("plain",), ("softcap", "masks")), ("GQA", ("gqa",), ())]
+    console = Console(width=200, record=True, color_system=None)
+    console.print(suite_capability_table(both))
+    assert "softcap, masks: every case has them; the softcap row holds the cases" in " ".join(console.export_text().split())
     # Without it, a case is the first feature it meets, as before: softcap takes the causal case.
     alone = capabilities([report("causal", {"causal": "upper_left"}, ""), report("plain", {"softcap": 0.0}, "")])
-    assert [(c.feature, c.cases, c.in_every_case) for c in alone] == [("softcap", ("causal",), False), ("shapes", ("plain",), False)]
+    assert [(c.feature, c.cases, c.in_every_case) for c in alone] == [("softcap", ("causal",), ()), ("shapes", ("plain",), ())]
 
 
 @pytest.mark.parametrize("overrides", [
