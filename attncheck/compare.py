@@ -76,6 +76,11 @@ BUDGET_FACTOR: dict[str, float] = {
 BUDGET_FLOOR: dict[str, float] = {"float32": 1e-5, "float64": 1e-13, "float16": 2e-3, "bfloat16": 1.6e-2}
 
 
+def same_non_finite(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays have the same NaN, +inf and -inf, at the same places."""
+    return all(np.array_equal(f(a), f(b)) for f in (np.isnan, np.isposinf, np.isneginf))
+
+
 @dataclass(frozen=True)
 class Fixed:
     """Elementwise against torch: |candidate - torch| <= atol + rtol * |torch|."""

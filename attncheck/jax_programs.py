@@ -1,7 +1,7 @@
 """How a JAX candidate's calls are compiled, kept and placed (for attncheck.jax_candidate): XLA's
-quick compile for small programs with its fallback where it gives NaN or inf (`_Program`), the
-cache of compiled programs by the text of the trace they run (`_program`), and the mode and
-device a session's calls run in (`_x64`, `_device`, `_gpu_precision_note`)."""
+quick compile for small programs, checked against the default compile where it gives NaN or inf
+(`_Program`), the cache of compiled programs by the text of the trace they run (`_program`), and
+the mode and device a session's calls run in (`_x64`, `_device`, `_gpu_precision_note`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from attncheck.compare import same_non_finite
 from attncheck.errors import Unsupported, UsageError
 
 try:
@@ -63,34 +64,59 @@ def _jit(fn: Callable, quick: bool) -> Callable:
     return _Program(fn, quick)
 
 
-def _finite(result: Any) -> bool:
-    """Whether every floating-point value of a program's result is finite."""
-    return all(np.isfinite(a).all() for a in map(np.asarray, jax.tree.leaves(result)) if jnp.issubdtype(a.dtype, jnp.inexact))
+def _non_finite_leaves(leaves: list) -> tuple[int, ...]:
+    """The indices of a program's result leaves that are floating-point and hold a NaN or inf."""
+    return tuple(i for i, a in enumerate(leaves) if jnp.issubdtype(a.dtype, jnp.inexact) and not np.isfinite(np.asarray(a)).all())
 
 
 class _Program:
     """fn compiled once by jax.jit, quickly where `quick` (FAST_COMPILE). At optimization level 0
     XLA computed NaN where its default compile does not (2026-11-26, jax 0.10.2: a float32 MHA
     adding a float key padding mask holding -inf, softmax by max-subtraction, got NaN in 287 of its
-    gradients; tests/test_jax.py, FLOAT_PADDING). There they differed only around infinities. So a
-    quick program's call whose result holds NaN or inf is made again with fn compiled as jax.jit
-    compiles by default, which then serves every later call: the result is the one jax.jit gives,
-    at the default compile's cost (about 2.5x) only where a NaN or inf shows. A quick compile that
-    differed in finite values would not be caught here (none is known)."""
+    gradients; tests/test_jax.py, FLOAT_PADDING). There they differed only around infinities: the
+    quick compile gave NaN, +inf and -inf where the default gave numbers. So a quick call whose
+    result holds NaN or inf is checked against the default compile of the leaves that hold them,
+    compiled alone (XLA drops the rest: the output beside a forward's LSE, the vjp beside the
+    finite differences' forward). Where that gives the same NaN, +inf and -inf at the same places
+    (compare.same_non_finite: the -inf LSE of a row with no allowed key), the quick result stands;
+    where not, fn compiled as jax.jit compiles by default serves this call and every later one.
+    Every quick call holding NaN or inf is checked, at one compiled check per program and set of
+    leaves. A JAX kernel giving the contract's -inf LSE, in the kernel suite with return_lse and
+    attn_mask full_row: 50 of its 87 programs compiled the whole default program too before, 22-23
+    s of user time against 15-17 s with these checks (the 595 checked calls agreed, as the whole
+    default program had on the same calls) and 8-10 s without full_row (2 cores, 3 runs each).
+    Measured (jax 0.10.2, 13,157 quick calls each also run by the whole default program: that
+    suite, with fully_masked_rows nan too, both Flax MHA suites, tests/test_jax*.py): 33 differed,
+    each a quick NaN or inf where the default gave a number (FLOAT_PADDING's); none held NaN or
+    inf at the same places with other values, and none gave a number where the default gave NaN
+    or inf, which no check here would catch (nor a quick compile that differed in finite values)."""
 
     def __init__(self, fn: Callable, quick: bool):
         options = _fast_compile() if quick else {}
         self.fn, self.quick = fn, bool(options)
         self.compiled = jax.jit(fn, compiler_options=options) if options else jax.jit(fn)
+        self._checks: dict[tuple[int, ...], Callable] = {}  # by result leaves: those leaves compiled by default
 
     def __call__(self, *args):
         if self.quick:
             result = self.compiled(*args)
-            if _finite(result):
+            leaves = jax.tree.leaves(result)
+            odd = _non_finite_leaves(leaves)
+            if not odd or self._default_agrees(args, leaves, odd):
                 return result
             self.quick, self.compiled = False, jax.jit(self.fn)
         with _compiled_quickly(False):
             return self.compiled(*args)
+
+    def _default_agrees(self, args: tuple, leaves: list, odd: tuple[int, ...]) -> bool:
+        """Whether fn's result leaves `odd`, compiled alone as jax.jit compiles by default, have the
+        quick call's NaN, +inf and -inf at the same places."""
+        if odd not in self._checks:
+            fn = self.fn
+            self._checks[odd] = jax.jit(lambda *a: [jax.tree.leaves(fn(*a))[i] for i in odd])
+        with _compiled_quickly(False):
+            default = self._checks[odd](*args)
+        return all(same_non_finite(np.asarray(leaves[i]), np.asarray(d)) for i, d in zip(odd, default))
 
 
 @contextlib.contextmanager

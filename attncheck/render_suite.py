@@ -15,7 +15,7 @@ from rich.text import Text
 
 from attncheck.errors import counted, listed
 from attncheck.render import REASON_WORDS, STATUS_STYLE, fmt, report_parts, verdict_word
-from attncheck.report import FAIL, INCONCLUSIVE, INFO, PASS, SKIPPED, UNSUPPORTED, Capability, Reason, Report, SuiteResult, capabilities, case_verdict
+from attncheck.report import FAIL, INCONCLUSIVE, INFO, PASS, SKIPPED, UNSUPPORTED, Capability, NotJudged, Reason, Report, SuiteResult, capabilities, case_verdict
 
 
 def progress_line(done: int, total: int, report: Report) -> str:
@@ -77,7 +77,13 @@ def capability_table(features: list[Capability]) -> Table:
         for _, _, reason in cap.unsupported:
             features_of.setdefault(reason or "NotImplementedError", set()).add(cap.feature)
     shared = {reason: f"({i})" for i, reason in enumerate((r for r, seen in features_of.items() if len(seen) > 1), 1)}
-    caption = Text("\n".join(f"{mark} {reason}" for reason, mark in shared.items())) if shared else None
+    lines = [f"{mark} {reason}" for reason, mark in shared.items()]
+    # A feature every case has (an override: --set softcap=0.5) tells no case apart: each case is
+    # under its first other feature, with the reasons it gave there (ModuleKind.feature_of).
+    lines += [f"{listed(list(cap.in_every_case), CELL_NAMES)}: every case has {'it' if len(cap.in_every_case) == 1 else 'them'}; "
+              f"the {cap.feature} row holds the cases with no other feature, each other case is under its own"
+              for cap in features if cap.in_every_case]  # fmt: skip
+    caption = Text("\n".join(lines)) if lines else None
     table = Table(title="capabilities", title_justify="left", header_style="bold", pad_edge=False, box=None, caption=caption,
                   caption_justify="left")  # fmt: skip
     table.add_column("feature")
@@ -88,7 +94,7 @@ def capability_table(features: list[Capability]) -> Table:
         if cap.verdict is SKIPPED and cap.skipped == cap.cases:
             supported = Text(f"no case: {cap.skipped_why or 'nothing to compare'}", style=STATUS_STYLE[INFO])
         elif cap.reported or cap.skipped:
-            said = [f"reported, not judged: {_named(cap.reported, len(cap.cases))}"] if cap.reported else []
+            said = _not_judged(cap)
             said += [f"nothing to compare: {_named(cap.skipped, len(cap.cases))}"] if cap.skipped else []
             supported = Text("; ".join(said), style=STATUS_STYLE[INFO])
         elif not cap.unsupported and not cap.not_run:
@@ -103,6 +109,34 @@ def capability_table(features: list[Capability]) -> Table:
                 supported.append(f"; {len(cap.not_run)} not run", style=STATUS_STYLE[INCONCLUSIVE])
         table.add_row(cap.feature, str(len(cap.cases)), supported, Text(cap.verdict.label, style=STATUS_STYLE[cap.verdict]))
     return table
+
+
+# What a probe's cases that judged nothing had, by why (NotJudged): each group is followed by its
+# row's name where the probe has several ("options: dropout_p"), then its cases.
+NOT_JUDGED_WORDS = {
+    NotJudged.REFUSED: "not judged, the candidate refused the call",
+    NotJudged.CANNOT_TELL: "not judged, the case cannot tell it on from off",
+    NotJudged.NOT_FINITE: "not judged, NaN or inf where the output has a value",
+    NotJudged.FAILS_ALREADY: "not judged, the check's own result fails already",
+    NotJudged.DIFFERENCE: "other bits within the budget, reported (nothing promises the same bits)",
+    None: "reported, not judged",
+}
+
+
+def _not_judged(cap: Capability) -> list[str]:
+    """A probe's cases that judged nothing, grouped by why, and the rows of one why by the cases they
+    share: `not judged, the candidate refused the call (options: dropout_p): plain, gqa-6-2`."""
+    cases_of: dict[tuple[NotJudged | None, str], list[str]] = {}
+    for case, row, why in cap.not_judged:
+        cases_of.setdefault((why, row), []).append(case)
+    rows_of: dict[tuple[NotJudged | None, tuple[str, ...]], list[str]] = {}
+    for (why, row), cases in cases_of.items():
+        rows_of.setdefault((why, tuple(dict.fromkeys(cases))), []).append(row)
+    said = []
+    for (why, cases), rows in rows_of.items():
+        which = f" ({', '.join(rows)})" if any(rows) else ""
+        said.append(f"{NOT_JUDGED_WORDS[why]}{which}: {_named(list(cases), len(cap.cases))}")
+    return said
 
 
 # How much of a cell the names of a feature's cases may take (characters, one name at least): a

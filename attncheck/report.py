@@ -110,6 +110,21 @@ class Reason(str, enum.Enum):
     __hash__ = str.__hash__
 
 
+class NotJudged(str, enum.Enum):
+    """Why a probe's row judged nothing (its status `info`): what the capability table says of its case."""
+
+    DIFFERENCE = "difference"  # other bits than the check's own call, within the budget, where nothing promises the same bits
+    REFUSED = "refused"  # the candidate refused the probe's call (it raised: a gap it declares, not a wrong answer)
+    CANNOT_TELL = "cannot tell"  # the case cannot tell the option on from off: a correct answer and a wrong one lie too close
+    NOT_FINITE = "not finite"  # NaN or inf where the output has a defined value: nothing to compare
+    FAILS_ALREADY = "fails already"  # the check's own result is outside the budget: no correct result to hold the probe's to
+
+    def __str__(self) -> str:
+        return self.value
+
+    __hash__ = str.__hash__
+
+
 @dataclass(frozen=True)
 class Quantity:
     """What a row compares: a parameter, input or output by its torch name, optionally one block
@@ -162,6 +177,7 @@ class Row:
     first_failing_step: int | None = None  # sgd: the first step at which it left tolerance
     missing: bool = False  # the candidate returned no value for this quantity
     reason: Reason | None = None  # failing or not provided rows, and a check's not run: why
+    not_judged: NotJudged | None = None  # a probe's info row: why it judged nothing
     parameter: str | None = None  # what is compared, by its torch name (see Quantity); the label's source
     block: str | None = None
     head: int | None = None
@@ -183,6 +199,8 @@ class Row:
             self.status = Status(self.status)
         if self.reason is not None:
             self.reason = Reason(self.reason)
+        if self.not_judged is not None:
+            self.not_judged = NotJudged(self.not_judged)
 
     @property
     def failed(self) -> bool:
@@ -203,7 +221,7 @@ class Row:
         for k in ("shape", "max_abs_at", "max_rel_at"):
             if d[k] is not None:
                 d[k] = list(d[k])
-        for k in ("status", "reason"):
+        for k in ("status", "reason", "not_judged"):
             if d[k] is not None:
                 d[k] = str(d[k])
         return {k: _json_float(v) for k, v in d.items()}
@@ -446,9 +464,12 @@ class Capability:
     verdict: Status
     checks: tuple[tuple[str, str], ...] = ()  # every (case, command) of the feature
     reported: tuple[str, ...] = ()  # a probe's: the cases where its rows only reported (INFO), judging nothing
+    not_judged: tuple[tuple[str, str, NotJudged | None], ...] = ()  # a probe's: (case, row or "", why) of the info rows of `reported`
     skipped: tuple[str, ...] = ()  # a probe's: the cases where it had nothing to compare (one batch element, say)
     skipped_why: str = ""  # a probe that had nothing to compare in any case: why, where every case said the same
     not_run: tuple[tuple[str, str], ...] = ()  # (case, command) of the checks not run (Report.not_run): supported or not, unknown
+    # Where every case has the feature: the features every case has (its first; ModuleKind.feature_of), its row the cases with no other
+    in_every_case: tuple[str, ...] = ()
 
 
 def capabilities(reports: list[Report]) -> list[Capability]:
@@ -458,10 +479,15 @@ def capabilities(reports: list[Report]) -> list[Capability]:
 
     by_feature: dict[str, list[Report]] = {}
     order: list[str] = []
+    cases: dict[str, dict[str, Config]] = {}  # by kind, each case's config
+    for report in reports:
+        cases.setdefault(kind_of(report.config).name, {})[report.name] = report.config
+    in_every_case = {kind: kind_of(next(iter(c.values()))).features_in_every_case(list(c.values())) for kind, c in cases.items()}
     for report in reports:
         kind = kind_of(report.config)
         order += [name for name, _ in kind.features if name not in order]
-        by_feature.setdefault(kind.feature_of(report.config), []).append(report)
+        by_feature.setdefault(kind.feature_of(report.config, in_every_case[kind.name]), []).append(report)
+    everywhere = [name for name in order if any(name in names for names in in_every_case.values())]
     table = []
     for name in order:
         group = by_feature.get(name)
@@ -471,7 +497,8 @@ def capabilities(reports: list[Report]) -> list[Capability]:
         verdict = aggregate((r.verdict for r in group), unsupported="ignore")
         checks = tuple((r.name, r.command) for r in group)
         not_run = tuple((r.name, r.command) for r in group if r.not_run)
-        table.append(Capability(name, tuple(dict.fromkeys(r.name for r in group)), unsupported, verdict, checks, not_run=not_run))
+        table.append(Capability(name, tuple(dict.fromkeys(r.name for r in group)), unsupported, verdict, checks, not_run=not_run,
+                                in_every_case=tuple(everywhere) if name in everywhere else ()))  # fmt: skip
     return table + probe_capabilities(reports)
 
 
@@ -495,6 +522,9 @@ def probe_capabilities(reports: list[Report]) -> list[Capability]:
         # tells, beside a dropout_p it only reports) was judged.
         judged = {r.name for r, row in found if row.status not in (INFO, SKIPPED)}
         reported = tuple(dict.fromkeys(r.name for r, row in found if row.status is INFO and r.name not in judged))
+        # Each by its row's name where the probe has several rows ("options: dropout_p"), else "".
+        not_judged = tuple((r.name, "" if row.quantity == row.parameter else str(row.quantity), row.not_judged)
+                           for r, row in found if row.status is INFO and r.name in reported)  # fmt: skip
         skipped = tuple(dict.fromkeys(r.name for r, row in found if row.status is SKIPPED))
         verdict = aggregate((row.status for _, row in found), unsupported="ignore")
         why = {row.note for _, row in found if row.status is SKIPPED}
@@ -505,6 +535,6 @@ def probe_capabilities(reports: list[Report]) -> list[Capability]:
             verdict = SKIPPED
         elif reported and all(row.status in (INFO, SKIPPED) for _, row in found):
             verdict = INFO  # it only reported differences nothing promised against: not "nothing proven"
-        table.append(Capability(f"probe: {probe}", cases, (), verdict, checks, reported, skipped,
+        table.append(Capability(f"probe: {probe}", cases, (), verdict, checks, reported, not_judged, skipped,
                                 why.pop() if nowhere and len(why) == 1 else ""))  # fmt: skip
     return table

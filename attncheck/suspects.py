@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from attncheck.compare import same_non_finite
 from attncheck.config import Config
 from attncheck.kinds import kind_of
 from attncheck.layer_reference import linear_forward
@@ -48,11 +49,6 @@ def fits(candidate: np.ndarray, transformed: np.ndarray, allowed: np.ndarray, sc
         return False
     tol = np.maximum(allowed, rtol * scale)
     return bool(np.all(np.abs(candidate - transformed)[ok] <= tol[ok]))
-
-
-def same_non_finite(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two arrays have the same NaN, +inf and -inf, at the same places."""
-    return all(np.array_equal(f(a), f(b)) for f in (np.isnan, np.isposinf, np.isneginf))
 
 
 def reproduces(candidate: np.ndarray, recomputed: np.ndarray, expected: np.ndarray, allowed: np.ndarray, scale: float,

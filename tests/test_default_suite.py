@@ -25,7 +25,7 @@ from attncheck.commands import NAMES
 from attncheck.config import Config
 from attncheck.diagnose import NAME_RTOL, factor_meaning
 from attncheck.kinds.mha import MHA
-from attncheck.render_suite import suite_summary, suite_verdict
+from attncheck.render_suite import capability_table as suite_capability_table, suite_summary, suite_verdict
 from attncheck.report import FAIL, UNSUPPORTED, Reason, Report, Row, SuiteResult, capabilities
 from attncheck.suite import prepare
 from attncheck.testing import detection, wrong_diagnoses, wrong_gradients, wrong_impls, wrong_reach, wrong_updates
@@ -175,6 +175,37 @@ def test_capabilities_name_the_unsupported_features_and_judge_the_rest():
     assert [(c.feature, c.cases, c.verdict) for c in caps] == [
         ("module options", ("kv", "nobias"), "fail"), ("shapes", ("plain",), "pass")]  # fmt: skip
     assert caps[0].unsupported == (("kv", "forward", "no bias_kv"),)  # the candidate's own words
+
+
+def test_a_feature_every_case_has_leaves_each_case_under_its_own_features_with_its_reasons():
+    # --set softcap=0.5 on the kernel suite: softcap came first in every case, so the table had one
+    # softcap row, with the causal alignment's reasons in it (examples/jax_sdpa.py).
+    def report(case, config, reason):
+        row = Row("forward", "output", UNSUPPORTED if reason else "pass", raised=reason)
+        return Report("forward", case, "x", Config(**{"module": "sdpa", "softcap": 0.5, **config}), rows=[row])
+
+    no_softcap, alignment = "softcap: it has none", "aligns causal masks 'upper_left'"
+    caps = capabilities([
+        report("plain", {}, no_softcap),
+        report("causal-lower-right", {"causal": "lower_right", "src_len": 7}, alignment),
+        report("causal-upper-left", {"causal": "upper_left"}, no_softcap),
+        report("alibi", {"alibi": True}, no_softcap),
+    ])  # fmt: skip
+    assert [(c.feature, c.cases, c.in_every_case) for c in caps] == [
+        ("softcap", ("plain",), ("softcap",)), ("ALiBi", ("alibi",), ()), ("causal", ("causal-lower-right", "causal-upper-left"), ())]  # fmt: skip
+    assert caps[2].unsupported == (("causal-lower-right", "forward", alignment), ("causal-upper-left", "forward", no_softcap))
+    console = Console(width=200, record=True, color_system=None)
+    console.print(suite_capability_table(caps))
+    assert "softcap: every case has it; the softcap row holds the cases with no other feature, each other case is under its own" in console.export_text()
+    # Two (softcap and --set attn_mask=random): the first holds the cases, the line names both.
+    both = capabilities([report("plain", {"attn_mask": "random"}, ""), report("gqa", {"attn_mask": "random", "num_kv_heads": 1}, "")])
+    assert [(c.feature, c.cases, c.in_every_case) for c in both] == [("softcap", ("plain",), ("softcap", "masks")), ("GQA", ("gqa",), ())]
+    console = Console(width=200, record=True, color_system=None)
+    console.print(suite_capability_table(both))
+    assert "softcap, masks: every case has them; the softcap row holds the cases" in " ".join(console.export_text().split())
+    # Without it, a case is the first feature it meets, as before: softcap takes the causal case.
+    alone = capabilities([report("causal", {"causal": "upper_left"}, ""), report("plain", {"softcap": 0.0}, "")])
+    assert [(c.feature, c.cases, c.in_every_case) for c in alone] == [("softcap", ("causal",), ()), ("shapes", ("plain",), ())]
 
 
 @pytest.mark.parametrize("overrides", [

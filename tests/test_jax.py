@@ -336,6 +336,38 @@ def test_a_float_mask_with_minus_inf_has_finite_gradients_compiled(tmp_path):
     attncheck.check(config, "grad", impl=f"{path}:MHA").assert_passed()
 
 
+def _lse(x):  # (L, S) -> (L,): -inf on a row of -inf, as the contract's LSE of a row with no allowed key
+    import jax
+
+    return jax.nn.logsumexp(x, axis=-1)
+
+
+LOGITS = np.array([[0.0, 1.0], [-np.inf, -np.inf]], np.float32)  # row 1 has no allowed key
+
+
+def test_a_quick_compile_whose_infinities_the_default_compile_gives_too_stands():
+    # A JAX kernel's correct -inf LSE made every such program compile again by default, which then
+    # served its calls: the kernel suite with return_lse and attn_mask full_row, 50 of 87 programs.
+    jax_programs = pytest.importorskip("attncheck.jax_programs")
+    program = jax_programs._Program(_lse, quick=True)
+    assert program.quick, "this jaxlib takes none of FAST_COMPILE: nothing to test"
+    np.testing.assert_array_equal(program(LOGITS), [np.logaddexp(0.0, 1.0).astype(np.float32), -np.inf])
+    assert program.quick  # checked against the default compile, which gives the same -inf: the quick program stands
+
+
+@pytest.mark.parametrize("row, wrong", [(1, np.nan), (1, np.inf), (0, -np.inf)])
+def test_a_quick_compile_giving_nan_or_inf_the_default_compile_does_not_is_replaced(row, wrong):
+    # NaN or +inf where the default compile gives -inf, or -inf where it gives a number: the quick
+    # compile's own (FLOAT_PADDING's gradients had NaN, +inf and -inf so), never judged.
+    jax_programs = pytest.importorskip("attncheck.jax_programs")
+    program = jax_programs._Program(_lse, quick=True)
+    assert program.quick, "this jaxlib takes none of FAST_COMPILE: nothing to test"
+    quick = program.compiled
+    program.compiled = lambda x: quick(x).at[row].set(wrong)  # what a quick compile's artifact would give
+    np.testing.assert_array_equal(program(LOGITS), [np.logaddexp(0.0, 1.0).astype(np.float32), -np.inf])
+    assert not program.quick  # the default compile serves it from then on
+
+
 CALLBACK_SCALE = '''
 import jax
 import jax.numpy as jnp

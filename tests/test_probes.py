@@ -15,7 +15,7 @@ import attncheck
 from attncheck.candidate import LAYOUTS, candidate_from_object, laid_out
 from attncheck.checks import run_check
 from attncheck.config import Config, load_suite
-from attncheck.report import FAIL, INFO, PASS, SKIPPED, capabilities
+from attncheck.report import FAIL, INFO, PASS, SKIPPED, NotJudged, capabilities
 from attncheck.testing.wrong_probes import CORRECT_KERNEL, WRONG_PROBES
 
 from tests.helpers import probe_rows
@@ -160,7 +160,40 @@ def test_the_capability_table_lists_each_probe_with_its_verdict():
     probes = {c.feature: c for c in capabilities(reports) if c.feature.startswith("probe: ")}
     assert set(probes) == {"probe: determinism", "probe: batch_invariance", "probe: strides", "probe: options"}
     assert probes["probe: batch_invariance"].reported == ("plain", "softcap")
+    # every row that judged nothing says why, and the table says it in words
+    unsaid = [(r.name, r.quantity) for report in reports for r in report.rows if r.section == "probe" and r.status is INFO and r.not_judged is None]
+    assert not unsaid, unsaid
     assert probes["probe: strides"].verdict is PASS and probes["probe: strides"].cases == ("plain", "softcap")
+    assert {why for _, _, why in probes["probe: batch_invariance"].not_judged} == {NotJudged.DIFFERENCE}
+
+
+def test_a_case_whose_only_probe_call_the_candidate_refused_says_so_in_the_capability_table():
+    # "probe: options ... reported, not judged: plain, ..." where the kernel had only refused the
+    # probe's dropout_p call (a case setting no option has no other): a reader could not tell what it meant.
+    from rich.console import Console
+
+    from attncheck.render_suite import capability_table
+
+    cases = _cases()
+    reports = [run_check("forward", cases[name], candidate_from_object(CORRECT_KERNEL)) for name in ("plain", "gqa-6-2")]
+    [options] = [c for c in capabilities(reports) if c.feature == "probe: options"]
+    assert options.reported == ("plain", "gqa-6-2") and options.verdict is INFO
+    assert options.not_judged == (("plain", "options: dropout_p", NotJudged.REFUSED), ("gqa-6-2", "options: dropout_p", NotJudged.REFUSED))
+    console = Console(width=300, record=True, color_system=None)
+    console.print(capability_table([options]))
+    text = " ".join(console.export_text().split())
+    assert "not judged, the candidate refused the call (options: dropout_p): every case" in text and "reported" not in text, text
+    # rows of one why that share their cases are named together
+    from attncheck.report import Capability
+
+    mixed = Capability("probe: options", ("a", "b", "c"), (), INFO, (), ("a", "b"), (
+        ("a", "options: causal", NotJudged.CANNOT_TELL), ("a", "options: dropout_p", NotJudged.CANNOT_TELL),
+        ("b", "options: dropout_p", NotJudged.REFUSED)))  # fmt: skip
+    console = Console(width=300, record=True, color_system=None)
+    console.print(capability_table([mixed]))
+    text = " ".join(console.export_text().split())
+    assert ("not judged, the case cannot tell it on from off (options: causal, options: dropout_p): a; "
+            "not judged, the candidate refused the call (options: dropout_p): b") in text, text  # fmt: skip
 
 
 def test_views_are_made_in_the_candidates_own_process():

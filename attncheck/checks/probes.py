@@ -41,7 +41,7 @@ from attncheck.errors import CandidateProblem, CandidateTimeout, Unsupported
 from attncheck.frameworks import framework_of
 from attncheck.inputs import make_workload
 from attncheck.kinds import kind_of
-from attncheck.report import FAIL, INFO, PASS, PROBE_SECTION, SKIPPED, Reason, Row
+from attncheck.report import FAIL, INFO, PASS, PROBE_SECTION, SKIPPED, NotJudged, Reason, Row
 
 SECTION = PROBE_SECTION
 # A case tells an option on from off when the oracle's two answers differ by more than a correct
@@ -96,7 +96,8 @@ def _as_probe(probe: str, label: str, judged: Row, note: str) -> Row:
 def _call_failed(probe: str, label: str, what: str, err: CandidateProblem) -> Row:
     """A probe's call that raised: a declared gap is reported (it judges nothing), a crash fails."""
     if isinstance(err, Unsupported):
-        return _row(probe, label, INFO, f"{what}: the candidate declared it unsupported ({err.raised or err}); not probed")
+        return _row(probe, label, INFO, f"{what}: the candidate declared it unsupported ({err.raised or err}); not probed",
+                    not_judged=NotJudged.REFUSED)
     return _row(probe, label, FAIL, f"{what} raised: {err}", reason=Reason.of_call(err), raised=err.raised, traceback=err.traceback)
 
 
@@ -125,7 +126,8 @@ def _second_row(probe: str, label: str, p: Probing, second: dict[str, np.ndarray
     (promised, its config key) INFO, or FAIL where the config promises the same bits."""
     for name, value in second.items():
         if p.within(name, p.first.get(name)).failed:
-            return _row(probe, label, INFO, f"not judged: the check's own {name} fails already (outside the budget), so this probe has no correct result to hold its call to")
+            return _row(probe, label, INFO, f"not judged: the check's own {name} fails already (outside the budget), so this probe has no correct result to hold its call to",
+                        not_judged=NotJudged.FAILS_ALREADY)
         judged = p.within(name, value)
         if judged.failed:
             return _as_probe(probe, label, judged, f"{what}: {name} outside the budget, where the check's own call is inside")
@@ -138,7 +140,8 @@ def _second_row(probe: str, label: str, p: Probing, second: dict[str, np.ndarray
     promised, key = promise
     if promised:
         return _row(probe, label, FAIL, f"{what}: {told}; `{key}: true` promises the same bits", reason=Reason.CONTRACT)
-    return _row(probe, label, INFO, f"{what}: {told}, within the budget (`{key}: true` makes a difference a failure)")
+    return _row(probe, label, INFO, f"{what}: {told}, within the budget (`{key}: true` makes a difference a failure)",
+                not_judged=NotJudged.DIFFERENCE)
 
 
 # ------------------------------------------------------------------------------- determinism
@@ -225,7 +228,8 @@ def strides(p: Probing, w, rule: Rule | None = None) -> list[Row]:
             row = _as_probe("strides", label, fresh[0], f"{what}: {fresh[0].quantity} wrong, where the check's own call is right")
         elif wrong:  # as _second_row does for the output: the check's own row fails already and tells the story
             told = ", ".join(dict.fromkeys(r.quantity for r in wrong))
-            row = _row("strides", label, INFO, f"not judged: the check's own {told} fails already, so this probe has no correct result to hold its writes to")
+            row = _row("strides", label, INFO, f"not judged: the check's own {told} fails already, so this probe has no correct result to hold its writes to",
+                       not_judged=NotJudged.FAILS_ALREADY)
         rows.append(row)
     return rows
 
@@ -276,7 +280,7 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
         if not told > needed:
             rows.append(_row("options", label, INFO, f"this case cannot tell {name} on from off: the oracle's outputs differ by "
                              f"{told:.3g}, not more than the {needed:.3g} a correct candidate's two outputs may lie from them "
-                             f"and apart (its budget {p.budget:.3g}); not checked here"))  # fmt: skip
+                             f"and apart (its budget {p.budget:.3g}); not checked here", not_judged=NotJudged.CANNOT_TELL))  # fmt: skip
             continue
         session = session_for(cfg_off, p.run.candidate)
         try:
@@ -287,7 +291,8 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
         if not _finite_where(defined, p.first["output"], out_off):  # left out of the difference, which would read 0 apart
             which = "its output (the check's own rows judge it)" if not _finite_where(defined, p.first["output"]) else \
                 f"its output with {name} off"
-            rows.append(_row("options", label, INFO, f"{which} is NaN or inf where it has a defined value: nothing to compare"))
+            rows.append(_row("options", label, INFO, f"{which} is NaN or inf where it has a defined value: nothing to compare",
+                             not_judged=NotJudged.NOT_FINITE))
             continue
         moved = _largest_difference(p.first["output"], out_off, defined)
         if moved <= p.budget:
@@ -359,15 +364,16 @@ def _dropout(p: Probing, w, o_on: np.ndarray, t_out: np.ndarray, rule: Rule) -> 
     if telling < DROPOUT_ROWS:
         return _row("options", label, INFO, f"this case cannot tell dropout on from off: {telling} of its output rows (fewer than "
                     f"{DROPOUT_ROWS}) have a value a correct dropout_p={PROBE_DROPOUT} must move past the budget ({p.budget:.3g}) "
-                    "half the time; not checked here")  # fmt: skip
+                    "half the time; not checked here", not_judged=NotJudged.CANNOT_TELL)  # fmt: skip
     try:
         out_on, _ = session_for(p.cfg.model_copy(update={"dropout": PROBE_DROPOUT}), p.run.candidate).build_and_forward(w)
     except CandidateTimeout as err:
         return _call_failed("options", label, what, err)
     except CandidateProblem as err:
-        return _row("options", label, INFO, f"{what} raised ({err.raised or err}): refused, not ignored")
+        return _row("options", label, INFO, f"{what} raised ({err.raised or err}): refused, not ignored", not_judged=NotJudged.REFUSED)
     if not _finite_where(defined, out_on):
-        return _row("options", label, INFO, f"{what}: NaN or inf where the output has a defined value: nothing to compare")
+        return _row("options", label, INFO, f"{what}: NaN or inf where the output has a defined value: nothing to compare",
+                    not_judged=NotJudged.NOT_FINITE)
     moved = _largest_difference(p.first["output"], out_on, defined)
     if moved <= p.budget:
         return _row("options", label, FAIL, f"ignores dropout_p: {what} gives the output without it, {moved:.3g} apart, within the "

@@ -54,7 +54,8 @@ class ModuleKind:
     config_alignments: tuple[str, ...] = ("upper_left", "lower_right")
     # Commands that do not apply to the kind, with the reason the report gives.
     unsupported_commands: dict[str, str] = {}
-    features: tuple[Feature, ...] = ()  # the capability table's rows: a case is the first it meets
+    # The capability table's rows: a case is the first it meets (see feature_of); the last meets every case.
+    features: tuple[Feature, ...] = ()
     # The embedded suite `--module NAME` runs with no config: (package file in attncheck/config,
     # its name in messages, the suite's name); None: attncheck's default suite.
     default_suite: tuple[str, str, str] | None = None
@@ -315,9 +316,18 @@ class ModuleKind:
         return []
 
     # ------------------------------------------------------------------------ suites and memory
-    def feature_of(self, cfg: Config) -> str:
-        """The feature a case exercises: the first of `features` whose test it meets."""
-        return next(name for name, test in self.features if test(cfg))
+    def feature_of(self, cfg: Config, in_every_case: frozenset[str] = frozenset()) -> str:
+        """The feature a case exercises: the first of `features` whose test it meets and that is not
+        in every case of its suite (`in_every_case`, see features_in_every_case: softcap under
+        --set softcap=0.5 tells no case apart, and took every causal and ALiBi case with its
+        reasons); where it meets none but those, the first it meets."""
+        met = [name for name, test in self.features if test(cfg)]  # the last: every case's
+        return next((name for name in met[:-1] if name not in in_every_case), met[0])
+
+    def features_in_every_case(self, configs: list[Config]) -> frozenset[str]:
+        """The features every one of `configs` (a suite's cases, two or more) meets, the last one
+        (which every case meets) aside: an option the suite or an override sets everywhere."""
+        return frozenset(name for name, test in self.features[:-1] if len(configs) > 1 and all(test(c) for c in configs))
 
     def extra_memory(self, cfg: Config) -> tuple[int, int]:
         """(activations, weights) in elements beyond the attention's own, for the memory estimate."""

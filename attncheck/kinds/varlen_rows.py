@@ -22,7 +22,7 @@ import numpy as np
 
 from attncheck.compare import compare
 from attncheck.errors import CandidateProblem, Unsupported
-from attncheck.report import FAIL, INFO, PASS, PROBE_SECTION, Reason, Row
+from attncheck.report import FAIL, INFO, PASS, PROBE_SECTION, NotJudged, Reason, Row
 
 POISON_ROWS = 3  # rows past the last sequence in each of q, k and v
 
@@ -53,7 +53,7 @@ def poisoning_rows(kind, cfg, w, session, obj, out: np.ndarray, t_out: np.ndarra
     try:
         again, _ = session.forward(obj, _longer(w, np.nan, np.nan))
     except Unsupported as err:
-        return [_row(INFO, f"{what}: the candidate declared it unsupported ({err.raised or err}); not probed")]
+        return [_row(INFO, f"{what}: the candidate declared it unsupported ({err.raised or err}); not probed", not_judged=NotJudged.REFUSED)]
     except CandidateProblem as err:
         return [_row(FAIL, f"{what}: {err}", reason=Reason.of_call(err), raised=err.raised, traceback=err.traceback)]
     real = again[:Tq]  # (Tq, Hq, Ev): the rows past the last sequence have no defined value
