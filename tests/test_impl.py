@@ -233,38 +233,6 @@ def test_a_gradient_autograd_does_not_reach_says_autograd_not_backward():
     assert not_returned("grad", "out_proj.bias", False).note == "not returned by backward()"
 
 
-def test_a_gradient_autograd_does_not_give_is_judged_as_zero():
-    # A new user's adapter copied the handed weights into a library module's own, differently named
-    # parameters under no_grad: its forward was right, grad passed with every weight "not provided",
-    # and only sgd-step showed that training would never update them.
-    import torch
-
-    from attncheck.candidate import candidate_from_object
-    from attncheck.checks import run_check
-    from attncheck.config import Config
-
-    class Copied(torch.nn.Module):
-        def __init__(self, params, *, embed_dim, num_heads, batch_first, **kw):
-            super().__init__()
-            self.inner = torch.nn.MultiheadAttention(embed_dim, num_heads, batch_first=batch_first, dtype=params["in_proj_weight"].dtype)
-            with torch.no_grad():
-                for name, p in self.inner.named_parameters():
-                    p.copy_(params[name])
-            self.inner.requires_grad_(False)
-
-        def forward(self, query, key, value, **kw):
-            return self.inner(query, key, value, **kw)
-
-    report = run_check("grad", Config(), candidate_from_object(Copied))
-    grad = {r.quantity: r for r in report.rows if r.section == "grad"}
-    assert report.verdict == "fail" and grad["input"].status == "pass"
-    assert grad["out_proj.weight"].status == "fail" and "autograd gives no gradient: judged as zero" in grad["out_proj.weight"].note
-    assert grad["in_proj_bias[k]"].status == "pass"  # torch's is zero to rounding: softmax ignores a shift along the keys
-    assert not report.rows_with("not provided")
-    assert {r.status for r in report.rows if r.section == "finite-diff" and r.quantity != "input"} == {"info"}
-    assert any("training would never update them" in n and "adapt.bind" in n for n in report.notes)
-
-
 COPIED_BY_A_FACTORY = textwrap.dedent("""
     import torch
 
@@ -284,6 +252,28 @@ COPIED_BY_A_FACTORY = textwrap.dedent("""
     def make(params, **options):
         return Copied(params, **options)
 """)
+
+
+def test_a_gradient_autograd_does_not_give_is_judged_as_zero():
+    # A new user's adapter copied the handed weights into a library module's own, differently named
+    # parameters under no_grad: its forward was right, grad passed with every weight "not provided",
+    # and only sgd-step showed that training would never update them.
+    from attncheck.candidate import candidate_from_object
+    from attncheck.checks import run_check
+    from attncheck.config import Config
+
+    namespace: dict = {}
+    exec(COPIED_BY_A_FACTORY, namespace)  # the class alone, in this process
+    Copied = namespace["Copied"]
+
+    report = run_check("grad", Config(), candidate_from_object(Copied))
+    grad = {r.quantity: r for r in report.rows if r.section == "grad"}
+    assert report.verdict == "fail" and grad["input"].status == "pass"
+    assert grad["out_proj.weight"].status == "fail" and "autograd gives no gradient: judged as zero" in grad["out_proj.weight"].note
+    assert grad["in_proj_bias[k]"].status == "pass"  # torch's is zero to rounding: softmax ignores a shift along the keys
+    assert not report.rows_with("not provided")
+    assert {r.status for r in report.rows if r.section == "finite-diff" and r.quantity != "input"} == {"info"}
+    assert any("training would never update them" in n and "adapt.bind" in n for n in report.notes)
 
 
 @pytest.mark.parametrize("isolated", [True, False], ids=["own-process", "in-process"])
