@@ -128,7 +128,10 @@ def not_float64(cfg, w64: Workload, out0, second0, loss0: float, oracle, magnitu
     (float32 inside on its path): any one where its output agrees with torch's in a float32 or half
     case, every one where it does not or the case is float64; each such one moving the output when
     moved by MOVE (one it ignores says nothing). `forward_at(workloads)` is the candidate's (output,
-    second output) at each."""
+    second output) at each. A second output outside the loss (a module's attention weights) is not
+    looked at: nothing it holds moves the loss."""
+    if not kind_of(cfg).second_in_loss(cfg):  # a float32 weights array named "its LSE" and excused a wrong float64 output
+        second0, forward_at = None, _outputs_only(forward_at)
     narrow = [f"its {name} is {a.dtype}" for name, a in (("output", out0), ("LSE", second0))
               if isinstance(a, np.ndarray) and a.dtype != np.float64]  # fmt: skip
     if narrow:
@@ -157,6 +160,11 @@ def not_float64(cfg, w64: Workload, out0, second0, loss0: float, oracle, magnitu
     return (f"the candidate's float64 loss is {off:.3g} off the oracle's ({off / rounding:.3g} times float64 rounding), and its "
             f"output keeps every bit when {', '.join(still)} {'moves' if len(still) == 1 else 'move'} by {NUDGE:g} relative: "
             "float32 arithmetic inside")
+
+
+def _outputs_only(forward_at):
+    """forward_at with each (output, second output) given as (output, None)."""
+    return lambda workloads: [(out, None) for out, _ in forward_at(workloads)]
 
 
 def _lse_not_float64(cfg, w64: Workload, out0, second0, values: dict, at_nudge: list, forward_at, off: float, rounding: float) -> str:
