@@ -19,7 +19,7 @@ from attncheck.candidate import LAYOUTS, candidate_from_object
 from attncheck.checks import run_check
 from attncheck.cli import app
 from attncheck.config import Config, load_suite
-from attncheck.report import FAIL, INFO, PASS
+from attncheck.report import FAIL, INFO, PASS, NotJudged
 from attncheck.testing.wrong_kvcache import CORRECT_KVCACHE, KVCACHE_PROBES, WRONG_KVCACHE
 
 from tests.helpers import assert_shown_by_probes, probe_rows
@@ -100,6 +100,7 @@ def test_a_window_that_a_top_left_diagonal_makes_moot_is_not_called_ignored():
     row = probe_rows(report)["options: window"]
     assert row.status is INFO and "ignores" not in row.note, row.note
     assert row.note.startswith("not judged: its outputs with window and without are the same") and "names no cause" in row.note
+    assert row.not_judged is NotJudged.FAILS_ALREADY  # the capability table read "reported, not judged" for it alone
     assert [r.quantity for r in report.failures] == ["output"]
 
 

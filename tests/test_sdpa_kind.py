@@ -527,6 +527,28 @@ def test_a_wrong_float64_forward_is_not_taken_for_float32_arithmetic():
     assert not [r for r in report.rows if r.section == "finite-diff" and r.status == "info"]
 
 
+class OutputOff(ScaledDotProductAttention):
+    """float64 throughout, its LSE right, its output 1% too large."""
+
+    def forward(self, *args, **kwargs):
+        result = super().forward(*args, **kwargs)
+        return (result[0] * 1.01, result[1]) if isinstance(result, tuple) else result * 1.01
+
+
+def test_an_lse_a_saturated_softcap_keeps_is_not_taken_for_float32_arithmetic():
+    # softcap 0.1 over inputs x3 (seed 1): tanh saturates, and the float64 LSE keeps its bits when the query
+    # or key moves by 1e-10 relative, as float32's would. A float64 kernel whose output alone was
+    # wrong read "float32 arithmetic inside the LSE" and its finite differences judged nothing.
+    saturated = _cfg(seed=1, dtype="float64", return_lse=True, softcap=0.1, input_scale=3.0)
+    report = run_check("grad", saturated, Candidate("output-off", OutputOff))
+    finite = [r for r in report.rows if r.section == "finite-diff"]
+    assert len(finite) > 1 and not any("float32" in r.note for r in finite), [r.note for r in finite]
+    assert any(r.status == "fail" for r in finite)  # its backward is not its forward's derivative
+    # the same LSE rounded through float32 is still told
+    fd = [r for r in run_check("grad", saturated, Candidate("t", LseRoundedThroughFloat32)).rows if r.section == "finite-diff"]
+    assert [r.status for r in fd] == ["info"] and "float32 arithmetic inside the LSE" in fd[0].note, [r.note for r in fd]
+
+
 @pytest.mark.parametrize("kernel, keys, words", [
     ("CausalUpperLeft", {"causal": "lower_right"},
      "the causal mask aligned upper_left where the case asks lower_right (L=5, S=7: upper_left is torch's is_causal"),

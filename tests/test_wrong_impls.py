@@ -8,6 +8,7 @@ with nothing crashed; a missed case must pass.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -15,7 +16,8 @@ from attncheck.config import Config
 from attncheck.candidate import Candidate
 from attncheck.checks import run_check
 from attncheck.cli import app
-from attncheck.report import FAIL, Report, Row
+from attncheck.reference import MultiheadAttention as Reference
+from attncheck.report import FAIL, PASS, Report, Row
 from attncheck.testing import detection, wrong_impls
 from attncheck.testing.detection import CAUGHT, MISSED
 from tests.conftest import cfg
@@ -122,3 +124,26 @@ def test_a_float64_forward_whose_output_no_input_moves_is_not_called_float32_ins
     report = run_check("grad", float64, candidate_from_object(zero_rows))
     finite = [r for r in report.rows if r.section == "finite-diff"]
     assert report.verdict == FAIL and finite and not any("float32 arithmetic" in r.note for r in finite)
+
+
+class _WeightsThroughFloat32(Reference):
+    """Its attention weights rounded through float32 (returned in float64 or float32), its output
+    float64 and `factor` times the right one."""
+
+    factor, weights_dtype = 1.0, np.float64
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out * self.factor, None if weights is None else weights.astype(np.float32).astype(self.weights_dtype)
+
+
+@pytest.mark.parametrize("factor, weights_dtype", [(1.01, np.float64), (1.0, np.float32)], ids=["wrong-output", "float32-weights"])
+def test_a_modules_float32_weights_do_not_excuse_its_finite_differences(factor, weights_dtype):
+    # A module's weights are not in the loss: the finite differences read them as its LSE ("float32
+    # arithmetic inside the LSE", "its LSE is float32") and judged nothing, even where the float64
+    # output was wrong and its backward not the forward's derivative.
+    module = type("Module", (_WeightsThroughFloat32,), {"factor": factor, "weights_dtype": weights_dtype})
+    report = run_check("grad", cfg(dtype="float64", need_weights=True), Candidate("weights-float32", module))
+    finite = [r for r in report.rows if r.section == "finite-diff"]
+    assert len(finite) > 1 and not any("LSE" in r.note for r in finite), [r.note for r in finite]
+    assert {r.status for r in finite} == ({FAIL, PASS} if factor != 1.0 else {PASS})

@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 
 from attncheck.candidate import Candidate
-from attncheck.checks.run import by_autograd, call_row, oracle_config, session_for
+from attncheck.checks.run import by_autograd, call_row, oracle_config, oracle_forward, session_for
 from attncheck.compare import BUDGET_FLOOR, Evidence, decide
 from attncheck.config import Config
 from attncheck.errors import CandidateProblem, Unsupported
@@ -128,7 +128,10 @@ def not_float64(cfg, w64: Workload, out0, second0, loss0: float, oracle, magnitu
     (float32 inside on its path): any one where its output agrees with torch's in a float32 or half
     case, every one where it does not or the case is float64; each such one moving the output when
     moved by MOVE (one it ignores says nothing). `forward_at(workloads)` is the candidate's (output,
-    second output) at each."""
+    second output) at each. A second output outside the loss (a module's attention weights) is not
+    looked at: nothing it holds moves the loss."""
+    if not kind_of(cfg).second_in_loss(cfg):  # a float32 weights array named "its LSE" and excused a wrong float64 output
+        second0, forward_at = None, _outputs_only(forward_at)
     narrow = [f"its {name} is {a.dtype}" for name, a in (("output", out0), ("LSE", second0))
               if isinstance(a, np.ndarray) and a.dtype != np.float64]  # fmt: skip
     if narrow:
@@ -145,7 +148,7 @@ def not_float64(cfg, w64: Workload, out0, second0, loss0: float, oracle, magnitu
     at_nudge = forward_at(nudged)
     still = [name for name, (out1, second1) in zip(values, at_nudge) if same(out0, out1) and same(second0, second1)]
     if not still:  # the output is float64 on every path: its LSE may be float32 inside all the same
-        return _lse_not_float64(cfg, w64, out0, second0, values, at_nudge, forward_at, off, rounding)
+        return _lse_not_float64(cfg, w64, out0, second0, values, nudged, at_nudge, forward_at, off, rounding)
     if still:  # only those the output depends on at all
         moved = forward_at([_perturbed(cfg, w64, name, values[name] * MOVE) for name in still])
         still = [name for name, (out1, second1) in zip(still, moved) if not (same(out0, out1) and same(second0, second1))]
@@ -159,27 +162,37 @@ def not_float64(cfg, w64: Workload, out0, second0, loss0: float, oracle, magnitu
             "float32 arithmetic inside")
 
 
-def _lse_not_float64(cfg, w64: Workload, out0, second0, values: dict, at_nudge: list, forward_at, off: float, rounding: float) -> str:
+def _outputs_only(forward_at):
+    """forward_at with each (output, second output) given as (output, None)."""
+    return lambda workloads: [(out, None) for out, _ in forward_at(workloads)]
+
+
+def _lse_not_float64(cfg, w64: Workload, out0, second0, values: dict, nudged: list, at_nudge: list, forward_at, off: float,
+                     rounding: float) -> str:  # fmt: skip
     """Why the candidate's LSE (its second output) is float32 arithmetic inside where its output is
     float64 ("" when it is not): every parameter or input moved by NUDGE moves the output but leaves
     most of the LSE's elements that read it (those MOVE moves) bit for bit the same, and at least
     one is read. Float64 moves every element it reaches by about NUDGE relative, float32 keeps all
     but the few within NUDGE of a float32 rounding boundary (about 1 in 1,000), so "most" is at
     least half: a kernel's LSE rounded through float32 failed the finite differences of its
-    float32 LSE cases, blaming a backward it does not have."""
+    float32 LSE cases, blaming a backward it does not have. Only the elements the float64 oracle's
+    own LSE moves at NUDGE count: a softcap's saturated tanh keeps float64's bits too (softcap 0.1,
+    inputs x3: a float64 kernel whose output alone was wrong read "float32 arithmetic inside the LSE")."""
     if not isinstance(second0, np.ndarray) or not np.isfinite(second0).any():
         return ""
-    kept = []  # (name, elements kept, elements moved by MOVE) of each input the LSE keeps most of its bits at
-    for name, (out1, second1) in zip(values, at_nudge):
+    oracle0 = np.asarray(oracle_forward(cfg, w64)[1])
+    kept = []  # (name, elements kept where the oracle's moved) of each input
+    for name, (out1, second1), w1 in zip(values, at_nudge, nudged):
         if np.array_equal(out0, out1, equal_nan=True) or second1 is None or np.shape(second1) != second0.shape:
             return ""  # the output's own path keeps its bits here (said above, or not float32's)
-        kept.append((name, np.asarray(second1) == second0))
-    reads = forward_at([_perturbed(cfg, w64, name, values[name] * MOVE) for name, _ in kept])
+        moves = np.asarray(oracle_forward(cfg, w1)[1]) != oracle0  # where float64 arithmetic moves
+        kept.append((name, (np.asarray(second1) == second0) & moves, moves))
+    reads = forward_at([_perturbed(cfg, w64, name, values[name] * MOVE) for name, _, _ in kept])
     read_by = []
-    for (name, unchanged), (_, second2) in zip(kept, reads):
+    for (name, unchanged, moves), (_, second2) in zip(kept, reads):
         if second2 is None or np.shape(second2) != second0.shape:
             return ""
-        reading = np.isfinite(second0) & (np.asarray(second2) != second0)  # the elements that read this input
+        reading = np.isfinite(second0) & (np.asarray(second2) != second0) & moves  # the elements that read this input
         if not reading.any():
             continue  # the LSE does not read it (the value)
         if 2 * int((unchanged & reading).sum()) < int(reading.sum()):

@@ -325,7 +325,7 @@ def _unmoved(p: Probing, name: str, label: str, moved: float, told: float, off_a
                     f"output row passes): its call with {name} off is the wrong one", reason=Reason.VALUES)  # fmt: skip
     return _row("options", label, INFO, f"not judged: {same}, but its output is neither the oracle's with {name} (the check's own "
                 f"output row fails) nor without it ({off_apart:.3g} apart, more than the {reach_off + p.budget:.3g} allowed): "
-                f"more is wrong than {name} ignored, and this probe names no cause")  # fmt: skip
+                f"more is wrong than {name} ignored, and this probe names no cause", not_judged=NotJudged.FAILS_ALREADY)  # fmt: skip
 
 
 # The dropout_p of the options probe's one call with dropout: every check runs with 0 (both sides
