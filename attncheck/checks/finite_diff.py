@@ -149,9 +149,9 @@ def not_float64(cfg, w64: Workload, out0, second0, loss0: float, oracle, magnitu
     still = [name for name, (out1, second1) in zip(values, at_nudge) if same(out0, out1) and same(second0, second1)]
     if not still:  # the output is float64 on every path: its LSE may be float32 inside all the same
         return _lse_not_float64(cfg, w64, out0, second0, values, nudged, at_nudge, forward_at, off, rounding)
-    if still:  # only those the output depends on at all
-        moved = forward_at([_perturbed(cfg, w64, name, values[name] * MOVE) for name in still])
-        still = [name for name, (out1, second1) in zip(still, moved) if not (same(out0, out1) and same(second0, second1))]
+    # only those the output depends on at all
+    moved = forward_at([_perturbed(cfg, w64, name, values[name] * MOVE) for name in still])
+    still = [name for name, (out1, second1) in zip(still, moved) if not (same(out0, out1) and same(second0, second1))]
     # Where the check's own output fails (a float64 case, whose call this is), a forward that
     # ignores one input keeps its bits too: there every input must (float32 from end to end, a
     # new kernel writer's `.float()`, whose finite differences failed, blaming its right backward).
