@@ -342,6 +342,12 @@ def _lse(x):  # (L, S) -> (L,): -inf on a row of -inf, as the contract's LSE of 
     return jax.nn.logsumexp(x, axis=-1)
 
 
+def _output_and_lse(x):  # a kernel's two results: its output finite (zero on the empty row), its LSE -inf there
+    import jax.numpy as jnp
+
+    return jnp.where(jnp.isfinite(x), x, 0.0).sum(axis=-1), _lse(x)
+
+
 LOGITS = np.array([[0.0, 1.0], [-np.inf, -np.inf]], np.float32)  # row 1 has no allowed key
 
 
@@ -349,10 +355,20 @@ def test_a_quick_compile_whose_infinities_the_default_compile_gives_too_stands()
     # A JAX kernel's correct -inf LSE made every such program compile again by default, which then
     # served its calls: the kernel suite with return_lse and attn_mask full_row, 50 of 87 programs.
     jax_programs = pytest.importorskip("attncheck.jax_programs")
+    program = jax_programs._Program(_output_and_lse, quick=True)
+    assert program.quick, "this jaxlib takes none of FAST_COMPILE: nothing to test"
+    np.testing.assert_array_equal(program(LOGITS)[1], [np.logaddexp(0.0, 1.0).astype(np.float32), -np.inf])
+    assert program.quick  # its LSE checked against the default compile, which gives the same -inf: the quick program stands
+
+
+def test_a_quick_compile_whose_every_result_holds_nan_or_inf_is_replaced_unchecked():
+    # A check of every leaf costs what the whole default program does, and where the quick
+    # compile was wrong (FLOAT_PADDING's gradients, every one with NaN) compiled it once more.
+    jax_programs = pytest.importorskip("attncheck.jax_programs")
     program = jax_programs._Program(_lse, quick=True)
     assert program.quick, "this jaxlib takes none of FAST_COMPILE: nothing to test"
     np.testing.assert_array_equal(program(LOGITS), [np.logaddexp(0.0, 1.0).astype(np.float32), -np.inf])
-    assert program.quick  # checked against the default compile, which gives the same -inf: the quick program stands
+    assert not program.quick and not program._checks  # the default compile serves it, with no check compiled
 
 
 @pytest.mark.parametrize("row, wrong", [(1, np.nan), (1, np.inf), (0, -np.inf)])
@@ -360,12 +376,17 @@ def test_a_quick_compile_giving_nan_or_inf_the_default_compile_does_not_is_repla
     # NaN or +inf where the default compile gives -inf, or -inf where it gives a number: the quick
     # compile's own (FLOAT_PADDING's gradients had NaN, +inf and -inf so), never judged.
     jax_programs = pytest.importorskip("attncheck.jax_programs")
-    program = jax_programs._Program(_lse, quick=True)
+    program = jax_programs._Program(_output_and_lse, quick=True)
     assert program.quick, "this jaxlib takes none of FAST_COMPILE: nothing to test"
     quick = program.compiled
-    program.compiled = lambda x: quick(x).at[row].set(wrong)  # what a quick compile's artifact would give
-    np.testing.assert_array_equal(program(LOGITS), [np.logaddexp(0.0, 1.0).astype(np.float32), -np.inf])
-    assert not program.quick  # the default compile serves it from then on
+
+    def artifact(x):  # what a quick compile's artifact would give: its LSE wrong at `row`
+        out, lse = quick(x)
+        return out, lse.at[row].set(wrong)
+
+    program.compiled = artifact
+    np.testing.assert_array_equal(program(LOGITS)[1], [np.logaddexp(0.0, 1.0).astype(np.float32), -np.inf])
+    assert not program.quick and program._checks  # checked, disagreed: the default compile serves it from then on
 
 
 CALLBACK_SCALE = '''
