@@ -138,6 +138,7 @@ CORPUS = {
     "SeqFirstReshapedNotTransposed": {},
     "CausalOnlyScaleInFloat32": {"output": ["small: the error is at most"]},
     "IsCausalDropsPadding": {"output": ["the key_padding_mask (3, 4) is ignored"]},  # its weights are not returned (need_weights false)
+    "UnbatchedNeverAverages": {},  # a wrong shape: nothing to diagnose
 }  # fmt: skip
 # Words that name a cause: a diagnosis holds one only where its expected words do.
 CAUSES = ["heads split", "heads merged", "heads permuted", "laid out head-major", "is read head-major", "wrong order",

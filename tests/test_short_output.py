@@ -45,7 +45,7 @@ def heads_split():
         short = run("run", "--impl", HEADS_SPLIT)
         checks = len(ran)
         verbose = run("run", "--impl", HEADS_SPLIT, "--verbose")
-    assert checks == len(ran) == 122  # the same checks, each run once
+    assert checks == len(ran) == 125  # the same checks, each run once
     return short, verbose
 
 
@@ -60,7 +60,7 @@ def test_the_head_split_bug_on_the_default_suite_prints_at_most_180_lines(heads_
     assert len(verbose.output.splitlines()) > 1000  # what the default leaves out is kept by --verbose
     # the summary comes first, then the distinct failures, then the verdict
     summary, failures = short.output.index("summary  default-suite"), short.output.index("distinct failures")
-    assert summary < failures < short.output.index("FAIL  6 of 122 checks pass, 116 fail")
+    assert summary < failures < short.output.index("FAIL  6 of 125 checks pass, 119 fail")
     # each command's commonest failure is shown for its first case; the same failure elsewhere is not repeated
     for command in ("forward", "grad", "sgd-step"):
         assert short.output.count(f"attncheck {command}  basic") == 1

@@ -30,7 +30,7 @@ MHA, LAYER = "multihead_attention", "transformer_encoder_layer"
 NEW_CASES = {
     MHA: {"encoder-decoder-no-bias", "cross-attention-no-bias", "kdim-vdim-no-bias", "seq-first-no-bias", "long-causal",
           "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal", "float16-long", "float16-causal", "float16-wide", "bfloat16",
-          "is-causal-key-padding"},
+          "is-causal-key-padding", "unbatched-causal"},
     LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block", "fully-padded-row"},
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the gap it stands for in the comment.
@@ -49,6 +49,7 @@ REACH = {
     "HalfMeansFloat16": (MHA, {"bfloat16"}),  # 1: no bfloat16 case (NumPy cannot compute in it)
     "CausalOnlyScaleInFloat32": (MHA, {"float64-causal"}),  # 9: no float64 case a causal-only candidate takes
     "IsCausalDropsPadding": (MHA, {"is-causal-key-padding"}),  # a red-team module: the is_causal hint with key padding
+    "UnbatchedNeverAverages": (MHA, {"unbatched-causal"}),  # the unbatched path's weights per head, averaged or not
     "KeyPaddingDroppedWhenCausal": (LAYER, {"causal-key-padding"}),  # 7: is_causal with key padding
     "GptBlockGeluTanh": (LAYER, {"pre-norm-gelu-causal", "float64-gpt-block"}),  # 8: no case a GPT block takes
     "GptBlockScaleInFloat32": (LAYER, {"float64-gpt-block"}),  # 9

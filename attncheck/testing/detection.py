@@ -175,6 +175,7 @@ DEFAULT_SUITE_CATCHES = [
     SuiteCatch("SeqFirstReshapedNotTransposed", "seq-first-no-bias", "forward", FORWARD_ONLY),
     SuiteCatch("CausalOnlyScaleInFloat32", "float64-causal", "forward", BOTH_FORWARD_PATHS),
     SuiteCatch("IsCausalDropsPadding", "is-causal-key-padding", "forward", {"forward": ("output",), "fast-path": ("output",)}),  # need_weights false
+    SuiteCatch("UnbatchedNeverAverages", "unbatched-causal", "forward", {"forward": ("attn_weights",)}),
 ]  # fmt: skip
 
 

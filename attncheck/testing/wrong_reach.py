@@ -346,10 +346,23 @@ class IsCausalDropsPadding(MultiheadAttention):
         return super().forward(query, key, value, key_padding_mask=key_padding_mask, is_causal=is_causal, **kwargs)
 
 
+class UnbatchedNeverAverages(MultiheadAttention):
+    """Unbatched (2-D) inputs: per-head (H, L, S) weights whatever average_attn_weights says, on
+    that code path of its own; batched inputs are averaged when asked. Invisible with per-head
+    weights or need_weights=False. The default suite's one unbatched case asked for per-head
+    weights (so that UnbatchedAlwaysAverages is caught): it passed until unbatched-causal."""
+
+    def forward(self, query, key, value, *, average_attn_weights=True, **kwargs):
+        if query.ndim == 2:
+            average_attn_weights = False
+        return super().forward(query, key, value, average_attn_weights=average_attn_weights, **kwargs)
+
+
 # Every wrong module above, by name.
 MODULES = {
     cls.__name__: cls
     for cls in (HalfAccumulatedSoftmax, HalfAccumulatedOutProjection, HalfInputsFloat32Output, MaskFilledWithMinus1e9, HalfMeansFloat16, CausalMaskBlockLocal,
                 MaskAppliedAfterExp, OnlineSoftmaxEmptyBlockNaN, EncoderDecoderQueryKeySwapped, CrossAttentionKeyValueChunksSwapped,
-                KdimHeadDimFromKeyWidth, SeqFirstReshapedNotTransposed, CausalOnlyScaleInFloat32, IsCausalDropsPadding)
+                KdimHeadDimFromKeyWidth, SeqFirstReshapedNotTransposed, CausalOnlyScaleInFloat32, IsCausalDropsPadding,
+                UnbatchedNeverAverages)
 }  # fmt: skip
