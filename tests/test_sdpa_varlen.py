@@ -223,3 +223,16 @@ def test_the_oracle_aligned_upper_left_is_each_sequence_top_left():
                                                             v[None, :5].transpose(0, 2, 1, 3), is_causal=True)  # fmt: skip
     np.testing.assert_allclose(out[:3], first[0].transpose(1, 0, 2), rtol=1e-12)
     assert not np.allclose(out, VarlenAttention().forward(q, k, v, cu_q, cu_k, 4, 5, causal=True))
+
+
+def test_a_varlen_kernels_alibi_without_the_abs_is_named():
+    # The packed kind's oracle builds a kernel per sequence, which took the sdpa oracle's ALiBi: the
+    # diagnosis's other formula never reached it, and such a kernel's output had no reading. Each
+    # sequence's kernel now adds the varlen oracle's own `_alibi`.
+    class AlibiNoAbs(VarlenAttention):
+        def _alibi(self, slopes, offset):
+            return np.asarray(slopes) * offset.astype(np.asarray(slopes).dtype)  # the causal-only form
+
+    cfg = next(c.config for c in load_suite(None, module="sdpa_varlen").cases if c.name == "alibi")
+    [row] = [r for r in run_check("forward", cfg, candidate_from_object(AlibiNoAbs)).failures if r.quantity == "output"]
+    assert row.diagnosis.startswith("the output is the float64 oracle's with ALiBi's bias without the abs"), row.diagnosis

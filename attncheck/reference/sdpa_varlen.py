@@ -23,7 +23,7 @@ from dataclasses import replace
 import numpy as np
 
 from attncheck.reference.kernel import DEFAULT_BLOCK_ELEMENTS, DEFAULT_PARALLEL_LOGITS, RoundingNoise
-from attncheck.reference.sdpa import ALIGNMENTS, FULLY_MASKED_ROWS, ScaledDotProductAttention
+from attncheck.reference.sdpa import ALIGNMENTS, FULLY_MASKED_ROWS, ScaledDotProductAttention, alibi
 
 
 def sequences(cu_seqlens_q, cu_seqlens_k) -> list[tuple[int, int, int, int]]:
@@ -94,6 +94,7 @@ class VarlenAttention:
                 continue
             kernel = ScaledDotProductAttention(self.causal_alignment, self.fully_masked_rows, block_elements=self.block_elements,
                                                parallel_logits=self.parallel_logits)  # fmt: skip
+            kernel._alibi = self._alibi  # the seam the diagnosis replaces (CheckRun.reread), for every sequence
             if self.rounding is not None:
                 kernel.rounding = replace(self.rounding, seed=self.rounding.seed * 7919 + s + 1)  # each sequence its own draws
             seq_out, seq_lse = kernel.forward(
@@ -113,6 +114,11 @@ class VarlenAttention:
         self.logit_magnitude = max(magnitudes, default=None)
         self._saved = (seqs, kernels, q.shape, k.shape, v.shape, (q.dtype, k.dtype, v.dtype))
         return (out, lse) if return_attn_probs else out
+
+    def _alibi(self, slopes: np.ndarray, offset: np.ndarray) -> np.ndarray:
+        """ALiBi's bias, -slope * |offset|, as each sequence's kernel adds it: a method, so that the
+        diagnosis can rerun the oracle with a kernel's other formula (attncheck.diagnose_kernels.readings)."""
+        return alibi(slopes, offset)
 
     def backward(self, grad_out, grad_lse=None) -> dict[str, np.ndarray]:
         """{"q", "k", "v"}: the gradients of the last forward's inputs, given d(loss)/d(out) (Tq, Hq, Ev)
