@@ -247,3 +247,18 @@ def test_a_function_of_another_kinds_signature_is_one_contract_error_before_any_
     result = CliRunner().invoke(app, ["forward", "--module", "sdpa_kvcache", "--impl", f"{path}:varlen"])
     assert result.exit_code == 2, result.output
     assert "does not fit the contract of `module: sdpa_kvcache`" in result.output and "multiple values for argument 'k'" in result.output
+
+
+def test_a_decode_kernels_alibi_without_the_abs_is_named_where_no_causal_mask_hides_it():
+    # The decode kind's oracle is a function: the diagnosis's other formula of ALiBi (a method it
+    # puts on the built oracle) never reached it, and such a kernel's output had no reading. Its
+    # kind now hands the formula to each sequence's kernel (attend_with_kvcache's `alibi`).
+    from attncheck.diagnose_kernels import _alibi_without_abs
+    from attncheck.reference.kvcache import with_causal_alignment
+
+    without_abs = with_causal_alignment("lower_right", alibi=_alibi_without_abs)
+    case = next(c.config for c in load_suite(None, module="sdpa_kvcache").cases if c.name == "alibi")
+    cfg = case.model_copy(update={"causal": "none"})
+    [row] = [r for r in run_check("forward", cfg, candidate_from_object(without_abs)).failures if r.quantity == "output"]
+    assert row.diagnosis.startswith("the output is the float64 oracle's with ALiBi's bias without the abs"), row.diagnosis
+    assert run_check("forward", case, candidate_from_object(without_abs)).passed  # the causal mask hides every key it differs on

@@ -141,15 +141,9 @@ class CheckRun:
             cfg = config_from_mapping({**self.cfg.model_dump(exclude_unset=True), **valid}, source="<diagnosis>").model_copy(update=aside)
             if not methods:
                 return oracle_forward(cfg, self.w)[0]
-            # The methods go onto the built object, not a subclass built in its place (as `rerun`
-            # builds its factories): the kind builds its reference itself, with the config's
-            # alignment and empty-row convention (ModuleKind.instantiate's `factory is self.reference`).
             oracle, w64 = oracle_session(cfg), self.w.astype(np.float64)
-            obj = oracle.build(w64.params)
-            if not all(callable(getattr(obj, name, None)) for name in methods):
-                return None
-            obj.__class__ = type(f"{type(obj).__name__}Reread", (type(obj),), dict(methods))
-            return oracle.forward(obj, w64)[0]
+            obj = kind_of(cfg).with_methods(cfg, oracle.build(w64.params), methods)
+            return None if obj is None else oracle.forward(obj, w64)[0]
         except (UsageError, CandidateProblem):
             return None
 

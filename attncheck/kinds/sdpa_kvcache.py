@@ -133,6 +133,15 @@ class KvCacheKind(FunctionKind):
             return with_causal_alignment("upper_left")
         return ModuleKind.instantiate(self, cfg, factory, params)
 
+    def with_methods(self, cfg, obj: Any, methods: dict) -> Any | None:
+        """The oracle is a function, whose kernels (one per sequence) take ALiBi's other formula
+        (attend_with_kvcache's `alibi`); no other method of theirs is replaced."""
+        if set(methods) != {"_alibi"}:
+            return None
+        from attncheck.reference.kvcache import with_causal_alignment
+
+        return with_causal_alignment("upper_left" if cfg.causal == "upper_left" else "lower_right", alibi=methods["_alibi"])
+
     def written_arguments(self, cfg) -> tuple[str, ...]:
         return CACHES
 
