@@ -373,7 +373,7 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
             result = run(progress=_progress_lines(console, every=view.verbose))
     if not many:
         for report in result.reports:
-            render(report, console, tracebacks=view.tracebacks)
+            render(report, console, tracebacks=view.tracebacks, gap=len(result.reports) > 1)
         if len(result.reports) > 1:  # `run` of one config: its last report's PASS ended a run that failed in another
             console.print(suite_verdict(result))
         return result

@@ -277,11 +277,13 @@ def is_live(console: Console) -> bool:
     return console.is_terminal and isatty(console.file)
 
 
-def render(report: Report, console: Console, *, tracebacks: bool = False) -> None:
+def render(report: Report, console: Console, *, tracebacks: bool = False, gap: bool = True) -> None:
     """Print a report: header, table, losses, notes and details, verdict; with `tracebacks`, the
-    full traceback of every candidate call that raised."""
+    full traceback of every candidate call that raised; with `gap`, a blank line after it (before the
+    next report): a run of one report ends on its verdict line, which scripts read."""
     console.print(Group(*report_parts(report, console.width, tracebacks=tracebacks)))
-    console.print()
+    if gap:
+        console.print()
 
 
 # A note's lines in a distinct failure's example, where the notes come before the rows' details: a

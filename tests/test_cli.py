@@ -146,6 +146,8 @@ def test_run_of_one_config_ends_with_the_runs_verdict():
     assert result.exit_code == 1 and lines[-1].startswith("FAIL  2 of 3 checks pass, 1 fail"), result.output
     single = run("forward", "-c", "configs/default.yaml")
     assert single.exit_code == 0 and " of 1 checks pass" not in single.output  # one report: its own verdict line is the run's
+    # ... and the output's last line: a blank line followed it, so `| tail -1` printed nothing.
+    assert single.output.splitlines()[-1].startswith("PASS  all "), single.output[-300:]
 
 
 def test_a_selection_with_nothing_to_run_says_so(tmp_path):
