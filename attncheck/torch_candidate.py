@@ -133,7 +133,10 @@ class TorchSession(FrameworkSession):
         except CandidateError as err:  # raised in torch's engine, whose frame it named: the graph is forward's
             if err.location is None or not is_library(err.location.rpartition(":")[0]):
                 raise
-            raise CandidateError(f"{err.message}; in the graph {called} recorded", where, err.traceback, err.raised) from err
+            hint = ("; a tensor computed from the parameters outside it (in __init__, or kept from an earlier call) still holds "
+                    "the graph an earlier backward freed: compute it inside forward (a training loop's second step raises this too)"
+                    if "through the graph a second time" in err.message else "")  # fmt: skip
+            raise CandidateError(f"{err.message}; in the graph {called} recorded{hint}", where, err.traceback, err.raised) from err
         grads: dict[str, torch.Tensor | None] = {name: None for name in {**params, **self._inputs}}
         for (name, _), g in zip(sources, found):
             if g is not None:

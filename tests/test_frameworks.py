@@ -96,6 +96,22 @@ def test_autograd_failing_in_the_candidates_graph_names_the_candidates_forward()
     assert "test_frameworks.py:" in row.note and "torch/autograd" not in row.note
 
 
+class ScaleFoldedInInit(FunctionalTorch):
+    """The softmax scale folded into W_q in __init__, from the parameters it is handed: the folded
+    tensor keeps the graph of that product, which the first backward frees (a red-team tester's)."""
+
+    def __init__(self, params, num_heads, batch_first, **options):
+        super().__init__(params, num_heads, batch_first, **options)
+        self.params = {**params, "in_proj_weight": params["in_proj_weight"] * 1.0}
+
+
+def test_a_tensor_computed_in_init_that_the_first_backward_freed_is_named_with_the_fix():
+    report = attncheck.check({"need_weights": False, "framework": "torch"}, "grad", impl=ScaleFoldedInInit)
+    [row] = [r for r in report.failures if r.quantity == "repeat call"]
+    assert "a second time" in row.note and "(in __init__, or kept from an earlier call)" in row.note, row.note
+    assert "compute it inside forward" in row.note
+
+
 class WrongHandWrittenBackward(FunctionalTorch):
     """A hand-written backward is used when present: this one returns a wrong gradient."""
 
