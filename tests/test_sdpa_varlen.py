@@ -28,6 +28,10 @@ CATCHES = {
     "CausalTopLeftPerSequence": [("causal", "forward"), ("decode", "grad")],
     "EmptySequenceWritesGarbage": [("plain", "forward"), ("lse", "grad")],
     "ReadsPastLastSequence": [("plain", "forward"), ("random-lengths", "forward")],  # the poisoning probe: forward only
+    "VarlenSoftcapAfterAlibi": [("softcap-alibi-lse", "forward"), ("softcap-alibi-lse", "grad")],
+    "VarlenLseWithoutSoftcap": [("softcap-alibi-lse", "forward"), ("softcap-alibi-lse", "grad")],
+    "VarlenWindowRightUnboundedAsCausal": [("window-1-inf", "forward"), ("window-1-inf", "grad")],
+    "VarlenAlibiSlopesGqaOrder": [("alibi-causal", "forward"), ("alibi-causal", "grad")],
 }
 # (query lengths, key lengths, options) the oracle is checked on against the dense computation.
 ORACLE_CASES = [
