@@ -108,6 +108,16 @@ def test_the_kernel_suites_size_is_what_the_prose_says():
     assert f"passes 34 of {checks_of(suite)} checks" in kernels
 
 
+def test_the_varlen_and_decode_suites_size_is_what_the_prose_says():
+    kernels = page("how-to/kernels.md")
+    varlen, decode = load_suite(None, module="sdpa_varlen"), load_suite(None, module="sdpa_kvcache")
+    varlen_checks = sum(2 if case.commands is None else len(case.commands) for case in varlen.cases)  # forward and grad
+    assert f"(`configs/default_sdpa_varlen_suite.yaml`, {len(varlen.cases)} cases;" in kernels
+    assert f"The NumPy example passes all {varlen_checks} checks" in kernels
+    assert f"(`configs/default_sdpa_kvcache_suite.yaml`, {len(decode.cases)} cases;" in kernels
+    assert f"It passes 15 of the {len(decode.cases)} cases" in kernels  # forward only: one check a case
+
+
 def test_the_known_bad_count_is_the_corpus():
     from attncheck.testing.detection import DEFAULT_SUITE_CATCHES
 

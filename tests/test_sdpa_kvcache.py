@@ -28,6 +28,10 @@ CATCHES = {
     "SplitMaxDropped": [("splits-5", "output"), ("splits-5", "lse"), ("decode", "output")],
     "ReadsPastSeqlen": [("decode", "poisoning"), ("paged-64-gqa", "poisoning")],
     "DiagonalTopLeft": [("append-causal-lq4", "output"), ("window-causal", "output"), ("alibi", "output")],
+    "SoftcapAfterAlibiKv": [("softcap-alibi-lse", "output"), ("softcap-alibi-lse", "lse")],
+    "LseWithoutSoftcapKv": [("softcap-alibi-lse", "lse")],
+    "WindowRightUnboundedAsCausalKv": [("window-1-inf", "output")],
+    "AlibiSlopesGqaOrderKv": [("alibi", "output")],
 }
 
 
@@ -107,7 +111,7 @@ def test_the_correct_kernel_and_the_reference_pass_every_case():
 def test_the_example_passes_the_default_suite_in_its_own_process(tmp_path):
     result = CliRunner().invoke(app, ["forward", "--module", "sdpa_kvcache", "--impl", EXAMPLE])
     assert result.exit_code == 0, result.output
-    assert "18 of 18 checks pass" in result.output
+    assert "20 of 20 checks pass" in result.output
 
 
 def test_the_default_suite_covers_the_decode_features():

@@ -28,6 +28,11 @@ CATCHES = {
     "CausalTopLeftPerSequence": [("causal", "forward"), ("decode", "grad")],
     "EmptySequenceWritesGarbage": [("plain", "forward"), ("lse", "grad")],
     "ReadsPastLastSequence": [("plain", "forward"), ("random-lengths", "forward")],  # the poisoning probe: forward only
+    "VarlenSoftcapAfterAlibi": [("softcap-alibi-lse", "forward"), ("softcap-alibi-lse", "grad")],
+    "VarlenLseWithoutSoftcap": [("softcap-alibi-lse", "forward"), ("softcap-alibi-lse", "grad")],
+    "VarlenWindowRightUnboundedAsCausal": [("window-1-inf", "forward"), ("window-1-inf", "grad")],
+    "VarlenAlibiSlopesGqaOrder": [("alibi-causal", "forward"), ("alibi-causal", "grad")],
+    "VarlenHalfAccumulatedOutput": [("bfloat16-2048", "forward")],  # a forward-only case
 }
 # (query lengths, key lengths, options) the oracle is checked on against the dense computation.
 ORACLE_CASES = [
@@ -197,9 +202,9 @@ def test_caught_by_the_default_varlen_suite(name):
 
 def test_the_correct_varlen_kernel_passes_every_case():
     candidate = candidate_from_object(CORRECT_KERNEL)
-    for name, cfg in _cases().items():
-        for command in ("forward", "grad"):
-            assert run_check(command, cfg, candidate).verdict == "pass", (name, command)
+    for case in load_suite(None, module="sdpa_varlen").cases:
+        for command in case.commands or ("forward", "grad"):
+            assert run_check(command, case.config, candidate).verdict == "pass", (case.name, command)
 
 
 @pytest.mark.parametrize("case, lengths", [("causal", "sequences of Lq x Lk 13x29, 7x3"), ("window-2-1", "sequences of Lq x Lk 13x29, 7x3"),

@@ -3,8 +3,10 @@ was missed by every case the suites had before, and is caught, with no config, b
 for it and by no older case.
 
 REACH names, for each, its module kind and the cases that must fail on it; NEW_CASES are the cases
-added for these gaps. Each implementation runs through its kind's whole embedded suite, the
-pipeline `attncheck run` runs (attncheck.suite.prepare), and must fail exactly those cases, each
+added for these gaps, and the older cases whose parameters changed to close one (the varlen suite's
+`alibi-causal` and the decode suite's `alibi`, under GQA since). Each implementation runs through
+its kind's whole embedded suite, the pipeline `attncheck run` runs (attncheck.suite.prepare), and
+must fail exactly those cases, each
 with a real finding (a mismatch, or a result in the wrong dtype) and no crash; every older case
 must pass it or have it declare the case unsupported (or, for a row torch leaves undefined, be
 inconclusive). Two of them go through the command line itself instead.
@@ -24,14 +26,16 @@ from attncheck.commands import NAMES
 from attncheck.config import load_suite
 from attncheck.report import FAIL, Reason
 from attncheck.suite import prepare
-from attncheck.testing import wrong_layers, wrong_reach
+from attncheck.testing import wrong_kvcache, wrong_layers, wrong_reach, wrong_varlen
 
-MHA, LAYER = "multihead_attention", "transformer_encoder_layer"
+MHA, LAYER, VARLEN, KVCACHE = "multihead_attention", "transformer_encoder_layer", "sdpa_varlen", "sdpa_kvcache"
 NEW_CASES = {
     MHA: {"encoder-decoder-no-bias", "cross-attention-no-bias", "kdim-vdim-no-bias", "seq-first-no-bias", "long-causal",
           "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal", "float16-long", "float16-causal", "float16-wide", "bfloat16",
           "is-causal-key-padding", "unbatched-causal"},
     LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block", "fully-padded-row"},
+    VARLEN: {"softcap-alibi-lse", "window-1-inf", "alibi-causal", "bfloat16-2048"},  # alibi-causal: 6 query heads on 2 key-value heads, where it had 4 on 4
+    KVCACHE: {"softcap-alibi-lse", "window-1-inf", "alibi"},  # alibi: 6 query heads on 2 key-value heads, where it had 6 on 6
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the gap it stands for in the comment.
 REACH = {
@@ -54,19 +58,34 @@ REACH = {
     "GptBlockGeluTanh": (LAYER, {"pre-norm-gelu-causal", "float64-gpt-block"}),  # 8: no case a GPT block takes
     "GptBlockScaleInFloat32": (LAYER, {"float64-gpt-block"}),  # 9
     "FullyMaskedRowsNaN": (LAYER, {"fully-padded-row"}),  # no layer case had a row whose every key is masked
+    # The varlen and decode suites had each option alone, as the kernel suite had before its softcap-alibi-lse,
+    # window-1-inf and float-mask-4d-gqa: no two together, no window open ahead, no ALiBi under GQA.
+    "VarlenSoftcapAfterAlibi": (VARLEN, {"softcap-alibi-lse"}),
+    "VarlenLseWithoutSoftcap": (VARLEN, {"softcap-alibi-lse"}),
+    "VarlenWindowRightUnboundedAsCausal": (VARLEN, {"window-1-inf"}),
+    "VarlenAlibiSlopesGqaOrder": (VARLEN, {"alibi-causal"}),
+    "VarlenHalfAccumulatedOutput": (VARLEN, {"bfloat16-2048"}),  # the kernel suite's bfloat16-long gap, and a pack's short sequence setting the floor
+    "SoftcapAfterAlibiKv": (KVCACHE, {"softcap-alibi-lse"}),
+    "LseWithoutSoftcapKv": (KVCACHE, {"softcap-alibi-lse"}),
+    "WindowRightUnboundedAsCausalKv": (KVCACHE, {"window-1-inf"}),
+    "AlibiSlopesGqaOrderKv": (KVCACHE, {"alibi"}),
 }
+KERNEL_CORPORA = {VARLEN: wrong_varlen.WRONG_KERNELS, KVCACHE: wrong_kvcache.WRONG_KVCACHE}  # each kernel kind's known-bad kernels, where REACH draws some
 
 
 def _class(name: str) -> type:
-    return wrong_reach.MODULES.get(name) or wrong_layers.LAYERS[name]
+    kind, _ = REACH[name]
+    return KERNEL_CORPORA[kind][name] if kind in KERNEL_CORPORA else wrong_reach.MODULES.get(name) or wrong_layers.LAYERS[name]
 
 
 def _suite(kind: str):
-    return load_suite(None, module=kind) if kind == LAYER else load_suite(None)
+    return load_suite(None) if kind == MHA else load_suite(None, module=kind)
 
 
 def test_the_table_covers_the_corpus_s_new_members_and_the_suites_new_cases():
-    assert set(wrong_reach.MODULES) | {"KeyPaddingDroppedWhenCausal", "GptBlockGeluTanh", "GptBlockScaleInFloat32", "FullyMaskedRowsNaN"} == set(REACH)
+    kernels = {name for name, (kind, _) in REACH.items() if kind in KERNEL_CORPORA}
+    assert set(wrong_reach.MODULES) | {"KeyPaddingDroppedWhenCausal", "GptBlockGeluTanh", "GptBlockScaleInFloat32", "FullyMaskedRowsNaN"} == set(REACH) - kernels
+    assert all(name in KERNEL_CORPORA[REACH[name][0]] for name in kernels)
     from attncheck.testing import wrong_impls
 
     # each is usable as `--impl attncheck.testing.wrong_impls:NAME`, as the docs say
@@ -112,7 +131,7 @@ def test_the_no_config_command_line_exits_1_on_its_new_cases_alone(tmp_path, nam
     kind, _ = REACH[name]
     assert getattr(importlib.import_module(COMMAND_LINE[name]), name) is _class(name)  # the SPEC names REACH's class
     out = tmp_path / "r.json"
-    result = CliRunner().invoke(app, ["run", *(["--module", kind] if kind == LAYER else []), "--impl", f"{COMMAND_LINE[name]}:{name}",
+    result = CliRunner().invoke(app, ["run", *(["--module", kind] if kind != MHA else []), "--impl", f"{COMMAND_LINE[name]}:{name}",
                                       "--json", str(out)])  # fmt: skip
     assert result.exit_code == 1, result.output
     data = json.loads(out.read_text())

@@ -17,7 +17,8 @@ import numpy as np
 from attncheck.reference.kvcache import rope, rotary_positions
 
 SPLIT_KEYS = 64  # num_splits=0: chunks of this many keys (the kernel's own heuristic)
-HOOKS = ("_append_positions", "_slot", "_rotate_cached", "_combine", "_keys_read", "_num_splits", "_partial", "_offset")
+HOOKS = ("_append_positions", "_slot", "_rotate_cached", "_combine", "_keys_read", "_num_splits", "_partial", "_offset", "_allowed",
+         "_slope", "_logits")
 
 
 class DecodeKernel:
@@ -56,21 +57,12 @@ class DecodeKernel:
             if cos is not None:
                 kb = self._rotate_cached(kb, cos, sin, c, rotary_interleaved)
             offset = self._offset(Lq, S)  # (Lq, S)
-            allowed = np.ones((Lq, S), dtype=bool)
-            if causal:
-                allowed &= offset <= 0
-            if local and window_size[0] >= 0:
-                allowed &= offset >= -window_size[0]
-            if local and window_size[1] >= 0:
-                allowed &= offset <= window_size[1]
+            allowed = self._allowed(offset, causal, tuple(window_size))  # (Lq, S)
             for h in range(Hq):
                 kv = h // (Hq // Hkv)
                 s = (qb[:, h] @ kb[:, kv].T) * scale  # (Lq, S)
-                if softcap:
-                    s = softcap * np.tanh(s / softcap)
-                if alibi_slopes is not None:
-                    s = s - float(alibi_slopes[h]) * np.abs(offset)
-                s = np.where(allowed, s, -np.inf)
+                slope = None if alibi_slopes is None else self._slope(alibi_slopes, h, Hq, Hkv)
+                s = self._logits(s, softcap, slope, offset, allowed)  # (Lq, S)
                 n = self._num_splits(S, B, num_splits)
                 parts = [self._partial(s[:, a:z], vb[a:z, kv]) for a, z in _chunks(S, n)]
                 out[b, :, h], lse[b, h] = self._combine(parts)
@@ -109,6 +101,32 @@ class DecodeKernel:
         """(Lq, S) each key's position past its query's bottom-right diagonal, j - (i + S - Lq): what
         causal, the window and ALiBi are measured from."""
         return np.arange(S)[None, :] - (np.arange(Lq)[:, None] + S - Lq)
+
+    def _allowed(self, offset: np.ndarray, causal: bool, window_size: tuple[int, int]) -> np.ndarray:
+        """(Lq, S) whether each query may see each key: causal, and the window -left <= offset <= right,
+        a side of -1 unbounded."""
+        left, right = window_size
+        allowed = np.ones(offset.shape, dtype=bool)
+        if causal:
+            allowed &= offset <= 0
+        if left >= 0:
+            allowed &= offset >= -left
+        if right >= 0:
+            allowed &= offset <= right
+        return allowed
+
+    def _slope(self, alibi_slopes, h: int, Hq: int, Hkv: int) -> float:
+        """Query head h's ALiBi slope: alibi_slopes[h], whichever key-value head it reads."""
+        return float(alibi_slopes[h])
+
+    def _logits(self, s, softcap: float, slope: float | None, offset: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+        """(Lq, S) one head's logits in FlashAttention's order: softcap the scaled scores s, add ALiBi
+        -slope |offset|, then -inf where a key is not allowed."""
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        if slope is not None:
+            s = s - slope * np.abs(offset)
+        return np.where(allowed, s, -np.inf)
 
     def _keys_read(self, c: int, Lnew: int) -> int:
         """How many keys sequence b attends over: its cached ones and the new ones."""

@@ -85,6 +85,68 @@ class DiagonalTopLeft(DecodeKernel):
         return np.arange(S)[None, :] - np.arange(Lq)[:, None]
 
 
+# ------------------------------------------------------------------------- options combined
+# Each passed the default decode suite until the case named in its docstring joined it
+# (tests/test_suite_reach.py): no case had the two features together.
+
+
+class SoftcapAfterAlibiKv(DecodeKernel):
+    """The softcap taken over the scores with ALiBi already added, c * tanh((s + alibi) / c), where
+    FlashAttention caps the scaled scores and adds ALiBi after: c * tanh(s / c) + alibi.
+
+    Exposed by a softcap together with ALiBi: softcap-alibi-lse."""
+
+    def _logits(self, s, softcap, slope, offset, allowed):
+        if slope is not None:
+            s = s - slope * np.abs(offset)
+        return super()._logits(s, softcap, None, offset, allowed)  # should cap s alone, then add ALiBi
+
+
+class LseWithoutSoftcapKv(DecodeKernel):
+    """softmax_lse taken over the logits without the softcap, log sum exp(s + alibi) over the allowed
+    keys, where the output's softmax is over the capped ones. The output is right.
+
+    Exposed by return_softmax_lse with a softcap and scores large enough for tanh to bend: softcap-alibi-lse."""
+
+    def _logits(self, s, softcap, slope, offset, allowed):
+        self._uncapped = super()._logits(s, 0.0, slope, offset, allowed)  # (Lq, S)
+        return super()._logits(s, softcap, slope, offset, allowed)
+
+    def _combine(self, parts):
+        out, _ = super()._combine(parts)
+        m = self._uncapped.max(axis=1, initial=-np.inf)  # (Lq,)
+        shift = np.where(np.isfinite(m), m, 0.0)
+        total = np.exp(self._uncapped - shift[:, None]).sum(axis=1)
+        with np.errstate(divide="ignore"):
+            return out, np.where(total == 0, -np.inf, shift + np.log(total))  # should be the capped logits' own
+
+
+class WindowRightUnboundedAsCausalKv(DecodeKernel):
+    """A window (left, -1) read as (left, 0): "a sliding window looks back", so the keys ahead of a
+    query's bottom-right diagonal are dropped. The default decode suite's one window was causal: it passed.
+
+    Exposed by (left >= 0, -1) without causal and several query tokens (the last one has no key
+    ahead of it): window-1-inf."""
+
+    def _allowed(self, offset, causal, window_size):
+        left, right = window_size
+        if left >= 0 and right < 0:
+            right = 0  # -1 is no bound, not the diagonal
+        return super()._allowed(offset, causal, (left, right))
+
+
+class AlibiSlopesGqaOrderKv(DecodeKernel):
+    """The ALiBi slopes, one per query head, regrouped under GQA as if the query heads were ordered
+    (G, Hkv): a loop over key-value heads, then over each one's G query heads, reads slope
+    g * Hkv + kv for query head kv * G + g. No ALiBi case of the default decode suite had GQA: it passed.
+
+    Exposed by ALiBi with Hkv > 1 and G > 1: alibi (6 query heads on 2)."""
+
+    def _slope(self, alibi_slopes, h, Hq, Hkv):
+        kv, g = divmod(h, Hq // Hkv)
+        return float(alibi_slopes[g * Hkv + kv])  # should be alibi_slopes[h]
+
+
 # ------------------------------------------------------------------------------------ the probes
 # Kernels only a probe shows (or shows besides a comparison): tests/test_kvcache_probes.py names the
 # probe row each ends in, with no config or with the config's promise.
@@ -138,4 +200,5 @@ class RotaryLayoutIgnored(DecodeKernel):
 KVCACHE_PROBES = {cls.__name__: cls for cls in (SplitsFromBatchSize, CacheMadeContiguous, SoftcapIgnoredKv, RotaryLayoutIgnored)}
 
 WRONG_KVCACHE = {cls.__name__: cls for cls in (AppendOneSlotLate, BlockTableIgnored, RotaryOnWholeCache, SplitMaxDropped, ReadsPastSeqlen,
-                                                DiagonalTopLeft)}
+                                                DiagonalTopLeft, SoftcapAfterAlibiKv, LseWithoutSoftcapKv, WindowRightUnboundedAsCausalKv,
+                                                AlibiSlopesGqaOrderKv)}  # fmt: skip

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from attncheck.testing import wrong_kernels
 from attncheck.testing.dense_sdpa import DenseSDPA
 
 # The methods a known-bad kernel may override.
@@ -142,5 +143,94 @@ class ReadsPastLastSequence(DenseVarlen):
         return cu_k[s], Tk if s == len(cu_k) - 2 else cu_k[s + 1]
 
 
+# ----------------------------------------------------------------------- the sequence's kernel
+# Bugs of the per-sequence attention itself, each a known-bad sdpa kernel run on every sequence. Each
+# passed the default varlen suite until the case named in its docstring was added or changed for it
+# (tests/test_suite_reach.py).
+
+
+class VarlenSoftcapAfterAlibi(DenseVarlen):
+    """The softcap taken over the scores with ALiBi added, c * tanh((s + alibi) / c), where
+    FlashAttention caps the scaled scores and adds ALiBi after (wrong_kernels.SoftcapAfterAlibi).
+
+    Exposed by a softcap together with ALiBi: softcap-alibi-lse.
+    """
+
+    def _kernel(self):
+        return wrong_kernels.SoftcapAfterAlibi()
+
+
+class VarlenLseWithoutSoftcap(DenseVarlen):
+    """softmax_lse taken over the uncapped logits where the output's softmax is over the capped ones
+    (wrong_kernels.LseWithoutSoftcap). The output is right.
+
+    Exposed by return_attn_probs with a softcap and scores large enough for tanh to bend: softcap-alibi-lse.
+    """
+
+    def _kernel(self):
+        return wrong_kernels.LseWithoutSoftcap()
+
+
+class VarlenWindowRightUnboundedAsCausal(DenseVarlen):
+    """A window (left, -1) read as (left, 0): the keys ahead of each sequence's diagonal are dropped
+    (wrong_kernels.WindowRightUnboundedAsCausal).
+
+    Exposed by (left >= 0, -1) without causal, in a sequence with keys ahead of a row's diagonal: window-1-inf.
+    """
+
+    def _kernel(self):
+        return wrong_kernels.WindowRightUnboundedAsCausal()
+
+
+class AlibiSlopesGqaOrder(DenseSDPA):
+    """The ALiBi slopes, one per query head, regrouped under GQA as if the query heads were ordered
+    (G, Hkv): the kernel's loop over key-value heads, then over each one's G query heads, reads slope
+    g * Hkv + kv for query head kv * G + g, while it reads the right key-value head.
+
+    Exposed by ALiBi with GQA (Hkv > 1 and G > 1); invisible under MQA or without GQA, where the
+    regrouping is the identity.
+    """
+
+    def _kv_heads(self, Hq, Hkv):
+        self._groups = Hkv, Hq // Hkv
+        return super()._kv_heads(Hq, Hkv)
+
+    def _alibi(self, slopes, L, S, work):
+        if slopes is None:
+            return 0.0
+        Hkv, G = self._groups
+        h = np.arange(Hkv * G)
+        read = (h % G) * Hkv + h // G  # query head kv * G + g reads slope g * Hkv + kv: should be h
+        return super()._alibi(np.asarray(slopes)[..., read], L, S, work)
+
+
+class VarlenAlibiSlopesGqaOrder(DenseVarlen):
+    """Each sequence's ALiBi slopes regrouped under GQA in the wrong order (AlibiSlopesGqaOrder). No
+    ALiBi case of the default varlen suite had GQA: it passed.
+
+    Exposed by ALiBi with Hkv > 1 and G > 1: alibi-causal (6 query heads on 2).
+    """
+
+    def _kernel(self):
+        return AlibiSlopesGqaOrder()
+
+
+class VarlenHalfAccumulatedOutput(DenseVarlen):
+    """P v summed over 7-key blocks with the running output rounded to bfloat16 or float16 after
+    every block (wrong_kernels.HalfAccumulatedOutput). The default varlen suite's bfloat16-long
+    (128 keys) had it at 0.3x the allowance; even at 2048 keys it stays at 0.4x beside that case's
+    9x64 sequence: the budget's floor scales with the largest output of the whole pack, and a
+    short sequence's outputs are larger.
+
+    Exposed by half precision over thousands of keys in a pack whose sequences with queries are all
+    long: bfloat16-2048 (1.7-2.5x the allowance on seeds 1-5).
+    """
+
+    def _kernel(self):
+        return wrong_kernels.HalfAccumulatedOutput()
+
+
 WRONG_KERNELS = {cls.__name__: cls for cls in (CuSeqlensOffByOne, KeysBleedIntoNext, CausalTopLeftPerSequence, EmptySequenceWritesGarbage,
-                                               ReadsPastLastSequence)}  # fmt: skip
+                                               ReadsPastLastSequence, VarlenSoftcapAfterAlibi, VarlenLseWithoutSoftcap,
+                                               VarlenWindowRightUnboundedAsCausal, VarlenAlibiSlopesGqaOrder,
+                                               VarlenHalfAccumulatedOutput)}  # fmt: skip
