@@ -103,8 +103,10 @@ def readings(cfg: Config) -> list[Reading]:
         other = {"upper_left": "lower_right", "lower_right": "upper_left"}.get(causal)
         lengths = kind_of(cfg).alignment_lengths(cfg)
         if other and lengths:
+            # A FlashAttention-style kernel handed torch's signature aligns lower_right unless it says so.
+            declare = "; a kernel that implements lower_right alone says so: causal_alignment = 'lower_right' on it" if other == "lower_right" else ""
             tried.append(({"causal": other}, f"the causal mask aligned {other} where the case asks {causal} ({lengths}: "
-                                             "upper_left is torch's is_causal, lower_right FlashAttention's)"))  # fmt: skip
+                                             f"upper_left is torch's is_causal, lower_right FlashAttention's){declare}"))  # fmt: skip
         tried.append(({"causal": "none"}, f"no causal mask: causal {causal} is ignored"))
     window = cfg.window_size
     if window is not None:

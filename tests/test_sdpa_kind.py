@@ -565,6 +565,21 @@ def test_a_kernels_misreading_of_causal_window_or_softcap_is_named(kernel, keys,
     assert row.diagnosis.startswith(f"the output is the float64 oracle's with {words}"), row.diagnosis
 
 
+def test_a_lower_right_kernel_that_does_not_say_so_is_told_how_to():
+    # A red-team tester's FlashAttention-style kernel, handed torch's signature without
+    # causal_alignment, failed the upper_left cases with the reading alone; it now says the remedy.
+    from attncheck.reference.sdpa import ScaledDotProductAttention
+
+    def lower_right(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return ScaledDotProductAttention("lower_right").forward(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    cfg = config_from_mapping({"module": "sdpa", "tgt_len": 5, "src_len": 7, "head_dim": 8, "causal": "upper_left"})
+    [row] = [r for r in run_check("forward", cfg, candidate_from_object(lower_right)).failures if r.parameter == "output"]
+    assert row.diagnosis.startswith("the output is the float64 oracle's with the causal mask aligned lower_right where the case asks "
+                                    "upper_left"), row.diagnosis  # fmt: skip
+    assert row.diagnosis.endswith("a kernel that implements lower_right alone says so: causal_alignment = 'lower_right' on it")
+
+
 def test_a_kernels_wrong_softmax_scale_is_named_with_the_scale_it_used():
     # A new user's kernel that forgot the scale only under is_causal read "only in query rows 1-12
     # (of 13)"; the output is what the oracle gives with scale 1, and the diagnosis now says so.
