@@ -18,20 +18,21 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from attncheck.candidate import Candidate
+from attncheck.candidate import Candidate, candidate_from_object
 from attncheck.cli import app
 from attncheck.commands import NAMES
 from attncheck.config import load_suite
 from attncheck.report import FAIL, Reason
 from attncheck.suite import prepare
-from attncheck.testing import wrong_layers, wrong_reach
+from attncheck.testing import wrong_kernels, wrong_layers, wrong_reach
 
-MHA, LAYER = "multihead_attention", "transformer_encoder_layer"
+MHA, LAYER, SDPA = "multihead_attention", "transformer_encoder_layer", "sdpa"
 NEW_CASES = {
     MHA: {"encoder-decoder-no-bias", "cross-attention-no-bias", "kdim-vdim-no-bias", "seq-first-no-bias", "long-causal",
           "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal", "float16-long", "float16-causal", "float16-wide", "bfloat16",
           "is-causal-key-padding", "unbatched-causal"},
     LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block", "fully-padded-row"},
+    SDPA: {"scale-zero"},
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the gap it stands for in the comment.
 REACH = {
@@ -54,19 +55,22 @@ REACH = {
     "GptBlockGeluTanh": (LAYER, {"pre-norm-gelu-causal", "float64-gpt-block"}),  # 8: no case a GPT block takes
     "GptBlockScaleInFloat32": (LAYER, {"float64-gpt-block"}),  # 9
     "FullyMaskedRowsNaN": (LAYER, {"fully-padded-row"}),  # no layer case had a row whose every key is masked
+    "ScaleZeroAsNone": (SDPA, {"scale-zero"}),  # a red-team kernel of module: sdpa; the config refused scale 0
 }
 
 
 def _class(name: str) -> type:
-    return wrong_reach.MODULES.get(name) or wrong_layers.LAYERS[name]
+    return wrong_reach.MODULES.get(name) or wrong_layers.LAYERS.get(name) or wrong_kernels.WRONG_KERNELS[name]
 
 
 def _suite(kind: str):
-    return load_suite(None, module=kind) if kind == LAYER else load_suite(None)
+    return load_suite(None) if kind == MHA else load_suite(None, module=kind)
 
 
 def test_the_table_covers_the_corpus_s_new_members_and_the_suites_new_cases():
-    assert set(wrong_reach.MODULES) | {"KeyPaddingDroppedWhenCausal", "GptBlockGeluTanh", "GptBlockScaleInFloat32", "FullyMaskedRowsNaN"} == set(REACH)
+    kernels = {name for name, (kind, _) in REACH.items() if kind == SDPA}
+    assert kernels <= set(wrong_kernels.WRONG_KERNELS)
+    assert set(wrong_reach.MODULES) | {"KeyPaddingDroppedWhenCausal", "GptBlockGeluTanh", "GptBlockScaleInFloat32", "FullyMaskedRowsNaN"} | kernels == set(REACH)
     from attncheck.testing import wrong_impls
 
     # each is usable as `--impl attncheck.testing.wrong_impls:NAME`, as the docs say
@@ -101,7 +105,9 @@ def assert_caught_by_its_new_cases_alone(name: str, results: list[dict]) -> None
 @pytest.mark.parametrize("name", sorted(set(REACH) - set(COMMAND_LINE)))
 def test_caught_by_its_new_case_and_by_no_older_one(name):
     kind, _ = REACH[name]
-    result = prepare(_suite(kind), NAMES, impl=Candidate(name, _class(name))).run()
+    # a kernel is checked in the causal alignment it declares (the corpus's: lower_right)
+    impl = candidate_from_object(_class(name)) if kind == SDPA else Candidate(name, _class(name))
+    result = prepare(_suite(kind), NAMES, impl=impl).run()
     assert result.verdict is FAIL
     assert_caught_by_its_new_cases_alone(name, result.to_dict()["results"])
 

@@ -28,6 +28,7 @@ EXPOSING = {
     "GqaHeadModulo": (Case(Hq=4, Hkv=2, L=1, E=1), {"out", "value"}),
     "GqaGradFromOneHead": (Case(Hq=2, Hkv=1, L=1, E=1), {"value"}),
     "ScaleIgnored": (Case(Hq=1, L=1, S=2, E=1, scale=0.3), {"out", "query", "key", "value"}),
+    "ScaleZeroAsNone": (Case(Hq=1, L=1, S=2, E=1, scale=0.0), {"out", "query", "key", "value"}),
     "SoftcapOnUnscaledScores": (Case(Hq=1, L=1, S=2, E=2, softcap=1.0), {"out", "query", "key", "value"}),
     # the masked key of row 0 (L > S: no key on its lower-right diagonal) becomes -softcap: a uniform row
     "SoftcapAfterMask": (Case(Hq=1, L=2, S=1, E=1, causal="lower_right", softcap=1.0), {"out", "value"}),
@@ -63,6 +64,7 @@ HIDDEN = {
     "GqaMask4dOrder": Case(Hq=4, Hkv=1, L=3, mask="float4"),  # MQA: the regrouping is the identity
     "LseWithoutSoftcap": Case(L=4, lse=True),  # no softcap
     "HalfAccumulatedOutput": Case(L=4, S=30, lse=True),  # float64: the rounding is the arithmetic's own
+    "ScaleZeroAsNone": Case(L=4, scale=0.3),  # a scale other than 0
 }
 # Bugs of half precision alone, which the float64 cases here cannot expose: tests/test_wrong_kernels_caught.py
 # has the default suite's bfloat16-long catch each.
@@ -92,6 +94,7 @@ SWEEP = {
     "alibi_heads": Case(L=6, S=9, alibi="heads", lse=True),
     "alibi_batch": Case(B=2, Hq=3, L=9, S=6, alibi="batch", lse=True),
     "scale": Case(scale=0.3, softcap=2.0, lse=True),
+    "scale_zero": Case(L=6, S=9, scale=0.0, mask="float", lse=True),  # every allowed key weighs the same
     "mask_bool": Case(L=6, S=9, mask="bool", causal="lower_right", lse=True),
     "mask_bool4": Case(B=2, Hq=4, Hkv=2, L=6, S=9, mask="bool4", lse=True),
     "mask_float": Case(L=6, S=9, mask="float", alibi="heads", lse=True),

@@ -23,6 +23,7 @@ CATCHES = {
     "GqaHeadModulo": [("gqa-6-2", "forward"), ("causal-gqa-past-one-block", "grad")],
     "GqaGradFromOneHead": [("gqa-6-2", "grad"), ("mqa-6-1", "grad")],
     "ScaleIgnored": [("scale", "forward")],
+    "ScaleZeroAsNone": [("scale-zero", "forward"), ("scale-zero", "grad")],
     "SoftcapOnUnscaledScores": [("softcap", "forward"), ("softcap-causal-gqa", "grad")],
     "SoftcapAfterMask": [("softcap-causal-gqa", "forward")],
     "SoftcapAfterAlibi": [("softcap-alibi-lse", "forward"), ("softcap-alibi-lse", "grad")],

@@ -58,6 +58,17 @@ class ScaleIgnored(DenseSDPA):
         return 1.0 / np.sqrt(E)
 
 
+class ScaleZeroAsNone(DenseSDPA):
+    """`scale or 1 / sqrt(E)`: a scale of 0.0 is read as None, where torch's SDPA and FlashAttention
+    test the scale against None and 0.0 weighs every allowed key the same. Right for every other scale.
+
+    Exposed by scale 0 (S >= 2 keys that differ); invisible for any other scale.
+    """
+
+    def _scale(self, scale, E):
+        return scale or 1.0 / np.sqrt(E)  # should be `1 / sqrt(E) if scale is None else scale`
+
+
 class SoftcapOnUnscaledScores(DenseSDPA):
     """The softcap is applied to the raw q k^T, and the scale after it: scale * c * tanh(q k^T / c)
     instead of c * tanh(scale * q k^T / c).
@@ -368,8 +379,8 @@ class HalfAccumulatedOutput(DenseSDPA):
 WRONG_KERNELS: dict[str, type[DenseSDPA]] = {
     cls.__name__: cls
     for cls in (
-        GqaHeadModulo, GqaGradFromOneHead, ScaleIgnored, SoftcapOnUnscaledScores, SoftcapAfterMask, SoftcapAfterAlibi,
-        SoftcapChainRuleMissing, AlibiWrongSign, AlibiWithoutOffset, CausalUpperLeft, WindowRightBoundExclusive,
+        GqaHeadModulo, GqaGradFromOneHead, ScaleIgnored, ScaleZeroAsNone, SoftcapOnUnscaledScores, SoftcapAfterMask,
+        SoftcapAfterAlibi, SoftcapChainRuleMissing, AlibiWrongSign, AlibiWithoutOffset, CausalUpperLeft, WindowRightBoundExclusive,
         WindowRightUnboundedAsCausal, GqaMask4dOrder, EmptyRowsNotZero, CausalBlockLocalKeyIndex, LseLog2, LseWithoutMax,
         LseNotShifted, LseWithoutSoftcap, LseNanOnEmptyRows, LseGradientIgnored, HalfAccumulatedOutput,
     )
