@@ -95,6 +95,11 @@ def test_the_default_suite_covers_what_the_issue_lists():
     assert {c.causal for c in cases} >= {"upper_left", "lower_right"}
     assert any(c.softcap for c in cases) and any(c.alibi for c in cases) and any(c.scale for c in cases)
     assert any(c.scale == 0 for c in cases)  # 0.0 is a scale, not None
+    # options that meet: a scale with a mask and with the LSE, a softcap with a float mask, the LSE with a mask and with L = 1, GQA with Ev != E
+    assert any(c.scale and c.attn_mask != "none" for c in cases) and any(c.scale and c.return_lse for c in cases)
+    assert any(c.softcap and c.mask_dtype == "float" and c.attn_mask != "none" for c in cases)
+    assert any(c.return_lse and c.attn_mask != "none" for c in cases) and any(c.return_lse and c.tgt_len == 1 for c in cases)
+    assert any(c.num_kv_heads_eff != c.num_heads and c.head_dim_v_eff != c.head_dim_eff for c in cases)
     assert {c.dtype for c in cases} == {"float32", "float64", "float16", "bfloat16"}
     assert any(c.return_lse for c in cases) and any(c.attn_mask == "full_row" for c in cases)
     assert {c.mask_dtype for c in cases if c.attn_mask != "none"} == {"bool", "float"}
@@ -113,7 +118,8 @@ def test_torch_sdpa_passes_what_it_supports_with_no_config(tmp_path):
                  "float16-gqa-causal"):  # fmt: skip
         assert statuses[case, "forward"] == statuses[case, "grad"] == "pass", case
     # What it has not: FlashAttention's keywords, and bottom-right alignment when L != S.
-    for case in ("window-4-0", "window-1-inf", "softcap", "alibi", "softcap-alibi-lse", "lse", "causal-lower-right"):
+    for case in ("window-4-0", "window-1-inf", "softcap", "alibi", "softcap-alibi-lse", "softcap-float-mask-lse", "lse", "decode-gqa-lse",
+                 "causal-lower-right"):  # fmt: skip
         assert statuses[case, "forward"] == "unsupported", case
 
 

@@ -32,7 +32,7 @@ NEW_CASES = {
           "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal", "float16-long", "float16-causal", "float16-wide", "bfloat16",
           "is-causal-key-padding", "unbatched-causal"},
     LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block", "fully-padded-row"},
-    SDPA: {"scale-zero"},
+    SDPA: {"scale-zero", "bool-mask", "softcap-float-mask-lse", "decode-gqa-lse"},  # bool-mask: its scale 0.3 added
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the issue's gap it stands for in the comment.
 REACH = {
@@ -55,7 +55,13 @@ REACH = {
     "GptBlockGeluTanh": (LAYER, {"pre-norm-gelu-causal", "float64-gpt-block"}),  # 8: no case a GPT block takes
     "GptBlockScaleInFloat32": (LAYER, {"float64-gpt-block"}),  # 9
     "FullyMaskedRowsNaN": (LAYER, {"fully-padded-row"}),  # no layer case had a row whose every key is masked
-    "ScaleZeroAsNone": (SDPA, {"scale-zero"}),  # a red-team kernel of module: sdpa; the config refused scale 0
+    # red-team kernels of module: sdpa, each an option no case met another with
+    "ScaleZeroAsNone": (SDPA, {"scale-zero"}),  # the config refused scale 0
+    "MaskPathDefaultScale": (SDPA, {"bool-mask", "softcap-float-mask-lse"}),  # no scale with a mask
+    "SoftcapOverFloatMask": (SDPA, {"softcap-float-mask-lse"}),  # no softcap with a float mask
+    "LseBeforeAttnMask": (SDPA, {"softcap-float-mask-lse"}),  # no LSE with a mask
+    "LseDefaultScale": (SDPA, {"softcap-float-mask-lse", "decode-gqa-lse"}),  # no LSE with a scale
+    "LseSqueezed": (SDPA, {"decode-gqa-lse"}),  # no LSE with L = 1
 }
 
 
@@ -88,7 +94,7 @@ COMMAND_LINE = {"EncoderDecoderQueryKeySwapped": "attncheck.testing.wrong_impls"
 
 def assert_caught_by_its_new_cases_alone(name: str, results: list[dict]) -> None:
     """A suite run's reports (as in its JSON) fail exactly REACH's cases for `name`, each with a
-    real finding (a mismatch, or a result in the wrong dtype) and no crash; every older case passes
+    real finding (a mismatch, or a result in the wrong dtype or shape) and no crash; every older case passes
     it or has it declared unsupported (or inconclusive, for a row torch leaves undefined)."""
     kind, catching = REACH[name]
     assert {report["name"] for report in results if report["verdict"] == "fail"} == catching
@@ -96,7 +102,7 @@ def assert_caught_by_its_new_cases_alone(name: str, results: list[dict]) -> None
         failures = [row for row in report["rows"] if row["status"] == "fail"]
         if report["verdict"] == "fail":
             assert all(row["reason"] != Reason.CALL for row in failures), (report["name"], report["command"])  # no crash
-            assert any(row["mismatched"] or row["reason"] == Reason.DTYPE for row in failures), (report["name"], report["command"])
+            assert any(row["mismatched"] or row["reason"] in (Reason.DTYPE, Reason.SHAPE) for row in failures), (report["name"], report["command"])
         elif report["name"] not in NEW_CASES[kind]:
             assert report["verdict"] in ("pass", "unsupported", "inconclusive"), (report["name"], report["command"], report["verdict"])
 
