@@ -87,8 +87,11 @@ def readings(cfg: Config) -> list[Reading]:
     if cfg.scale is None:
         natural.append((1 / D, "1/D: the scale applied twice"))
     else:
-        natural += [(given * given, "the given scale applied twice"), (1 / given, "1/scale: divided by the given scale"),
-                    (1 / math.sqrt(D), "1/sqrt(D), the default: the given scale is ignored")]  # fmt: skip
+        natural.append((given * given, "the given scale applied twice"))  # at scale 0 the same 0: not tried below
+        if given:  # nothing divides by a scale of 0 (every allowed key weighs the same)
+            natural.append((1 / given, "1/scale: divided by the given scale"))
+        ignored = "the given scale 0 read as None (`scale or 1/sqrt(E)`)" if given == 0 else "the given scale is ignored"
+        natural.append((1 / math.sqrt(D), f"1/sqrt(D), the default: {ignored}"))
     if Ev != D:  # the value's head dim read for the query's and key's
         natural.append((1 / math.sqrt(Ev), "1/sqrt(Ev): the value's head dim in place of the query's and key's"))
     scales: dict[float, list[str]] = {}
@@ -120,8 +123,9 @@ def readings(cfg: Config) -> list[Reading]:
     softcap = cfg.softcap
     if softcap:
         tried.append(({"softcap": 0.0}, f"no softcap: softcap {softcap:g} is ignored"))
-        tried.append(({"softcap": softcap * given}, f"softcap {softcap * given:.3g} = softcap x scale: the cap taken on the logits "
-                                                     "before the softmax scale"))  # fmt: skip
+        if given:  # a cap of softcap x 0 is no cap: the reading above
+            tried.append(({"softcap": softcap * given}, f"softcap {softcap * given:.3g} = softcap x scale: the cap taken on the logits "
+                                                         "before the softmax scale"))  # fmt: skip
     found = [Reading(update, words) for update, words in tried]
     if cfg.alibi:  # where a causal mask hides every key past the diagonal the two agree, and the reading cannot fit
         found.append(Reading({}, "ALiBi's bias without the abs, slope * (j - (i + S - L)), the causal-only form, where it is "

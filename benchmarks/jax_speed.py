@@ -4,7 +4,7 @@ Run: PYTHONPATH=$PWD python benchmarks/jax_speed.py [--repeats N] [--root CHECKO
 
 Each pair is a JAX example and the torch candidate of the same kind, on that kind's default suite:
 the Flax encoder layer against the torch one (`run`, 30 checks), and the JAX kernel against
-torch's own F.scaled_dot_product_attention (`forward`, 36 cases); and Flax's
+torch's own F.scaled_dot_product_attention (`forward`, 39 cases); and Flax's
 MultiHeadDotProductAttention against torch's SDPA written the same way (`run`, the MHA default
 suite, 125 checks). Every command runs `repeats`
 times, the commands alternating within each round so that load from other work hits them alike;

@@ -32,6 +32,8 @@ CAUGHT = {
     "SoftcapIgnored": [("softcap", "forward", {}, {"options: softcap": FAIL}, FAIL, "ignores softcap")],
     "WindowIgnored": [("window-4-0", "forward", {}, {"options: window": FAIL}, FAIL, "ignores window")],
     "ScaleIgnored": [("scale", "forward", {}, {"options: scale": FAIL}, FAIL, "ignores scale")],
+    "DropoutNotRescaled": [("plain", "forward", {}, {"options: dropout_p": FAIL}, FAIL, "dropout without the 1 / (1 - p) rescale"),
+                           ("float-mask-4d-gqa", "forward", {}, {"options: dropout_p": FAIL}, FAIL, "raises none")],
 }  # fmt: skip
 
 
@@ -127,11 +129,48 @@ def test_a_kernel_that_ignores_dropout_p_fails_and_one_that_applies_or_refuses_i
     # run with dropout_p = 0. The options probe calls once more with dropout_p = 0.5.
     cfg = Config(module="sdpa", probes=["options"])
     ignored = probe_rows(run_check("forward", cfg, candidate_from_object(DropoutIgnored)))["options: dropout_p"]
-    assert ignored.status is FAIL and ignored.note.startswith("ignores dropout_p: the same call with dropout_p=0.5 gives the output without it")
+    assert ignored.status is FAIL and ignored.note.startswith("ignores dropout_p: the case's call with dropout_p=0.5 and every value 1 gives "
+                                                             "the output without it"), ignored.note  # fmt: skip
     refused = probe_rows(run_check("forward", cfg, candidate_from_object(CORRECT_KERNEL)))["options: dropout_p"]
     assert refused.status is INFO and "raised (dropout_p > 0: this kernel has no dropout): refused, not ignored" in refused.note
     applied = attncheck.check(cfg, "forward", impl="torch.nn.functional:scaled_dot_product_attention")
     assert probe_rows(applied)["options: dropout_p"].status is PASS and applied.passed
+
+
+class DropoutRescaled(CORRECT_KERNEL):
+    """Applies dropout_p as torch's F.dropout does, P * keep / (1 - p): right in every check."""
+
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        self._dropout_p = dropout_p
+        return super().forward(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    def _weighted_values(self, probs, v, dtype):
+        if self._dropout_p:
+            probs = probs * (np.random.default_rng().random(probs.shape) >= self._dropout_p) / (1 - self._dropout_p)
+        return super()._weighted_values(probs, v, dtype)
+
+
+def test_a_dropout_without_the_rescale_fails_and_a_rescaled_one_passes():
+    # A red-team kernel kept P * keep without the 1 / (1 - p): its output moved, and the probe,
+    # which asked only that, passed it. Every case of the suite that judges dropout, rescaled by
+    # NumPy or by torch's own SDPA, passes (both measured over hundreds of masks: probes._rescale_row).
+    from attncheck.testing.wrong_probes import DropoutNotRescaled
+
+    cases = _cases()
+    for name in ("plain", "causal-lower-right", "softcap-float-mask-lse", "fully-masked-rows", "float16-gqa-causal"):
+        cfg = cases[name].model_copy(update={"probes": ["options"]})
+        rescaled = probe_rows(run_check("forward", cfg, candidate_from_object(DropoutRescaled)))["options: dropout_p"]
+        assert rescaled.status is PASS and "applied and rescaled" in rescaled.note, (name, rescaled.note)
+        unrescaled = probe_rows(run_check("forward", cfg, candidate_from_object(DropoutNotRescaled)))["options: dropout_p"]
+        assert unrescaled.status is FAIL and "raises none" in unrescaled.note, (name, unrescaled.note)
+    for name in ("plain", "bool-mask", "scale-zero", "float64"):
+        report = attncheck.check(cases[name].model_copy(update={"probes": ["options"]}), "forward", impl="torch.nn.functional:scaled_dot_product_attention")
+        assert probe_rows(report)["options: dropout_p"].status is PASS and report.passed, name
+    # where too few rows move to tell, neither is judged (the decode case: 12 rows)
+    cfg = cases["decode-gqa-lse"].model_copy(update={"probes": ["options"]})
+    for kernel in (DropoutRescaled, DropoutNotRescaled):
+        row = probe_rows(run_check("forward", cfg, candidate_from_object(kernel)))["options: dropout_p"]
+        assert row.status is INFO and row.not_judged is NotJudged.CANNOT_TELL, row.note
 
 
 @pytest.mark.parametrize("keys", [

@@ -42,7 +42,7 @@ def _cases():
         ({"window_size": [3]}, "must be [left, right]"),
         ({"window_size": [-2, 0]}, "must be [left, right]"),
         ({"softcap": -1.0}, "must be >= 0"),
-        ({"scale": 0.0}, "must be > 0"),
+        ({"scale": -0.1}, "must be >= 0"),
         ({"embed_dim": 16}, "is a key of the modules, not of module: sdpa"),
         ({"key_padding_mask": "random"}, "is a key of the modules"),
         ({"attn_mask_dims": 3}, "must be 2 ((L, S)) or 4"),
@@ -94,6 +94,12 @@ def test_the_default_suite_covers_what_the_issue_lists():
     assert windows == {(-1, 0), (4, 0), (0, 0), (1, 0), (0, 1), (1, -1), (4, 4), (8, 2)}
     assert {c.causal for c in cases} >= {"upper_left", "lower_right"}
     assert any(c.softcap for c in cases) and any(c.alibi for c in cases) and any(c.scale for c in cases)
+    assert any(c.scale == 0 for c in cases)  # 0.0 is a scale, not None
+    # options that meet: a scale with a mask and with the LSE, a softcap with a float mask, the LSE with a mask and with L = 1, GQA with Ev != E
+    assert any(c.scale and c.attn_mask != "none" for c in cases) and any(c.scale and c.return_lse for c in cases)
+    assert any(c.softcap and c.mask_dtype == "float" and c.attn_mask != "none" for c in cases)
+    assert any(c.return_lse and c.attn_mask != "none" for c in cases) and any(c.return_lse and c.tgt_len == 1 for c in cases)
+    assert any(c.num_kv_heads_eff != c.num_heads and c.head_dim_v_eff != c.head_dim_eff for c in cases)
     assert {c.dtype for c in cases} == {"float32", "float64", "float16", "bfloat16"}
     assert any(c.return_lse for c in cases) and any(c.attn_mask == "full_row" for c in cases)
     assert {c.mask_dtype for c in cases if c.attn_mask != "none"} == {"bool", "float"}
@@ -108,10 +114,12 @@ def test_torch_sdpa_passes_what_it_supports_with_no_config(tmp_path):
     assert all(v in ("pass", "unsupported") for v in statuses.values()), statuses
     assert not any(r["command"] == "sgd-step" for r in reports)  # run leaves out what a function has no use for
     # What SDPA has: GQA, both mask kinds, rows with no key, upper-left causal, numerics.
-    for case in ("gqa-6-2", "mqa-6-1", "bool-mask", "float-mask-4d", "float-mask-4d-gqa", "fully-masked-rows", "causal-upper-left", "float16-gqa-causal"):
+    for case in ("gqa-6-2", "mqa-6-1", "scale-zero", "bool-mask", "float-mask-4d", "float-mask-4d-gqa", "fully-masked-rows", "causal-upper-left",
+                 "float16-gqa-causal"):  # fmt: skip
         assert statuses[case, "forward"] == statuses[case, "grad"] == "pass", case
     # What it has not: FlashAttention's keywords, and bottom-right alignment when L != S.
-    for case in ("window-4-0", "window-1-inf", "softcap", "alibi", "softcap-alibi-lse", "lse", "causal-lower-right"):
+    for case in ("window-4-0", "window-1-inf", "softcap", "alibi", "softcap-alibi-lse", "softcap-float-mask-lse", "lse", "decode-gqa-lse",
+                 "causal-lower-right"):  # fmt: skip
         assert statuses[case, "forward"] == "unsupported", case
 
 
@@ -605,6 +613,34 @@ def test_a_kernels_wrong_softmax_scale_is_named_with_the_scale_it_used():
     assert "(1/sqrt(D), the default: the given scale is ignored) where it is 0.7" in row.diagnosis, row.diagnosis
     other = [r for r in run_check("forward", causal, candidate_from_object(CausalUpperLeft)).failures if r.parameter == "output"]  # no scale fits
     assert other and all("softmax scale" not in r.diagnosis for r in other), [r.diagnosis for r in other]
+
+
+def test_scale_zero_is_a_scale_every_allowed_key_weighing_the_same():
+    # The config refused scale 0 ("must be > 0"), so a kernel's `scale or 1/sqrt(E)`, which reads
+    # 0.0 as None, could not be checked; torch's SDPA and FlashAttention take 0.0 as a scale.
+    import torch
+
+    from attncheck.kinds.sdpa import allowed
+    from attncheck.testing.wrong_kernels import ScaleZeroAsNone
+
+    for module in ("sdpa", "sdpa_varlen", "sdpa_kvcache"):
+        assert config_from_mapping({"module": module, "scale": 0.0}).scale == 0.0
+    with pytest.raises(ConfigError, match="is a key of the attention function"):
+        config_from_mapping({"scale": 0.0})  # nn.MultiheadAttention has no scale
+    cfg = _cfg(attn_mask="random", src_len=7, scale=0.0)  # every row keeps a key
+    w = make_workload(cfg)
+    out = ScaledDotProductAttention().forward(w.query, w.key, w.value, w.attn_mask, scale=0.0)
+    keep = allowed(cfg, w.attn_mask)[0, 0]  # (L, S)
+    mean = (keep[None, None, :, :, None] * w.value[:, :, None]).sum(3) / keep.sum(-1)[None, None, :, None]  # (B, H, L, Ev): the allowed values' mean
+    assert np.allclose(out, mean, atol=1e-6)
+    q, k, v = (torch.tensor(x) for x in (w.query, w.key, w.value))
+    assert np.allclose(torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.0).numpy(), w.value.mean(2, keepdims=True), atol=1e-6)
+    assert run_check("grad", cfg, candidate_from_object(ScaleZeroAsNone)).verdict == "fail"
+    [row] = [r for r in run_check("forward", cfg, candidate_from_object(ScaleZeroAsNone)).failures if r.parameter == "output"]
+    assert "softmax scale 0.354 (1/sqrt(D), the default: the given scale 0 read as None (`scale or 1/sqrt(E)`)) where it is 0" in row.diagnosis
+    softcapped = cfg.model_copy(update={"softcap": 2.0})  # the reading of a cap taken before the scale has no scale to divide by
+    [row] = [r for r in run_check("forward", softcapped, candidate_from_object(ScaleZeroAsNone)).failures if r.parameter == "output"]
+    assert "the given scale 0 read as None" in row.diagnosis, row.diagnosis
 
 
 def test_a_kernels_scale_from_the_value_head_dim_or_multiplied_is_named():

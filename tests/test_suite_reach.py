@@ -20,15 +20,15 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from attncheck.candidate import Candidate
+from attncheck.candidate import Candidate, candidate_from_object
 from attncheck.cli import app
 from attncheck.commands import NAMES
 from attncheck.config import load_suite
 from attncheck.report import FAIL, Reason
 from attncheck.suite import prepare
-from attncheck.testing import wrong_kvcache, wrong_layers, wrong_reach, wrong_varlen
+from attncheck.testing import wrong_kernels, wrong_kvcache, wrong_layers, wrong_reach, wrong_varlen
 
-MHA, LAYER, VARLEN, KVCACHE = "multihead_attention", "transformer_encoder_layer", "sdpa_varlen", "sdpa_kvcache"
+MHA, LAYER, SDPA, VARLEN, KVCACHE = "multihead_attention", "transformer_encoder_layer", "sdpa", "sdpa_varlen", "sdpa_kvcache"
 NEW_CASES = {
     MHA: {"encoder-decoder-no-bias", "cross-attention-no-bias", "kdim-vdim-no-bias", "seq-first-no-bias", "long-causal",
           "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal", "float16-long", "float16-causal", "float16-wide", "bfloat16",
@@ -36,6 +36,7 @@ NEW_CASES = {
     LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block", "fully-padded-row"},
     VARLEN: {"softcap-alibi-lse", "window-1-inf", "alibi-causal", "bfloat16-2048"},  # alibi-causal: 6 query heads on 2 key-value heads, where it had 4 on 4
     KVCACHE: {"softcap-alibi-lse", "window-1-inf", "alibi"},  # alibi: 6 query heads on 2 key-value heads, where it had 6 on 6
+    SDPA: {"scale-zero", "bool-mask", "softcap-float-mask-lse", "decode-gqa-lse"},  # bool-mask: its scale 0.3 added
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the issue's gap it stands for in the comment.
 REACH = {
@@ -69,8 +70,15 @@ REACH = {
     "LseWithoutSoftcapKv": (KVCACHE, {"softcap-alibi-lse"}),
     "WindowRightUnboundedAsCausalKv": (KVCACHE, {"window-1-inf"}),
     "AlibiSlopesGqaOrderKv": (KVCACHE, {"alibi"}),
+    # red-team kernels of module: sdpa, each an option no case met another with
+    "ScaleZeroAsNone": (SDPA, {"scale-zero"}),  # the config refused scale 0
+    "MaskPathDefaultScale": (SDPA, {"bool-mask", "softcap-float-mask-lse"}),  # no scale with a mask
+    "SoftcapOverFloatMask": (SDPA, {"softcap-float-mask-lse"}),  # no softcap with a float mask
+    "LseBeforeAttnMask": (SDPA, {"softcap-float-mask-lse"}),  # no LSE with a mask
+    "LseDefaultScale": (SDPA, {"softcap-float-mask-lse", "decode-gqa-lse"}),  # no LSE with a scale
+    "LseSqueezed": (SDPA, {"decode-gqa-lse"}),  # no LSE with L = 1
 }
-KERNEL_CORPORA = {VARLEN: wrong_varlen.WRONG_KERNELS, KVCACHE: wrong_kvcache.WRONG_KVCACHE}  # each kernel kind's known-bad kernels, where REACH draws some
+KERNEL_CORPORA = {SDPA: wrong_kernels.WRONG_KERNELS, VARLEN: wrong_varlen.WRONG_KERNELS, KVCACHE: wrong_kvcache.WRONG_KVCACHE}  # each kernel kind's known-bad kernels, where REACH draws some
 
 
 def _class(name: str) -> type:
@@ -103,7 +111,7 @@ COMMAND_LINE = {"EncoderDecoderQueryKeySwapped": "attncheck.testing.wrong_impls"
 
 def assert_caught_by_its_new_cases_alone(name: str, results: list[dict]) -> None:
     """A suite run's reports (as in its JSON) fail exactly REACH's cases for `name`, each with a
-    real finding (a mismatch, or a result in the wrong dtype) and no crash; every older case passes
+    real finding (a mismatch, or a result in the wrong dtype or shape) and no crash; every older case passes
     it or has it declared unsupported (or inconclusive, for a row torch leaves undefined)."""
     kind, catching = REACH[name]
     assert {report["name"] for report in results if report["verdict"] == "fail"} == catching
@@ -111,7 +119,7 @@ def assert_caught_by_its_new_cases_alone(name: str, results: list[dict]) -> None
         failures = [row for row in report["rows"] if row["status"] == "fail"]
         if report["verdict"] == "fail":
             assert all(row["reason"] != Reason.CALL for row in failures), (report["name"], report["command"])  # no crash
-            assert any(row["mismatched"] or row["reason"] == Reason.DTYPE for row in failures), (report["name"], report["command"])
+            assert any(row["mismatched"] or row["reason"] in (Reason.DTYPE, Reason.SHAPE) for row in failures), (report["name"], report["command"])
         elif report["name"] not in NEW_CASES[kind]:
             assert report["verdict"] in ("pass", "unsupported", "inconclusive"), (report["name"], report["command"], report["verdict"])
 
@@ -120,7 +128,9 @@ def assert_caught_by_its_new_cases_alone(name: str, results: list[dict]) -> None
 @pytest.mark.parametrize("name", sorted(set(REACH) - set(COMMAND_LINE)))
 def test_caught_by_its_new_case_and_by_no_older_one(name):
     kind, _ = REACH[name]
-    result = prepare(_suite(kind), NAMES, impl=Candidate(name, _class(name))).run()
+    # a kernel is checked in the causal alignment it declares (the corpus's: lower_right)
+    impl = candidate_from_object(_class(name)) if kind == SDPA else Candidate(name, _class(name))
+    result = prepare(_suite(kind), NAMES, impl=impl).run()
     assert result.verdict is FAIL
     assert_caught_by_its_new_cases_alone(name, result.to_dict()["results"])
 

@@ -28,10 +28,13 @@ EXPOSING = {
     "GqaHeadModulo": (Case(Hq=4, Hkv=2, L=1, E=1), {"out", "value"}),
     "GqaGradFromOneHead": (Case(Hq=2, Hkv=1, L=1, E=1), {"value"}),
     "ScaleIgnored": (Case(Hq=1, L=1, S=2, E=1, scale=0.3), {"out", "query", "key", "value"}),
+    "ScaleZeroAsNone": (Case(Hq=1, L=1, S=2, E=1, scale=0.0), {"out", "query", "key", "value"}),
+    "MaskPathDefaultScale": (Case(L=1, S=2, E=1, scale=0.3, mask="bool"), {"out", "query", "key", "value"}),  # Hq = 1 draws a mask of one key
     "SoftcapOnUnscaledScores": (Case(Hq=1, L=1, S=2, E=2, softcap=1.0), {"out", "query", "key", "value"}),
     # the masked key of row 0 (L > S: no key on its lower-right diagonal) becomes -softcap: a uniform row
     "SoftcapAfterMask": (Case(Hq=1, L=2, S=1, E=1, causal="lower_right", softcap=1.0), {"out", "value"}),
     "SoftcapAfterAlibi": (Case(Hq=1, L=1, S=2, E=1, softcap=1.0, alibi="heads"), {"out", "query", "key", "value"}),
+    "SoftcapOverFloatMask": (Case(Hq=1, L=1, S=2, E=1, softcap=1.0, mask="float"), {"out", "query", "key", "value"}),
     "SoftcapChainRuleMissing": (Case(Hq=1, L=1, S=2, E=1, softcap=1.0), {"query", "key"}),
     "AlibiWrongSign": (Case(Hq=1, L=1, S=2, E=1, alibi="heads"), {"out", "query", "key", "value"}),
     "AlibiWithoutOffset": (Case(Hq=1, L=1, S=2, E=1, alibi="heads"), {"out", "query", "key", "value"}),
@@ -45,6 +48,9 @@ EXPOSING = {
     "LseWithoutMax": (Case(Hq=1, L=1, E=1, lse=True), {"lse"}),
     "LseNotShifted": (Case(Hq=1, L=1, S=2, E=1, lse=True, scale=1e4), {"lse"}),  # a logit of 805: exp overflows in float64
     "LseWithoutSoftcap": (Case(Hq=1, L=1, S=2, E=1, softcap=1.0, lse=True), {"lse"}),
+    "LseBeforeAttnMask": (Case(Hq=1, L=1, S=2, E=1, mask="float", lse=True), {"lse"}),
+    "LseDefaultScale": (Case(Hq=1, L=1, S=2, E=1, scale=0.3, lse=True), {"lse"}),
+    "LseSqueezed": (Case(Hq=1, L=1, E=1, lse=True), {"lse"}),  # lse of shape () where (1, 1, 1) is due
     "LseNanOnEmptyRows": (Case(Hq=1, L=1, E=1, mask="empty_row", lse=True), {"lse"}),
     "LseGradientIgnored": (Case(Hq=1, L=1, E=1, lse=True), {"query", "key"}),
 }
@@ -63,6 +69,17 @@ HIDDEN = {
     "GqaMask4dOrder": Case(Hq=4, Hkv=1, L=3, mask="float4"),  # MQA: the regrouping is the identity
     "LseWithoutSoftcap": Case(L=4, lse=True),  # no softcap
     "HalfAccumulatedOutput": Case(L=4, S=30, lse=True),  # float64: the rounding is the arithmetic's own
+    "GqaValueReshapedWithE": Case(Hq=4, Hkv=2, L=3),  # Ev == E: the reshape is the right one
+    "ScaleZeroAsNone": Case(L=4, scale=0.3),  # a scale other than 0
+    "MaskPathDefaultScale": Case(L=4, scale=0.3, causal="lower_right"),  # no attn_mask
+    "SoftcapOverFloatMask": Case(L=4, S=6, softcap=1.0, mask="bool"),  # a bool mask
+    "LseBeforeAttnMask": Case(L=4, lse=True, causal="lower_right", window=(2, 0)),  # no attn_mask
+    "LseDefaultScale": Case(L=4, lse=True, mask="float"),  # the default scale
+    "LseSqueezed": Case(B=2, L=4, lse=True),  # no axis of size 1
+}
+# Bugs whose only sign is a raise on a valid call: the smallest case that raises, and what it raises.
+RAISING = {
+    "GqaValueReshapedWithE": (Case(Hq=2, Hkv=1, L=1, E=2, Ev=1), ValueError),  # B * Hq * S * Ev elements into (B, Hq, S, E)
 }
 # Bugs of half precision alone, which the float64 cases here cannot expose: tests/test_wrong_kernels_caught.py
 # has the default suite's bfloat16-long catch each.
@@ -92,6 +109,7 @@ SWEEP = {
     "alibi_heads": Case(L=6, S=9, alibi="heads", lse=True),
     "alibi_batch": Case(B=2, Hq=3, L=9, S=6, alibi="batch", lse=True),
     "scale": Case(scale=0.3, softcap=2.0, lse=True),
+    "scale_zero": Case(L=6, S=9, scale=0.0, mask="float", lse=True),  # every allowed key weighs the same
     "mask_bool": Case(L=6, S=9, mask="bool", causal="lower_right", lse=True),
     "mask_bool4": Case(B=2, Hq=4, Hkv=2, L=6, S=9, mask="bool4", lse=True),
     "mask_float": Case(L=6, S=9, mask="float", alibi="heads", lse=True),
@@ -175,7 +193,8 @@ def test_flash_attention_computes_half_inputs_in_float32():
 
 # --------------------------------------------------------------------- the known-bad kernels
 def test_every_wrong_kernel_has_a_case():
-    assert set(EXPOSING) == set(WRONG_KERNELS) - HALF_PRECISION_ONLY
+    assert set(EXPOSING) | set(RAISING) == set(WRONG_KERNELS) - HALF_PRECISION_ONLY
+    assert not set(EXPOSING) & set(RAISING)
     assert HALF_PRECISION_ONLY <= set(HIDDEN)
     assert set(HIDDEN) <= set(WRONG_KERNELS)
     assert WRONG_KERNELS == {name: cls for name, cls in vars(wrong_kernels).items()
@@ -191,6 +210,14 @@ def test_a_wrong_kernel_differs_on_its_exposing_case(name):
     from_torch = over(differences(got, run_torch(case, a)), DIFFER)
     assert set(from_correct) == shown_in, from_correct
     assert set(from_torch) == shown_in, from_torch
+
+
+@pytest.mark.parametrize("name", RAISING)
+def test_a_wrong_kernel_whose_bug_is_a_raise_raises_on_its_case(name):
+    case, error = RAISING[name]
+    with pytest.raises(error):
+        run_numpy(kernel_for(WRONG_KERNELS[name], case), case)
+    assert run_numpy(CORRECT_KERNEL(), case).keys() == run_torch(case).keys()  # the case is valid: the correct kernel runs it
 
 
 @pytest.mark.parametrize("name", HIDDEN)

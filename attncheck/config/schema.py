@@ -62,7 +62,9 @@ _FLOAT_BOUNDS = {
     "layer_norm_eps": (0.0, False, "must be > 0"),
     "timeout": (0.0, False, "must be > 0 (seconds)"),
     "softcap": (0.0, True, "must be >= 0 (0 turns it off)"),
-    "scale": (0.0, False, "must be > 0 (null: 1 / sqrt(head_dim))"),
+    # 0 is torch's and FlashAttention's own: both test the scale against None, so 0.0 gives every
+    # allowed key the same weight (a kernel's `scale or 1 / sqrt(E)` reads it as None).
+    "scale": (0.0, True, "must be >= 0 (0: every allowed key weighs the same; null: 1 / sqrt(head_dim))"),
     # torch.optim.SGD's own checks, in its words.
     "lr": (0.0, True, "Invalid learning rate: torch.optim.SGD needs lr >= 0"),
     "momentum": (0.0, True, "Invalid momentum value: torch.optim.SGD needs momentum >= 0"),

@@ -174,6 +174,13 @@ class FunctionKind(ModuleKind):
         """The most keys one query row may attend (S): what bounds a weight from below (probes._dropout_rows)."""
         return cfg.S
 
+    def unit_values(self, cfg, w) -> Any:
+        """The workload with every value 1: each output row is then the sum of its weights, 1 (0 on
+        a row with no allowed key), whatever the attention; the dropout probe reads the rescale there."""
+        from dataclasses import replace
+
+        return replace(w, value=np.ones_like(w.value))
+
     def returns_pair(self, cfg) -> bool:
         return cfg.return_lse
 

@@ -47,6 +47,24 @@ class GqaGradFromOneHead(DenseSDPA):
         return assigned
 
 
+class GqaValueReshapedWithE(DenseSDPA):
+    """GQA's value expanded to the query heads by a reshape spelled with the query's head dim E where
+    the value's is Ev, `value[:, :, None].expand(B, Hkv, G, S, Ev).reshape(B, Hq, S, E)`: right where
+    Ev == E; where Ev != E the reshape raises (B * Hq * S * Ev elements into B * Hq * S * E). No
+    case of the default kernel suite had GQA with Ev != E: it passed. The bug is the raise itself,
+    so it is caught by a valid call that raises (tests/test_wrong_kernels_caught.py, CRASHES).
+
+    Exposed by GQA (Hq > Hkv) with Ev != E; invisible without GQA or with Ev == E.
+    """
+
+    def forward(self, query, key, value, *args, **kwargs):
+        B, Hq, _, E = np.shape(query)
+        _, Hkv, S, _ = np.shape(value)
+        if Hq != Hkv:  # the expanded copy is dropped: DenseSDPA indexes the heads itself; the reshape is the bug
+            np.repeat(np.asarray(value), Hq // Hkv, axis=1).reshape(B, Hq, S, E)  # should be (B, Hq, S, Ev)
+        return super().forward(query, key, value, *args, **kwargs)
+
+
 # ------------------------------------------------------------------------------------ scores
 class ScaleIgnored(DenseSDPA):
     """The `scale` argument is ignored: scores are always scaled by 1 / sqrt(E).
@@ -56,6 +74,31 @@ class ScaleIgnored(DenseSDPA):
 
     def _scale(self, scale, E):
         return 1.0 / np.sqrt(E)
+
+
+class ScaleZeroAsNone(DenseSDPA):
+    """`scale or 1 / sqrt(E)`: a scale of 0.0 is read as None, where torch's SDPA and FlashAttention
+    test the scale against None and 0.0 weighs every allowed key the same. Right for every other scale.
+
+    Exposed by scale 0 (S >= 2 keys that differ); invisible for any other scale.
+    """
+
+    def _scale(self, scale, E):
+        return scale or 1.0 / np.sqrt(E)  # should be `1 / sqrt(E) if scale is None else scale`
+
+
+class MaskPathDefaultScale(DenseSDPA):
+    """The attn_mask path scales by 1 / sqrt(E) whatever `scale` says: the kernel's branch for an
+    explicit mask was written before the scale argument and never took it. No case of the default
+    kernel suite had a scale with a mask: it passed.
+
+    Exposed by an attn_mask (bool or float) with a scale other than 1 / sqrt(E); invisible without a mask.
+    """
+
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **extras):
+        if attn_mask is not None:
+            scale = None  # should keep the caller's scale
+        return super().forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **extras)
 
 
 class SoftcapOnUnscaledScores(DenseSDPA):
@@ -100,6 +143,23 @@ class SoftcapAfterAlibi(DenseSDPA):
         if additive is not None:
             logits = logits + additive
         return self._masked(logits, allowed), dcap
+
+
+class SoftcapOverFloatMask(DenseSDPA):
+    """A float attn_mask added to the scores before the softcap, c * tanh((s + mask) / c), where the
+    mask comes after it (Gemma 2's softcap, then the mask; FlashAttention caps the scores before
+    masking): the mask's finite values are squashed with the scores, and its -inf becomes -c, so a
+    masked key gets weight exp(-c - max) instead of none. ALiBi and bool masks are right. No case of
+    the default kernel suite had a softcap with a float mask: it passed.
+
+    Exposed by a softcap with a float attn_mask; invisible with a bool mask or without a softcap.
+    """
+
+    def _logits(self, s, softcap, scale, bias, allowed, additive):
+        if additive is None:
+            return super()._logits(s, softcap, scale, bias, allowed, additive)
+        capped, dcap = self._softcap(s + additive, softcap, scale)  # should cap s alone, then add the mask
+        return self._masked(capped + bias, allowed), dcap
 
 
 class SoftcapChainRuleMissing(DenseSDPA):
@@ -316,6 +376,56 @@ class LseWithoutSoftcap(DenseSDPA):
         return super()._lse(self._uncapped, row_max, row_sum)
 
 
+class LseBeforeAttnMask(DenseSDPA):
+    """The LSE taken from the logits before the caller's attn_mask: causal, the window, softcap and
+    ALiBi are in it, the attn_mask (bool or float) is not, while the output's softmax has it. The
+    output is right. No case of the default kernel suite asked for the LSE with an attn_mask: it passed.
+
+    Exposed by return_lse with an attn_mask; invisible without one.
+    """
+
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                *, return_lse=False, **extras):  # fmt: skip
+        result = super().forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse=return_lse, **extras)
+        if not return_lse or attn_mask is None:
+            return result
+        saved = self._saved  # the backward is the masked call's
+        _, unmasked = super().forward(query, key, value, None, dropout_p, is_causal, scale, enable_gqa, return_lse=True, **extras)
+        self._saved = saved
+        return result[0], unmasked  # should be result[1], the masked logits' LSE
+
+
+class LseDefaultScale(DenseSDPA):
+    """The LSE recomputed with 1 / sqrt(E), whatever `scale` says: the output's softmax takes the
+    given scale, the LSE the default. The output is right. No case of the default kernel suite
+    asked for the LSE with a given scale: it passed.
+
+    Exposed by return_lse with a scale other than 1 / sqrt(E); invisible at the default scale.
+    """
+
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                *, return_lse=False, **extras):  # fmt: skip
+        result = super().forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse=return_lse, **extras)
+        if not return_lse or scale is None:
+            return result
+        saved = self._saved  # the backward is the given scale's
+        _, default = super().forward(query, key, value, attn_mask, dropout_p, is_causal, None, enable_gqa, return_lse=True, **extras)
+        self._saved = saved
+        return result[0], default  # should be result[1], the given scale's LSE
+
+
+class LseSqueezed(DenseSDPA):
+    """The LSE built with its reduced axis kept, (B, Hq, L, 1), then squeezed whole: every axis of
+    size 1 goes, L with it in a decode step (L = 1), B with a single sequence. The values are right.
+    No case of the default kernel suite asked for the LSE with L = 1 or B = 1: it passed.
+
+    Exposed by return_lse with L = 1 (or B = 1, or Hq = 1); invisible where every axis is longer.
+    """
+
+    def _lse(self, logits, row_max, row_sum):
+        return super()._lse(logits, row_max[..., None], row_sum[..., None]).squeeze()  # should be .squeeze(-1)
+
+
 class LseNanOnEmptyRows(DenseSDPA):
     """lse recomputed from the logits with the unguarded max, m + log sum exp(logits - m): a row
     with no allowed key gives exp(-inf - (-inf)) = NaN where -inf is due. The output is guarded and right.
@@ -368,9 +478,10 @@ class HalfAccumulatedOutput(DenseSDPA):
 WRONG_KERNELS: dict[str, type[DenseSDPA]] = {
     cls.__name__: cls
     for cls in (
-        GqaHeadModulo, GqaGradFromOneHead, ScaleIgnored, SoftcapOnUnscaledScores, SoftcapAfterMask, SoftcapAfterAlibi,
-        SoftcapChainRuleMissing, AlibiWrongSign, AlibiWithoutOffset, CausalUpperLeft, WindowRightBoundExclusive,
-        WindowRightUnboundedAsCausal, GqaMask4dOrder, EmptyRowsNotZero, CausalBlockLocalKeyIndex, LseLog2, LseWithoutMax,
-        LseNotShifted, LseWithoutSoftcap, LseNanOnEmptyRows, LseGradientIgnored, HalfAccumulatedOutput,
+        GqaHeadModulo, GqaGradFromOneHead, GqaValueReshapedWithE, ScaleIgnored, ScaleZeroAsNone, MaskPathDefaultScale,
+        SoftcapOnUnscaledScores, SoftcapAfterMask, SoftcapAfterAlibi, SoftcapOverFloatMask, SoftcapChainRuleMissing, AlibiWrongSign,
+        AlibiWithoutOffset, CausalUpperLeft, WindowRightBoundExclusive, WindowRightUnboundedAsCausal, GqaMask4dOrder,
+        EmptyRowsNotZero, CausalBlockLocalKeyIndex, LseLog2, LseWithoutMax, LseNotShifted, LseWithoutSoftcap, LseBeforeAttnMask,
+        LseDefaultScale, LseSqueezed, LseNanOnEmptyRows, LseGradientIgnored, HalfAccumulatedOutput,
     )
 }  # fmt: skip

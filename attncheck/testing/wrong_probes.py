@@ -11,9 +11,11 @@ Usable as `--impl attncheck.testing.wrong_probes:NAME`.
     SoftcapIgnored      accepts softcap and computes without it
     WindowIgnored       accepts window_size and lets every query see every key
     ScaleIgnored        scores always scaled by 1 / sqrt(E) (attncheck.testing.wrong_kernels')
+    DropoutNotRescaled  applies dropout_p without the 1 / (1 - p) rescale of the kept weights
 
 The first three give answers within the budget on every contiguous call: no comparison shows
-them. The last three fail their case's comparison too; the probe names why.
+them. The next three fail their case's comparison too; the probe names why. Every check runs with
+dropout_p = 0, so only the options probe's call with dropout shows the last.
 
 WRONG_VARLEN_PROBES are the same flaws in a packed-sequence kernel (`module: sdpa_varlen`, the
 correct one attncheck.testing.wrong_varlen's DenseVarlen, VARLEN_CORRECT_KERNEL here): Varlen<name>,
@@ -114,6 +116,26 @@ class WindowIgnored(DenseSDPA):
         return np.ones(np.broadcast_shapes(i.shape, j.shape), dtype=bool)
 
 
+class DropoutNotRescaled(DenseSDPA):
+    """Applies dropout_p to the weights without the 1 / (1 - p) rescale: P * keep where torch's
+    F.dropout gives P * keep / (1 - p), so the output's mean shrinks by 1 - p instead of keeping
+    it. The options probe only asked whether dropout_p moved the output: a red-team kernel passed.
+
+    Right with dropout_p = 0, as every check runs; the options probe's call with dropout_p = 1/2 and
+    every value 1 sees rows fall below 1 and none rise.
+    """
+
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        self._dropout_p = dropout_p  # applied by _weighted_values; DenseSDPA itself refuses a dropout
+        return super().forward(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    def _weighted_values(self, probs, v, dtype):
+        if self._dropout_p:
+            keep = np.random.default_rng().random(probs.shape) >= self._dropout_p  # unseeded: a fresh mask each call
+            probs = probs * keep  # should be probs * keep / (1 - dropout_p)
+        return super()._weighted_values(probs, v, dtype)
+
+
 # ------------------------------------------------------------------------------- packed sequences
 class VarlenPackSplitSum(DenseVarlen):
     """Pack-variant: with more than one sequence in the pack, each sequence's P v is summed in two
@@ -158,6 +180,7 @@ class VarlenScaleIgnored(DenseVarlen):
 
 
 # Every known-bad kernel of this corpus, by name.
-WRONG_PROBES = {cls.__name__: cls for cls in (NoisyLastBit, BatchSplitSum, ContiguityAssumed, SoftcapIgnored, WindowIgnored, ScaleIgnored)}
+WRONG_PROBES = {cls.__name__: cls for cls in (NoisyLastBit, BatchSplitSum, ContiguityAssumed, SoftcapIgnored, WindowIgnored, ScaleIgnored,
+                                              DropoutNotRescaled)}  # fmt: skip
 WRONG_VARLEN_PROBES = {cls.__name__: cls for cls in (VarlenPackSplitSum, VarlenContiguityAssumed, VarlenSoftcapIgnored,
                                                      VarlenWindowIgnored, VarlenScaleIgnored)}  # fmt: skip
