@@ -151,11 +151,11 @@ def test_no_config_cli_passes_the_reference_and_the_example():
     assert result.exit_code == 0, result.output
     # its refusals are unsupported, named with its reason in the capability table
     text = " ".join(result.output.split())
-    assert "18 unsupported" in text
+    assert "21 unsupported" in text
     # a reason given in two features (module options, shapes) is written once, under the table
     assert "not kdim-vdim-no-bias: (1)" in text and "not kdim-vdim: (1)" in text
     assert text.count("per_head_loop: kdim/vdim other than embed_dim") == 1 and "(1) per_head_loop: kdim/vdim other than embed_dim" in text
-    assert "; bias-kv-masked, long-fully-padded-bias-kv, zero-attn-masked: per_head_loop: add_bias_kv and add_zero_attn are not supported" in text
+    assert "; bias-kv-masked, long-fully-padded-bias-kv, zero-attn-masked, bias-kv-zero-attn-no-weights: per_head_loop: add_bias_kv and add_zero_attn are not supported" in text
     # bfloat16 too: NumPy computes it in float32 (docs/how-to/half-precision.md), which is not judged, not failed
     assert "not forward: bfloat16: output returned as float32 for bfloat16 inputs, not judged: NumPy has no bfloat16 arithmetic" in text
 

@@ -5,8 +5,8 @@ for it and by no older case.
 REACH names, for each, its module kind and the cases that must fail on it; NEW_CASES are the cases
 added for these gaps. Each implementation runs through its kind's whole embedded suite, the
 pipeline `attncheck run` runs (attncheck.suite.prepare), and must fail exactly those cases, each
-with a real finding (a mismatch, or a result in the wrong dtype) and no crash; every older case
-must pass it or have it declare the case unsupported (or, for a row torch leaves undefined, be
+with a real finding (a mismatch, or a result in the wrong dtype or shape) and no crash; every older
+case must pass it or have it declare the case unsupported (or, for a row torch leaves undefined, be
 inconclusive). Two of them go through the command line itself instead.
 """
 
@@ -30,7 +30,8 @@ MHA, LAYER = "multihead_attention", "transformer_encoder_layer"
 NEW_CASES = {
     MHA: {"encoder-decoder-no-bias", "cross-attention-no-bias", "kdim-vdim-no-bias", "seq-first-no-bias", "long-causal",
           "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal", "float16-long", "float16-causal", "float16-wide", "bfloat16",
-          "is-causal-key-padding", "unbatched-causal"},
+          "is-causal-key-padding", "unbatched-causal", "unbatched-one-query", "float-mask-float-padding",
+          "bias-kv-zero-attn-no-weights"},
     LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block", "fully-padded-row"},
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the issue's gap it stands for in the comment.
@@ -49,7 +50,10 @@ REACH = {
     "HalfMeansFloat16": (MHA, {"bfloat16"}),  # 1: no bfloat16 case (NumPy cannot compute in it)
     "CausalOnlyScaleInFloat32": (MHA, {"float64-causal"}),  # 9: no float64 case a causal-only candidate takes
     "IsCausalDropsPadding": (MHA, {"is-causal-key-padding"}),  # a red-team module: the is_causal hint with key padding
-    "UnbatchedNeverAverages": (MHA, {"unbatched-causal"}),  # the unbatched path's weights per head, averaged or not
+    "UnbatchedNeverAverages": (MHA, {"unbatched-causal", "unbatched-one-query"}),  # the unbatched path's weights, averaged or not
+    "UnbatchedSqueezeAll": (MHA, {"unbatched-one-query"}),  # a red-team module: no unbatched case had one query (L = 1)
+    "FloatPaddingAsBoolBesideFloatMask": (MHA, {"float-mask-float-padding"}),  # a red-team module: no case had both masks float
+    "SdpaPathDropsBiasKv": (MHA, {"bias-kv-zero-attn-no-weights"}),  # a red-team module: bias_kv and zero_attn only with weights
     "KeyPaddingDroppedWhenCausal": (LAYER, {"causal-key-padding"}),  # 7: is_causal with key padding
     "GptBlockGeluTanh": (LAYER, {"pre-norm-gelu-causal", "float64-gpt-block"}),  # 8: no case a GPT block takes
     "GptBlockScaleInFloat32": (LAYER, {"float64-gpt-block"}),  # 9
@@ -84,15 +88,15 @@ COMMAND_LINE = {"EncoderDecoderQueryKeySwapped": "attncheck.testing.wrong_impls"
 
 def assert_caught_by_its_new_cases_alone(name: str, results: list[dict]) -> None:
     """A suite run's reports (as in its JSON) fail exactly REACH's cases for `name`, each with a
-    real finding (a mismatch, or a result in the wrong dtype) and no crash; every older case passes
-    it or has it declared unsupported (or inconclusive, for a row torch leaves undefined)."""
+    real finding (a mismatch, or a result in the wrong dtype or shape) and no crash; every older case
+    passes it or has it declared unsupported (or inconclusive, for a row torch leaves undefined)."""
     kind, catching = REACH[name]
     assert {report["name"] for report in results if report["verdict"] == "fail"} == catching
     for report in results:
         failures = [row for row in report["rows"] if row["status"] == "fail"]
         if report["verdict"] == "fail":
             assert all(row["reason"] != Reason.CALL for row in failures), (report["name"], report["command"])  # no crash
-            assert any(row["mismatched"] or row["reason"] == Reason.DTYPE for row in failures), (report["name"], report["command"])
+            assert any(row["mismatched"] or row["reason"] in (Reason.DTYPE, Reason.SHAPE) for row in failures), (report["name"], report["command"])
         elif report["name"] not in NEW_CASES[kind]:
             assert report["verdict"] in ("pass", "unsupported", "inconclusive"), (report["name"], report["command"], report["verdict"])
 
