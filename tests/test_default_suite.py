@@ -28,7 +28,7 @@ from attncheck.kinds.mha import MHA
 from attncheck.render_suite import capability_table as suite_capability_table, suite_summary, suite_verdict
 from attncheck.report import FAIL, UNSUPPORTED, Reason, Report, Row, SuiteResult, capabilities
 from attncheck.suite import prepare
-from attncheck.testing import detection, wrong_diagnoses, wrong_gradients, wrong_impls, wrong_reach, wrong_updates
+from attncheck.testing import detection, wrong_diagnoses, wrong_gradients, wrong_impls, wrong_pairs, wrong_reach, wrong_updates
 from attncheck.testing.detection import DEFAULT_SUITE_CATCHES
 from tests.conftest import default_suite_catch_report
 
@@ -58,7 +58,7 @@ def test_caught_by_its_case(catch):
 
 def test_the_corpus_covers_every_class_once():
     """Every class in wrong_impls is listed, caught by one default-suite case, and named by no other table."""
-    defined = {name for module in (wrong_impls, wrong_gradients, wrong_updates, wrong_diagnoses, wrong_reach) for name, obj in vars(module).items()
+    defined = {name for module in (wrong_impls, wrong_gradients, wrong_updates, wrong_diagnoses, wrong_pairs, wrong_reach) for name, obj in vars(module).items()
                if isinstance(obj, type) and obj.__module__ == module.__name__ and not name.startswith("_")}  # fmt: skip
     assert set(wrong_impls.MODULES) | set(wrong_impls.OPTIMIZERS) == defined
     names = [c.impl for c in DEFAULT_SUITE_CATCHES]

@@ -386,17 +386,6 @@ class UnbatchedAlwaysAverages(MultiheadAttention):
 
 
 # ------------------------------------------------------------------------------------ shapes
-class KdimPathDropsKeyPadding(MultiheadAttention):
-    """The separate-weights path (kdim or vdim other than embed_dim: q_proj_weight, k_proj_weight,
-    v_proj_weight) never applies key_padding_mask; the packed in_proj_weight path does. The default
-    suite's kdim-vdim cases had no key padding: it passed until they took one."""
-
-    def forward(self, query, key, value, *, key_padding_mask=None, **kwargs):
-        if self.separate:
-            key_padding_mask = None
-        return super().forward(query, key, value, key_padding_mask=key_padding_mask, **kwargs)
-
-
 class SeqFirstAsBatchFirst(MultiheadAttention):
     """batch_first=False inputs (L, B, E) are read as (B, L, E): attention runs across the batch
     axis instead of the sequence. Invisible when batch_first is true."""
@@ -495,22 +484,6 @@ class BiasKvMaskedOut(MultiheadAttention):
         return grads
 
 
-class ZeroAttnBeforeBiasKv(MultiheadAttention):
-    """With add_bias_kv and add_zero_attn both set, the zero key is appended before bias_k, where
-    torch appends bias_k first: the weights' last two columns trade places. Both columns are
-    allowed (each mask is padded with an allowed column per extra key), so the output, whose sum
-    over keys does not depend on their order, and the gradients are torch's. Implemented as that
-    swap of the reference's weights. The default suite set the two options in separate cases: it
-    passed until bias-kv-masked took add_zero_attn."""
-
-    def forward(self, *args, **kwargs):
-        out, weights = super().forward(*args, **kwargs)
-        if weights is not None and self.bias_k is not None and self.add_zero_attn:
-            weights = weights.copy()
-            weights[..., [-2, -1]] = weights[..., [-1, -2]]  # (..., S + 2): zero key's column, then bias_k's
-        return out, weights
-
-
 class PerHeadWeightsHeadMajor(MultiheadAttention):
     """Per-head weights (average_attn_weights=False) laid out head-major: (H, B, L, S) data in the
     (B, H, L, S) array torch returns. Invisible when B == 1 or H == 1."""
@@ -597,15 +570,12 @@ MODULES = {
         SoftmaxWithoutMaxSubtraction, OutProjBiasGradMissing,
         BoolMaskInverted, KeyPaddingInverted, KeyPaddingHeadOrder, Mask3dHeadOrder, CausalDiagonalMasked, FloatMaskScaled,
         KeyPaddingFloatAsBool, MixedMaskPaddingCast, FullyMaskedRowsZeroed,
-        UnbatchedKeyPaddingDropped, UnbatchedAlwaysAverages, KdimPathDropsKeyPadding, SeqFirstAsBatchFirst, KeyUsedAsValue,
-        EncoderDecoderSharedProjection, KeysChunkedTailDropped, BiasKvMaskedOut, ZeroAttnBeforeBiasKv, PerHeadWeightsHeadMajor,
-        Float16Probabilities, SoftmaxEpsilon,
+        UnbatchedKeyPaddingDropped, UnbatchedAlwaysAverages, SeqFirstAsBatchFirst, KeyUsedAsValue, EncoderDecoderSharedProjection,
+        KeysChunkedTailDropped, BiasKvMaskedOut, PerHeadWeightsHeadMajor, Float16Probabilities, SoftmaxEpsilon,
         Float32Internally, QueryGradScaleMissing, BiasGradAveragedOverBatch, OutProjWeightGradTransposed,
         BiasKvGradSwapped, KeyValueProjectionCached, MaskSanitizedInPlace,
     )
 }  # fmt: skip
-
-
 
 
 # Bugs the diagnosis once named wrongly or generically (issue 29) live beside these (wrong_diagnoses).
@@ -614,6 +584,12 @@ from attncheck.testing.wrong_diagnoses import (DropoutLeftOn, HeadsMergedByResha
 
 MODULES.update({cls.__name__: cls for cls in (HeadsSplitByReshape, HeadsMergedByReshape, DropoutLeftOn, WeightsAveragedOverBatch,
                                               Mask3dIgnored)})  # fmt: skip
+
+# Bugs that show only where two options meet, caught by an older case that took the second option
+# (red-team modules), live beside these too (wrong_pairs).
+from attncheck.testing.wrong_pairs import KdimPathDropsKeyPadding, ZeroAttnBeforeBiasKv  # noqa: E402
+
+MODULES.update({cls.__name__: cls for cls in (KdimPathDropsKeyPadding, ZeroAttnBeforeBiasKv)})
 
 # Bugs the default suite once missed (issue 29, item 2) live beside these too (wrong_reach): each
 # under its name here as well, so that `--impl attncheck.testing.wrong_impls:NAME` loads it.
