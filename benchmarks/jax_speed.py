@@ -6,7 +6,7 @@ Each pair is a JAX example and the torch candidate of the same kind, on that kin
 the Flax encoder layer against the torch one (`run`, 30 checks), and the JAX kernel against
 torch's own F.scaled_dot_product_attention (`forward`, 39 cases); and Flax's
 MultiHeadDotProductAttention against torch's SDPA written the same way (`run`, the MHA default
-suite, 125 checks). Every command runs `repeats`
+suite, 134 checks). Every command runs `repeats`
 times, the commands alternating within each round so that load from other work hits them alike;
 the minimum wall time is reported, and the CPU time (the judge and the candidate's process
 together) of that run. `--root` runs the commands of another checkout (a `git worktree` or `git

@@ -8,7 +8,7 @@ attncheck's tensors under its own names; gradients come from autograd.
 
     attncheck grad --impl examples/nanogpt_attention.py:MultiheadAttention -c configs/causal.yaml      # exit 0
     attncheck forward --impl examples/nanogpt_attention.py:MultiheadAttention -c configs/default.yaml  # exit 4: no mask, unsupported
-    attncheck run --impl examples/nanogpt_attention.py:MultiheadAttention    # exit 0: 24 of 125 checks pass, 101 unsupported
+    attncheck run --impl examples/nanogpt_attention.py:MultiheadAttention    # exit 0: 24 of 134 checks pass, 110 unsupported
 
 It supports what nanoGPT does: causal self-attention, batch-first or not, with or without bias.
 It returns no attention weights (reported "not provided"), and declares any other mask,

@@ -28,7 +28,7 @@ from attncheck.kinds.mha import MHA
 from attncheck.render_suite import capability_table as suite_capability_table, suite_summary, suite_verdict
 from attncheck.report import FAIL, UNSUPPORTED, Reason, Report, Row, SuiteResult, capabilities
 from attncheck.suite import prepare
-from attncheck.testing import detection, wrong_diagnoses, wrong_gradients, wrong_impls, wrong_reach, wrong_updates
+from attncheck.testing import detection, wrong_diagnoses, wrong_gradients, wrong_impls, wrong_pairs, wrong_reach, wrong_updates
 from attncheck.testing.detection import DEFAULT_SUITE_CATCHES
 from tests.conftest import default_suite_catch_report
 
@@ -58,7 +58,7 @@ def test_caught_by_its_case(catch):
 
 def test_the_corpus_covers_every_class_once():
     """Every class in wrong_impls is listed, caught by one default-suite case, and named by no other table."""
-    defined = {name for module in (wrong_impls, wrong_gradients, wrong_updates, wrong_diagnoses, wrong_reach) for name, obj in vars(module).items()
+    defined = {name for module in (wrong_impls, wrong_gradients, wrong_updates, wrong_diagnoses, wrong_pairs, wrong_reach) for name, obj in vars(module).items()
                if isinstance(obj, type) and obj.__module__ == module.__name__ and not name.startswith("_")}  # fmt: skip
     assert set(wrong_impls.MODULES) | set(wrong_impls.OPTIMIZERS) == defined
     names = [c.impl for c in DEFAULT_SUITE_CATCHES]
@@ -151,11 +151,11 @@ def test_no_config_cli_passes_the_reference_and_the_example():
     assert result.exit_code == 0, result.output
     # its refusals are unsupported, named with its reason in the capability table
     text = " ".join(result.output.split())
-    assert "18 unsupported" in text
+    assert "21 unsupported" in text
     # a reason given in two features (module options, shapes) is written once, under the table
     assert "not kdim-vdim-no-bias: (1)" in text and "not kdim-vdim: (1)" in text
     assert text.count("per_head_loop: kdim/vdim other than embed_dim") == 1 and "(1) per_head_loop: kdim/vdim other than embed_dim" in text
-    assert "; bias-kv-masked, long-fully-padded-bias-kv, zero-attn-masked: per_head_loop: add_bias_kv and add_zero_attn are not supported" in text
+    assert "; bias-kv-masked, long-fully-padded-bias-kv, zero-attn-masked, bias-kv-zero-attn-no-weights: per_head_loop: add_bias_kv and add_zero_attn are not supported" in text
     # bfloat16 too: NumPy computes it in float32 (docs/how-to/half-precision.md), which is not judged, not failed
     assert "not forward: bfloat16: output returned as float32 for bfloat16 inputs, not judged: NumPy has no bfloat16 arithmetic" in text
 

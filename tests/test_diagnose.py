@@ -80,6 +80,7 @@ CORPUS = {
     "KdimHeadScale": {"output": [BY_KDIM], "attn_weights": [BY_KDIM]},
     "UnbatchedKeyPaddingDropped": {"output": ["the key_padding_mask (4,) is ignored"], "attn_weights": ["the key_padding_mask (4,) is ignored"]},
     "UnbatchedAlwaysAverages": {},  # weights of the wrong shape: no numbers to diagnose
+    "KdimPathDropsKeyPadding": {"output": ["the key_padding_mask (3, 6) is ignored"], "attn_weights": ["the key_padding_mask (3, 6) is ignored"]},
     "DropoutLeftOn": {},  # averaged over heads: each head's dropped weights are mixed (per head: DIAGNOSES)
     # masks
     "MaskAfterSoftmax": {"attn_weights": ["only at unmasked positions; the masked ones agree"]},
@@ -99,6 +100,7 @@ CORPUS = {
     "BiasKvProjected": {"attn_weights": ["only at unmasked positions"]},
     "BiasKvMaskedOut": {"attn_weights": ["only at unmasked positions"]},
     "ZeroAttnPrepended": {},  # masked: the shift is cut by the mask (unmasked: DIAGNOSES)
+    "ZeroAttnBeforeBiasKv": {"attn_weights": ["only in key columns 4-5 (of 6)"]},  # the two extra keys' columns
     "PerHeadWeightsHeadMajor": {"attn_weights": ["candidate = expected laid out head-major: (H, B, L, S) data"]},
     # numerics: zero weights from overflow are no mask; errors below 1e-3 fit no pattern
     "SoftmaxWithoutMaxSubtraction": {"attn_weights": ["NaN in 17 places where torch has a number"]},
@@ -139,6 +141,9 @@ CORPUS = {
     "CausalOnlyScaleInFloat32": {"output": ["small: the error is at most"]},
     "IsCausalDropsPadding": {"output": ["the key_padding_mask (3, 4) is ignored"]},  # its weights are not returned (need_weights false)
     "UnbatchedNeverAverages": {},  # a wrong shape: nothing to diagnose
+    "FloatPaddingAsBoolBesideFloatMask": {"output": ["NaN in 120 places where torch has a number"]},  # every key masked
+    "SdpaPathDropsBiasKv": {},  # every output element moves: nothing to point at, and no wrong cause
+    "UnbatchedSqueezeAll": {},  # the output's shape: no numbers to diagnose
 }  # fmt: skip
 # Words that name a cause: a diagnosis holds one only where its expected words do.
 CAUSES = ["heads split", "heads merged", "heads permuted", "laid out head-major", "is read head-major", "wrong order",

@@ -19,7 +19,7 @@ from attncheck.layer_reference import TransformerEncoderLayer
 from attncheck.reference import MultiheadAttention
 from attncheck.sgd import SGD
 from attncheck.testing import (dense_kvcache, dense_sdpa, wrong_diagnoses, wrong_gradients, wrong_impls, wrong_kernels, wrong_kvcache, wrong_layers,
-                               wrong_probes, wrong_reach, wrong_updates, wrong_varlen)  # fmt: skip
+                               wrong_pairs, wrong_probes, wrong_reach, wrong_updates, wrong_varlen)  # fmt: skip
 from attncheck.testing.dense_kvcache import DecodeKernel
 from attncheck.testing.dense_sdpa import DenseSDPA
 from attncheck.testing.wrong_varlen import DenseVarlen
@@ -31,7 +31,7 @@ DECLARED = {MultiheadAttention: reference.HOOKS, TransformerEncoderLayer: layer_
 MUTANTS = [
     cls
     for module in (wrong_impls, wrong_gradients, wrong_diagnoses, wrong_layers, wrong_updates, wrong_kernels, wrong_probes, wrong_varlen,
-                   wrong_kvcache, wrong_reach)  # fmt: skip
+                   wrong_kvcache, wrong_reach, wrong_pairs)  # fmt: skip
     for cls in vars(module).values()
     if isinstance(cls, type) and cls.__module__ == module.__name__
 ]

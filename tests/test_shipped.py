@@ -129,7 +129,7 @@ EXAMPLES = [
     Documented("tutorial_encoder_layer.py:TransformerEncoderLayer", ("forward", "-c", "configs/encoder_layer_no_bias.yaml"), 0,
                "its docstring"),
     Documented("torch_sdpa.py:MultiheadAttention", ("run",), 0,
-               "README 'Kernels and other frameworks': passes 94 of 125 checks, 31 unsupported", {"pass": 94, "unsupported": 31}),
+               "README 'Kernels and other frameworks': passes 94 of 134 checks, 40 unsupported", {"pass": 94, "unsupported": 40}),
     # The README's no-config run of the Flax example takes minutes (JAX traces every check); its
     # gradients are tests/test_jax.py's (through attncheck.check with the same SPEC).
     Documented("flax_attention.py:MultiheadAttention", ("forward", "-c", "configs/causal.yaml"), 0,
@@ -154,7 +154,7 @@ EXAMPLES = [
     Documented("nanogpt_attention.py:MultiheadAttention", ("forward", "-c", "configs/default.yaml"), 4,
                "its docstring: any mask but the causal one is unsupported (default.yaml has none)"),
     Documented("nanogpt_attention.py:MultiheadAttention", ("run",), 0,
-               "its docstring: the default suite, 24 of 125 checks pass, 101 unsupported", {"pass": 24, "unsupported": 101}),
+               "its docstring: the default suite, 24 of 134 checks pass, 110 unsupported", {"pass": 24, "unsupported": 110}),
     # JAX compiles every case's call: about 20 s for the kernel suite's forward.
     Documented("jax_sdpa.py:scaled_dot_product_attention", ("forward", "--module", "sdpa", "--framework", "jax"), 0,
                "its docstring: passes the default kernel suite's forward where JAX has the option", slow=True),

@@ -6,10 +6,10 @@ REACH names, for each, its module kind and the cases that must fail on it; NEW_C
 added for these gaps, and the older cases whose parameters changed to close one (the varlen suite's
 `alibi-causal` and the decode suite's `alibi`, under GQA since). Each implementation runs through
 its kind's whole embedded suite, the pipeline `attncheck run` runs (attncheck.suite.prepare), and
-must fail exactly those cases, each
-with a real finding (a mismatch, or a result in the wrong dtype) and no crash; every older case
-must pass it or have it declare the case unsupported (or, for a row torch leaves undefined, be
-inconclusive). Two of them go through the command line itself instead.
+must fail exactly those cases, each with a real finding (a mismatch, or a result in the wrong dtype
+or shape) and no crash; every older case must pass it or have it declare the case unsupported (or,
+for a row torch leaves undefined, be inconclusive). Two of them go through the command line itself
+instead.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ MHA, LAYER, SDPA, VARLEN, KVCACHE = "multihead_attention", "transformer_encoder_
 NEW_CASES = {
     MHA: {"encoder-decoder-no-bias", "cross-attention-no-bias", "kdim-vdim-no-bias", "seq-first-no-bias", "long-causal",
           "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal", "float16-long", "float16-causal", "float16-wide", "bfloat16",
-          "is-causal-key-padding", "unbatched-causal"},
+          "is-causal-key-padding", "unbatched-causal", "unbatched-one-query", "float-mask-float-padding",
+          "bias-kv-zero-attn-no-weights"},
     LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block", "fully-padded-row"},
     VARLEN: {"softcap-alibi-lse", "window-1-inf", "alibi-causal", "bfloat16-2048"},  # alibi-causal: 6 query heads on 2 key-value heads, where it had 4 on 4
     KVCACHE: {"softcap-alibi-lse", "window-1-inf", "alibi"},  # alibi: 6 query heads on 2 key-value heads, where it had 6 on 6
@@ -54,7 +55,10 @@ REACH = {
     "HalfMeansFloat16": (MHA, {"bfloat16"}),  # 1: no bfloat16 case (NumPy cannot compute in it)
     "CausalOnlyScaleInFloat32": (MHA, {"float64-causal"}),  # 9: no float64 case a causal-only candidate takes
     "IsCausalDropsPadding": (MHA, {"is-causal-key-padding"}),  # a red-team module: the is_causal hint with key padding
-    "UnbatchedNeverAverages": (MHA, {"unbatched-causal"}),  # the unbatched path's weights per head, averaged or not
+    "UnbatchedNeverAverages": (MHA, {"unbatched-causal", "unbatched-one-query"}),  # the unbatched path's weights, averaged or not
+    "UnbatchedSqueezeAll": (MHA, {"unbatched-one-query"}),  # a red-team module: no unbatched case had one query (L = 1)
+    "FloatPaddingAsBoolBesideFloatMask": (MHA, {"float-mask-float-padding"}),  # a red-team module: no case had both masks float
+    "SdpaPathDropsBiasKv": (MHA, {"bias-kv-zero-attn-no-weights"}),  # a red-team module: bias_kv and zero_attn only with weights
     "KeyPaddingDroppedWhenCausal": (LAYER, {"causal-key-padding"}),  # 7: is_causal with key padding
     "GptBlockGeluTanh": (LAYER, {"pre-norm-gelu-causal", "float64-gpt-block"}),  # 8: no case a GPT block takes
     "GptBlockScaleInFloat32": (LAYER, {"float64-gpt-block"}),  # 9
@@ -111,8 +115,8 @@ COMMAND_LINE = {"EncoderDecoderQueryKeySwapped": "attncheck.testing.wrong_impls"
 
 def assert_caught_by_its_new_cases_alone(name: str, results: list[dict]) -> None:
     """A suite run's reports (as in its JSON) fail exactly REACH's cases for `name`, each with a
-    real finding (a mismatch, or a result in the wrong dtype or shape) and no crash; every older case passes
-    it or has it declared unsupported (or inconclusive, for a row torch leaves undefined)."""
+    real finding (a mismatch, or a result in the wrong dtype or shape) and no crash; every older case
+    passes it or has it declared unsupported (or inconclusive, for a row torch leaves undefined)."""
     kind, catching = REACH[name]
     assert {report["name"] for report in results if report["verdict"] == "fail"} == catching
     for report in results:

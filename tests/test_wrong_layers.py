@@ -34,17 +34,22 @@ CATCHES = {
     "FullyMaskedRowsNaN": [("fully-padded-row", "forward"), ("fully-padded-row", "sgd-step")],
     # the one pre-norm case with a non-default eps (large-eps is post-norm)
     "PreNormDefaultEps": [("pre-norm-gelu", "forward"), ("pre-norm-gelu", "grad")],
+    # red-team layers: key padding in the one pre-norm case without a causal mask, and in the unbatched case
+    "PreNormDropsKeyPadding": [("pre-norm-gelu", "forward"), ("pre-norm-gelu", "grad")],
+    "UnbatchedDropsKeyPadding": [("unbatched-no-bias", "forward"), ("unbatched-no-bias", "sgd-step")],
 }
 # Where a bug cannot show: pre-norm asked, pre-norm computed; the relu cases run no GELU; is_causal
 # without key padding, key padding without is_causal; a float32 scale in float32; eps in a post-norm
-# case, or the pre-norm eps at its default.
+# case, or the pre-norm eps at its default; key padding in a post-norm or a batched case.
 MISSES = {"AlwaysPreNorm": [("pre-norm-gelu", "forward")], "GeluTanh": [("post-norm-relu", "forward")],
           "NormBackwardWithoutMeanTerm": [("post-norm-relu", "forward")],
           "KeyPaddingDroppedWhenCausal": [("post-norm-gelu-causal", "forward"), ("seq-first-padding", "forward")],
           "GptBlockScaleInFloat32": [("pre-norm-gelu-causal", "forward"), ("pre-norm-gelu-causal", "grad")],
           "SeqFirstReadAsBatchFirst": [("post-norm-relu", "forward"), ("causal-key-padding", "grad")],
           "FullyMaskedRowsNaN": [("causal-key-padding", "forward"), ("seq-first-padding", "grad")],
-          "PreNormDefaultEps": [("large-eps", "forward"), ("sgd-momentum-pre-norm", "sgd-step")]}  # fmt: skip
+          "PreNormDefaultEps": [("large-eps", "forward"), ("sgd-momentum-pre-norm", "sgd-step")],
+          "PreNormDropsKeyPadding": [("causal-key-padding", "forward"), ("pre-norm-gelu-causal", "grad")],
+          "UnbatchedDropsKeyPadding": [("seq-first-padding", "forward"), ("causal-key-padding", "grad")]}  # fmt: skip
 
 
 def _cases():

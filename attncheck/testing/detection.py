@@ -2,10 +2,12 @@
 
 CAUGHT: the check must fail on exactly the rows listed, each a real mismatch (elements outside
 what the rule allows, or NaN where torch has none), and nothing may crash: a row named
-`candidate` means the candidate raised, which proves nothing about the check. MISSED: the check
-must pass, because the bug cannot show there (a backward bug under `forward`, a swap of two
-gradients that self-attention sums, an overflow that small logits never reach). A MISSED case
-documents a blind spot; if one starts failing, this table (and README's) needs updating.
+`candidate` failing for its call means the candidate raised, which proves nothing about the
+check; one failing for its shape means the call returned an output of another shape than
+torch's, which is a finding. MISSED: the check must pass, because the bug cannot show there (a
+backward bug under `forward`, a swap of two gradients that self-attention sums, an overflow that
+small logits never reach). A MISSED case documents a blind spot; if one starts failing, this
+table (and README's) needs updating.
 
 A case's config is a dict of overrides of the defaults, or the path of a config file relative to
 the repository root, where the tests and benchmarks/detection.py (which reprints this table) run.
@@ -112,6 +114,7 @@ DEFAULT_SUITE_CATCHES = [
     SuiteCatch("KeyUsedAsValue", "cross-attention", "forward", {"forward": ("output",)}),  # the weights use q and k only
     SuiteCatch("EncoderDecoderSharedProjection", "encoder-decoder", "forward", {"forward": ("output",)}),
     SuiteCatch("KdimHeadScale", "kdim-vdim", "forward", FORWARD_ONLY),
+    SuiteCatch("KdimPathDropsKeyPadding", "kdim-vdim", "forward", FORWARD_ONLY),
     SuiteCatch("UnbatchedKeyPaddingDropped", "unbatched-key-padding", "forward", FORWARD_ONLY),
     SuiteCatch("UnbatchedAlwaysAverages", "unbatched-key-padding", "forward", {"forward": ("attn_weights",)}),  # (L, S), not (H, L, S)
     # masks
@@ -130,6 +133,7 @@ DEFAULT_SUITE_CATCHES = [
     SuiteCatch("BiasKvProjected", "bias-kv-masked", "forward", FORWARD_ONLY),
     SuiteCatch("BiasKvMaskedOut", "bias-kv-masked", "forward", FORWARD_ONLY),
     SuiteCatch("ZeroAttnPrepended", "zero-attn-masked", "forward", FORWARD_ONLY),
+    SuiteCatch("ZeroAttnBeforeBiasKv", "bias-kv-masked", "forward", {"forward": ("attn_weights",)}),  # the output sums over the keys
     SuiteCatch("PerHeadWeightsHeadMajor", "per-head-weights", "forward", {"forward": ("attn_weights",), "fast-path": ("attn_weights",)}),
     # numerics
     SuiteCatch("SoftmaxWithoutMaxSubtraction", "large-logits", "forward", BOTH_FORWARD_PATHS),
@@ -176,6 +180,9 @@ DEFAULT_SUITE_CATCHES = [
     SuiteCatch("CausalOnlyScaleInFloat32", "float64-causal", "forward", BOTH_FORWARD_PATHS),
     SuiteCatch("IsCausalDropsPadding", "is-causal-key-padding", "forward", {"forward": ("output",), "fast-path": ("output",)}),  # need_weights false
     SuiteCatch("UnbatchedNeverAverages", "unbatched-causal", "forward", {"forward": ("attn_weights",)}),
+    SuiteCatch("FloatPaddingAsBoolBesideFloatMask", "float-mask-float-padding", "forward", FORWARD_ONLY),  # NaN: every key masked
+    SuiteCatch("SdpaPathDropsBiasKv", "bias-kv-zero-attn-no-weights", "forward", {"forward": ("output",)}),  # need_weights false
+    SuiteCatch("UnbatchedSqueezeAll", "unbatched-one-query", "forward", {"forward": ("candidate",)}),  # its output's shape, (E,)
 ]  # fmt: skip
 
 
@@ -212,7 +219,7 @@ def problems(case: Case, report: Report) -> list[str]:
     for row in report.failures:
         if row.reason in (Reason.CALL, Reason.TIMEOUT):
             found.append(f"the candidate crashed ({row.section}): {row.note}")
-        elif row.reason in (Reason.CONTRACT, Reason.DTYPE):  # about the calls or the results' dtype: no values to mismatch
+        elif row.reason in (Reason.CONTRACT, Reason.DTYPE, Reason.SHAPE):  # the calls, the results' dtype or shape: no values to mismatch
             mismatched.add((row.section, row.quantity))
         elif row.mismatched == 0:
             found.append(f"{row.section} {row.quantity} failed without a mismatch: {row.note}")

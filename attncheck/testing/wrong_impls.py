@@ -578,14 +578,18 @@ MODULES = {
 }  # fmt: skip
 
 
-
-
 # Bugs the diagnosis once named wrongly or generically (issue 29) live beside these (wrong_diagnoses).
 from attncheck.testing.wrong_diagnoses import (DropoutLeftOn, HeadsMergedByReshape, HeadsSplitByReshape,  # noqa: E402
                                                Mask3dIgnored, WeightsAveragedOverBatch)  # fmt: skip
 
 MODULES.update({cls.__name__: cls for cls in (HeadsSplitByReshape, HeadsMergedByReshape, DropoutLeftOn, WeightsAveragedOverBatch,
                                               Mask3dIgnored)})  # fmt: skip
+
+# Bugs that show only where two options meet, caught by an older case that took the second option
+# (red-team modules), live beside these too (wrong_pairs).
+from attncheck.testing.wrong_pairs import KdimPathDropsKeyPadding, ZeroAttnBeforeBiasKv  # noqa: E402
+
+MODULES.update({cls.__name__: cls for cls in (KdimPathDropsKeyPadding, ZeroAttnBeforeBiasKv)})
 
 # Bugs the default suite once missed (issue 29, item 2) live beside these too (wrong_reach): each
 # under its name here as well, so that `--impl attncheck.testing.wrong_impls:NAME` loads it.

@@ -194,9 +194,32 @@ class PreNormDefaultEps(TransformerEncoderLayer):
             self.eps = 1e-5
 
 
+class PreNormDropsKeyPadding(TransformerEncoderLayer):
+    """norm_first=True: the pre-norm branch calls the self-attention without src_key_padding_mask
+    (a copy-paste slip); the post-norm branch passes it. The default layer suite's pre-norm cases
+    had no key padding: a red-team layer passed it until pre-norm-gelu took one."""
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        if self.norm_first:
+            src_key_padding_mask = None
+        return super().forward(src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
+
+
+class UnbatchedDropsKeyPadding(TransformerEncoderLayer):
+    """Unbatched (L, E) src: the (L,) key padding mask is dropped on that code path of its own.
+    The default layer suite's one unbatched case had no key padding: a red-team layer passed it
+    until unbatched-no-bias took one."""
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        if np.ndim(src) == 2:
+            src_key_padding_mask = None
+        return super().forward(src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
+
+
 LAYERS = {
     cls.__name__: cls
     for cls in (UnbiasedVarianceNorm, EpsOutsideSqrt, AlwaysPreNorm, ResidualAfterNorm, GeluTanh,
                 FeedForwardBiasesDropped, NormBackwardWithoutMeanTerm, KeyPaddingDroppedWhenCausal, GptBlockGeluTanh,
-                GptBlockScaleInFloat32, SeqFirstReadAsBatchFirst, FullyMaskedRowsNaN, PreNormDefaultEps)
+                GptBlockScaleInFloat32, SeqFirstReadAsBatchFirst, FullyMaskedRowsNaN, PreNormDefaultEps, PreNormDropsKeyPadding,
+                UnbatchedDropsKeyPadding)
 }  # fmt: skip

@@ -358,11 +358,70 @@ class UnbatchedNeverAverages(MultiheadAttention):
         return super().forward(query, key, value, average_attn_weights=average_attn_weights, **kwargs)
 
 
+class FloatPaddingAsBoolBesideFloatMask(MultiheadAttention):
+    """Beside a float attn_mask, a float key_padding_mask is read as bool (any nonzero value masks
+    its key), where torch adds both to the logits; alone, it is added. Invisible unless both masks
+    are float: the default suite's float attn_mask and float key padding were in separate cases
+    (a red-team module passed it) until float-mask-float-padding."""
+
+    def forward(self, query, key, value, *, attn_mask=None, key_padding_mask=None, **kwargs):
+        both_float = all(m is not None and m.dtype != np.bool_ for m in (attn_mask, key_padding_mask))
+        if both_float:
+            key_padding_mask = key_padding_mask != 0
+        return super().forward(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask, **kwargs)
+
+
+class SdpaPathDropsBiasKv(MultiheadAttention):
+    """need_weights=False takes a path of its own (F.scaled_dot_product_attention over the projected
+    keys and values) that leaves out bias_k and bias_v and the zero key: their gradients are zero.
+    need_weights=True, torch's standard path, has them. The default suite's add_bias_kv and
+    add_zero_attn cases all asked for the weights: a red-team module passed it until
+    bias-kv-zero-attn-no-weights."""
+
+    def forward(self, query, key, value, *, need_weights=True, **kwargs):
+        self._dropped = not need_weights and (self.bias_k is not None or self.add_zero_attn)
+        if not self._dropped:
+            return super().forward(query, key, value, need_weights=need_weights, **kwargs)
+        own = self.bias_k, self.bias_v, self.add_zero_attn
+        self.bias_k, self.bias_v, self.add_zero_attn = None, None, False
+        try:
+            return super().forward(query, key, value, need_weights=False, **kwargs)
+        finally:
+            self.bias_k, self.bias_v, self.add_zero_attn = own
+
+    def backward(self, grad_output):
+        if not self._dropped:
+            return super().backward(grad_output)
+        own = self.bias_k, self.bias_v, self.add_zero_attn
+        self.bias_k, self.bias_v, self.add_zero_attn = None, None, False
+        try:
+            grads = super().backward(grad_output)
+        finally:
+            self.bias_k, self.bias_v, self.add_zero_attn = own
+        if self.bias_k is not None:
+            grads["bias_k"], grads["bias_v"] = np.zeros_like(self.bias_k), np.zeros_like(self.bias_v)
+        return grads
+
+
+class UnbatchedSqueezeAll(MultiheadAttention):
+    """Unbatched (2-D) inputs: the batch axis is taken off the output and the weights with a bare
+    squeeze() (torch's `.squeeze()`, no axis), which drops every axis of length 1: with one query
+    (L = 1) the output is (E,), not (1, E), and averaged weights (S,), not (1, S). Its gradients
+    are the reference's. The default suite's unbatched cases had four queries: it passed until
+    unbatched-one-query."""
+
+    def forward(self, query, key, value, **kwargs):
+        out, weights = super().forward(query, key, value, **kwargs)
+        if query.ndim == 2:
+            out, weights = out.squeeze(), None if weights is None else weights.squeeze()
+        return out, weights
+
+
 # Every wrong module above, by name.
 MODULES = {
     cls.__name__: cls
     for cls in (HalfAccumulatedSoftmax, HalfAccumulatedOutProjection, HalfInputsFloat32Output, MaskFilledWithMinus1e9, HalfMeansFloat16, CausalMaskBlockLocal,
                 MaskAppliedAfterExp, OnlineSoftmaxEmptyBlockNaN, EncoderDecoderQueryKeySwapped, CrossAttentionKeyValueChunksSwapped,
                 KdimHeadDimFromKeyWidth, SeqFirstReshapedNotTransposed, CausalOnlyScaleInFloat32, IsCausalDropsPadding,
-                UnbatchedNeverAverages)
+                UnbatchedNeverAverages, FloatPaddingAsBoolBesideFloatMask, SdpaPathDropsBiasKv, UnbatchedSqueezeAll)
 }  # fmt: skip
