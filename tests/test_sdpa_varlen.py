@@ -33,6 +33,9 @@ CATCHES = {
     "VarlenWindowRightUnboundedAsCausal": [("window-1-inf", "forward"), ("window-1-inf", "grad")],
     "VarlenAlibiSlopesGqaOrder": [("alibi-causal", "forward"), ("alibi-causal", "grad")],
     "VarlenHalfAccumulatedOutput": [("bfloat16-2048", "forward")],  # a forward-only case
+    "VarlenAlibiPerKvHead": [("alibi-causal", "forward"), ("alibi-causal", "grad")],
+    "VarlenCausalDefaultScale": [("window-2-1", "forward"), ("window-2-1", "grad")],
+    "VarlenLseWithoutWindow": [("lse-gqa-causal", "forward"), ("lse-gqa-causal", "grad")],  # grad: the loss and the finite differences
 }
 # (query lengths, key lengths, options) the oracle is checked on against the dense computation.
 ORACLE_CASES = [

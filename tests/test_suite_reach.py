@@ -34,7 +34,8 @@ NEW_CASES = {
           "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal", "float16-long", "float16-causal", "float16-wide", "bfloat16",
           "is-causal-key-padding", "unbatched-causal"},
     LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block", "fully-padded-row"},
-    VARLEN: {"softcap-alibi-lse", "window-1-inf", "alibi-causal", "bfloat16-2048"},  # alibi-causal: 6 query heads on 2 key-value heads, where it had 4 on 4
+    # alibi-causal: 6 query heads on 2 key-value heads, where it had 4 on 4; window-2-1 with a scale, lse-gqa-causal with a window since
+    VARLEN: {"softcap-alibi-lse", "window-1-inf", "alibi-causal", "bfloat16-2048", "window-2-1", "lse-gqa-causal"},
     KVCACHE: {"softcap-alibi-lse", "window-1-inf", "alibi"},  # alibi: 6 query heads on 2 key-value heads, where it had 6 on 6
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the gap it stands for in the comment.
@@ -65,6 +66,9 @@ REACH = {
     "VarlenWindowRightUnboundedAsCausal": (VARLEN, {"window-1-inf"}),
     "VarlenAlibiSlopesGqaOrder": (VARLEN, {"alibi-causal"}),
     "VarlenHalfAccumulatedOutput": (VARLEN, {"bfloat16-2048"}),  # the kernel suite's bfloat16-long gap, and a pack's short sequence setting the floor
+    "VarlenAlibiPerKvHead": (VARLEN, {"alibi-causal"}),  # a red-team kernel: the slope of the group's first head
+    "VarlenCausalDefaultScale": (VARLEN, {"window-2-1"}),  # a red-team kernel: the scale alone, causal alone
+    "VarlenLseWithoutWindow": (VARLEN, {"lse-gqa-causal"}),  # a red-team kernel: the LSE never beside a window
     "SoftcapAfterAlibiKv": (KVCACHE, {"softcap-alibi-lse"}),
     "LseWithoutSoftcapKv": (KVCACHE, {"softcap-alibi-lse"}),
     "WindowRightUnboundedAsCausalKv": (KVCACHE, {"window-1-inf"}),
