@@ -224,11 +224,39 @@ def test_the_poisoned_slots_are_nan_and_the_rest_finite():
     (dict(rotary="half", new_tokens=0, cache_seqlens=[3, 4]), "rotary: half rotates the new k"),
     (dict(rotary="interleaved", head_dim=5), "rotary: interleaved rotates pairs of features"),
     (dict(new_tokens=65), "new_tokens: 65 new tokens do not fit"),
+    (dict(rotary_dim=4), "rotary_dim: 4 is how many features RoPE rotates: it needs rotary: interleaved or half"),
+    (dict(rotary="half", rotary_dim=6, head_dim=4), "rotary_dim: must be even and at most head_dim (4)"),
+    (dict(rotary="half", rotary_dim=3), "rotary_dim: must be even and at most head_dim (8)"),
 ])  # fmt: skip
 def test_config_rules_are_named_with_their_keys(keys, message):
     with pytest.raises(ValueError, match=None) as err:
         _cfg(**keys)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("rotary", ["interleaved", "half"])
+def test_partial_rotary_rotates_the_first_r_features_and_passes_the_rest(rotary):
+    # FlashAttention's rotary_cos (S, rotary_dim / 2): apply_rotary_emb rotates x[..., :rotary_dim]
+    # (pairs 2i, 2i+1, or i and i + R/2 for GPT-NeoX) and passes x[..., rotary_dim:] through.
+    from attncheck.inputs import make_workload
+    from attncheck.reference.kvcache import flash_attn_with_kvcache
+
+    cfg = _cfg(rotary=rotary, rotary_dim=4, cache_seqlens=[5, 30])
+    w = make_workload(cfg)
+    assert w.extras["rotary_cos"].shape[1] == 2  # R / 2
+    k_cache = w.extras["k_cache"].copy()
+    flash_attn_with_kvcache(w.query, k_cache, w.extras["v_cache"].copy(), w.key, w.value, w.extras["rotary_cos"], w.extras["rotary_sin"],
+                            cache_seqlens=w.extras["cache_seqlens"], rotary_interleaved=rotary == "interleaved")  # fmt: skip
+    inv_freq = 10000.0 ** (-np.arange(0, 4, 2) / 4)  # (R/2,)
+    for b, c in enumerate((5, 30)):
+        for t in range(cfg.new_tokens):
+            x, got = w.key[b, t].astype(np.float64), k_cache[b, c + t].astype(np.float64)  # (Hkv, E)
+            cos, sin = np.cos((c + t) * inv_freq), np.sin((c + t) * inv_freq)  # (R/2,)
+            first, second = (x[:, 0:4:2], x[:, 1:4:2]) if rotary == "interleaved" else (x[:, :2], x[:, 2:4])
+            rotated = np.stack([first * cos - second * sin, first * sin + second * cos], axis=-1)  # (Hkv, R/2, 2)
+            expected = rotated.reshape(len(x), 4) if rotary == "interleaved" else np.concatenate([rotated[..., 0], rotated[..., 1]], axis=1)
+            np.testing.assert_allclose(got[:, :4], expected, rtol=1e-6, atol=1e-6)
+            np.testing.assert_array_equal(got[:, 4:], x[:, 4:])  # past R: unrotated
 
 
 def test_decode_keys_are_refused_for_other_modules():

@@ -41,4 +41,11 @@ def kvcache_problems(cfg) -> list[tuple[tuple[str, ...], str]]:
         if Lnew == 0:
             problems.append((("rotary", "new_tokens"), f"{cfg.rotary} rotates the new k: flash_attn_with_kvcache needs new tokens "
                              "with rotary_cos/sin (new_tokens >= 1)"))  # fmt: skip
+    if cfg.rotary_dim is not None:
+        R, E = cfg.rotary_dim, cfg.head_dim_eff
+        if cfg.rotary == "none":
+            problems.append((("rotary_dim", "rotary"), f"{R} is how many features RoPE rotates: it needs rotary: interleaved or half"))
+        if R % 2 or R > E:
+            problems.append((("rotary_dim", "head_dim"), f"must be even and at most head_dim ({E}): RoPE rotates pairs of the first "
+                             f"rotary_dim features, rotary_cos is (S, rotary_dim / 2); got {R}"))  # fmt: skip
     return problems

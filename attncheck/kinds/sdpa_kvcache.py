@@ -7,9 +7,11 @@ called exactly as FlashAttention's own Python interface is.
              return_softmax_lse=False)
 
 Dimensions: B batch, Lq query tokens (tgt_len), Lnew new tokens, S_max slots per sequence (src_len),
-P page size, N cache rows (B contiguous, num_blocks paged), Hq, Hkv heads, E, Ev features.
+P page size, N cache rows (B contiguous, num_blocks paged), Hq, Hkv heads, E, Ev features, R the
+features RoPE rotates (rotary_dim, at most E; the other E - R pass through).
 q (B, Lq, Hq, E); k_cache (N, S_max or P, Hkv, E); k, v (B, Lnew, Hkv, E/Ev); cache_seqlens (B,)
-and block_table (B, S_max / P) int32; out (B, Lq, Hq, Ev), softmax_lse (B, Hq, Lq).
+and block_table (B, S_max / P) int32; rotary_cos, rotary_sin (S_rot, R/2); out (B, Lq, Hq, Ev),
+softmax_lse (B, Hq, Lq).
 
 The new k, v are written into the caches in place: the one write the contract allows. The caches
 are handed as copies the session does not guard (ModuleKind.written_arguments) and come back after
@@ -89,6 +91,7 @@ class KvCacheKind(FunctionKind):
     }  # fmt: skip
     features = (
         ("paged", lambda c: c.page_size is not None),
+        ("partial RoPE", lambda c: c.rotary != "none" and c.rotary_dim_eff < c.head_dim_eff),
         ("rotary", lambda c: c.rotary != "none"),
         ("split-KV", lambda c: c.num_splits != 0),
         ("LSE", lambda c: c.return_lse),
@@ -106,7 +109,8 @@ class KvCacheKind(FunctionKind):
         shape = (f"B={cfg.batch_size} Lq={cfg.tgt_len} S_max={cfg.S} Lnew={cfg.new_tokens} Hq={cfg.num_heads} "
                  f"Hkv={cfg.num_kv_heads_eff} E={cfg.head_dim_eff}")  # fmt: skip
         what = ["decode kernel", "paged P=%d" % cfg.page_size if cfg.page_size else "contiguous cache"]
-        what += [f"rotary {cfg.rotary}"] if cfg.rotary != "none" else []
+        partial = f" on {cfg.rotary_dim_eff} of {cfg.head_dim_eff} features" if cfg.rotary_dim_eff < cfg.head_dim_eff else ""
+        what += [f"rotary {cfg.rotary}{partial}"] if cfg.rotary != "none" else []
         what += [f"num_splits {cfg.num_splits}"] if cfg.num_splits else []
         what += [f"causal {cfg.causal}"] if cfg.causal != "none" else []
         what += [f"window ({cfg.window_size[0]}, {cfg.window_size[1]})"] if cfg.window_size is not None else []
@@ -229,11 +233,12 @@ class KvCacheKind(FunctionKind):
         extras["cache_seqlens"] = lengths
         if block_table is not None:
             extras["block_table"] = block_table
-        if cfg.rotary != "none":  # RoPE's tables over every position a sequence may reach
-            inv_freq = 10000.0 ** (-np.arange(0, E, 2) / E)  # (E/2,)
+        if cfg.rotary != "none":  # RoPE's tables over every position a sequence may reach, for the first R features
+            R = cfg.rotary_dim_eff
+            inv_freq = 10000.0 ** (-np.arange(0, R, 2) / R)  # (R/2,)
             # Queries under causal or a window sit at c .. c + Lq - 1, past S_max when Lq > Lnew.
             rows = max(S_max, S_max - cfg.new_tokens + cfg.tgt_len)
-            angles = np.arange(rows)[:, None] * inv_freq[None, :]  # (rows, E/2)
+            angles = np.arange(rows)[:, None] * inv_freq[None, :]  # (rows, R/2)
             extras["rotary_cos"], extras["rotary_sin"] = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
         if cfg.alibi:
             extras["alibi_slopes"] = rng(cfg.seed, _ALIBI).uniform(0.05, 1.0, size=(Hq,)).astype(np.float32)
@@ -311,7 +316,7 @@ class KvCacheKind(FunctionKind):
                     ("ALiBi", cfg.alibi, {"alibi": False}),
                     ("scale", cfg.scale is not None and cfg.scale != 1 / np.sqrt(cfg.head_dim_eff), {"scale": None}),
                     ("causal", cfg.causal != "none", {"causal": "none"}),
-                    ("rotary", cfg.rotary != "none", {"rotary": "none"}),
+                    ("rotary", cfg.rotary != "none", {"rotary": "none", "rotary_dim": None}),
                     ("rotary_interleaved", cfg.rotary != "none", {"rotary": other})]  # fmt: skip
         return [(name, off) for name, on, off in switches if on]
 
