@@ -32,6 +32,12 @@ CATCHES = {
     "LseWithoutSoftcapKv": [("softcap-alibi-lse", "lse")],
     "WindowRightUnboundedAsCausalKv": [("window-1-inf", "output")],
     "AlibiSlopesGqaOrderKv": [("alibi", "output")],
+    "AlibiFromQueryPositionKv": [("splits-window-alibi", "output")],
+    "EmptySplitNaN": [("splits-window-alibi", "output")],
+    "SplitPathDropsWindow": [("splits-window-alibi", "output")],
+    "Float64ComputedInFloat32Kv": [("float64", "output"), ("float64", "k_cache[appended]")],
+    "SoftmaxEpsilonKv": [("float64", "output")],
+    "RotaryPassThroughZeroed": [("rotary-half", "output"), ("rotary-half", "k_cache[appended]")],
 }
 
 
@@ -111,15 +117,16 @@ def test_the_correct_kernel_and_the_reference_pass_every_case():
 def test_the_example_passes_the_default_suite_in_its_own_process(tmp_path):
     result = CliRunner().invoke(app, ["forward", "--module", "sdpa_kvcache", "--impl", EXAMPLE])
     assert result.exit_code == 0, result.output
-    assert "20 of 20 checks pass" in result.output
+    assert "22 of 22 checks pass" in result.output
 
 
 def test_the_default_suite_covers_the_decode_features():
     cases = list(_cases().values())
-    assert 12 <= len(cases) <= 20
+    assert 12 <= len(cases) <= 24
     assert {c.rotary for c in cases} == {"none", "interleaved", "half"}
+    assert any(c.rotary != "none" and c.rotary_dim_eff < c.head_dim_eff for c in cases)  # partial RoPE: features passing through
     assert {c.num_splits for c in cases} >= {0, 1} and any(c.num_splits > 1 for c in cases)
-    assert {c.dtype for c in cases} >= {"float16", "bfloat16"}
+    assert {c.dtype for c in cases} >= {"float16", "bfloat16", "float64"}
     assert any(c.page_size for c in cases) and any(c.new_tokens == 0 for c in cases) and any(c.tgt_len == 1 for c in cases)
     assert all(c.S >= 100 for c in cases)
 

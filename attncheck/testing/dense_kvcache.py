@@ -17,8 +17,8 @@ import numpy as np
 from attncheck.reference.kvcache import rope, rotary_positions
 
 SPLIT_KEYS = 64  # num_splits=0: chunks of this many keys (the kernel's own heuristic)
-HOOKS = ("_append_positions", "_slot", "_rotate_cached", "_combine", "_keys_read", "_num_splits", "_partial", "_offset", "_allowed",
-         "_slope", "_logits")
+HOOKS = ("_append_positions", "_slot", "_rope", "_rotate_cached", "_combine", "_keys_read", "_num_splits", "_partial", "_offset",
+         "_allowed", "_slope", "_logits")
 
 
 class DecodeKernel:
@@ -42,11 +42,11 @@ class DecodeKernel:
             c = int(cache_seqlens[b])
             qb = q[b].astype(compute)  # (Lq, Hq, E)
             if cos is not None:
-                qb = rope(qb, cos, sin, rotary_positions(c, Lq, causal or local), rotary_interleaved)
+                qb = self._rope(qb, cos, sin, rotary_positions(c, Lq, causal or local), rotary_interleaved)
             if Lnew:
                 k_new = k[b].astype(compute)  # (Lnew, Hkv, E)
                 if cos is not None:
-                    k_new = rope(k_new, cos, sin, rotary_positions(c, Lnew, True), rotary_interleaved)
+                    k_new = self._rope(k_new, cos, sin, rotary_positions(c, Lnew, True), rotary_interleaved)
                 for t, p in enumerate(self._append_positions(c, Lnew)):
                     row, col = self._slot(block_table, b, p, P)
                     k_cache[row, col], v_cache[row, col] = k_new[t], v[b, t]  # the in-place append
@@ -92,6 +92,10 @@ class DecodeKernel:
     def _slot(self, block_table, b: int, p: int, P: int) -> tuple[int, int]:
         """The (cache row, slot) of sequence b's position p: through the block table when paged."""
         return (b, p) if block_table is None else (int(block_table[b, p // P]), p % P)
+
+    def _rope(self, x, cos, sin, positions, interleaved):
+        """x (L, H, E) rotated at positions (L,): the first R = 2 * cos.shape[1] features, the rest as they are."""
+        return rope(x, cos, sin, positions, interleaved)
 
     def _rotate_cached(self, kb, cos, sin, c, interleaved):
         """The keys read from the cache are stored rotated already: nothing to do."""
