@@ -38,6 +38,7 @@ CATCHES = {
     "Float64ComputedInFloat32Kv": [("float64", "output"), ("float64", "k_cache[appended]")],
     "SoftmaxEpsilonKv": [("float64", "output")],
     "RotaryPassThroughZeroed": [("rotary-half", "output"), ("rotary-half", "k_cache[appended]")],
+    "CacheBatchIdxIgnored": [("cache-batch-idx", "output"), ("cache-batch-idx", "k_cache[not appended]")],
 }
 
 
@@ -117,7 +118,7 @@ def test_the_correct_kernel_and_the_reference_pass_every_case():
 def test_the_example_passes_the_default_suite_in_its_own_process(tmp_path):
     result = CliRunner().invoke(app, ["forward", "--module", "sdpa_kvcache", "--impl", EXAMPLE])
     assert result.exit_code == 0, result.output
-    assert "22 of 22 checks pass" in result.output
+    assert "23 of 23 checks pass" in result.output
 
 
 def test_the_default_suite_covers_the_decode_features():
@@ -128,6 +129,7 @@ def test_the_default_suite_covers_the_decode_features():
     assert {c.num_splits for c in cases} >= {0, 1} and any(c.num_splits > 1 for c in cases)
     assert {c.dtype for c in cases} >= {"float16", "bfloat16", "float64"}
     assert any(c.page_size for c in cases) and any(c.new_tokens == 0 for c in cases) and any(c.tgt_len == 1 for c in cases)
+    assert any(c.cache_batch_idx for c in cases)
     assert all(c.S >= 100 for c in cases)
 
 
@@ -234,6 +236,7 @@ def test_the_poisoned_slots_are_nan_and_the_rest_finite():
     (dict(rotary_dim=4), "rotary_dim: 4 is how many features RoPE rotates: it needs rotary: interleaved or half"),
     (dict(rotary="half", rotary_dim=6, head_dim=4), "rotary_dim: must be even and at most head_dim (4)"),
     (dict(rotary="half", rotary_dim=3), "rotary_dim: must be even and at most head_dim (8)"),
+    (dict(cache_batch_idx=True, page_size=16), "cache_batch_idx: a paged cache is reached through block_table, not cache_batch_idx"),
 ])  # fmt: skip
 def test_config_rules_are_named_with_their_keys(keys, message):
     with pytest.raises(ValueError, match=None) as err:
@@ -264,6 +267,30 @@ def test_partial_rotary_rotates_the_first_r_features_and_passes_the_rest(rotary)
             expected = rotated.reshape(len(x), 4) if rotary == "interleaved" else np.concatenate([rotated[..., 0], rotated[..., 1]], axis=1)
             np.testing.assert_allclose(got[:, :4], expected, rtol=1e-6, atol=1e-6)
             np.testing.assert_array_equal(got[:, 4:], x[:, 4:])  # past R: unrotated
+
+
+def test_cache_batch_idx_is_the_cache_gathered_at_its_rows():
+    # FlashAttention's test_flash_attn_kvcache: the reference reads k_cache[cache_batch_idx] as a
+    # cache of B rows, and the kernel's cache, gathered at cache_batch_idx, must equal it after the append.
+    from attncheck.inputs import make_workload
+    from attncheck.reference.kvcache import flash_attn_with_kvcache
+
+    cfg = _cfg(cache_batch_idx=True, causal="lower_right", cache_seqlens=[7, 40])
+    w = make_workload(cfg)
+    idx = w.extras["cache_batch_idx"]
+    assert w.extras["k_cache"].shape[0] == 4 and len(set(idx.tolist())) == 2 and idx.tolist() != [0, 1]
+    assert np.isnan(np.delete(w.extras["k_cache"], idx, axis=0)).all()  # the rows no sequence owns: poisoned whole
+    k_all, v_all = w.extras["k_cache"].copy(), w.extras["v_cache"].copy()
+    k_rows, v_rows = k_all[idx].copy(), v_all[idx].copy()
+    args = (w.query, w.key, w.value)
+    out = flash_attn_with_kvcache(args[0], k_all, v_all, *args[1:], cache_seqlens=w.extras["cache_seqlens"], cache_batch_idx=idx, causal=True)
+    expected = flash_attn_with_kvcache(args[0], k_rows, v_rows, *args[1:], cache_seqlens=w.extras["cache_seqlens"], causal=True)
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(k_all[idx], k_rows)
+    np.testing.assert_array_equal(v_all[idx], v_rows)
+    with pytest.raises(ValueError, match="Paged KVcache does not support cache_batch_idx"):
+        flash_attn_with_kvcache(w.query, k_all, v_all, cache_seqlens=w.extras["cache_seqlens"], cache_batch_idx=idx,
+                                block_table=np.zeros((2, 4), np.int32))  # fmt: skip
 
 
 def test_decode_keys_are_refused_for_other_modules():

@@ -37,7 +37,7 @@ NEW_CASES = {
     # alibi-causal: 6 query heads on 2 key-value heads, where it had 4 on 4; window-2-1 with a scale, lse-gqa-causal with a window since
     VARLEN: {"softcap-alibi-lse", "window-1-inf", "alibi-causal", "bfloat16-2048", "window-2-1", "lse-gqa-causal"},
     # alibi: 6 query heads on 2 key-value heads, where it had 6 on 6; rotary-half: RoPE on 4 of the 8 features, where it had all 8
-    KVCACHE: {"softcap-alibi-lse", "window-1-inf", "alibi", "splits-window-alibi", "float64", "rotary-half"},
+    KVCACHE: {"softcap-alibi-lse", "window-1-inf", "alibi", "splits-window-alibi", "float64", "rotary-half", "cache-batch-idx"},
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the gap it stands for in the comment.
 REACH = {
@@ -75,13 +75,14 @@ REACH = {
     "WindowRightUnboundedAsCausalKv": (KVCACHE, {"window-1-inf"}),
     "AlibiSlopesGqaOrderKv": (KVCACHE, {"alibi"}),
     # A red-team tester's decode kernels: ALiBi never without causal at Lq != Lnew, the splits never beside a
-    # window or ALiBi, no float64 case, RoPE always over the whole head.
+    # window or ALiBi, no float64 case, RoPE always over the whole head, no cache_batch_idx.
     "AlibiFromQueryPositionKv": (KVCACHE, {"splits-window-alibi"}),
     "EmptySplitNaN": (KVCACHE, {"splits-window-alibi"}),
     "SplitPathDropsWindow": (KVCACHE, {"splits-window-alibi"}),
     "Float64ComputedInFloat32Kv": (KVCACHE, {"float64"}),
     "SoftmaxEpsilonKv": (KVCACHE, {"float64"}),
     "RotaryPassThroughZeroed": (KVCACHE, {"rotary-half"}),
+    "CacheBatchIdxIgnored": (KVCACHE, {"cache-batch-idx"}),  # cache_batch_idx was refused by the oracle
 }
 KERNEL_CORPORA = {VARLEN: wrong_varlen.WRONG_KERNELS, KVCACHE: wrong_kvcache.WRONG_KVCACHE}  # each kernel kind's known-bad kernels, where REACH draws some
 

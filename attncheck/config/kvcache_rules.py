@@ -32,6 +32,9 @@ def kvcache_problems(cfg) -> list[tuple[tuple[str, ...], str]]:
         if Lnew == 0 and 0 in lengths:
             problems.append((("cache_seqlens", "new_tokens"), "a sequence of length 0 with no new token has no key to attend to; "
                              "give it a length, or new_tokens"))  # fmt: skip
+    if cfg.cache_batch_idx and cfg.page_size is not None:
+        problems.append((("cache_batch_idx", "page_size"), "a paged cache is reached through block_table, not cache_batch_idx "
+                         "(flash_attn_with_kvcache: \"Paged KVcache does not support cache_batch_idx\"); drop one"))  # fmt: skip
     if cfg.page_size is not None and S_max % cfg.page_size:
         problems.append((("page_size", "src_len"), f"{cfg.page_size} does not divide src_len {S_max}: each sequence holds "
                          "src_len / page_size pages"))  # fmt: skip

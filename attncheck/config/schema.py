@@ -125,6 +125,7 @@ class Config(BaseModel):
     num_splits: int = 0  # passed as num_splits: 0 = the kernel's heuristic, 1 = no split, n = n splits of the keys
     rotary: Literal["none", "interleaved", "half"] = "none"  # RoPE on q and the new k: GPT-J pairs or GPT-NeoX halves
     rotary_dim: int | None = None  # R, the features RoPE rotates (rotary_cos (S, R/2)); the rest pass through; None: head_dim
+    cache_batch_idx: bool = False  # pass cache_batch_idx: each sequence's row of a cache of 2 * batch_size rows, from the seed
     # Packed sequences (module: sdpa_varlen only): each sequence's query and key lengths, or random
     # lengths (at most tgt_len and src_len) for num_seqs sequences; null: random
     seqlens_q: list[int] | Literal["random"] | None = None
@@ -360,7 +361,7 @@ TRANSFORMER_ENCODER_LAYER = "transformer_encoder_layer"
 SDPA = "sdpa"
 SDPA_KVCACHE = "sdpa_kvcache"
 # The decode kernel's own keys: set for another module, they are a config error.
-KVCACHE_ONLY_KEYS = ("cache_seqlens", "new_tokens", "page_size", "num_splits", "rotary", "rotary_dim")
+KVCACHE_ONLY_KEYS = ("cache_seqlens", "new_tokens", "page_size", "num_splits", "rotary", "rotary_dim", "cache_batch_idx")
 SDPA_VARLEN = "sdpa_varlen"
 DEFAULT_NUM_SEQS = 3  # random sequence lengths with num_seqs unset
 # Packed sequences' own keys (module: sdpa_varlen): set for another module, they are a config error.

@@ -226,6 +226,16 @@ class SoftmaxEpsilonKv(DecodeKernel):
         return m, l + 1e-6, o * (l / (l + 1e-6))[:, None]
 
 
+class CacheBatchIdxIgnored(DecodeKernel):
+    """Accepts cache_batch_idx and reads and appends at cache row b, as if it were 0 .. B - 1: the
+    rows of other sequences, or rows nobody owns (NaN in attncheck's poisoned cache).
+
+    Exposed by cache_batch_idx other than 0 .. B - 1: cache-batch-idx."""
+
+    def _cache_row(self, b, cache_batch_idx):
+        return b  # should be cache_batch_idx[b]
+
+
 class RotaryPassThroughZeroed(DecodeKernel):
     """Partial RoPE (rotary_cos (S, R/2) with R < E) writes the rotated features into a zeroed
     array: the E - R features past R, which FlashAttention passes through unrotated, come back zero
@@ -294,4 +304,4 @@ KVCACHE_PROBES = {cls.__name__: cls for cls in (SplitsFromBatchSize, CacheMadeCo
 WRONG_KVCACHE = {cls.__name__: cls for cls in (AppendOneSlotLate, BlockTableIgnored, RotaryOnWholeCache, SplitMaxDropped, ReadsPastSeqlen,
                                                 DiagonalTopLeft, SoftcapAfterAlibiKv, LseWithoutSoftcapKv, WindowRightUnboundedAsCausalKv,
                                                 AlibiSlopesGqaOrderKv, AlibiFromQueryPositionKv, EmptySplitNaN, SplitPathDropsWindow,
-                                                Float64ComputedInFloat32Kv, SoftmaxEpsilonKv, RotaryPassThroughZeroed)}  # fmt: skip
+                                                Float64ComputedInFloat32Kv, SoftmaxEpsilonKv, RotaryPassThroughZeroed, CacheBatchIdxIgnored)}  # fmt: skip
