@@ -282,15 +282,14 @@ def test_cache_batch_idx_is_the_cache_gathered_at_its_rows():
     assert np.isnan(np.delete(w.extras["k_cache"], idx, axis=0)).all()  # the rows no sequence owns: poisoned whole
     k_all, v_all = w.extras["k_cache"].copy(), w.extras["v_cache"].copy()
     k_rows, v_rows = k_all[idx].copy(), v_all[idx].copy()
-    args = (w.query, w.key, w.value)
-    out = flash_attn_with_kvcache(args[0], k_all, v_all, *args[1:], cache_seqlens=w.extras["cache_seqlens"], cache_batch_idx=idx, causal=True)
-    expected = flash_attn_with_kvcache(args[0], k_rows, v_rows, *args[1:], cache_seqlens=w.extras["cache_seqlens"], causal=True)
+    lengths = w.extras["cache_seqlens"]
+    out = flash_attn_with_kvcache(w.query, k_all, v_all, w.key, w.value, cache_seqlens=lengths, cache_batch_idx=idx, causal=True)
+    expected = flash_attn_with_kvcache(w.query, k_rows, v_rows, w.key, w.value, cache_seqlens=lengths, causal=True)
     np.testing.assert_array_equal(out, expected)
     np.testing.assert_array_equal(k_all[idx], k_rows)
     np.testing.assert_array_equal(v_all[idx], v_rows)
     with pytest.raises(ValueError, match="Paged KVcache does not support cache_batch_idx"):
-        flash_attn_with_kvcache(w.query, k_all, v_all, cache_seqlens=w.extras["cache_seqlens"], cache_batch_idx=idx,
-                                block_table=np.zeros((2, 4), np.int32))  # fmt: skip
+        flash_attn_with_kvcache(w.query, k_all, v_all, cache_seqlens=lengths, cache_batch_idx=idx, block_table=np.zeros((2, 4), np.int32))
 
 
 def test_decode_keys_are_refused_for_other_modules():

@@ -207,10 +207,12 @@ class Float64ComputedInFloat32Kv(DecodeKernel):
 
     def forward(self, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, *args, return_softmax_lse=False, **kwargs):
         if q.dtype != np.float64:
-            return super().forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, *args, return_softmax_lse=return_softmax_lse, **kwargs)
+            return super().forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, *args, return_softmax_lse=return_softmax_lse,
+                                   **kwargs)  # fmt: skip
         down = lambda a: None if a is None else np.asarray(a).astype(np.float32)  # noqa: E731
+        # the caches stay float64: the append writes there
         result = super().forward(down(q), k_cache, v_cache, down(k), down(v), down(rotary_cos), down(rotary_sin), *args,
-                                 return_softmax_lse=return_softmax_lse, **kwargs)  # fmt: skip  # the caches stay float64: the append writes there
+                                 return_softmax_lse=return_softmax_lse, **kwargs)  # fmt: skip
         return tuple(r.astype(np.float64) for r in result) if return_softmax_lse else result.astype(np.float64)
 
 
@@ -304,4 +306,5 @@ KVCACHE_PROBES = {cls.__name__: cls for cls in (SplitsFromBatchSize, CacheMadeCo
 WRONG_KVCACHE = {cls.__name__: cls for cls in (AppendOneSlotLate, BlockTableIgnored, RotaryOnWholeCache, SplitMaxDropped, ReadsPastSeqlen,
                                                 DiagonalTopLeft, SoftcapAfterAlibiKv, LseWithoutSoftcapKv, WindowRightUnboundedAsCausalKv,
                                                 AlibiSlopesGqaOrderKv, AlibiFromQueryPositionKv, EmptySplitNaN, SplitPathDropsWindow,
-                                                Float64ComputedInFloat32Kv, SoftmaxEpsilonKv, RotaryPassThroughZeroed, CacheBatchIdxIgnored)}  # fmt: skip
+                                                Float64ComputedInFloat32Kv, SoftmaxEpsilonKv, RotaryPassThroughZeroed,
+                                                CacheBatchIdxIgnored)}  # fmt: skip
