@@ -157,7 +157,7 @@ class AlibiFromQueryPositionKv(DecodeKernel):
     The two differ by Lnew - Lq: a constant shift of every row's logits (which the softmax cancels)
     unless keys lie on both sides of the diagonal, so causal hides it, and so does Lq = Lnew.
 
-    Exposed by ALiBi without causal and Lq != Lnew: splits-window-alibi (3 queries, 1 new key)."""
+    Exposed by ALiBi without causal and Lq != Lnew: splits-window-alibi (2 queries, 1 new key)."""
 
     def _keys_read(self, c, Lnew):
         self._new = Lnew
