@@ -11,7 +11,10 @@ budget  against a float64 oracle (the reference run in float64 on the same value
         with `factor` per kind of quantity (BUDGET_FACTOR) and `floor` per dtype (BUDGET_FLOOR),
         or the config's `budget_factor`/`budget_floor`. The floor is relative to the quantity's
         magnitude so that it keeps float64 runs, where torch's error is near zero, meaningful
-        (for gradients: the largest gradient of the check, see `compare`).
+        (for gradients: the largest gradient of the check, see `compare`). Where an array holds
+        independent problems of different sizes (the packed sequences of module: sdpa_varlen),
+        each group of its elements (`Groups`) has its own maxima: one short sequence's large
+        outputs and torch's error on them do not loosen a long sequence's allowance.
 
 Both rules first compare attributes (shape, dtype), then NaN positions: NaN where torch has NaN
 (fully masked rows) is agreement and is counted; NaN anywhere else, or missing where torch has
@@ -111,6 +114,27 @@ Rule = Fixed | Budget
 
 
 @dataclass(frozen=True)
+class Groups:
+    """The independent problems an array holds, each judged by the budget rule on its own maxima:
+    `labels` (integers, broadcastable to the array's shape) says which group each element is in,
+    `names` names each label for the row's note ("sequence 2 (9x64)")."""
+
+    labels: np.ndarray
+    names: tuple[str, ...]
+    noun: str  # what a group is, in the note: "sequence"
+
+
+def _group_max(values: np.ndarray, inverse: np.ndarray | None, n: int) -> np.ndarray:
+    """(n,) the largest of `values` in each group, `inverse` (flat) its group's index per element
+    (None: one group, every element)."""
+    if inverse is None:
+        return np.array([float(values.max()) if values.size else 0.0])
+    out = np.zeros(n)
+    np.maximum.at(out, inverse, values.ravel())
+    return out
+
+
+@dataclass(frozen=True)
 class Evidence:
     """The arrays a row was measured on, in float64, for diagnosis and plots (never written to JSON)."""
 
@@ -192,10 +216,11 @@ def compare(
     rounding: float = 0.0,
     also: tuple[np.ndarray | None, ...] = (),
     axes: tuple[str, ...] | None = None,
+    groups: Groups | None = None,
 ) -> Row:
     """Compare a candidate's array with torch's under a rule, and decide the row (see `decide`)."""
     row = measure(section, quantity, actual, expected, rule, oracle=oracle, scale=scale, nan_ok=nan_ok, undefined=undefined,
-                  candidate_nan_ok=candidate_nan_ok, rounding=rounding, also=also, axes=axes)  # fmt: skip
+                  candidate_nan_ok=candidate_nan_ok, rounding=rounding, also=also, axes=axes, groups=groups)  # fmt: skip
     return decide(row, strict=strict)
 
 
@@ -214,6 +239,7 @@ def measure(
     rounding: float = 0.0,
     also: tuple[np.ndarray | None, ...] = (),
     axes: tuple[str, ...] | None = None,
+    groups: Groups | None = None,
 ) -> Row:
     """Every finding of comparing a candidate's array with torch's under a rule; no verdict yet.
 
@@ -240,6 +266,10 @@ def measure(
 
     `axes` are the letters of the array's axes (the kind's axis_letters): a wrong shape names by
     them the axes that differ.
+
+    `groups` splits the budget rule's maxima (torch's error, the floor's magnitude) by group: each
+    element is allowed its own group's budget, and the row's errors, allowance and ratio are the
+    group's nearest its allowance (or past it furthest), named in the note. Without: one group.
     """
     expected = np.asarray(expected)
     row = Row(section, quantity, "", shape=expected.shape, numel=int(expected.size), rule=rule.describe(), rule_kind=rule.kind)
@@ -271,7 +301,8 @@ def measure(
         i = int(np.argmax(diff))
         row.max_abs, row.max_abs_at = float(diff.flat[i]), _index(i, diff.shape)
 
-    budget: float | None = None  # the budget rule's allowed error
+    budget: float | np.ndarray | None = None  # the budget rule's allowed error: one number, or per element (groups)
+    per_group = ""  # the note naming the group whose figures the row gives
     others = [(x, valid & np.isfinite(x)) for x in (np.asarray(y, dtype=np.float64) for y in also if y is not None)]
     other_wider = False  # whether another of torch's paths set what is allowed
     if isinstance(rule, Fixed):
@@ -302,17 +333,29 @@ def measure(
                 torch_err = np.maximum(torch_err, np.where(ok & other_ok, np.abs(other - o), 0.0))
         cand_err = np.where(np.isnan(cand_err), np.inf, cand_err)
         torch_err = np.where(np.isnan(torch_err), np.inf, torch_err)
-        scale = max(scale, float(np.abs(np.where(ok, o, 0.0)).max()) if o.size else 0.0)
-        row.candidate_error = float(cand_err.max()) if o.size else 0.0
-        row.torch_error = float(torch_err.max()) if o.size else 0.0
-        row.allowed = rule.factor * row.torch_error + max(rule.floor * scale, rounding)
+        if groups is None:
+            ids, inverse = np.zeros(1, dtype=np.int64), None  # one group: every element
+        else:
+            ids, inverse = np.unique(np.broadcast_to(groups.labels, o.shape), return_inverse=True)
+            inverse = inverse.ravel()
+        n = len(ids)
+        magnitude = np.maximum(scale, _group_max(np.abs(np.where(ok, o, 0.0)), inverse, n))  # (n,)
+        cand_g, torch_g = _group_max(cand_err, inverse, n), _group_max(torch_err, inverse, n)  # (n,)
+        allowed_g = rule.factor * torch_g + np.maximum(rule.floor * magnitude, rounding)  # (n,)
+        ratio_g = [_ratio(float(c), float(a)) for c, a in zip(cand_g, allowed_g)]
+        worst = max(range(n), key=lambda g: (ratio_g[g], cand_g[g]))
+        row.candidate_error, row.torch_error = float(cand_g[worst]), float(torch_g[worst])
+        row.allowed, row.ratio = float(allowed_g[worst]), ratio_g[worst]
         if others and o.size:  # said only where it decides: this path's error alone would not have allowed the
-            own = float(np.where(np.isnan(own_err), np.inf, own_err).max())  # candidate's, the least accurate's does
-            other_wider = rule.factor * own + max(rule.floor * scale, rounding) < row.candidate_error <= row.allowed
+            own_g = _group_max(np.where(np.isnan(own_err), np.inf, own_err), inverse, n)  # candidate's, the least accurate's does
+            own_allowed = rule.factor * own_g + np.maximum(rule.floor * magnitude, rounding)
+            other_wider = bool(((own_allowed < cand_g) & (cand_g <= allowed_g)).any())
         row.rounding_floor = rounding or None
-        row.ratio = _ratio(row.candidate_error, row.allowed)
-        bad = cand_err > row.allowed
-        budget = row.allowed
+        budget = row.allowed if inverse is None else allowed_g[inverse].reshape(o.shape)  # one number, or per element
+        bad = cand_err > budget
+        if n > 1 and ok.any():
+            per_group = (f"allowed per {groups.noun} (torch's error and the outputs of each); the figures are "
+                         f"{groups.noun} {groups.names[int(ids[worst])]}'s, the nearest its allowance")
         if not ok.any():  # no value compared: none of these measured anything (the NaN note says what failed)
             row.candidate_error = row.torch_error = row.allowed = row.ratio = None
     # The relative difference only where torch's value is more than the error the rule allows
@@ -350,6 +393,8 @@ def measure(
         notes.append("another of torch's paths for this call is further from the float64 oracle here: the candidate is allowed "
                      "the least accurate one's error" if isinstance(rule, Budget) else
                      "another of torch's paths for this call differs here: values within the rule of any are accepted")
+    if per_group:
+        notes.append(per_group)
     row.note = "; ".join(notes)
     return row
 

@@ -34,12 +34,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions, inte
 
 
 def torch_kvcache(q, k_cache, v_cache, k, v, *, rotary_cos=None, rotary_sin=None, cache_seqlens, block_table=None, causal=False,
-                  window_size=None, softcap=0.0, alibi_slopes=None, scale=None, interleaved=True, return_lse=False):  # fmt: skip
+                  window_size=None, softcap=0.0, alibi_slopes=None, scale=None, interleaved=True, return_lse=False,
+                  cache_batch_idx=None):  # fmt: skip
     """(out (B, Lq, Hq, Ev), lse (B, Hq, Lq) or None, k_cache, v_cache after the append): torch's
     flash_attn_with_kvcache, on clones of the caches."""
     B, Lq, Hq, E = q.shape
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     table = None if block_table is None else block_table.cpu().numpy()
+    rows_of = None if cache_batch_idx is None else cache_batch_idx.cpu().numpy()  # (B,) each sequence's cache row
     page_size = k_cache.shape[1]
     lengths = cache_seqlens.cpu().numpy()
     Lnew = 0 if k is None else k.shape[1]
@@ -52,9 +54,9 @@ def torch_kvcache(q, k_cache, v_cache, k, v, *, rotary_cos=None, rotary_sin=None
             qb = _rope(qb, rotary_cos, rotary_sin, rotary_positions(c, Lq, causal or local), interleaved)
         if Lnew:
             k_new = k[b] if rotary_cos is None else _rope(k[b], rotary_cos, rotary_sin, rotary_positions(c, Lnew, True), interleaved)
-            rows, cols = slots(c + torch.arange(Lnew).numpy(), b, table, page_size)
+            rows, cols = slots(c + torch.arange(Lnew).numpy(), b, table, page_size, rows_of)
             k_cache[rows, cols], v_cache[rows, cols] = k_new.to(k_cache.dtype), v[b].to(v_cache.dtype)
-        rows, cols = slots(torch.arange(c + Lnew).numpy(), b, table, page_size)
+        rows, cols = slots(torch.arange(c + Lnew).numpy(), b, table, page_size, rows_of)
         kb, vb = k_cache[rows, cols], v_cache[rows, cols]  # (c + Lnew, Hkv, E), (c + Lnew, Hkv, Ev)
         out, lse, _ = torch_attention(qb.transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
                                       causal="lower_right" if causal else "none", window_size=window_size if local else None,

@@ -7,11 +7,12 @@ A candidate of attncheck's `module: sdpa_kvcache`, with FlashAttention's signatu
 
 It passes the default decode-kernel suite with no config. Per sequence b with c_b = cache_seqlens[b]:
 
-append    the new k, v (B, Lnew, Hkv, E) go into the cache in place at positions c_b .. c_b + Lnew - 1;
-          a paged cache (num_blocks, P, Hkv, E) holds position p at (block_table[b, p // P], p % P).
+append    the new k, v (B, Lnew, Hkv, E) go into the cache in place at positions c_b .. c_b + Lnew - 1
+          of row b (row cache_batch_idx[b] when given); a paged cache (num_blocks, P, Hkv, E) holds
+          position p at (block_table[b, p // P], p % P).
 rotary    RoPE (rotary_cos/sin (S_rot, R/2)) on the new k at c_b + t, and on q at c_b + i under causal
           or a window, else at c_b for every query token (FlashAttention's docstring); interleaved
-          pairs (2i, 2i+1) or halves (i, i + R/2).
+          pairs (2i, 2i+1) or halves (i, i + R/2); features past R unchanged.
 split-KV  the c_b + Lnew keys split into num_splits ranges (0: ranges of 64 keys), each an online
           pass giving (m_i, l_i, o_i); combined as M = max m_i, w_i = l_i exp(m_i - M),
           out = sum w_i o_i / sum w_i, lse = M + log sum w_i. The GPU kernel runs the splits on
@@ -40,16 +41,18 @@ def _rope(x, cos, sin, positions, interleaved):
     return out
 
 
-def _slot(block_table, b, p, P):
-    return (b, p) if block_table is None else (int(block_table[b, p // P]), p % P)
+def _slot(block_table, b, p, P, cache_batch_idx=None):
+    if block_table is not None:
+        return int(block_table[b, p // P]), p % P
+    return (b if cache_batch_idx is None else int(cache_batch_idx[b])), p
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False):
-    if cache_batch_idx is not None or cache_leftpad is not None:
-        raise NotImplementedError("cache_batch_idx and cache_leftpad")
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad")
     B, Lq, Hq, E = q.shape
     acc = np.float64 if q.dtype == np.float64 else np.float32
     P, Hkv, Ev = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
@@ -72,10 +75,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if rotary:
                 k_new = _rope(k_new, cos, sin, c + np.arange(Lnew), rotary_interleaved)
             for t in range(Lnew):
-                row, col = _slot(block_table, b, c + t, P)
+                row, col = _slot(block_table, b, c + t, P, cache_batch_idx)
                 k_cache[row, col], v_cache[row, col] = k_new[t], v[b, t]  # the in-place append
         S = c + Lnew
-        places = [_slot(block_table, b, p, P) for p in range(S)]
+        places = [_slot(block_table, b, p, P, cache_batch_idx) for p in range(S)]
         kb = np.stack([k_cache[r, s] for r, s in places]).astype(acc)  # (S, Hkv, E)
         vb = np.stack([v_cache[r, s] for r, s in places]).astype(acc)  # (S, Hkv, Ev)
         offset = np.arange(S)[None, :] - (np.arange(Lq)[:, None] + S - Lq)  # (Lq, S): past the aligned diagonal

@@ -3,7 +3,7 @@ attention itself torch's F.scaled_dot_product_attention run on each sequence alo
 
     attncheck forward --module sdpa_kvcache --impl examples/torch_flash_decode.py:flash_attn_with_kvcache  # exit 0
 
-On the default decode-kernel suite with no config it passes 15 of the 20 checks and declares 5
+On the default decode-kernel suite with no config it passes 18 of the 23 checks and declares 5
 unsupported: SDPA has no soft cap and returns no LSE, so softcap and return_softmax_lse raise
 NotImplementedError (the softcap, softcap-alibi-lse, lse, splits-5 and bfloat16-rotary-splits
 cases). Every probe the suite runs passes; batch invariance holds bit for bit (one pass per
@@ -13,8 +13,8 @@ attncheck hands it torch tensors. Per sequence b, with c_b = cache_seqlens[b]:
 
 append   the new k (rotated) and v (B, Lnew, Hkv, E) are written into k_cache and v_cache in place,
          through the views handed (never a contiguous copy: the caller's cache must see them), at
-         positions c_b .. c_b + Lnew - 1; a paged cache (num_blocks, P, Hkv, E) holds position p at
-         (block_table[b, p // P], p % P).
+         positions c_b .. c_b + Lnew - 1 of row b, or of row cache_batch_idx[b] when given; a paged
+         cache (num_blocks, P, Hkv, E) holds position p at (block_table[b, p // P], p % P).
 rotary   RoPE (rotary_cos/sin (S_rot, R/2)) on the new k at c_b + t, and on q at c_b + i under causal
          or a window, else at c_b for every query token (FlashAttention's docstring); interleaved
          pairs (2i, 2i+1) or halves (i, i + R/2); features past R unchanged.
@@ -47,10 +47,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     return out
 
 
-def _slots(b: int, positions: torch.Tensor, block_table, P: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, columns) of the cache holding sequence b's positions: (b, p), or through the block table."""
+def _slots(b: int, positions: torch.Tensor, block_table, P: int, cache_batch_idx=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, columns) of the cache holding sequence b's positions: (b, p), (cache_batch_idx[b], p), or through the block table."""
     if block_table is None:
-        return torch.full_like(positions, b), positions
+        return torch.full_like(positions, b if cache_batch_idx is None else int(cache_batch_idx[b])), positions
     return block_table[b].long()[positions // P], positions % P
 
 
@@ -79,8 +79,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             return_softmax_lse=False):  # fmt: skip
     if softcap or return_softmax_lse:
         raise NotImplementedError("F.scaled_dot_product_attention has no softcap and returns no LSE")
-    if cache_batch_idx is not None or cache_leftpad is not None:
-        raise NotImplementedError("cache_batch_idx and cache_leftpad are not implemented")
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad is not implemented")
     B, Lq, Hq, E = q.shape
     P, Hkv, Ev = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
     Lnew = 0 if k is None else k.shape[1]
@@ -100,13 +100,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             k_new = k[b].to(compute)  # (Lnew, Hkv, E)
             if cos is not None:
                 k_new = _rope(k_new, cos, sin, new, rotary_interleaved)
-            rows, cols = _slots(b, new, block_table, P)
+            rows, cols = _slots(b, new, block_table, P, cache_batch_idx)
             k_cache[rows, cols] = k_new.to(k_cache.dtype)
             v_cache[rows, cols] = v[b].to(v_cache.dtype)
         S = c + Lnew
         if S == 0:
             continue  # no key: zero rows
-        rows, cols = _slots(b, torch.arange(S, device=q.device), block_table, P)
+        rows, cols = _slots(b, torch.arange(S, device=q.device), block_table, P, cache_batch_idx)
         kb, vb = k_cache[rows, cols].to(compute), v_cache[rows, cols].to(compute)  # (S, Hkv, E), (S, Hkv, Ev): slots < S only
         bias, empty = _bias(Lq, S, causal, window_size, alibi_slopes, q.device, compute)
         qs, ks, vs = (x.transpose(0, 1)[None] for x in (qb, kb, vb))  # (1, H, L or S, X)

@@ -68,7 +68,9 @@ def test_only_the_probes_show_the_kernels_the_comparisons_cannot():
 def test_the_correct_kernel_passes_every_probe_of_the_default_suite():
     candidate = candidate_from_object(CORRECT_KVCACHE)
     for name, cfg in _cases().items():
-        report = run_check("forward", cfg.model_copy(update={"batch_invariant": True}), candidate)
+        # Its split-KV combine sums in another order than one pass: in float64 the bits move (4e-16 at
+        # num_splits 1 against its own 2 splits of 64 keys), which a report states and only a promise fails.
+        report = run_check("forward", cfg.model_copy(update={"batch_invariant": cfg.dtype != "float64"}), candidate)
         rows = probe_rows(report)
         assert report.passed, (name, [(r.quantity, r.note) for r in report.failures])
         assert rows["determinism"].status is PASS and rows["batch_invariance"].status is PASS, name

@@ -32,6 +32,13 @@ CATCHES = {
     "LseWithoutSoftcapKv": [("softcap-alibi-lse", "lse")],
     "WindowRightUnboundedAsCausalKv": [("window-1-inf", "output")],
     "AlibiSlopesGqaOrderKv": [("alibi", "output")],
+    "AlibiFromQueryPositionKv": [("splits-window-alibi", "output")],
+    "EmptySplitNaN": [("splits-window-alibi", "output")],
+    "SplitPathDropsWindow": [("splits-window-alibi", "output")],
+    "Float64ComputedInFloat32Kv": [("float64", "output"), ("float64", "k_cache[appended]")],
+    "SoftmaxEpsilonKv": [("float64", "output")],
+    "RotaryPassThroughZeroed": [("rotary-half", "output"), ("rotary-half", "k_cache[appended]")],
+    "CacheBatchIdxIgnored": [("cache-batch-idx", "output"), ("cache-batch-idx", "k_cache[not appended]")],
 }
 
 
@@ -111,16 +118,18 @@ def test_the_correct_kernel_and_the_reference_pass_every_case():
 def test_the_example_passes_the_default_suite_in_its_own_process(tmp_path):
     result = CliRunner().invoke(app, ["forward", "--module", "sdpa_kvcache", "--impl", EXAMPLE])
     assert result.exit_code == 0, result.output
-    assert "20 of 20 checks pass" in result.output
+    assert "23 of 23 checks pass" in result.output
 
 
 def test_the_default_suite_covers_the_decode_features():
     cases = list(_cases().values())
-    assert 12 <= len(cases) <= 20
+    assert 12 <= len(cases) <= 24
     assert {c.rotary for c in cases} == {"none", "interleaved", "half"}
+    assert any(c.rotary != "none" and c.rotary_dim_eff < c.head_dim_eff for c in cases)  # partial RoPE: features passing through
     assert {c.num_splits for c in cases} >= {0, 1} and any(c.num_splits > 1 for c in cases)
-    assert {c.dtype for c in cases} >= {"float16", "bfloat16"}
+    assert {c.dtype for c in cases} >= {"float16", "bfloat16", "float64"}
     assert any(c.page_size for c in cases) and any(c.new_tokens == 0 for c in cases) and any(c.tgt_len == 1 for c in cases)
+    assert any(c.cache_batch_idx for c in cases)
     assert all(c.S >= 100 for c in cases)
 
 
@@ -224,11 +233,63 @@ def test_the_poisoned_slots_are_nan_and_the_rest_finite():
     (dict(rotary="half", new_tokens=0, cache_seqlens=[3, 4]), "rotary: half rotates the new k"),
     (dict(rotary="interleaved", head_dim=5), "rotary: interleaved rotates pairs of features"),
     (dict(new_tokens=65), "new_tokens: 65 new tokens do not fit"),
+    (dict(rotary_dim=4), "rotary_dim: 4 is how many features RoPE rotates: it needs rotary: interleaved or half"),
+    (dict(rotary="half", rotary_dim=6, head_dim=4), "rotary_dim: must be even and at most head_dim (4)"),
+    (dict(rotary="half", rotary_dim=3), "rotary_dim: must be even and at most head_dim (8)"),
+    (dict(cache_batch_idx=True, page_size=16), "cache_batch_idx: a paged cache is reached through block_table, not cache_batch_idx"),
 ])  # fmt: skip
 def test_config_rules_are_named_with_their_keys(keys, message):
     with pytest.raises(ValueError, match=None) as err:
         _cfg(**keys)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("rotary", ["interleaved", "half"])
+def test_partial_rotary_rotates_the_first_r_features_and_passes_the_rest(rotary):
+    # FlashAttention's rotary_cos (S, rotary_dim / 2): apply_rotary_emb rotates x[..., :rotary_dim]
+    # (pairs 2i, 2i+1, or i and i + R/2 for GPT-NeoX) and passes x[..., rotary_dim:] through.
+    from attncheck.inputs import make_workload
+    from attncheck.reference.kvcache import flash_attn_with_kvcache
+
+    cfg = _cfg(rotary=rotary, rotary_dim=4, cache_seqlens=[5, 30])
+    w = make_workload(cfg)
+    assert w.extras["rotary_cos"].shape[1] == 2  # R / 2
+    k_cache = w.extras["k_cache"].copy()
+    flash_attn_with_kvcache(w.query, k_cache, w.extras["v_cache"].copy(), w.key, w.value, w.extras["rotary_cos"], w.extras["rotary_sin"],
+                            cache_seqlens=w.extras["cache_seqlens"], rotary_interleaved=rotary == "interleaved")  # fmt: skip
+    inv_freq = 10000.0 ** (-np.arange(0, 4, 2) / 4)  # (R/2,)
+    for b, c in enumerate((5, 30)):
+        for t in range(cfg.new_tokens):
+            x, got = w.key[b, t].astype(np.float64), k_cache[b, c + t].astype(np.float64)  # (Hkv, E)
+            cos, sin = np.cos((c + t) * inv_freq), np.sin((c + t) * inv_freq)  # (R/2,)
+            first, second = (x[:, 0:4:2], x[:, 1:4:2]) if rotary == "interleaved" else (x[:, :2], x[:, 2:4])
+            rotated = np.stack([first * cos - second * sin, first * sin + second * cos], axis=-1)  # (Hkv, R/2, 2)
+            expected = rotated.reshape(len(x), 4) if rotary == "interleaved" else np.concatenate([rotated[..., 0], rotated[..., 1]], axis=1)
+            np.testing.assert_allclose(got[:, :4], expected, rtol=1e-6, atol=1e-6)
+            np.testing.assert_array_equal(got[:, 4:], x[:, 4:])  # past R: unrotated
+
+
+def test_cache_batch_idx_is_the_cache_gathered_at_its_rows():
+    # FlashAttention's test_flash_attn_kvcache: the reference reads k_cache[cache_batch_idx] as a
+    # cache of B rows, and the kernel's cache, gathered at cache_batch_idx, must equal it after the append.
+    from attncheck.inputs import make_workload
+    from attncheck.reference.kvcache import flash_attn_with_kvcache
+
+    cfg = _cfg(cache_batch_idx=True, causal="lower_right", cache_seqlens=[7, 40])
+    w = make_workload(cfg)
+    idx = w.extras["cache_batch_idx"]
+    assert w.extras["k_cache"].shape[0] == 4 and len(set(idx.tolist())) == 2 and idx.tolist() != [0, 1]
+    assert np.isnan(np.delete(w.extras["k_cache"], idx, axis=0)).all()  # the rows no sequence owns: poisoned whole
+    k_all, v_all = w.extras["k_cache"].copy(), w.extras["v_cache"].copy()
+    k_rows, v_rows = k_all[idx].copy(), v_all[idx].copy()
+    lengths = w.extras["cache_seqlens"]
+    out = flash_attn_with_kvcache(w.query, k_all, v_all, w.key, w.value, cache_seqlens=lengths, cache_batch_idx=idx, causal=True)
+    expected = flash_attn_with_kvcache(w.query, k_rows, v_rows, w.key, w.value, cache_seqlens=lengths, causal=True)
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(k_all[idx], k_rows)
+    np.testing.assert_array_equal(v_all[idx], v_rows)
+    with pytest.raises(ValueError, match="Paged KVcache does not support cache_batch_idx"):
+        flash_attn_with_kvcache(w.query, k_all, v_all, cache_seqlens=lengths, cache_batch_idx=idx, block_table=np.zeros((2, 4), np.int32))
 
 
 def test_decode_keys_are_refused_for_other_modules():

@@ -35,8 +35,10 @@ NEW_CASES = {
           "is-causal-key-padding", "unbatched-causal", "unbatched-one-query", "float-mask-float-padding",
           "bias-kv-zero-attn-no-weights"},
     LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block", "fully-padded-row"},
-    VARLEN: {"softcap-alibi-lse", "window-1-inf", "alibi-causal", "bfloat16-2048"},  # alibi-causal: 6 query heads on 2 key-value heads, where it had 4 on 4
-    KVCACHE: {"softcap-alibi-lse", "window-1-inf", "alibi"},  # alibi: 6 query heads on 2 key-value heads, where it had 6 on 6
+    # alibi-causal: 6 query heads on 2 key-value heads, where it had 4 on 4; window-2-1 with a scale, lse-gqa-causal with a window since
+    VARLEN: {"softcap-alibi-lse", "window-1-inf", "alibi-causal", "bfloat16-2048", "window-2-1", "lse-gqa-causal"},
+    # alibi: 6 query heads on 2 key-value heads, where it had 6 on 6; rotary-half: RoPE on 4 of the 8 features, where it had all 8
+    KVCACHE: {"softcap-alibi-lse", "window-1-inf", "alibi", "splits-window-alibi", "float64", "rotary-half", "cache-batch-idx"},
     SDPA: {"scale-zero", "bool-mask", "softcap-float-mask-lse", "decode-gqa-lse"},  # bool-mask: its scale 0.3 added
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the gap it stands for in the comment.
@@ -70,10 +72,22 @@ REACH = {
     "VarlenWindowRightUnboundedAsCausal": (VARLEN, {"window-1-inf"}),
     "VarlenAlibiSlopesGqaOrder": (VARLEN, {"alibi-causal"}),
     "VarlenHalfAccumulatedOutput": (VARLEN, {"bfloat16-2048"}),  # the kernel suite's bfloat16-long gap, and a pack's short sequence setting the floor
+    "VarlenAlibiPerKvHead": (VARLEN, {"alibi-causal"}),  # a red-team kernel: the slope of the group's first head
+    "VarlenCausalDefaultScale": (VARLEN, {"window-2-1"}),  # a red-team kernel: the scale alone, causal alone
+    "VarlenLseWithoutWindow": (VARLEN, {"lse-gqa-causal"}),  # a red-team kernel: the LSE never beside a window
     "SoftcapAfterAlibiKv": (KVCACHE, {"softcap-alibi-lse"}),
     "LseWithoutSoftcapKv": (KVCACHE, {"softcap-alibi-lse"}),
     "WindowRightUnboundedAsCausalKv": (KVCACHE, {"window-1-inf"}),
     "AlibiSlopesGqaOrderKv": (KVCACHE, {"alibi"}),
+    # A red-team tester's decode kernels: ALiBi never without causal at Lq != Lnew, the splits never beside a
+    # window or ALiBi, no float64 case, RoPE always over the whole head, no cache_batch_idx.
+    "AlibiFromQueryPositionKv": (KVCACHE, {"splits-window-alibi"}),
+    "EmptySplitNaN": (KVCACHE, {"splits-window-alibi"}),
+    "SplitPathDropsWindow": (KVCACHE, {"splits-window-alibi"}),
+    "Float64ComputedInFloat32Kv": (KVCACHE, {"float64"}),
+    "SoftmaxEpsilonKv": (KVCACHE, {"float64"}),
+    "RotaryPassThroughZeroed": (KVCACHE, {"rotary-half"}),
+    "CacheBatchIdxIgnored": (KVCACHE, {"cache-batch-idx"}),  # cache_batch_idx was refused by the oracle
     # red-team kernels of module: sdpa, each an option no case met another with
     "ScaleZeroAsNone": (SDPA, {"scale-zero"}),  # the config refused scale 0
     "MaskPathDefaultScale": (SDPA, {"bool-mask", "softcap-float-mask-lse"}),  # no scale with a mask

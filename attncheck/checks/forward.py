@@ -74,20 +74,22 @@ def compare_output(section: str, cfg: Config, w, out, t_out, rule, o_out, also: 
     fixes the convention (module: sdpa's fully_masked_rows: zero, or nan: NaN required there).
     """
     undefined, axes = w.undefined, kind_of(cfg).axis_letters(cfg).get("output")
+    groups = kind_of(cfg).budget_groups(cfg, w, "output")
     if undefined is None or cfg.need_weights:
-        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined, also=also, axes=axes)
+        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined, also=also, axes=axes, groups=groups)
     if cfg.fully_masked_rows == "nan":
         t_out = np.where(undefined, np.nan, t_out).astype(t_out.dtype)
         o_out = None if o_out is None else np.where(undefined, np.nan, o_out)
-        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined, also=also, axes=axes)
+        return compare(section, "output", out, t_out, rule, oracle=o_out, nan_ok=undefined, also=also, axes=axes, groups=groups)
     return compare(section, "output", out, t_out, rule, oracle=o_out, undefined=None if cfg.fully_masked_rows == "zero" else undefined,
-                   also=also, axes=axes)
+                   also=also, axes=axes, groups=groups)
 
 
 def lse_rows(cfg: Config, w, lse, t_lse, rule, o_lse) -> list[Row]:
     """The LSE against torch's: -inf exactly on rows with no allowed key, values on the others."""
+    groups = kind_of(cfg).budget_groups(cfg, w, "lse")
     if lse is None or lse.shape != t_lse.shape or w.lse_undefined is None:
-        return [compare("forward", "lse", lse, t_lse, rule, oracle=o_lse, axes=kind_of(cfg).axis_letters(cfg).get("lse"))]
+        return [compare("forward", "lse", lse, t_lse, rule, oracle=o_lse, axes=kind_of(cfg).axis_letters(cfg).get("lse"), groups=groups)]
     empty = w.lse_undefined
     wrong = empty & ~np.isneginf(lse.astype(np.float64))
     rows = []
@@ -97,7 +99,7 @@ def lse_rows(cfg: Config, w, lse, t_lse, rule, o_lse) -> list[Row]:
                         note=f"{int(wrong.sum())} of {int(empty.sum())} rows with no allowed key have an LSE other than -inf "
                              f"(e.g. {float(lse[first])!r} at {first}): log of an empty sum is -inf"))  # fmt: skip
     keep = lambda a: None if a is None else np.where(empty, 0, a).astype(a.dtype)  # noqa: E731
-    row = compare("forward", "lse", keep(lse), keep(t_lse), rule, oracle=keep(o_lse))  # the empty rows judged above
+    row = compare("forward", "lse", keep(lse), keep(t_lse), rule, oracle=keep(o_lse), groups=groups)  # the empty rows judged above
     row.note = "; ".join(filter(None, [row.note, f"{int(empty.sum())} rows with no allowed key: -inf required, and given" if not wrong.any() else ""]))
     return rows + [row]
 

@@ -32,6 +32,9 @@ def kvcache_problems(cfg) -> list[tuple[tuple[str, ...], str]]:
         if Lnew == 0 and 0 in lengths:
             problems.append((("cache_seqlens", "new_tokens"), "a sequence of length 0 with no new token has no key to attend to; "
                              "give it a length, or new_tokens"))  # fmt: skip
+    if cfg.cache_batch_idx and cfg.page_size is not None:
+        problems.append((("cache_batch_idx", "page_size"), "a paged cache is reached through block_table, not cache_batch_idx "
+                         "(flash_attn_with_kvcache: \"Paged KVcache does not support cache_batch_idx\"); drop one"))  # fmt: skip
     if cfg.page_size is not None and S_max % cfg.page_size:
         problems.append((("page_size", "src_len"), f"{cfg.page_size} does not divide src_len {S_max}: each sequence holds "
                          "src_len / page_size pages"))  # fmt: skip
@@ -41,4 +44,11 @@ def kvcache_problems(cfg) -> list[tuple[tuple[str, ...], str]]:
         if Lnew == 0:
             problems.append((("rotary", "new_tokens"), f"{cfg.rotary} rotates the new k: flash_attn_with_kvcache needs new tokens "
                              "with rotary_cos/sin (new_tokens >= 1)"))  # fmt: skip
+    if cfg.rotary_dim is not None:
+        R, E = cfg.rotary_dim, cfg.head_dim_eff
+        if cfg.rotary == "none":
+            problems.append((("rotary_dim", "rotary"), f"{R} is how many features RoPE rotates: it needs rotary: interleaved or half"))
+        if R % 2 or R > E:
+            problems.append((("rotary_dim", "head_dim"), f"must be even and at most head_dim ({E}): RoPE rotates pairs of the first "
+                             f"rotary_dim features, rotary_cos is (S, rotary_dim / 2); got {R}"))  # fmt: skip
     return problems

@@ -46,6 +46,7 @@ _INT_RANGES = {
     "new_tokens": (0, MAX_LEN),
     "page_size": (1, MAX_LEN),
     "num_splits": (0, MAX_DIM),
+    "rotary_dim": (2, MAX_DIM),
     "num_seqs": (1, MAX_BATCH),
 }
 _FLOAT_FIELDS = (
@@ -125,6 +126,8 @@ class Config(BaseModel):
     page_size: int | None = None  # a paged cache of pages this long, reached through block_table; None: contiguous
     num_splits: int = 0  # passed as num_splits: 0 = the kernel's heuristic, 1 = no split, n = n splits of the keys
     rotary: Literal["none", "interleaved", "half"] = "none"  # RoPE on q and the new k: GPT-J pairs or GPT-NeoX halves
+    rotary_dim: int | None = None  # R, the features RoPE rotates (rotary_cos (S, R/2)); the rest pass through; None: head_dim
+    cache_batch_idx: bool = False  # pass cache_batch_idx: each sequence's row of a cache of 2 * batch_size rows, from the seed
     # Packed sequences (module: sdpa_varlen only): each sequence's query and key lengths, or random
     # lengths (at most tgt_len and src_len) for num_seqs sequences; null: random
     seqlens_q: list[int] | Literal["random"] | None = None
@@ -226,6 +229,11 @@ class Config(BaseModel):
     def head_dim_v_eff(self) -> int:
         """Ev, the value features of one head (module: sdpa): head_dim_v, else head_dim."""
         return self.head_dim_eff if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def rotary_dim_eff(self) -> int:
+        """R, the features RoPE rotates (module: sdpa_kvcache): rotary_dim, else head_dim."""
+        return self.head_dim_eff if self.rotary_dim is None else self.rotary_dim
 
     @property
     def num_kv_heads_eff(self) -> int:
@@ -355,7 +363,7 @@ TRANSFORMER_ENCODER_LAYER = "transformer_encoder_layer"
 SDPA = "sdpa"
 SDPA_KVCACHE = "sdpa_kvcache"
 # The decode kernel's own keys: set for another module, they are a config error.
-KVCACHE_ONLY_KEYS = ("cache_seqlens", "new_tokens", "page_size", "num_splits", "rotary")
+KVCACHE_ONLY_KEYS = ("cache_seqlens", "new_tokens", "page_size", "num_splits", "rotary", "rotary_dim", "cache_batch_idx")
 SDPA_VARLEN = "sdpa_varlen"
 DEFAULT_NUM_SEQS = 3  # random sequence lengths with num_seqs unset
 # Packed sequences' own keys (module: sdpa_varlen): set for another module, they are a config error.

@@ -182,6 +182,11 @@ class ModuleKind:
         """Why a case does not apply to this candidate, known before any call (None: it does)."""
         return None
 
+    def budget_groups(self, cfg: Config, w: Workload, quantity: str) -> Any:
+        """The independent problems a forward quantity ("output", "lse") of workload `w` holds, each
+        judged on its own budget (compare.Groups); None: the array is one problem."""
+        return None
+
     def other_path(self, cfg: Config) -> Config | None:
         """A config on which torch computes this call's output by another path, as valid: the
         candidate is held to the least accurate (compare.measure's `also`). None: one path."""

@@ -22,9 +22,9 @@ def _new_slots(kind, cfg, w) -> list[tuple[np.ndarray, np.ndarray]]:
     """(rows, columns) of each sequence's appended slots, in order: (Lnew,) each."""
     from attncheck.reference.kvcache import slots
 
-    table = w.extras.get("block_table")
+    table, rows_of = w.extras.get("block_table"), w.extras.get("cache_batch_idx")
     P = w.extras["k_cache"].shape[1]
-    return [slots(int(c) + np.arange(cfg.new_tokens), b, table, P) for b, c in enumerate(w.extras["cache_seqlens"])]
+    return [slots(int(c) + np.arange(cfg.new_tokens), b, table, P, rows_of) for b, c in enumerate(w.extras["cache_seqlens"])]
 
 
 def _gathered(cache: np.ndarray, places) -> np.ndarray:
@@ -39,14 +39,14 @@ def cache_rows(kind, cfg, w, written: dict[str, np.ndarray], rule) -> list[Row]:
     from attncheck.reference.kvcache import appended
 
     rows: list[Row] = []
-    _, new, _ = slot_states(cfg, w.extras["cache_seqlens"], w.extras.get("block_table"))
+    _, new, _ = slot_states(cfg, w.extras["cache_seqlens"], w.extras.get("block_table"), w.extras.get("cache_batch_idx"))
     places = _new_slots(kind, cfg, w)
     expected = kind.torch_caches(cfg, w) if cfg.new_tokens else {}
     oracle = {}
     if cfg.new_tokens:
         oracle = dict(zip(CACHES, appended(w.extras["k_cache"], w.extras["v_cache"], w.key, w.value, w.extras.get("rotary_cos"),
                                            w.extras.get("rotary_sin"), w.extras["cache_seqlens"], w.extras.get("block_table"),
-                                           cfg.rotary == "interleaved")))  # fmt: skip
+                                           cfg.rotary == "interleaved", w.extras.get("cache_batch_idx"))))  # fmt: skip
     for name in CACHES:
         handed, after = w.extras[name], written.get(name)
         if after is None or after.shape != handed.shape:
@@ -79,10 +79,12 @@ def poisoning_rows(kind, cfg, w, session, obj, out: np.ndarray, t_out: np.ndarra
         nan &= ~w.undefined
     if not nan.any():
         return []
-    cached, new, unused = slot_states(cfg, w.extras["cache_seqlens"], w.extras.get("block_table"))
+    cached, new, unused = slot_states(cfg, w.extras["cache_seqlens"], w.extras.get("block_table"), w.extras.get("cache_batch_idx"))
     regions = []
-    if unused.any():
+    if unused.any() and "block_table" in w.extras:
         regions.append(("an unused page (no block_table entry points to it)", unused, "the kernel reads pages the sequence does not own"))
+    elif unused.any():
+        regions.append(("a cache row no cache_batch_idx entry names", unused, "the kernel reads rows other than cache_batch_idx's"))
     regions.append(("the cache past cache_seqlens + new tokens", ~(cached | new | unused), "the kernel reads past the sequence"))
     for what, region, meaning in regions:
         cleaned = {name: np.where(region[..., None, None] & np.isnan(w.extras[name].astype(np.float64)), 0, w.extras[name]).astype(w.extras[name].dtype)

@@ -7,9 +7,11 @@ called exactly as FlashAttention's own Python interface is.
              return_softmax_lse=False)
 
 Dimensions: B batch, Lq query tokens (tgt_len), Lnew new tokens, S_max slots per sequence (src_len),
-P page size, N cache rows (B contiguous, num_blocks paged), Hq, Hkv heads, E, Ev features.
-q (B, Lq, Hq, E); k_cache (N, S_max or P, Hkv, E); k, v (B, Lnew, Hkv, E/Ev); cache_seqlens (B,)
-and block_table (B, S_max / P) int32; out (B, Lq, Hq, Ev), softmax_lse (B, Hq, Lq).
+P page size, N cache rows (B contiguous, 2B under cache_batch_idx, num_blocks paged), Hq, Hkv heads,
+E, Ev features, R the features RoPE rotates (rotary_dim, at most E; the other E - R pass through).
+q (B, Lq, Hq, E); k_cache (N, S_max or P, Hkv, E); k, v (B, Lnew, Hkv, E/Ev); cache_seqlens (B,),
+block_table (B, S_max / P) and cache_batch_idx (B,) int32; rotary_cos, rotary_sin (S_rot, R/2);
+out (B, Lq, Hq, Ev), softmax_lse (B, Hq, Lq).
 
 The new k, v are written into the caches in place: the one write the contract allows. The caches
 are handed as copies the session does not guard (ModuleKind.written_arguments) and come back after
@@ -33,7 +35,7 @@ from attncheck.kinds import ModuleKind
 from attncheck.kinds.sdpa import FunctionKind, sequence_allowed
 
 # Stream ids of the seed for the kind's own arrays (attncheck.inputs numbers the others 0-5, sdpa 6-7).
-_ALIBI, _TARGET_LSE, _LENGTHS, _PAGES, _CACHE = 6, 7, 8, 9, 10
+_ALIBI, _TARGET_LSE, _LENGTHS, _PAGES, _CACHE, _BATCH_IDX = 6, 7, 8, 9, 10, 11
 SPARE_PAGES = 2  # pages no sequence owns: NaN, a kernel that reads them is named
 CACHES = ("k_cache", "v_cache")
 
@@ -48,20 +50,30 @@ def lengths_of(cfg) -> np.ndarray:
     return rng(cfg.seed, _LENGTHS).integers(low, cfg.S - cfg.new_tokens + 1, size=cfg.batch_size).astype(np.int32)
 
 
-def slot_states(cfg, lengths: np.ndarray, block_table: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(cached, appended, unused_page) bool (N, S_max or P): slots of the cache holding a sequence's
-    tokens, receiving its new ones, or on a page nobody owns. The rest is past c_b + Lnew."""
+def cache_row_count(cfg, block_table: np.ndarray | None) -> int:
+    """N, the cache's rows: the batch's, twice as many under cache_batch_idx (FlashAttention's tests'
+    batch_size_cache), or the pages and the spare ones."""
+    if block_table is not None:
+        return block_table.size + SPARE_PAGES
+    return cfg.batch_size * (2 if cfg.cache_batch_idx else 1)
+
+
+def slot_states(cfg, lengths: np.ndarray, block_table: np.ndarray | None,
+                cache_batch_idx: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(cached, appended, unused) bool (N, S_max or P): slots of the cache holding a sequence's
+    tokens, receiving its new ones, or in a row no sequence owns (a spare page, or a row no
+    cache_batch_idx entry names). The rest is past c_b + Lnew."""
     from attncheck.reference.kvcache import slots
 
     P = cfg.S if block_table is None else cfg.page_size
-    N = cfg.batch_size if block_table is None else block_table.size + SPARE_PAGES
+    N = cache_row_count(cfg, block_table)
     cached, appended = np.zeros((N, P), dtype=bool), np.zeros((N, P), dtype=bool)
     for b, c in enumerate(lengths):
-        cached[slots(np.arange(c), b, block_table, P)] = True
-        appended[slots(c + np.arange(cfg.new_tokens), b, block_table, P)] = True
+        cached[slots(np.arange(c), b, block_table, P, cache_batch_idx)] = True
+        appended[slots(c + np.arange(cfg.new_tokens), b, block_table, P, cache_batch_idx)] = True
+    owned = block_table.ravel() if block_table is not None else cache_batch_idx if cache_batch_idx is not None else np.arange(N)
     unused = np.zeros((N, P), dtype=bool)
-    if block_table is not None:
-        unused[np.setdiff1d(np.arange(N), block_table.ravel())] = True
+    unused[np.setdiff1d(np.arange(N), owned)] = True
     return cached, appended, unused
 
 
@@ -89,6 +101,8 @@ class KvCacheKind(FunctionKind):
     }  # fmt: skip
     features = (
         ("paged", lambda c: c.page_size is not None),
+        ("cache_batch_idx", lambda c: c.cache_batch_idx),
+        ("partial RoPE", lambda c: c.rotary != "none" and c.rotary_dim_eff < c.head_dim_eff),
         ("rotary", lambda c: c.rotary != "none"),
         ("split-KV", lambda c: c.num_splits != 0),
         ("LSE", lambda c: c.return_lse),
@@ -106,7 +120,9 @@ class KvCacheKind(FunctionKind):
         shape = (f"B={cfg.batch_size} Lq={cfg.tgt_len} S_max={cfg.S} Lnew={cfg.new_tokens} Hq={cfg.num_heads} "
                  f"Hkv={cfg.num_kv_heads_eff} E={cfg.head_dim_eff}")  # fmt: skip
         what = ["decode kernel", "paged P=%d" % cfg.page_size if cfg.page_size else "contiguous cache"]
-        what += [f"rotary {cfg.rotary}"] if cfg.rotary != "none" else []
+        what += [f"cache_batch_idx (B of {2 * cfg.batch_size} rows)"] if cfg.cache_batch_idx else []
+        partial = f" on {cfg.rotary_dim_eff} of {cfg.head_dim_eff} features" if cfg.rotary_dim_eff < cfg.head_dim_eff else ""
+        what += [f"rotary {cfg.rotary}{partial}"] if cfg.rotary != "none" else []
         what += [f"num_splits {cfg.num_splits}"] if cfg.num_splits else []
         what += [f"causal {cfg.causal}"] if cfg.causal != "none" else []
         what += [f"window ({cfg.window_size[0]}, {cfg.window_size[1]})"] if cfg.window_size is not None else []
@@ -150,6 +166,8 @@ class KvCacheKind(FunctionKind):
         if cfg.rotary != "none":
             kwargs.update(rotary_cos=arrays["rotary_cos"], rotary_sin=arrays["rotary_sin"])
         kwargs["cache_seqlens"] = arrays["cache_seqlens"]
+        if cfg.cache_batch_idx:
+            kwargs["cache_batch_idx"] = arrays["cache_batch_idx"]
         if cfg.page_size is not None:
             kwargs["block_table"] = arrays["block_table"]
         kwargs.update(softmax_scale=cfg.scale, causal=cfg.causal != "none")
@@ -169,6 +187,7 @@ class KvCacheKind(FunctionKind):
 
     def unsupported_call(self, cfg, raised: str) -> str | None:
         used = {"rotary_cos": cfg.rotary != "none", "block_table": cfg.page_size is not None, "window_size": cfg.window_size is not None,
+                "cache_batch_idx": cfg.cache_batch_idx,
                 "softcap": cfg.softcap > 0, "alibi_slopes": cfg.alibi, "num_splits": cfg.num_splits != 0,
                 "return_softmax_lse": cfg.return_lse}  # fmt: skip
         for name, on in used.items():
@@ -219,7 +238,11 @@ class KvCacheKind(FunctionKind):
         if cfg.page_size is not None:  # each sequence's pages at shuffled physical blocks, spare pages unowned
             per_seq = S_max // cfg.page_size
             block_table = rng(cfg.seed, _PAGES).permutation(B * per_seq + SPARE_PAGES)[: B * per_seq].reshape(B, per_seq).astype(np.int32)
-        cached, appended, unused = slot_states(cfg, lengths, block_table)
+        batch_idx = None
+        if cfg.cache_batch_idx:  # B distinct rows of 2B, never 0 .. B - 1 in order (the rows a kernel ignoring it reads)
+            batch_idx = rng(cfg.seed, _BATCH_IDX).permutation(2 * B)[:B].astype(np.int32)
+            batch_idx = batch_idx + B if (batch_idx == np.arange(B)).all() else batch_idx
+        cached, appended, unused = slot_states(cfg, lengths, block_table, batch_idx)
         gen = rng(cfg.seed, _CACHE)
         extras: dict[str, np.ndarray] = {}
         for name, X in (("k_cache", E), ("v_cache", Ev)):
@@ -229,11 +252,14 @@ class KvCacheKind(FunctionKind):
         extras["cache_seqlens"] = lengths
         if block_table is not None:
             extras["block_table"] = block_table
-        if cfg.rotary != "none":  # RoPE's tables over every position a sequence may reach
-            inv_freq = 10000.0 ** (-np.arange(0, E, 2) / E)  # (E/2,)
+        if batch_idx is not None:
+            extras["cache_batch_idx"] = batch_idx
+        if cfg.rotary != "none":  # RoPE's tables over every position a sequence may reach, for the first R features
+            R = cfg.rotary_dim_eff
+            inv_freq = 10000.0 ** (-np.arange(0, R, 2) / R)  # (R/2,)
             # Queries under causal or a window sit at c .. c + Lq - 1, past S_max when Lq > Lnew.
             rows = max(S_max, S_max - cfg.new_tokens + cfg.tgt_len)
-            angles = np.arange(rows)[:, None] * inv_freq[None, :]  # (rows, E/2)
+            angles = np.arange(rows)[:, None] * inv_freq[None, :]  # (rows, R/2)
             extras["rotary_cos"], extras["rotary_sin"] = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
         if cfg.alibi:
             extras["alibi_slopes"] = rng(cfg.seed, _ALIBI).uniform(0.05, 1.0, size=(Hq,)).astype(np.float32)
@@ -257,7 +283,7 @@ class KvCacheKind(FunctionKind):
                              cache_seqlens=arrays["cache_seqlens"], block_table=arrays.get("block_table"),
                              causal=cfg.causal == "lower_right", window_size=cfg.window_size, softcap=cfg.softcap,
                              alibi_slopes=arrays.get("alibi_slopes"), scale=cfg.scale, interleaved=cfg.rotary == "interleaved",
-                             return_lse=cfg.return_lse)  # fmt: skip
+                             return_lse=cfg.return_lse, cache_batch_idx=arrays.get("cache_batch_idx"))  # fmt: skip
 
     def torch_caches(self, cfg, w) -> dict[str, np.ndarray]:
         """torch's k_cache and v_cache after the append, in the config's dtype."""
@@ -272,13 +298,15 @@ class KvCacheKind(FunctionKind):
     def batch_element(self, cfg, w, b: int) -> tuple[Any, Any] | None:
         """Sequence `b` alone: q, k, v (B, ...) cut to (1, ...) with its cache_seqlens; a contiguous
         cache cut to its row, a paged one handed whole (the same pool of pages) with its block_table
-        row. The rotary tables and the slopes are shared."""
+        row, and one reached through cache_batch_idx handed whole with its entry. The rotary tables
+        and the slopes are shared."""
         from dataclasses import replace
 
         one = lambda a: None if a is None else a[b : b + 1]  # noqa: E731
         extras = {**w.extras, "cache_seqlens": one(w.extras["cache_seqlens"])}
-        if "block_table" in extras:
-            extras["block_table"] = one(w.extras["block_table"])
+        if "block_table" in extras or "cache_batch_idx" in extras:
+            name = "block_table" if "block_table" in extras else "cache_batch_idx"
+            extras[name] = one(w.extras[name])
         else:
             extras.update({name: one(w.extras[name]) for name in CACHES})
         alone = replace(w, query=one(w.query), key=one(w.key), value=one(w.value), target=one(w.target), undefined=one(w.undefined),
@@ -311,7 +339,7 @@ class KvCacheKind(FunctionKind):
                     ("ALiBi", cfg.alibi, {"alibi": False}),
                     ("scale", cfg.scale is not None and cfg.scale != 1 / np.sqrt(cfg.head_dim_eff), {"scale": None}),
                     ("causal", cfg.causal != "none", {"causal": "none"}),
-                    ("rotary", cfg.rotary != "none", {"rotary": "none"}),
+                    ("rotary", cfg.rotary != "none", {"rotary": "none", "rotary_dim": None}),
                     ("rotary_interleaved", cfg.rotary != "none", {"rotary": other})]  # fmt: skip
         return [(name, off) for name, on, off in switches if on]
 

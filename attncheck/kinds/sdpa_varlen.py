@@ -241,6 +241,20 @@ class VarlenKind(FunctionKind):
         q0, q1, _ = _pairs(cumulative(seqlens(cfg)[0]))[b]
         return out[q0:q1]
 
+    def budget_groups(self, cfg, w, quantity: str) -> Any:
+        """Each sequence's rows, judged on their own budget: the output (Tq, Hq, Ev) and the LSE
+        (Hq, Tq) along Tq. Sequences are independent problems, and a short one's larger outputs (and
+        torch's error on them) set a budget that hid a long one's accumulation error: a bfloat16
+        running output at 0.25x beside a 9x64 sequence, 1.4-2.0x alone (VarlenHalfAccumulatedOutput)."""
+        from attncheck.compare import Groups
+
+        pairs_q, pairs_k = _pairs(w.extras["cu_seqlens_q"]), _pairs(w.extras["cu_seqlens_k"])
+        rows = np.repeat(np.arange(len(pairs_q)), [Lq for _, _, Lq in pairs_q])  # (Tq,) each row's sequence
+        if len(pairs_q) < 2 or rows.size != w.query.shape[0]:
+            return None
+        names = tuple(f"{s} ({Lq}x{Lk})" for s, ((_, _, Lq), (_, _, Lk)) in enumerate(zip(pairs_q, pairs_k)))
+        return Groups(rows[:, None, None] if quantity == "output" else rows[None, :], names, "sequence")
+
     def forward_rows(self, cfg, w, session, obj, out, t_out, rule) -> list:
         """The poisoning probe: q, k, v handed with NaN rows past the last sequence (varlen_rows)."""
         from attncheck.kinds.varlen_rows import poisoning_rows

@@ -6,8 +6,10 @@
     rope       q at c_b + i when causal or a window is set, else every query at c_b (FlashAttention's
                docstring); interleaved (GPT-J: features 2i, 2i+1) or half (GPT-NeoX: i, i + R/2)
 
-A sequence's logical position p lives at slot (b, p) of a contiguous cache (B, S_max, Hkv, E), or at
-(block_table[b, p // P], p % P) of a paged cache (num_blocks, P, Hkv, E). The attention reads the
+A sequence's logical position p lives at slot (b, p) of a contiguous cache (B, S_max, Hkv, E), or
+(cache_batch_idx[b], p) of one of any number of rows when cache_batch_idx is given, or at
+(block_table[b, p // P], p % P) of a paged cache (num_blocks, P, Hkv, E), which takes no
+cache_batch_idx (FlashAttention: "Paged KVcache does not support cache_batch_idx"). The attention reads the
 appended keys as computed, before they are rounded into the cache's dtype, so that a float64 call is
 exact; the cache receives them rounded. The conventions (slots, positions, rotation) are small public
 functions below, which the checks, the torch side and the known-bad corpus build from.
@@ -28,12 +30,13 @@ from attncheck.reference.sdpa import ScaledDotProductAttention, _compute_dtype
 
 
 # ------------------------------------------------------------------------------ the conventions
-def slots(positions: np.ndarray, b: int, block_table: np.ndarray | None, page_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, columns) of the cache holding logical positions of sequence b: (b, p) contiguous, or
-    (block_table[b, p // P], p % P) paged."""
+def slots(positions: np.ndarray, b: int, block_table: np.ndarray | None, page_size: int,
+          cache_batch_idx: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, columns) of the cache holding logical positions of sequence b: (b, p) contiguous,
+    (cache_batch_idx[b], p) where the sequences' rows are given, or (block_table[b, p // P], p % P) paged."""
     positions = np.asarray(positions, dtype=np.int64)
     if block_table is None:
-        return np.full(positions.shape, b), positions
+        return np.full(positions.shape, b if cache_batch_idx is None else int(cache_batch_idx[b])), positions
     return np.asarray(block_table)[b, positions // page_size].astype(np.int64), positions % page_size
 
 
@@ -105,8 +108,10 @@ def attend_with_kvcache(causal_alignment, q, k_cache, v_cache, k=None, v=None, r
     ALiBi still from the bottom-right diagonal) only for the diagnosis, which reads a kernel's output as
     the oracle's under another reading of the config. `alibi`, where given, replaces each sequence's
     kernel's `_alibi` (the diagnosis's other formula of ALiBi: attncheck.diagnose_kernels.readings)."""
-    if cache_batch_idx is not None or cache_leftpad is not None:
-        raise NotImplementedError("cache_batch_idx and cache_leftpad are not part of attncheck's contract")
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad is not part of attncheck's contract")
+    if cache_batch_idx is not None and block_table is not None:
+        raise ValueError("Paged KVcache does not support cache_batch_idx")  # FlashAttention's own words
     q = np.asarray(q)
     storage, compute = _compute_dtype(q, q, q)
     B, Lq, Hq, E = q.shape
@@ -123,7 +128,7 @@ def attend_with_kvcache(causal_alignment, q, k_cache, v_cache, k=None, v=None, r
     outs, lses, magnitudes = [], [], []
     for b in range(B):
         c = int(lengths[b])
-        old_rows, old_cols = slots(np.arange(c), b, block_table, page_size)
+        old_rows, old_cols = slots(np.arange(c), b, block_table, page_size, cache_batch_idx)
         kb = np.asarray(k_cache)[old_rows, old_cols].astype(compute)  # (c, Hkv, E)
         vb = np.asarray(v_cache)[old_rows, old_cols].astype(compute)  # (c, Hkv, Ev)
         qb = q[b].astype(compute)  # (Lq, Hq, E)
@@ -133,7 +138,7 @@ def attend_with_kvcache(causal_alignment, q, k_cache, v_cache, k=None, v=None, r
             k_new, v_new = np.asarray(k[b]).astype(compute), np.asarray(v[b]).astype(compute)  # (Lnew, Hkv, E), (Lnew, Hkv, Ev)
             if rotary:
                 k_new = rope(k_new, cos, sin, rotary_positions(c, Lnew, True), rotary_interleaved)
-            new_rows, new_cols = slots(c + np.arange(Lnew), b, block_table, page_size)
+            new_rows, new_cols = slots(c + np.arange(Lnew), b, block_table, page_size, cache_batch_idx)
             k_cache[new_rows, new_cols] = k_new.astype(k_cache.dtype)  # the in-place append
             v_cache[new_rows, new_cols] = v_new.astype(v_cache.dtype)
             kb, vb = np.concatenate([kb, k_new]), np.concatenate([vb, v_new])  # (c + Lnew, Hkv, E)
@@ -158,7 +163,7 @@ def attend_with_kvcache(causal_alignment, q, k_cache, v_cache, k=None, v=None, r
 
 
 def appended(k_cache: np.ndarray, v_cache: np.ndarray, k, v, rotary_cos, rotary_sin,
-             cache_seqlens, block_table, interleaved: bool) -> tuple[np.ndarray, np.ndarray]:
+             cache_seqlens, block_table, interleaved: bool, cache_batch_idx=None) -> tuple[np.ndarray, np.ndarray]:
     """The caches after the append, in float64 with the new keys exact: what the oracle writes
     before rounding them into the caches' dtype."""
     k64, v64 = np.asarray(k_cache, dtype=np.float64).copy(), np.asarray(v_cache, dtype=np.float64).copy()
@@ -170,6 +175,6 @@ def appended(k_cache: np.ndarray, v_cache: np.ndarray, k, v, rotary_cos, rotary_
         if rotary_cos is not None:
             k_new = rope(k_new, np.asarray(rotary_cos, dtype=np.float64), np.asarray(rotary_sin, dtype=np.float64),
                          rotary_positions(c, Lnew, True), interleaved)  # fmt: skip
-        rows, cols = slots(c + np.arange(Lnew), b, block_table, page_size)
+        rows, cols = slots(c + np.arange(Lnew), b, block_table, page_size, cache_batch_idx)
         k64[rows, cols], v64[rows, cols] = k_new, np.asarray(v[b], dtype=np.float64)
     return k64, v64

@@ -17,8 +17,8 @@ import numpy as np
 from attncheck.reference.kvcache import rope, rotary_positions
 
 SPLIT_KEYS = 64  # num_splits=0: chunks of this many keys (the kernel's own heuristic)
-HOOKS = ("_append_positions", "_slot", "_rotate_cached", "_combine", "_keys_read", "_num_splits", "_partial", "_offset", "_allowed",
-         "_slope", "_logits")
+HOOKS = ("_append_positions", "_cache_row", "_slot", "_rope", "_rotate_cached", "_combine", "_keys_read", "_num_splits",
+         "_partial", "_offset", "_allowed", "_slope", "_logits")
 
 
 class DecodeKernel:
@@ -39,19 +39,19 @@ class DecodeKernel:
         out = np.zeros((B, Lq, Hq, v_cache.shape[-1]), dtype=compute)
         lse = np.zeros((B, Hq, Lq), dtype=compute)
         for b in range(B):
-            c = int(cache_seqlens[b])
+            c, row = int(cache_seqlens[b]), self._cache_row(b, cache_batch_idx)
             qb = q[b].astype(compute)  # (Lq, Hq, E)
             if cos is not None:
-                qb = rope(qb, cos, sin, rotary_positions(c, Lq, causal or local), rotary_interleaved)
+                qb = self._rope(qb, cos, sin, rotary_positions(c, Lq, causal or local), rotary_interleaved)
             if Lnew:
                 k_new = k[b].astype(compute)  # (Lnew, Hkv, E)
                 if cos is not None:
-                    k_new = rope(k_new, cos, sin, rotary_positions(c, Lnew, True), rotary_interleaved)
+                    k_new = self._rope(k_new, cos, sin, rotary_positions(c, Lnew, True), rotary_interleaved)
                 for t, p in enumerate(self._append_positions(c, Lnew)):
-                    row, col = self._slot(block_table, b, p, P)
-                    k_cache[row, col], v_cache[row, col] = k_new[t], v[b, t]  # the in-place append
+                    at, col = self._slot(block_table, row, p, P)
+                    k_cache[at, col], v_cache[at, col] = k_new[t], v[b, t]  # the in-place append
             S = self._keys_read(c, Lnew)
-            places = [self._slot(block_table, b, p, P) for p in range(S)]
+            places = [self._slot(block_table, row, p, P) for p in range(S)]
             kb = np.stack([k_cache[r, s] for r, s in places]).astype(compute) if S else np.zeros((0, Hkv, E), compute)  # (S, Hkv, E)
             vb = np.stack([v_cache[r, s] for r, s in places]).astype(compute) if S else np.zeros((0, Hkv, v_cache.shape[-1]), compute)
             if cos is not None:
@@ -89,9 +89,17 @@ class DecodeKernel:
         """The logical positions the new tokens are written at: c .. c + Lnew - 1."""
         return c + np.arange(Lnew)
 
+    def _cache_row(self, b: int, cache_batch_idx) -> int:
+        """Sequence b's row of a contiguous cache: cache_batch_idx[b], or b without one (a paged cache takes none)."""
+        return b if cache_batch_idx is None else int(cache_batch_idx[b])
+
     def _slot(self, block_table, b: int, p: int, P: int) -> tuple[int, int]:
         """The (cache row, slot) of sequence b's position p: through the block table when paged."""
         return (b, p) if block_table is None else (int(block_table[b, p // P]), p % P)
+
+    def _rope(self, x, cos, sin, positions, interleaved):
+        """x (L, H, E) rotated at positions (L,): the first R = 2 * cos.shape[1] features, the rest as they are."""
+        return rope(x, cos, sin, positions, interleaved)
 
     def _rotate_cached(self, kb, cos, sin, c, interleaved):
         """The keys read from the cache are stored rotated already: nothing to do."""

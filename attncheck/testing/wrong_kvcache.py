@@ -147,6 +147,110 @@ class AlibiSlopesGqaOrderKv(DecodeKernel):
         return float(alibi_slopes[g * Hkv + kv])  # should be alibi_slopes[h]
 
 
+# A new user's kernels (a red-team tester's), each passing the default decode suite until the case
+# named in its docstring joined it or changed for it (tests/test_suite_reach.py).
+
+
+class AlibiFromQueryPositionKv(DecodeKernel):
+    """ALiBi's distance measured from the query's own position in the sequence, |j - (c + i)|, where
+    FlashAttention measures it from the bottom-right diagonal, |j - (i + S - Lq)| with S = c + Lnew.
+    The two differ by Lnew - Lq: a constant shift of every row's logits (which the softmax cancels)
+    unless keys lie on both sides of the diagonal, so causal hides it, and so does Lq = Lnew.
+
+    Exposed by ALiBi without causal and Lq != Lnew: splits-window-alibi (2 queries, 1 new key)."""
+
+    def _keys_read(self, c, Lnew):
+        self._new = Lnew
+        return super()._keys_read(c, Lnew)
+
+    def _logits(self, s, softcap, slope, offset, allowed):
+        if slope is None:
+            return super()._logits(s, softcap, slope, offset, allowed)
+        from_query = offset + self._new - offset.shape[0]  # j - (c + i): should be offset itself
+        return super()._logits(s, softcap, None, offset, allowed) - slope * np.abs(from_query)
+
+
+class EmptySplitNaN(DecodeKernel):
+    """A split with no allowed key (all its keys outside the window, or none at all) divides 0 by 0:
+    its partial output is NaN, and the combine, which weights it by exp(-inf) = 0, keeps 0 * NaN = NaN.
+    Its own choice (num_splits=0) is one pass: only the splits asked for show it.
+
+    Exposed by num_splits > 1 under a window that leaves a whole split out: splits-window-alibi."""
+
+    def _num_splits(self, S, B, num_splits):
+        return num_splits if num_splits > 0 else 1
+
+    @staticmethod
+    def _partial(s, v):
+        m, l, o = DecodeKernel._partial(s, v)
+        with np.errstate(invalid="ignore"):
+            return m, l, np.where(l[:, None] == 0, np.nan, o)  # should stay 0: no key, no output
+
+
+class SplitPathDropsWindow(DecodeKernel):
+    """The split-KV path (num_splits > 1) drops window_size and alibi_slopes: the one-pass path
+    takes every option, the split path was written for plain decoding.
+
+    Exposed by several splits with a window or ALiBi: splits-window-alibi."""
+
+    def forward(self, *args, window_size=(-1, -1), alibi_slopes=None, num_splits=0, **kwargs):
+        if num_splits > 1:
+            window_size, alibi_slopes = (-1, -1), None
+        return super().forward(*args, window_size=window_size, alibi_slopes=alibi_slopes, num_splits=num_splits, **kwargs)
+
+
+class Float64ComputedInFloat32Kv(DecodeKernel):
+    """float64 inputs computed in float32 (the new k and v, the query and the rotary tables cast
+    down) and the output returned as float64: about 1e-7 relative off, within every float32 budget.
+
+    Exposed by a float64 case: float64."""
+
+    def forward(self, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, *args, return_softmax_lse=False, **kwargs):
+        if q.dtype != np.float64:
+            return super().forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, *args, return_softmax_lse=return_softmax_lse,
+                                   **kwargs)  # fmt: skip
+        down = lambda a: None if a is None else np.asarray(a).astype(np.float32)  # noqa: E731
+        # the caches stay float64: the append writes there
+        result = super().forward(down(q), k_cache, v_cache, down(k), down(v), down(rotary_cos), down(rotary_sin), *args,
+                                 return_softmax_lse=return_softmax_lse, **kwargs)  # fmt: skip
+        return tuple(r.astype(np.float64) for r in result) if return_softmax_lse else result.astype(np.float64)
+
+
+class SoftmaxEpsilonKv(DecodeKernel):
+    """Each split's softmax denominator takes an epsilon, l + 1e-6 ("to avoid dividing by zero"):
+    every output is scaled by l / (l + n 1e-6), about 1e-8 relative, within every float32 budget.
+
+    Exposed by a float64 case: float64."""
+
+    @staticmethod
+    def _partial(s, v):
+        m, l, o = DecodeKernel._partial(s, v)
+        return m, l + 1e-6, o * (l / (l + 1e-6))[:, None]
+
+
+class CacheBatchIdxIgnored(DecodeKernel):
+    """Accepts cache_batch_idx and reads and appends at cache row b, as if it were 0 .. B - 1: the
+    rows of other sequences, or rows nobody owns (NaN in attncheck's poisoned cache).
+
+    Exposed by cache_batch_idx other than 0 .. B - 1: cache-batch-idx."""
+
+    def _cache_row(self, b, cache_batch_idx):
+        return b  # should be cache_batch_idx[b]
+
+
+class RotaryPassThroughZeroed(DecodeKernel):
+    """Partial RoPE (rotary_cos (S, R/2) with R < E) writes the rotated features into a zeroed
+    array: the E - R features past R, which FlashAttention passes through unrotated, come back zero
+    in q and in the appended keys.
+
+    Exposed by rotary_dim < head_dim: rotary-half (4 of 8 features)."""
+
+    def _rope(self, x, cos, sin, positions, interleaved):
+        out = super()._rope(x, cos, sin, positions, interleaved)
+        out[..., 2 * cos.shape[1] :] = 0  # should be x's own
+        return out
+
+
 # ------------------------------------------------------------------------------------ the probes
 # Kernels only a probe shows (or shows besides a comparison): tests/test_kvcache_probes.py names the
 # probe row each ends in, with no config or with the config's promise.
@@ -201,4 +305,6 @@ KVCACHE_PROBES = {cls.__name__: cls for cls in (SplitsFromBatchSize, CacheMadeCo
 
 WRONG_KVCACHE = {cls.__name__: cls for cls in (AppendOneSlotLate, BlockTableIgnored, RotaryOnWholeCache, SplitMaxDropped, ReadsPastSeqlen,
                                                 DiagonalTopLeft, SoftcapAfterAlibiKv, LseWithoutSoftcapKv, WindowRightUnboundedAsCausalKv,
-                                                AlibiSlopesGqaOrderKv)}  # fmt: skip
+                                                AlibiSlopesGqaOrderKv, AlibiFromQueryPositionKv, EmptySplitNaN, SplitPathDropsWindow,
+                                                Float64ComputedInFloat32Kv, SoftmaxEpsilonKv, RotaryPassThroughZeroed,
+                                                CacheBatchIdxIgnored)}  # fmt: skip

@@ -215,15 +215,106 @@ class VarlenAlibiSlopesGqaOrder(DenseVarlen):
         return AlibiSlopesGqaOrder()
 
 
+class AlibiSlopesPerKvHead(DenseSDPA):
+    """Under GQA each query head takes the ALiBi slope of its group's first head, slope (h // G) * G
+    for query head h: the slopes read once per key-value head, as a kernel looping over key-value
+    heads loads them. Right without GQA, where every group is one head.
+
+    Exposed by ALiBi with G > 1.
+    """
+
+    def _kv_heads(self, Hq, Hkv):
+        self._group = Hq // Hkv
+        return super()._kv_heads(Hq, Hkv)
+
+    def _alibi(self, slopes, L, S, work):
+        if slopes is None:
+            return 0.0
+        G = self._group
+        first = np.arange(np.shape(slopes)[-1]) // G * G  # (Hq,): should be h
+        return super()._alibi(np.asarray(slopes)[..., first], L, S, work)
+
+
+class VarlenAlibiPerKvHead(DenseVarlen):
+    """Each sequence's ALiBi slopes read per key-value head under GQA (AlibiSlopesPerKvHead): a new
+    user's kernel that the default varlen suite caught once alibi-causal had GQA.
+
+    Exposed by ALiBi with G > 1: alibi-causal (6 query heads on 2).
+    """
+
+    def _kernel(self):
+        return AlibiSlopesPerKvHead()
+
+
+class CausalPathDefaultScale(DenseSDPA):
+    """softmax_scale dropped on the causal path: with is_causal the scores are scaled by
+    1 / sqrt(E) whatever scale is given (a kernel whose causal branch was written first and never
+    took the argument). Right without causal, or at the default scale.
+
+    Exposed by a scale other than 1 / sqrt(E) together with causal.
+    """
+
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **options):
+        return super().forward(query, key, value, attn_mask, dropout_p, is_causal, None if is_causal else scale, enable_gqa, **options)
+
+
+class VarlenCausalDefaultScale(DenseVarlen):
+    """softmax_scale ignored when causal=True (CausalPathDefaultScale). The default varlen suite had
+    the scale alone (`scale`) and causal alone: it passed.
+
+    Exposed by softmax_scale with causal: window-2-1 (scale 0.3).
+    """
+
+    def _kernel(self):
+        return CausalPathDefaultScale()
+
+
+class LseWithoutWindow(DenseSDPA):
+    """softmax_lse taken over the logits with the window's mask left out (the causal mask kept),
+    where the output's softmax is over the window: log sum exp over keys the row never attends to.
+    The output and the gradients are right (the LSE's gradient is the window's own P): the LSE, the
+    loss that reads it, and the finite differences of the kernel's own forward are off.
+
+    Exposed by return_lse with a window that removes keys the causal mask keeps.
+    """
+
+    def _causal(self, i, j, L, S):
+        self._causal_allowed = super()._causal(i, j, L, S)
+        return self._causal_allowed
+
+    def _window(self, i, j, L, S, window_size):
+        self._outside = ~super()._window(i, j, L, S, window_size)
+        return ~self._outside
+
+    def _logits(self, s, softcap, scale, bias, allowed, additive):
+        unwindowed = allowed | (getattr(self, "_outside", False) & getattr(self, "_causal_allowed", True))
+        self._unwindowed = super()._logits(s, softcap, scale, bias, unwindowed, additive)[0]  # (B, Hq, L, S)
+        return super()._logits(s, softcap, scale, bias, allowed, additive)
+
+    def _lse(self, logits, row_max, row_sum):
+        _, row_max, row_sum = self._softmax(self._unwindowed)  # should be the windowed logits' own
+        return super()._lse(self._unwindowed, row_max, row_sum)
+
+
+class VarlenLseWithoutWindow(DenseVarlen):
+    """softmax_lse computed without the sliding window (LseWithoutWindow). The default varlen suite's
+    LSE cases had no window: it passed.
+
+    Exposed by return_attn_probs with a window under causal: lse-gqa-causal (window (4, 0)).
+    """
+
+    def _kernel(self):
+        return LseWithoutWindow()
+
+
 class VarlenHalfAccumulatedOutput(DenseVarlen):
     """P v summed over 7-key blocks with the running output rounded to bfloat16 or float16 after
     every block (wrong_kernels.HalfAccumulatedOutput). The default varlen suite's bfloat16-long
-    (128 keys) had it at 0.3x the allowance; even at 2048 keys it stays at 0.4x beside that case's
-    9x64 sequence: the budget's floor scales with the largest output of the whole pack, and a
-    short sequence's outputs are larger.
+    (128 keys) had it at 0.3x the allowance; at 2048 keys it was 0.4x beside that case's 9x64
+    sequence while the budget's maxima were the whole pack's (a short sequence's outputs are
+    larger), 1.4-2.0x since each sequence has its own (VarlenKind.budget_groups).
 
-    Exposed by half precision over thousands of keys in a pack whose sequences with queries are all
-    long: bfloat16-2048 (1.7-2.5x the allowance on seeds 1-5).
+    Exposed by half precision over thousands of keys: bfloat16-2048 (1.7-2.5x the allowance on seeds 1-5).
     """
 
     def _kernel(self):
@@ -233,4 +324,5 @@ class VarlenHalfAccumulatedOutput(DenseVarlen):
 WRONG_KERNELS = {cls.__name__: cls for cls in (CuSeqlensOffByOne, KeysBleedIntoNext, CausalTopLeftPerSequence, EmptySequenceWritesGarbage,
                                                ReadsPastLastSequence, VarlenSoftcapAfterAlibi, VarlenLseWithoutSoftcap,
                                                VarlenWindowRightUnboundedAsCausal, VarlenAlibiSlopesGqaOrder,
-                                               VarlenHalfAccumulatedOutput)}  # fmt: skip
+                                               VarlenHalfAccumulatedOutput, VarlenAlibiPerKvHead, VarlenCausalDefaultScale,
+                                               VarlenLseWithoutWindow)}  # fmt: skip
