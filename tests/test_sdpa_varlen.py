@@ -275,3 +275,20 @@ def test_a_long_sequences_accumulation_error_is_not_hidden_by_a_short_one_beside
     [row] = [r for r in report.failures if r.quantity == "output"]
     assert row.ratio > 1.2 and "figures are sequence 0 (16x2048)'s" in row.note, (row.ratio, row.note)
     assert run_check("forward", cfg, candidate_from_object(CORRECT_KERNEL)).passed
+
+
+def test_the_probes_budget_of_a_row_split_in_groups_is_the_largest_groups():
+    # The probes take one number for what a correct output may be off (the options probe: told >
+    # two budgets and a reach keeps its two outputs apart). A grouped row's figure is the group
+    # nearest its allowance, here the small one's: a correct output may lie 30x further in the other.
+    from attncheck.checks.probes import budget_of
+    from attncheck.compare import Budget, Groups, measure
+
+    rule = Budget(2.0, 1e-3)
+    oracle = np.array([0.1, 0.1, 5.0, -5.0])
+    torch = oracle + np.array([1e-4, 0.0, 2e-3, 0.0])
+    candidate = oracle + np.array([2e-4, 0.0, 0.0, 1e-3])
+    row = measure("forward", "output", candidate, torch, rule, oracle=oracle,
+                  groups=Groups(np.array([0, 0, 1, 1]), ("0", "1"), "sequence"))
+    assert np.isclose(row.allowed, 3e-4)  # the row's figures: the first group's, nearest its allowance
+    assert np.isclose(budget_of(row, rule, torch), 2 * 2e-3 + 1e-3 * 5.0)

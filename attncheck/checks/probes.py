@@ -75,11 +75,18 @@ class Probing:
 
 
 def budget_of(row: Row, rule: Rule, expected: np.ndarray) -> float:
-    """One number for the error a compared output may have: the budget the row computed, or for
-    the fixed rule atol + rtol * max|torch|."""
+    """One number for the error a compared output may have: the budget the row computed (the
+    largest of its groups', compare.Groups), or for the fixed rule atol + rtol * max|torch|.
+
+    The largest, not the row's figure: a row split in groups gives the allowance of the group
+    nearest its own, and a correct output may lie further than that in another group, so the
+    options probe's margin (told > two budgets and a reach) would no longer keep its two outputs
+    apart."""
     if isinstance(rule, Fixed) or row.allowed is None:
         e = np.asarray(expected, dtype=np.float64)
         return rule.atol + rule.rtol * float(np.abs(e[np.isfinite(e)]).max(initial=0.0)) if isinstance(rule, Fixed) else 0.0
+    if row.evidence is not None:
+        return max(float(row.allowed), float(np.max(row.evidence.allowed)))
     return float(row.allowed)
 
 
