@@ -64,6 +64,16 @@ def _alibi_without_abs(self, slopes: np.ndarray, offset: np.ndarray) -> np.ndarr
     return slopes * offset.astype(slopes.dtype)
 
 
+def _returning(inside: tuple[str, ...]) -> Callable:
+    """A `_biased_before_softcap` method giving `inside` (the oracle's seam for the softcap's order)."""
+    return lambda self: inside
+
+
+def _float_mask(cfg: Config) -> bool:
+    """Whether the case hands a float attn_mask (added to the logits), not a bool one."""
+    return getattr(cfg, "attn_mask", "none") != "none" and getattr(cfg, "mask_dtype", "bool") == "float"
+
+
 @dataclass(frozen=True)
 class Reading:
     """Another reading of a kernel's config: the config so updated, the reference's methods so replaced."""
@@ -127,6 +137,13 @@ def readings(cfg: Config) -> list[Reading]:
             tried.append(({"softcap": softcap * given}, f"softcap {softcap * given:.3g} = softcap x scale: the cap taken on the logits "
                                                          "before the softmax scale"))  # fmt: skip
     found = [Reading(update, words) for update, words in tried]
+    # The softcap taken over the scores with a bias already added, where FlashAttention caps the
+    # scores alone and adds ALiBi, then the masks (Gemma 2's too): a float mask's -inf becomes -cap.
+    biases = (["alibi"] if cfg.alibi else []) + (["mask"] if _float_mask(cfg) else [])
+    for inside in ([[b] for b in biases] + ([biases] if len(biases) > 1 else [])) if softcap else []:
+        named = " and ".join({"alibi": "ALiBi", "mask": "the float attn_mask"}[b] for b in inside)
+        found.append(Reading({}, f"the softcap taken over the scores with {named} added, c * tanh((s + bias) / c), where it caps "
+                                 "the scores alone and adds the biases after", {"_biased_before_softcap": _returning(tuple(inside))}))  # fmt: skip
     if cfg.alibi:  # where a causal mask hides every key past the diagonal the two agree, and the reading cannot fit
         found.append(Reading({}, "ALiBi's bias without the abs, slope * (j - (i + S - L)), the causal-only form, where it is "
                                  "-slope * |j - (i + S - L)|: keys past the diagonal get a bias that grows",

@@ -573,6 +573,18 @@ def test_a_kernels_misreading_of_causal_window_or_softcap_is_named(kernel, keys,
     assert row.diagnosis.startswith(f"the output is the float64 oracle's with {words}"), row.diagnosis
 
 
+@pytest.mark.parametrize("kernel, case, words", [
+    ("SoftcapAfterAlibi", "softcap-alibi-lse", "ALiBi"), ("SoftcapOverFloatMask", "softcap-float-mask-lse", "the float attn_mask")])
+def test_a_softcap_taken_over_a_bias_is_named(kernel, case, words):
+    # Both were caught and named nothing: the oracle now reruns its forward with the cap taken last.
+    from attncheck.testing import wrong_kernels
+
+    cfg = next(c.config for c in load_suite(None, module="sdpa").cases if c.name == case)
+    [row] = [r for r in run_check("forward", cfg, candidate_from_object(getattr(wrong_kernels, kernel))).failures if r.parameter == "output"]
+    assert row.diagnosis == (f"the output is the float64 oracle's with the softcap taken over the scores with {words} added, "
+                             "c * tanh((s + bias) / c), where it caps the scores alone and adds the biases after"), row.diagnosis  # fmt: skip
+
+
 def test_a_lower_right_kernel_that_does_not_say_so_is_told_how_to():
     # A red-team tester's FlashAttention-style kernel, handed torch's signature without
     # causal_alignment, failed the upper_left cases with the reading alone; it now says the remedy.

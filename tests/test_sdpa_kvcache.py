@@ -317,13 +317,21 @@ def test_a_function_of_another_kinds_signature_is_one_contract_error_before_any_
 def test_a_decode_kernels_alibi_without_the_abs_is_named_where_no_causal_mask_hides_it():
     # The decode kind's oracle is a function: the diagnosis's other formula of ALiBi (a method it
     # puts on the built oracle) never reached it, and such a kernel's output had no reading. Its
-    # kind now hands the formula to each sequence's kernel (attend_with_kvcache's `alibi`).
+    # kind now hands the formula to each sequence's kernel (attend_with_kvcache's `methods`).
     from attncheck.diagnose_kernels import _alibi_without_abs
     from attncheck.reference.kvcache import with_causal_alignment
 
-    without_abs = with_causal_alignment("lower_right", alibi=_alibi_without_abs)
+    without_abs = with_causal_alignment("lower_right", methods={"_alibi": _alibi_without_abs})
     case = next(c.config for c in load_suite(None, module="sdpa_kvcache").cases if c.name == "alibi")
     cfg = case.model_copy(update={"causal": "none"})
     [row] = [r for r in run_check("forward", cfg, candidate_from_object(without_abs)).failures if r.quantity == "output"]
     assert row.diagnosis.startswith("the output is the float64 oracle's with ALiBi's bias without the abs"), row.diagnosis
     assert run_check("forward", case, candidate_from_object(without_abs)).passed  # the causal mask hides every key it differs on
+
+
+def test_a_decode_kernels_softcap_over_alibi_is_named():
+    # Caught by softcap-alibi-lse and named nothing: the decode oracle's kernels take the other order too.
+    cfg = next(c.config for c in load_suite(None, module="sdpa_kvcache").cases if c.name == "softcap-alibi-lse")
+    report = run_check("forward", cfg, candidate_from_object(WRONG_KVCACHE["SoftcapAfterAlibiKv"]))
+    [row] = [r for r in report.failures if r.quantity == "output"]
+    assert row.diagnosis.startswith("the output is the float64 oracle's with the softcap taken over the scores with ALiBi added"), row.diagnosis

@@ -292,3 +292,11 @@ def test_the_probes_budget_of_a_row_split_in_groups_is_the_largest_groups():
                   groups=Groups(np.array([0, 0, 1, 1]), ("0", "1"), "sequence"))
     assert np.isclose(row.allowed, 3e-4)  # the row's figures: the first group's, nearest its allowance
     assert np.isclose(budget_of(row, rule, torch), 2 * 2e-3 + 1e-3 * 5.0)
+
+
+def test_a_varlen_kernels_softcap_over_alibi_is_named():
+    # Caught by softcap-alibi-lse and named nothing: each sequence's kernel takes the oracle's other order too.
+    cfg = next(c.config for c in load_suite(None, module="sdpa_varlen").cases if c.name == "softcap-alibi-lse")
+    report = run_check("forward", cfg, candidate_from_object(WRONG_KERNELS["VarlenSoftcapAfterAlibi"]))
+    [row] = [r for r in report.failures if r.quantity == "output"]
+    assert row.diagnosis.startswith("the output is the float64 oracle's with the softcap taken over the scores with ALiBi added"), row.diagnosis

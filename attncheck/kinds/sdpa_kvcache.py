@@ -150,13 +150,14 @@ class KvCacheKind(FunctionKind):
         return ModuleKind.instantiate(self, cfg, factory, params)
 
     def with_methods(self, cfg, obj: Any, methods: dict) -> Any | None:
-        """The oracle is a function, whose kernels (one per sequence) take ALiBi's other formula
-        (attend_with_kvcache's `alibi`); no other method of theirs is replaced."""
-        if set(methods) != {"_alibi"}:
-            return None
+        """The oracle is a function, whose kernels (the sdpa oracle, one per sequence) take the
+        methods (attend_with_kvcache's `methods`); None where that oracle has none of a name."""
         from attncheck.reference.kvcache import with_causal_alignment
+        from attncheck.reference.sdpa import ScaledDotProductAttention
 
-        return with_causal_alignment("upper_left" if cfg.causal == "upper_left" else "lower_right", alibi=methods["_alibi"])
+        if not all(callable(getattr(ScaledDotProductAttention, name, None)) for name in methods):
+            return None
+        return with_causal_alignment("upper_left" if cfg.causal == "upper_left" else "lower_right", methods=dict(methods))
 
     def written_arguments(self, cfg) -> tuple[str, ...]:
         return CACHES

@@ -88,13 +88,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return result
 
 
-def with_causal_alignment(causal_alignment: str, alibi: Callable | None = None):
+def with_causal_alignment(causal_alignment: str, methods: dict[str, Callable] | None = None):
     """flash_attn_with_kvcache, called the same way, with its causal mask aligned `causal_alignment`
-    and, where given, ALiBi's bias computed by `alibi(kernel, slopes, offset)` in place of the sdpa
-    oracle's `_alibi` (attend_with_kvcache); its logit magnitude is not kept."""
+    and, where given, each sequence's sdpa oracle with `methods` in place of its own (ALiBi's
+    formula `_alibi`, the softcap's order: attend_with_kvcache); its logit magnitude is not kept."""
 
     def aligned(*args, **kwargs):
-        return attend_with_kvcache(causal_alignment, *args, alibi=alibi, **kwargs)[0]
+        return attend_with_kvcache(causal_alignment, *args, methods=methods, **kwargs)[0]
 
     return aligned
 
@@ -102,12 +102,12 @@ def with_causal_alignment(causal_alignment: str, alibi: Callable | None = None):
 def attend_with_kvcache(causal_alignment, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                         cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                         window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                        return_softmax_lse=False, *, alibi: Callable | None = None):  # fmt: skip
+                        return_softmax_lse=False, *, methods: dict[str, Callable] | None = None):  # fmt: skip
     """flash_attn_with_kvcache's (result, logit magnitude), its causal mask aligned `causal_alignment`:
     lower_right, FlashAttention's; upper_left (SDPA's is_causal: query i sees keys 0..i, the window and
     ALiBi still from the bottom-right diagonal) only for the diagnosis, which reads a kernel's output as
-    the oracle's under another reading of the config. `alibi`, where given, replaces each sequence's
-    kernel's `_alibi` (the diagnosis's other formula of ALiBi: attncheck.diagnose_kernels.readings)."""
+    the oracle's under another reading of the config. `methods`, where given, replace each sequence's
+    kernel's own (the diagnosis's other formulas: attncheck.diagnose_kernels.readings)."""
     if cache_leftpad is not None:
         raise NotImplementedError("cache_leftpad is not part of attncheck's contract")
     if cache_batch_idx is not None and block_table is not None:
@@ -143,8 +143,8 @@ def attend_with_kvcache(causal_alignment, q, k_cache, v_cache, k=None, v=None, r
             v_cache[new_rows, new_cols] = v_new.astype(v_cache.dtype)
             kb, vb = np.concatenate([kb, k_new]), np.concatenate([vb, v_new])  # (c + Lnew, Hkv, E)
         attention = ScaledDotProductAttention(causal_alignment=causal_alignment)
-        if alibi is not None:
-            attention._alibi = MethodType(alibi, attention)
+        for name, method in (methods or {}).items():
+            setattr(attention, name, MethodType(method, attention))
         out, lse = attention.forward(qb.transpose(1, 0, 2)[None], kb.transpose(1, 0, 2)[None], vb.transpose(1, 0, 2)[None],
                                      is_causal=causal, scale=softmax_scale, enable_gqa=True,
                                      window_size=tuple(window_size) if local else None, softcap=softcap,

@@ -329,7 +329,8 @@ class ScaledDotProductAttention:
         if self.rounding is not None:
             self.rounding.logits(logits, a.q_scaled[g0:g1, m0:m1], a.kh[g0:g1], (g0, m0))
         t = None
-        if a.cap is not None:
+        inside = self._biased_before_softcap() if a.cap is not None else ()  # () but in the diagnosis's other orders
+        if a.cap is not None and not inside:
             capped, t = softcap(logits, a.cap)  # (g, m, S) each
             logits[...] = capped
 
@@ -337,8 +338,13 @@ class ScaledDotProductAttention:
         positions = rows % L  # (m,) query position i of each stacked row
         heads = (np.arange(g0, g1) % a.Hkv)[:, None] * a.R + (rows // L)[None, :]  # (g, m) query head h
         batch = (np.arange(g0, g1) // a.Hkv)[:, None]  # (g, 1)
+        after = []  # biases added after a softcap taken over the others (the diagnosis's other orders alone)
         if a.slopes is not None:
-            logits += self._alibi(a.slopes[batch, heads][..., None], key_offset(L, S, positions)[None])  # (g, m, 1) x (1, m, S)
+            bias = self._alibi(a.slopes[batch, heads][..., None], key_offset(L, S, positions)[None])  # (g, m, 1) x (1, m, S)
+            if inside and "alibi" not in inside:
+                after.append(bias)
+            else:
+                logits += bias
         allowed = None  # (m, S) or (g, m, S)
         if a.causal is not None:
             allowed = causal_allowed(L, S, a.causal, positions)
@@ -349,8 +355,13 @@ class ScaledDotProductAttention:
             mask = a.attn_mask[batch, heads, positions[None, :]]  # (g, m, S)
             if mask.dtype == np.bool_:
                 allowed = mask if allowed is None else allowed & mask
+            elif inside and "mask" not in inside:
+                after.append(mask)
             else:
                 logits += mask
+        if inside:  # the cap over the scores with `inside`'s biases added, the rest after it
+            capped, t = softcap(logits, a.cap)
+            logits[...] = sum(after, capped)
         if allowed is not None:
             np.copyto(logits, -np.inf, where=~allowed)
         return logits, t
@@ -359,6 +370,13 @@ class ScaledDotProductAttention:
         """ALiBi's bias, -slope * |offset| (`alibi`): a method, so that the diagnosis can rerun the
         oracle with a kernel's other formula (attncheck.diagnose_kernels.readings)."""
         return alibi(slopes, offset)
+
+    def _biased_before_softcap(self) -> tuple[str, ...]:
+        """Which biases ("alibi", "mask": a float attn_mask) are added to the scores before the
+        softcap: none, FlashAttention's order (softcap, then ALiBi, then the masks). A method, so that
+        the diagnosis can rerun the oracle's forward in a kernel's other order (its backward then
+        differentiates the softcap of the scores alone: only the forward is read)."""
+        return ()
 
     # --------------------------------------------------------------- the core: forward, backward
     def _attention_forward(self, a: SdpaSaved) -> np.ndarray:

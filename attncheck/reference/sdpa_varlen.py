@@ -94,7 +94,8 @@ class VarlenAttention:
                 continue
             kernel = ScaledDotProductAttention(self.causal_alignment, self.fully_masked_rows, block_elements=self.block_elements,
                                                parallel_logits=self.parallel_logits)  # fmt: skip
-            kernel._alibi = self._alibi  # the seam the diagnosis replaces (CheckRun.reread), for every sequence
+            kernel._alibi = self._alibi  # the seams the diagnosis replaces (CheckRun.reread), for every sequence
+            kernel._biased_before_softcap = self._biased_before_softcap
             if self.rounding is not None:
                 kernel.rounding = replace(self.rounding, seed=self.rounding.seed * 7919 + s + 1)  # each sequence its own draws
             seq_out, seq_lse = kernel.forward(
@@ -119,6 +120,11 @@ class VarlenAttention:
         """ALiBi's bias, -slope * |offset|, as each sequence's kernel adds it: a method, so that the
         diagnosis can rerun the oracle with a kernel's other formula (attncheck.diagnose_kernels.readings)."""
         return alibi(slopes, offset)
+
+    def _biased_before_softcap(self) -> tuple[str, ...]:
+        """The biases each sequence's kernel adds before the softcap: none (ScaledDotProductAttention's
+        method of that name, the diagnosis's other orders)."""
+        return ()
 
     def backward(self, grad_out, grad_lse=None) -> dict[str, np.ndarray]:
         """{"q", "k", "v"}: the gradients of the last forward's inputs, given d(loss)/d(out) (Tq, Hq, Ev)
