@@ -236,10 +236,11 @@ def test_the_oracle_aligned_upper_left_is_each_sequence_top_left():
 def test_a_varlen_kernels_alibi_without_the_abs_is_named():
     # The packed kind's oracle builds a kernel per sequence, which took the sdpa oracle's ALiBi: the
     # diagnosis's other formula never reached it, and such a kernel's output had no reading. Each
-    # sequence's kernel now adds the varlen oracle's own `_alibi`.
+    # sequence's kernel now takes the methods the diagnosis hands the varlen oracle.
+    from attncheck.diagnose_kernels import _alibi_without_abs
+
     class AlibiNoAbs(VarlenAttention):
-        def _alibi(self, slopes, offset):
-            return np.asarray(slopes) * offset.astype(np.asarray(slopes).dtype)  # the causal-only form
+        sequence_methods = {"_alibi": _alibi_without_abs}  # the causal-only form, in every sequence
 
     cfg = next(c.config for c in load_suite(None, module="sdpa_varlen").cases if c.name == "alibi")
     [row] = [r for r in run_check("forward", cfg, candidate_from_object(AlibiNoAbs)).failures if r.quantity == "output"]

@@ -93,15 +93,16 @@ class ModuleKind:
         return factory(*args, **kwargs)
 
     def with_methods(self, cfg: Config, obj: Any, methods: dict[str, Callable]) -> Any | None:
-        """The built reference `obj` with its `methods` replaced (ALiBi's other formula, which the
-        diagnosis reads a kernel's output with: CheckRun.reread); None where it has none of them. They
-        go onto the built object, not onto a subclass built in its place (as `rerun` builds its
+        """The built reference `obj` with its `methods` replaced (the other formulas the diagnosis
+        reads a kernel's output with: CheckRun.reread); None where it has none of them. They are
+        bound onto the built object, not onto a subclass built in its place (as `rerun` builds its
         suspects): the kind builds its reference itself (instantiate), with the config's alignment
-        and empty-row convention."""
+        and empty-row convention. The packed and decode kinds hand them to their per-sequence kernels."""
+        from attncheck.reference.sdpa import rebound
+
         if not all(callable(getattr(obj, name, None)) for name in methods):
             return None
-        obj.__class__ = type(f"{type(obj).__name__}Reread", (type(obj),), dict(methods))
-        return obj
+        return rebound(obj, methods)
 
     def forward_of(self, obj: Any) -> Any:
         """The callable a built object is called through (None: it has none)."""

@@ -153,9 +153,9 @@ class KvCacheKind(FunctionKind):
         """The oracle is a function, whose kernels (the sdpa oracle, one per sequence) take the
         methods (attend_with_kvcache's `methods`); None where that oracle has none of a name."""
         from attncheck.reference.kvcache import with_causal_alignment
-        from attncheck.reference.sdpa import ScaledDotProductAttention
+        from attncheck.reference.sdpa import takes_methods
 
-        if not all(callable(getattr(ScaledDotProductAttention, name, None)) for name in methods):
+        if not takes_methods(methods):
             return None
         return with_causal_alignment("upper_left" if cfg.causal == "upper_left" else "lower_right", methods=dict(methods))
 

@@ -241,6 +241,16 @@ class VarlenKind(FunctionKind):
         q0, q1, _ = _pairs(cumulative(seqlens(cfg)[0]))[b]
         return out[q0:q1]
 
+    def with_methods(self, cfg, obj: Any, methods: dict) -> Any | None:
+        """The oracle computes each sequence with the sdpa oracle, whose kernels take the methods
+        (VarlenAttention.sequence_methods); None where that oracle has none of a name."""
+        from attncheck.reference.sdpa import takes_methods
+
+        if not takes_methods(methods):
+            return None
+        obj.sequence_methods = dict(methods)
+        return obj
+
     def budget_groups(self, cfg, w, quantity: str) -> Any:
         """Each sequence's rows, judged on their own budget: the output (Tq, Hq, Ev) and the LSE
         (Hq, Tq) along Tq. Sequences are independent problems, and a short one's larger outputs (and

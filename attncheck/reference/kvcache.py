@@ -21,12 +21,11 @@ R rotary features (2 * rotary_cos.shape[1], at most E).
 
 from __future__ import annotations
 
-from types import MethodType
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from attncheck.reference.sdpa import ScaledDotProductAttention, _compute_dtype
+from attncheck.reference.sdpa import ScaledDotProductAttention, _compute_dtype, rebound
 
 
 # ------------------------------------------------------------------------------ the conventions
@@ -142,9 +141,7 @@ def attend_with_kvcache(causal_alignment, q, k_cache, v_cache, k=None, v=None, r
             k_cache[new_rows, new_cols] = k_new.astype(k_cache.dtype)  # the in-place append
             v_cache[new_rows, new_cols] = v_new.astype(v_cache.dtype)
             kb, vb = np.concatenate([kb, k_new]), np.concatenate([vb, v_new])  # (c + Lnew, Hkv, E)
-        attention = ScaledDotProductAttention(causal_alignment=causal_alignment)
-        for name, method in (methods or {}).items():
-            setattr(attention, name, MethodType(method, attention))
+        attention = rebound(ScaledDotProductAttention(causal_alignment=causal_alignment), methods)
         out, lse = attention.forward(qb.transpose(1, 0, 2)[None], kb.transpose(1, 0, 2)[None], vb.transpose(1, 0, 2)[None],
                                      is_causal=causal, scale=softmax_scale, enable_gqa=True,
                                      window_size=tuple(window_size) if local else None, softcap=softcap,

@@ -39,7 +39,10 @@ dim, G = B * Hkv groups (one per key-value head), M = R * L stacked query rows o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import MethodType
+from typing import Any
 
 import numpy as np
 
@@ -443,3 +446,17 @@ class ScaledDotProductAttention:
     def _normalized(p: np.ndarray, total: np.ndarray) -> np.ndarray:
         """exp(logits - shift) / sum in place; a row with no allowed key (sum 0) stays 0."""
         return np.divide(p, np.where(total == 0, 1, total), out=p)
+
+
+def rebound(kernel: Any, methods: dict[str, Callable] | None) -> Any:
+    """`kernel` with `methods` bound in place of its own (`_alibi`, `_biased_before_softcap`: the
+    diagnosis's other formulas, attncheck.diagnose_kernels.readings; ModuleKind.with_methods). The
+    packed and decode oracles build one kernel per sequence and hand each their methods through this."""
+    for name, method in (methods or {}).items():
+        setattr(kernel, name, MethodType(method, kernel))
+    return kernel
+
+
+def takes_methods(methods: dict[str, Callable]) -> bool:
+    """Whether the sdpa oracle has a method of each name, for `rebound` to replace."""
+    return all(callable(getattr(ScaledDotProductAttention, name, None)) for name in methods)

@@ -18,12 +18,13 @@ Hkv key-value heads, E query/key head dim, Ev value head dim; Lq, Lk one sequenc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 
 from attncheck.reference.kernel import DEFAULT_BLOCK_ELEMENTS, DEFAULT_PARALLEL_LOGITS, RoundingNoise
-from attncheck.reference.sdpa import ALIGNMENTS, FULLY_MASKED_ROWS, ScaledDotProductAttention, alibi
+from attncheck.reference.sdpa import ALIGNMENTS, FULLY_MASKED_ROWS, ScaledDotProductAttention, rebound
 
 
 def sequences(cu_seqlens_q, cu_seqlens_k) -> list[tuple[int, int, int, int]]:
@@ -50,6 +51,9 @@ class VarlenAttention:
 
     # Set only to measure rounding's reach (kernel.RoundingNoise), handed to each sequence's kernel.
     rounding: RoundingNoise | None = None
+    # Set only by the diagnosis (VarlenKind.with_methods): the sdpa oracle's methods each sequence's
+    # kernel takes in place of its own (reference.sdpa.rebound).
+    sequence_methods: dict[str, Callable] | None = None
 
     def __init__(self, fully_masked_rows: str = "zero", *, block_elements: int = DEFAULT_BLOCK_ELEMENTS,
                  parallel_logits: int = DEFAULT_PARALLEL_LOGITS, causal_alignment: str = "lower_right"):  # fmt: skip
@@ -92,10 +96,8 @@ class VarlenAttention:
                 if q1 > q0 and self.fully_masked_rows == "nan":
                     out[q0:q1] = np.nan
                 continue
-            kernel = ScaledDotProductAttention(self.causal_alignment, self.fully_masked_rows, block_elements=self.block_elements,
-                                               parallel_logits=self.parallel_logits)  # fmt: skip
-            kernel._alibi = self._alibi  # the seams the diagnosis replaces (CheckRun.reread), for every sequence
-            kernel._biased_before_softcap = self._biased_before_softcap
+            kernel = rebound(ScaledDotProductAttention(self.causal_alignment, self.fully_masked_rows, block_elements=self.block_elements,
+                                                       parallel_logits=self.parallel_logits), self.sequence_methods)  # fmt: skip
             if self.rounding is not None:
                 kernel.rounding = replace(self.rounding, seed=self.rounding.seed * 7919 + s + 1)  # each sequence its own draws
             seq_out, seq_lse = kernel.forward(
@@ -115,16 +117,6 @@ class VarlenAttention:
         self.logit_magnitude = max(magnitudes, default=None)
         self._saved = (seqs, kernels, q.shape, k.shape, v.shape, (q.dtype, k.dtype, v.dtype))
         return (out, lse) if return_attn_probs else out
-
-    def _alibi(self, slopes: np.ndarray, offset: np.ndarray) -> np.ndarray:
-        """ALiBi's bias, -slope * |offset|, as each sequence's kernel adds it: a method, so that the
-        diagnosis can rerun the oracle with a kernel's other formula (attncheck.diagnose_kernels.readings)."""
-        return alibi(slopes, offset)
-
-    def _biased_before_softcap(self) -> tuple[str, ...]:
-        """The biases each sequence's kernel adds before the softcap: none (ScaledDotProductAttention's
-        method of that name, the diagnosis's other orders)."""
-        return ()
 
     def backward(self, grad_out, grad_lse=None) -> dict[str, np.ndarray]:
         """{"q", "k", "v"}: the gradients of the last forward's inputs, given d(loss)/d(out) (Tq, Hq, Ev)
