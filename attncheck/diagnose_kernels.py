@@ -71,7 +71,7 @@ def _returning(inside: tuple[str, ...]) -> Callable:
 
 def _float_mask(cfg: Config) -> bool:
     """Whether the case hands a float attn_mask (added to the logits), not a bool one."""
-    return getattr(cfg, "attn_mask", "none") != "none" and getattr(cfg, "mask_dtype", "bool") == "float"
+    return cfg.attn_mask != "none" and cfg.mask_dtype == "float"
 
 
 @dataclass(frozen=True)
@@ -139,8 +139,8 @@ def readings(cfg: Config) -> list[Reading]:
     found = [Reading(update, words) for update, words in tried]
     # The softcap taken over the scores with a bias already added, where FlashAttention caps the
     # scores alone and adds ALiBi, then the masks (Gemma 2's too): a float mask's -inf becomes -cap.
-    biases = (["alibi"] if cfg.alibi else []) + (["mask"] if _float_mask(cfg) else [])
-    for inside in ([[b] for b in biases] + ([biases] if len(biases) > 1 else [])) if softcap else []:
+    biases = (["alibi"] if cfg.alibi else []) + (["mask"] if _float_mask(cfg) else []) if softcap else []
+    for inside in [[b] for b in biases] + ([biases] if len(biases) > 1 else []):  # each alone, then both
         named = " and ".join({"alibi": "ALiBi", "mask": "the float attn_mask"}[b] for b in inside)
         found.append(Reading({}, f"the softcap taken over the scores with {named} added, c * tanh((s + bias) / c), where it caps "
                                  "the scores alone and adds the biases after", {"_biased_before_softcap": _returning(tuple(inside))}))  # fmt: skip

@@ -85,9 +85,7 @@ def budget_of(row: Row, rule: Rule, expected: np.ndarray) -> float:
     if isinstance(rule, Fixed) or row.allowed is None:
         e = np.asarray(expected, dtype=np.float64)
         return rule.atol + rule.rtol * float(np.abs(e[np.isfinite(e)]).max(initial=0.0)) if isinstance(rule, Fixed) else 0.0
-    if row.evidence is not None:
-        return max(float(row.allowed), float(np.max(row.evidence.allowed)))
-    return float(row.allowed)
+    return float(row.allowed) if row.evidence is None else float(np.max(row.evidence.allowed))  # row.allowed is among them
 
 
 def _row(probe: str, label: str, status, note: str, **fields) -> Row:
