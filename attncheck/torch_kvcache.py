@@ -12,8 +12,10 @@ Hq, Hkv heads, E, Ev features, c_b cache_seqlens[b], R rotary features.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from attncheck import expectations, torch_side
 from attncheck.reference.kvcache import rotary_positions, slots
 from attncheck.torch_sdpa import torch_attention
 
@@ -66,3 +68,26 @@ def torch_kvcache(q, k_cache, v_cache, k, v, *, rotary_cos=None, rotary_sin=None
     lse = torch.stack(lses)
     lse = lse.float() if lse.dtype in (torch.float16, torch.bfloat16) else lse
     return torch.stack(outs), (lse if return_lse else None), k_cache, v_cache
+
+
+def torch_call(cfg, q, k, v, arrays: dict) -> tuple:
+    """torch_kvcache on a case: q, k, v and the workload's extras (the caches, cache_seqlens, the
+    tables) as tensors, the options from the config."""
+    return torch_kvcache(q, arrays["k_cache"], arrays["v_cache"], k if cfg.new_tokens else None, v if cfg.new_tokens else None,
+                         rotary_cos=arrays.get("rotary_cos"), rotary_sin=arrays.get("rotary_sin"),
+                         cache_seqlens=arrays["cache_seqlens"], block_table=arrays.get("block_table"),
+                         causal=cfg.causal == "lower_right", window_size=cfg.window_size, softcap=cfg.softcap,
+                         alibi_slopes=arrays.get("alibi_slopes"), scale=cfg.scale, interleaved=cfg.rotary == "interleaved",
+                         return_lse=cfg.return_lse, cache_batch_idx=arrays.get("cache_batch_idx"))  # fmt: skip
+
+
+# Kept per case, as torch's output is (expectations.once): every call the checks judge the caches of
+# asks for them (the check's own call, then each of the strides probe's layouts), and recomputing them
+# took 11.5 s of the test suite's 295 s of CPU (py-spy over `pytest -n 2`, stop 53).
+@expectations.once(also=torch_side.settings)
+def caches_after(cfg, w) -> dict[str, np.ndarray]:
+    """torch's k_cache and v_cache after the append, in the config's dtype."""
+    arrays = {name: torch_side.tensor(a, cfg.device) for name, a in w.extras.items()}
+    q, k, v = (torch_side.tensor(a, cfg.device) for a in (w.query, w.key, w.value))
+    _, _, k_cache, v_cache = torch_call(cfg, q, k, v, arrays)
+    return {"k_cache": torch_side.numpy(k_cache), "v_cache": torch_side.numpy(v_cache)}

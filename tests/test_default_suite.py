@@ -38,8 +38,8 @@ PER_HEAD = str(ROOT / "examples/per_head_loop.py") + ":MultiheadAttention"
 # A whole no-config command line for one implementation of each kind (a mask, a shape, a gradient,
 # an option, a numerics, an SGD and a calls bug): every case of the default suite under the command
 # that catches it, one candidate process for them all. `attncheck run` (all three commands) is run
-# on the reference and an example below, on the reach corpus (tests/test_suite_reach.py) and on the
-# shipped examples (tests/test_shipped.py); here it took twice as long, and asserted on the other
+# on the reference and an example below, on the reach corpus's new cases (tests/test_suite_reach.py) and
+# on the shipped examples (tests/test_shipped.py); here it took twice as long, and asserted on the other
 # commands only that they wrote their reports (none crashed the run).
 FULL_RUNS = ["KeyPaddingHeadOrder", "EncoderDecoderSharedProjection", "QueryGradScaleMissing", "BiasKvMaskedOut",
              "SoftmaxEpsilon", "NesterovWithoutGradient", "MaskSanitizedInPlace"]  # fmt: skip

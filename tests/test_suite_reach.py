@@ -1,15 +1,10 @@
-"""The default suites reach every bug class (issue 29, item 2): each known-bad implementation below
-was missed by every case the suites had before, and is caught, with no config, by the case added
-for it and by no older case.
+"""The default suites reach every bug class (issue 29, item 2): each known-bad implementation of
+attncheck/testing/reach.py's REACH is caught, with no config, by the cases added for it.
 
-REACH names, for each, its module kind and the cases that must fail on it; NEW_CASES are the cases
-added for these gaps, and the older cases whose parameters changed to close one (the varlen suite's
-`alibi-causal` and the decode suite's `alibi`, under GQA since). Each implementation runs through
-its kind's whole embedded suite, the pipeline `attncheck run` runs (attncheck.suite.prepare), and
-must fail exactly those cases, each with a real finding (a mismatch, or a result in the wrong dtype
-or shape) and no crash; every older case must pass it or have it declare the case unsupported (or,
-for a row torch leaves undefined, be inconclusive). Two of them go through the command line itself
-instead.
+Each runs on its new cases through the pipeline `attncheck run` runs (attncheck.suite.prepare), every
+command, and must fail each of them with a real finding (a mismatch, or a result in the wrong dtype or
+shape) and no crash. Two of them go through the command line itself instead. That no older case
+catches it (why each case was added) is the whole-suite run of benchmarks/suite_reach.py (see reach.py).
 """
 
 from __future__ import annotations
@@ -20,148 +15,61 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from attncheck.candidate import Candidate, candidate_from_object
 from attncheck.cli import app
-from attncheck.commands import NAMES
-from attncheck.config import load_suite
-from attncheck.report import FAIL, Reason
-from attncheck.suite import prepare
-from attncheck.testing import wrong_kernels, wrong_kvcache, wrong_layers, wrong_reach, wrong_varlen
-
-MHA, LAYER, SDPA, VARLEN, KVCACHE = "multihead_attention", "transformer_encoder_layer", "sdpa", "sdpa_varlen", "sdpa_kvcache"
-NEW_CASES = {
-    MHA: {"encoder-decoder-no-bias", "cross-attention-no-bias", "kdim-vdim-no-bias", "seq-first-no-bias", "long-causal",
-          "long-fully-padded-bias-kv", "large-logits-causal", "float64-causal", "float16-long", "float16-causal", "float16-wide", "bfloat16",
-          "is-causal-key-padding", "unbatched-causal", "unbatched-one-query", "float-mask-float-padding",
-          "bias-kv-zero-attn-no-weights"},
-    LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block", "fully-padded-row"},
-    # alibi-causal: 6 query heads on 2 key-value heads, where it had 4 on 4; window-2-1 with a scale, lse-gqa-causal with a window since
-    VARLEN: {"softcap-alibi-lse", "window-1-inf", "alibi-causal", "bfloat16-2048", "window-2-1", "lse-gqa-causal"},
-    # alibi: 6 query heads on 2 key-value heads, where it had 6 on 6; rotary-half: RoPE on 4 of the 8 features, where it had all 8
-    KVCACHE: {"softcap-alibi-lse", "window-1-inf", "alibi", "splits-window-alibi", "float64", "rotary-half", "cache-batch-idx"},
-    SDPA: {"scale-zero", "bool-mask", "softcap-float-mask-lse", "decode-gqa-lse"},  # bool-mask: its scale 0.3 added
-}  # fmt: skip
-# implementation -> (kind, the cases that catch it): the issue's gap it stands for in the comment.
-REACH = {
-    "HalfAccumulatedSoftmax": (MHA, {"float16-long"}),  # 1: no half-precision case
-    "HalfInputsFloat32Output": (MHA, {"float16-long", "float16-causal", "float16-wide"}),  # 1
-    "HalfAccumulatedOutProjection": (MHA, {"float16-wide"}),  # 1: no wide half-precision model (E = 512)
-    "CausalMaskBlockLocal": (MHA, {"long-causal"}),  # 2: no mask beyond one kernel block
-    "MaskAppliedAfterExp": (MHA, {"large-logits-causal"}),  # 3: no large logits beside a mask
-    "OnlineSoftmaxEmptyBlockNaN": (MHA, {"long-fully-padded-bias-kv"}),  # 4: no padded sequence with bias_k over blocks
-    "EncoderDecoderQueryKeySwapped": (MHA, {"encoder-decoder-no-bias"}),  # 5: key is value only with biases
-    "CrossAttentionKeyValueChunksSwapped": (MHA, {"cross-attention-no-bias"}),  # 5: distinct key and value only with biases
-    "KdimHeadDimFromKeyWidth": (MHA, {"kdim-vdim-no-bias"}),  # 5: kdim and vdim only with biases
-    "SeqFirstReshapedNotTransposed": (MHA, {"seq-first-no-bias"}),  # 5: batch_first false only with biases
-    "MaskFilledWithMinus1e9": (MHA, {"float16-causal"}),  # 6: a -1e9 fill in float16
-    "HalfMeansFloat16": (MHA, {"bfloat16"}),  # 1: no bfloat16 case (NumPy cannot compute in it)
-    "CausalOnlyScaleInFloat32": (MHA, {"float64-causal"}),  # 9: no float64 case a causal-only candidate takes
-    "IsCausalDropsPadding": (MHA, {"is-causal-key-padding"}),  # a red-team module: the is_causal hint with key padding
-    "UnbatchedNeverAverages": (MHA, {"unbatched-causal", "unbatched-one-query"}),  # the unbatched path's weights, averaged or not
-    "UnbatchedSqueezeAll": (MHA, {"unbatched-one-query"}),  # a red-team module: no unbatched case had one query (L = 1)
-    "FloatPaddingAsBoolBesideFloatMask": (MHA, {"float-mask-float-padding"}),  # a red-team module: no case had both masks float
-    "SdpaPathDropsBiasKv": (MHA, {"bias-kv-zero-attn-no-weights"}),  # a red-team module: bias_kv and zero_attn only with weights
-    "KeyPaddingDroppedWhenCausal": (LAYER, {"causal-key-padding"}),  # 7: is_causal with key padding
-    "GptBlockGeluTanh": (LAYER, {"pre-norm-gelu-causal", "float64-gpt-block"}),  # 8: no case a GPT block takes
-    "GptBlockScaleInFloat32": (LAYER, {"float64-gpt-block"}),  # 9
-    "FullyMaskedRowsNaN": (LAYER, {"fully-padded-row"}),  # no layer case had a row whose every key is masked
-    # The varlen and decode suites had each option alone, as the kernel suite had before its softcap-alibi-lse,
-    # window-1-inf and float-mask-4d-gqa: no two together, no window open ahead, no ALiBi under GQA.
-    "VarlenSoftcapAfterAlibi": (VARLEN, {"softcap-alibi-lse"}),
-    "VarlenLseWithoutSoftcap": (VARLEN, {"softcap-alibi-lse"}),
-    "VarlenWindowRightUnboundedAsCausal": (VARLEN, {"window-1-inf"}),
-    "VarlenAlibiSlopesGqaOrder": (VARLEN, {"alibi-causal"}),
-    "VarlenHalfAccumulatedOutput": (VARLEN, {"bfloat16-2048"}),  # the kernel suite's bfloat16-long gap, and a pack's short sequence setting the floor
-    "VarlenAlibiPerKvHead": (VARLEN, {"alibi-causal"}),  # a red-team kernel: the slope of the group's first head
-    "VarlenCausalDefaultScale": (VARLEN, {"window-2-1"}),  # a red-team kernel: the scale alone, causal alone
-    "VarlenLseWithoutWindow": (VARLEN, {"lse-gqa-causal"}),  # a red-team kernel: the LSE never beside a window
-    "SoftcapAfterAlibiKv": (KVCACHE, {"softcap-alibi-lse"}),
-    "LseWithoutSoftcapKv": (KVCACHE, {"softcap-alibi-lse"}),
-    "WindowRightUnboundedAsCausalKv": (KVCACHE, {"window-1-inf"}),
-    "AlibiSlopesGqaOrderKv": (KVCACHE, {"alibi"}),
-    # A red-team tester's decode kernels: ALiBi never without causal at Lq != Lnew, the splits never beside a
-    # window or ALiBi, no float64 case, RoPE always over the whole head, no cache_batch_idx.
-    "AlibiFromQueryPositionKv": (KVCACHE, {"splits-window-alibi"}),
-    "EmptySplitNaN": (KVCACHE, {"splits-window-alibi"}),
-    "SplitPathDropsWindow": (KVCACHE, {"splits-window-alibi"}),
-    "Float64ComputedInFloat32Kv": (KVCACHE, {"float64"}),
-    "SoftmaxEpsilonKv": (KVCACHE, {"float64"}),
-    "RotaryPassThroughZeroed": (KVCACHE, {"rotary-half"}),
-    "CacheBatchIdxIgnored": (KVCACHE, {"cache-batch-idx"}),  # cache_batch_idx was refused by the oracle
-    # red-team kernels of module: sdpa, each an option no case met another with
-    "ScaleZeroAsNone": (SDPA, {"scale-zero"}),  # the config refused scale 0
-    "MaskPathDefaultScale": (SDPA, {"bool-mask", "softcap-float-mask-lse"}),  # no scale with a mask
-    "SoftcapOverFloatMask": (SDPA, {"softcap-float-mask-lse"}),  # no softcap with a float mask
-    "LseBeforeAttnMask": (SDPA, {"softcap-float-mask-lse"}),  # no LSE with a mask
-    "LseDefaultScale": (SDPA, {"softcap-float-mask-lse", "decode-gqa-lse"}),  # no LSE with a scale
-    "LseSqueezed": (SDPA, {"decode-gqa-lse"}),  # no LSE with L = 1
-}
-KERNEL_CORPORA = {SDPA: wrong_kernels.WRONG_KERNELS, VARLEN: wrong_varlen.WRONG_KERNELS, KVCACHE: wrong_kvcache.WRONG_KVCACHE}  # each kernel kind's known-bad kernels, where REACH draws some
-
-
-def _class(name: str) -> type:
-    kind, _ = REACH[name]
-    return KERNEL_CORPORA[kind][name] if kind in KERNEL_CORPORA else wrong_reach.MODULES.get(name) or wrong_layers.LAYERS[name]
-
-
-def _suite(kind: str):
-    return load_suite(None) if kind == MHA else load_suite(None, module=kind)
+from attncheck.report import FAIL
+from attncheck.testing import wrong_impls, wrong_reach
+from attncheck.testing.reach import KERNEL_CORPORA, MHA, NEW_CASES, REACH, implementation, problems, run, suite_of
 
 
 def test_the_table_covers_the_corpus_s_new_members_and_the_suites_new_cases():
     kernels = {name for name, (kind, _) in REACH.items() if kind in KERNEL_CORPORA}
     assert set(wrong_reach.MODULES) | {"KeyPaddingDroppedWhenCausal", "GptBlockGeluTanh", "GptBlockScaleInFloat32", "FullyMaskedRowsNaN"} == set(REACH) - kernels
     assert all(name in KERNEL_CORPORA[REACH[name][0]] for name in kernels)
-    from attncheck.testing import wrong_impls
-
     # each is usable as `--impl attncheck.testing.wrong_impls:NAME`, as the docs say
     assert {name: getattr(wrong_impls, name, None) for name in wrong_reach.MODULES} == wrong_reach.MODULES
     for kind, cases in NEW_CASES.items():
-        assert cases <= {case.name for case in _suite(kind).cases}
+        assert cases <= {case.name for case in suite_of(kind).cases}
         assert set().union(*(catching for k, catching in REACH.values() if k == kind)) == cases  # each new case catches one
 
 
-# Two of them go through the command line itself (`attncheck run [--module KIND] --impl SPEC`),
-# which runs the same embedded suite through the same pipeline: the whole claim is asserted on
-# that run's JSON, and they are not run again through `prepare`.
+def test_a_claim_that_does_not_hold_is_told():
+    # problems() is what both the test and the benchmark judge by: a catching case that passes, one
+    # failing by a crash, and (whole suite) an older case that fails are each told.
+    report = lambda name, verdict, *rows: {"name": name, "command": "forward", "verdict": verdict, "rows": list(rows)}  # noqa: E731
+    row = lambda reason, mismatched=0: {"status": "fail", "reason": reason, "mismatched": mismatched}  # noqa: E731
+    name = "MaskFilledWithMinus1e9"  # caught by float16-causal
+    assert problems(name, [report("float16-causal", "fail", row("values", 3))], whole=True) == []
+    assert problems(name, [report("float16-causal", "pass")], whole=False) == ["float16-causal: does not fail"]
+    assert problems(name, [report("float16-causal", "fail", row("call"))], whole=False) == [
+        "float16-causal (forward): the candidate's call failed (a crash is no catch)"]
+    older = [report("float16-causal", "fail", row("values", 3)), report("basic", "fail", row("values", 1))]
+    assert problems(name, older, whole=False) == []
+    assert problems(name, older, whole=True) == ["basic (forward): an older case gives fail"]
+
+
+# Two of them go through the command line itself (`attncheck run [--module KIND] --case ... --impl SPEC`),
+# which runs the same embedded suite through the same pipeline, and are not run again through `prepare`.
 COMMAND_LINE = {"EncoderDecoderQueryKeySwapped": "attncheck.testing.wrong_impls", "GptBlockGeluTanh": "attncheck.testing.wrong_layers"}
 
 
-def assert_caught_by_its_new_cases_alone(name: str, results: list[dict]) -> None:
-    """A suite run's reports (as in its JSON) fail exactly REACH's cases for `name`, each with a
-    real finding (a mismatch, or a result in the wrong dtype or shape) and no crash; every older case
-    passes it or has it declared unsupported (or inconclusive, for a row torch leaves undefined)."""
-    kind, catching = REACH[name]
-    assert {report["name"] for report in results if report["verdict"] == "fail"} == catching
-    for report in results:
-        failures = [row for row in report["rows"] if row["status"] == "fail"]
-        if report["verdict"] == "fail":
-            assert all(row["reason"] != Reason.CALL for row in failures), (report["name"], report["command"])  # no crash
-            assert any(row["mismatched"] or row["reason"] in (Reason.DTYPE, Reason.SHAPE) for row in failures), (report["name"], report["command"])
-        elif report["name"] not in NEW_CASES[kind]:
-            assert report["verdict"] in ("pass", "unsupported", "inconclusive"), (report["name"], report["command"], report["verdict"])
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(REACH) - set(COMMAND_LINE)))
-def test_caught_by_its_new_case_and_by_no_older_one(name):
-    kind, _ = REACH[name]
-    # a kernel is checked in the causal alignment it declares (the corpus's: lower_right)
-    impl = candidate_from_object(_class(name)) if kind == SDPA else Candidate(name, _class(name))
-    result = prepare(_suite(kind), NAMES, impl=impl).run()
+def test_caught_by_its_new_cases(name):
+    result = run(name)
     assert result.verdict is FAIL
-    assert_caught_by_its_new_cases_alone(name, result.to_dict()["results"])
+    results = result.to_dict()["results"]
+    assert {report["name"] for report in results} == REACH[name][1]
+    assert problems(name, results, whole=False) == []
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(COMMAND_LINE))
-def test_the_no_config_command_line_exits_1_on_its_new_cases_alone(tmp_path, name):
-    kind, _ = REACH[name]
-    assert getattr(importlib.import_module(COMMAND_LINE[name]), name) is _class(name)  # the SPEC names REACH's class
+def test_the_no_config_command_line_exits_1_on_its_new_cases(tmp_path, name):
+    kind, catching = REACH[name]
+    assert getattr(importlib.import_module(COMMAND_LINE[name]), name) is implementation(name)  # the SPEC names REACH's class
     out = tmp_path / "r.json"
-    result = CliRunner().invoke(app, ["run", *(["--module", kind] if kind != MHA else []), "--impl", f"{COMMAND_LINE[name]}:{name}",
-                                      "--json", str(out)])  # fmt: skip
+    result = CliRunner().invoke(app, ["run", *(["--module", kind] if kind != MHA else []), "--case", ",".join(sorted(catching)),
+                                      "--impl", f"{COMMAND_LINE[name]}:{name}", "--json", str(out)])  # fmt: skip
     assert result.exit_code == 1, result.output
     data = json.loads(out.read_text())
     assert data["verdict"] == "fail"
-    assert_caught_by_its_new_cases_alone(name, data["results"])
+    assert {report["name"] for report in data["results"]} == catching
+    assert problems(name, data["results"], whole=False) == []

@@ -25,7 +25,7 @@ CATCHES = {
     "GeluTanh": [("pre-norm-gelu", "forward"), ("post-norm-gelu-causal", "grad")],
     "FeedForwardBiasesDropped": [("post-norm-relu", "forward"), ("sgd-momentum-pre-norm", "sgd-step")],
     "NormBackwardWithoutMeanTerm": [("post-norm-relu", "grad"), ("pre-norm-gelu", "sgd-step")],
-    # candidates that take only some cases (tests/test_suite_reach.py: no older case catches these)
+    # candidates that take only some cases (benchmarks/suite_reach.py: no older case catches these)
     "KeyPaddingDroppedWhenCausal": [("causal-key-padding", "forward"), ("causal-key-padding", "sgd-step")],
     "GptBlockGeluTanh": [("pre-norm-gelu-causal", "forward"), ("float64-gpt-block", "grad")],
     "GptBlockScaleInFloat32": [("float64-gpt-block", "forward"), ("float64-gpt-block", "sgd-step")],

@@ -273,27 +273,16 @@ class KvCacheKind(FunctionKind):
 
     # ------------------------------------------------------------------------ torch's side
     def call_torch(self, cfg, module, query, key, value, attn_mask, key_padding_mask, **arrays):
-        out, lse, _, _ = self._torch(cfg, query, key, value, arrays)
+        from attncheck.torch_kvcache import torch_call
+
+        out, lse, _, _ = torch_call(cfg, query, key, value, arrays)
         return out, lse
 
-    def _torch(self, cfg, q, k, v, arrays):
-        from attncheck.torch_kvcache import torch_kvcache
-
-        return torch_kvcache(q, arrays["k_cache"], arrays["v_cache"], k if cfg.new_tokens else None, v if cfg.new_tokens else None,
-                             rotary_cos=arrays.get("rotary_cos"), rotary_sin=arrays.get("rotary_sin"),
-                             cache_seqlens=arrays["cache_seqlens"], block_table=arrays.get("block_table"),
-                             causal=cfg.causal == "lower_right", window_size=cfg.window_size, softcap=cfg.softcap,
-                             alibi_slopes=arrays.get("alibi_slopes"), scale=cfg.scale, interleaved=cfg.rotary == "interleaved",
-                             return_lse=cfg.return_lse, cache_batch_idx=arrays.get("cache_batch_idx"))  # fmt: skip
-
     def torch_caches(self, cfg, w) -> dict[str, np.ndarray]:
-        """torch's k_cache and v_cache after the append, in the config's dtype."""
-        from attncheck import torch_side
+        """torch's k_cache and v_cache after the append, in the config's dtype (kept per case, read-only)."""
+        from attncheck.torch_kvcache import caches_after
 
-        arrays = {name: torch_side.tensor(a, cfg.device) for name, a in w.extras.items()}
-        q, k, v = (torch_side.tensor(a, cfg.device) for a in (w.query, w.key, w.value))
-        _, _, k_cache, v_cache = self._torch(cfg, q, k, v, arrays)
-        return {"k_cache": torch_side.numpy(k_cache), "v_cache": torch_side.numpy(v_cache)}
+        return caches_after(cfg, w)
 
     # ------------------------------------------------------------------------ probes
     def batch_element(self, cfg, w, b: int) -> tuple[Any, Any] | None:
