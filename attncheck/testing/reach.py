@@ -40,7 +40,7 @@ NEW_CASES = {
     VARLEN: {"softcap-alibi-lse", "window-1-inf", "alibi-causal", "bfloat16-2048", "window-2-1", "lse-gqa-causal"},
     # alibi: 6 query heads on 2 key-value heads, where it had 6 on 6; rotary-half: RoPE on 4 of the 8 features, where it had all 8
     KVCACHE: {"softcap-alibi-lse", "window-1-inf", "alibi", "splits-window-alibi", "float64", "rotary-half", "cache-batch-idx"},
-    SDPA: {"scale-zero", "bool-mask", "softcap-float-mask-lse", "decode-gqa-lse"},  # bool-mask: its scale 0.3 added
+    SDPA: {"scale-zero", "bool-mask", "softcap-float-mask-lse", "decode-gqa-lse", "bool-mask-lse"},  # bool-mask: its scale 0.3 added
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the gap it stands for in the comment.
 REACH = {
@@ -93,7 +93,7 @@ REACH = {
     "ScaleZeroAsNone": (SDPA, {"scale-zero"}),  # the config refused scale 0
     "MaskPathDefaultScale": (SDPA, {"bool-mask", "softcap-float-mask-lse"}),  # no scale with a mask
     "SoftcapOverFloatMask": (SDPA, {"softcap-float-mask-lse"}),  # no softcap with a float mask
-    "LseBeforeAttnMask": (SDPA, {"softcap-float-mask-lse"}),  # no LSE with a mask
+    "LseBeforeAttnMask": (SDPA, {"bool-mask-lse"}),  # no LSE with a mask but beside a softcap, which it refuses
     "LseDefaultScale": (SDPA, {"softcap-float-mask-lse", "decode-gqa-lse"}),  # no LSE with a scale
     "LseSqueezed": (SDPA, {"decode-gqa-lse"}),  # no LSE with L = 1
 }

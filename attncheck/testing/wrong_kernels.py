@@ -377,15 +377,19 @@ class LseWithoutSoftcap(DenseSDPA):
 
 
 class LseBeforeAttnMask(DenseSDPA):
-    """The LSE taken from the logits before the caller's attn_mask: causal, the window, softcap and
-    ALiBi are in it, the attn_mask (bool or float) is not, while the output's softmax has it. The
-    output is right. No case of the default kernel suite asked for the LSE with an attn_mask: it passed.
+    """The LSE taken from the logits before the caller's attn_mask: causal, the window and ALiBi are
+    in it, the attn_mask (bool or float) is not, while the output's softmax has it. The output is
+    right. It takes no softcap (NotImplementedError, as many kernels do). No case of the default
+    kernel suite asked for the LSE with an attn_mask; then one did, with a softcap too, which this
+    kernel declares unsupported: it passed until bool-mask-lse.
 
     Exposed by return_lse with an attn_mask; invisible without one.
     """
 
     def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                 *, return_lse=False, **extras):  # fmt: skip
+        if extras.get("softcap"):
+            raise NotImplementedError("softcap: this kernel has none")
         result = super().forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse=return_lse, **extras)
         if not return_lse or attn_mask is None:
             return result
