@@ -204,6 +204,16 @@ def test_poisoned_slots_reaching_the_output_are_named(impl, where):
     assert poisoning and where in poisoning[0].note, [r.note for r in report.failures]
 
 
+def test_nan_from_two_regions_at_once_names_both():
+    # Reading row b for cache_batch_idx[b] meets the rows no one owns and another sequence's slots
+    # past its length: neither region zeroed alone removes the NaN, both together do. The row named
+    # no source before.
+    report = run_check("forward", _cases()["cache-batch-idx"], candidate_from_object(WRONG_KVCACHE["CacheBatchIdxIgnored"]))
+    [row] = [r for r in report.failures if r.quantity == "poisoning"]
+    assert ("where a cache row no cache_batch_idx entry names and the cache past cache_seqlens + new tokens are NaN: the kernel "
+            "reads rows other than cache_batch_idx's and reads past the sequence") in row.note, row.note
+
+
 def test_a_nan_the_poisoned_slots_do_not_explain_is_not_blamed_on_them():
     class NanEverywhere(DecodeKernel):
         def forward(self, *args, **kwargs):

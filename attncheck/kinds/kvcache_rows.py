@@ -69,8 +69,10 @@ def cache_rows(kind, cfg, w, written: dict[str, np.ndarray], rule) -> list[Row]:
 
 def poisoning_rows(kind, cfg, w, session, obj, out: np.ndarray, t_out: np.ndarray) -> list[Row]:
     """An output NaN where torch has a number, explained by the NaN slots: the call again with those
-    slots zeroed, one region at a time (unused pages first), names the region whose NaN reached the
-    output. NaN that no region explains is left to the output's own row."""
+    slots zeroed, one region at a time (unused pages or rows first), names the region whose NaN
+    reached the output; where no region alone explains it, every region zeroed at once may (a kernel
+    reading another sequence's cache row meets both its NaN past that sequence and the rows no one
+    owns). NaN that the regions do not explain is left to the output's own row."""
     from attncheck.kinds.sdpa_kvcache import slot_states
 
     with np.errstate(invalid="ignore"):
@@ -86,6 +88,9 @@ def poisoning_rows(kind, cfg, w, session, obj, out: np.ndarray, t_out: np.ndarra
     elif unused.any():
         regions.append(("a cache row no cache_batch_idx entry names", unused, "the kernel reads rows other than cache_batch_idx's"))
     regions.append(("the cache past cache_seqlens + new tokens", ~(cached | new | unused), "the kernel reads past the sequence"))
+    if len(regions) > 1:
+        regions.append((" and ".join(what for what, _, _ in regions), np.logical_or.reduce([region for _, region, _ in regions]),
+                        " and ".join(meaning.removeprefix("the kernel ") for _, _, meaning in regions).join(("the kernel ", ""))))
     for what, region, meaning in regions:
         cleaned = {name: np.where(region[..., None, None] & np.isnan(w.extras[name].astype(np.float64)), 0, w.extras[name]).astype(w.extras[name].dtype)
                    for name in CACHES}  # fmt: skip
@@ -98,6 +103,6 @@ def poisoning_rows(kind, cfg, w, session, obj, out: np.ndarray, t_out: np.ndarra
         if not still.any():
             first = tuple(int(i) for i in np.argwhere(nan)[0])
             return [Row("forward", "poisoning", FAIL, reason=Reason.NAN, mismatched=int(nan.sum()), numel=nan.size,
-                        note=f"the output is NaN where {what} is NaN: {meaning} ({int(nan.sum())} elements, e.g. at {first}; "
-                             "with those slots zeroed the NaN is gone)")]  # fmt: skip
+                        note=f"the output is NaN where {what} {'are' if ' and ' in what else 'is'} NaN: {meaning} ({int(nan.sum())} "
+                             f"elements, e.g. at {first}; with those slots zeroed the NaN is gone)")]  # fmt: skip
     return []
