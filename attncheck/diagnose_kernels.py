@@ -148,7 +148,7 @@ def readings(cfg: Config) -> list[Reading]:
         found.append(Reading({}, "ALiBi's bias without the abs, slope * (j - (i + S - L)), the causal-only form, where it is "
                                  "-slope * |j - (i + S - L)|: keys past the diagonal get a bias that grows",
                              {"_alibi": _alibi_without_abs}))  # fmt: skip
-    return found
+    return found + kind_of(cfg).readings(cfg)
 
 
 def other_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, reread: Callable[..., np.ndarray | None]) -> str:

@@ -39,6 +39,9 @@ CATCHES = {
     "SoftmaxEpsilonKv": [("float64", "output")],
     "RotaryPassThroughZeroed": [("rotary-half", "output"), ("rotary-half", "k_cache[appended]")],
     "CacheBatchIdxIgnored": [("cache-batch-idx", "output"), ("cache-batch-idx", "k_cache[not appended]")],
+    "QueriesRotatedFromZeroKv": [("rotary-interleaved", "output"), ("rotary-half", "output")],
+    "NewKeysNotRotatedKv": [("rotary-interleaved", "output"), ("rotary-half", "k_cache[appended]")],
+    "CausalFromOldLengthKv": [("append-causal-lq4", "output"), ("paged-16", "output"), ("window-causal", "output")],
 }
 
 
@@ -345,3 +348,19 @@ def test_a_decode_kernels_softcap_over_alibi_is_named():
     report = run_check("forward", cfg, candidate_from_object(WRONG_KVCACHE["SoftcapAfterAlibiKv"]))
     [row] = [r for r in report.failures if r.quantity == "output"]
     assert row.diagnosis.startswith("the output is the float64 oracle's with the softcap taken over the scores with ALiBi added"), row.diagnosis
+
+
+@pytest.mark.parametrize(("name", "case", "words"), [
+    ("QueriesRotatedFromZeroKv", "rotary-interleaved", "the queries rotated at positions counted from 0, where RoPE places them after the cache"),
+    ("QueriesRotatedFromZeroKv", "rotary-half", "the queries rotated at positions counted from 0"),
+    ("NewKeysNotRotatedKv", "rotary-half", "the new keys appended and attended unrotated, where RoPE rotates them at cache_seqlens + i"),
+    ("CausalFromOldLengthKv", "append-causal-lq4", "the causal diagonal at the cache's old length, cache_seqlens, where it is cache_seqlens + new tokens"),
+    ("CausalFromOldLengthKv", "window-causal", "the causal diagonal at the cache's old length"),
+])  # fmt: skip
+def test_a_decode_kernels_own_misreading_is_named(name, case, words):
+    # A red-team tester's three decode kernels were caught and named nothing: the decode kind's own
+    # conventions (reference.kvcache.CONVENTIONS) are now readings of their own (KvCacheKind.readings).
+    report = run_check("forward", _cases()[case], candidate_from_object(WRONG_KVCACHE[name]))
+    [row] = [r for r in report.failures if r.quantity == "output"]
+    assert row.diagnosis.startswith(f"the output is the float64 oracle's with {words}"), row.diagnosis
+

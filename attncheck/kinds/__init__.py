@@ -92,6 +92,12 @@ class ModuleKind:
         args, kwargs = arguments
         return factory(*args, **kwargs)
 
+    def readings(self, cfg: Config) -> list:
+        """Other readings of the config that this kind's own conventions add to the kernels' common
+        ones (attncheck.diagnose_kernels.readings: Reading objects, their methods by name for
+        with_methods). None by default."""
+        return []
+
     def with_methods(self, cfg: Config, obj: Any, methods: dict[str, Callable]) -> Any | None:
         """The built reference `obj` with its `methods` replaced (the other formulas the diagnosis
         reads a kernel's output with: CheckRun.reread); None where it has none of them. They are

@@ -150,14 +150,39 @@ class KvCacheKind(FunctionKind):
         return ModuleKind.instantiate(self, cfg, factory, params)
 
     def with_methods(self, cfg, obj: Any, methods: dict) -> Any | None:
-        """The oracle is a function, whose kernels (the sdpa oracle, one per sequence) take the
-        methods (attend_with_kvcache's `methods`); None where that oracle has none of a name."""
-        from attncheck.reference.kvcache import with_causal_alignment
+        """The oracle is a function: the decode's own conventions (reference.kvcache.CONVENTIONS) are
+        replaced by name, and each sequence's kernel (the sdpa oracle) takes the other methods
+        (attend_with_kvcache's `methods`); None where that oracle has none of a name."""
+        from attncheck.reference.kvcache import CONVENTIONS, with_causal_alignment
         from attncheck.reference.sdpa import takes_methods
 
-        if not takes_methods(methods):
+        kernel = {name: f for name, f in methods.items() if name not in CONVENTIONS}
+        if not takes_methods(kernel):
             return None
-        return with_causal_alignment("upper_left" if cfg.causal == "upper_left" else "lower_right", methods=dict(methods))
+        return with_causal_alignment("upper_left" if cfg.causal == "upper_left" else "lower_right", methods=kernel,
+                                     conventions={name: f for name, f in methods.items() if name in CONVENTIONS})  # fmt: skip
+
+    def readings(self, cfg) -> list:
+        """A decode kernel's own misreadings: the queries' RoPE positions counted from 0, not after
+        the cache; the new keys appended and attended unrotated; the causal diagonal placed at the
+        cache's old length, cache_seqlens, not cache_seqlens + new tokens (a red-team tester's three
+        kernels, caught and named nothing)."""
+        from attncheck.diagnose_kernels import Reading
+        from attncheck.reference.kvcache import rotary_positions
+
+        found = []
+        if cfg.rotary != "none":
+            found.append(Reading({}, "the queries rotated at positions counted from 0, where RoPE places them after the cache "
+                                     "(cache_seqlens + i, or cache_seqlens for every query without causal or a window)",
+                                 {"query_positions": lambda c, L, every_token: rotary_positions(0, L, every_token)}))  # fmt: skip
+            if cfg.new_tokens:
+                found.append(Reading({}, "the new keys appended and attended unrotated, where RoPE rotates them at cache_seqlens + i",
+                                     {"new_key_positions": lambda c, Lnew: None}))  # fmt: skip
+        if cfg.causal == "lower_right" and cfg.new_tokens:
+            found.append(Reading({}, "the causal diagonal at the cache's old length, cache_seqlens, where it is cache_seqlens + "
+                                     "new tokens: no query sees the keys the call appends",
+                                 {"keys_attended": lambda c, Lnew: c}))  # fmt: skip
+        return found
 
     def written_arguments(self, cfg) -> tuple[str, ...]:
         return CACHES

@@ -65,6 +65,17 @@ def _seqlens(cache_seqlens, B: int, S_max: int) -> np.ndarray:
     return np.broadcast_to(np.asarray(cache_seqlens, dtype=np.int64), (B,))
 
 
+# The decode's own conventions, by name: the oracle calls each, and the diagnosis reads a kernel's
+# output as the oracle's with one replaced (attend_with_kvcache's `conventions`; the decode kind's
+# readings): the queries' RoPE positions (c, Lq, every_token), the new keys' (c, Lnew; None: not
+# rotated), and how many of a sequence's keys its queries attend, its diagonal the last of them.
+CONVENTIONS: dict[str, Callable] = {
+    "query_positions": rotary_positions,
+    "new_key_positions": lambda c, Lnew: rotary_positions(c, Lnew, True),
+    "keys_attended": lambda c, Lnew: c + Lnew,
+}
+
+
 # ------------------------------------------------------------------------------------ the oracle
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
@@ -87,13 +98,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return result
 
 
-def with_causal_alignment(causal_alignment: str, methods: dict[str, Callable] | None = None):
+def with_causal_alignment(causal_alignment: str, methods: dict[str, Callable] | None = None,
+                          conventions: dict[str, Callable] | None = None):
     """flash_attn_with_kvcache, called the same way, with its causal mask aligned `causal_alignment`
     and, where given, each sequence's sdpa oracle with `methods` in place of its own (ALiBi's
-    formula `_alibi`, the softcap's order: attend_with_kvcache); its logit magnitude is not kept."""
+    formula `_alibi`, the softcap's order) and `conventions` in place of the decode's own
+    (attend_with_kvcache); its logit magnitude is not kept."""
 
     def aligned(*args, **kwargs):
-        return attend_with_kvcache(causal_alignment, *args, methods=methods, **kwargs)[0]
+        return attend_with_kvcache(causal_alignment, *args, methods=methods, conventions=conventions, **kwargs)[0]
 
     return aligned
 
@@ -101,12 +114,14 @@ def with_causal_alignment(causal_alignment: str, methods: dict[str, Callable] | 
 def attend_with_kvcache(causal_alignment, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                         cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                         window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                        return_softmax_lse=False, *, methods: dict[str, Callable] | None = None):  # fmt: skip
+                        return_softmax_lse=False, *, methods: dict[str, Callable] | None = None,
+                        conventions: dict[str, Callable] | None = None):  # fmt: skip
     """flash_attn_with_kvcache's (result, logit magnitude), its causal mask aligned `causal_alignment`:
     lower_right, FlashAttention's; upper_left (SDPA's is_causal: query i sees keys 0..i, the window and
     ALiBi still from the bottom-right diagonal) only for the diagnosis, which reads a kernel's output as
     the oracle's under another reading of the config. `methods`, where given, replace each sequence's
-    kernel's own (the diagnosis's other formulas: attncheck.diagnose_kernels.readings)."""
+    kernel's own, and `conventions` the decode's own (CONVENTIONS), by name: the diagnosis's other
+    formulas (attncheck.diagnose_kernels.readings, the decode kind's readings)."""
     if cache_leftpad is not None:
         raise NotImplementedError("cache_leftpad is not part of attncheck's contract")
     if cache_batch_idx is not None and block_table is not None:
@@ -123,6 +138,7 @@ def attend_with_kvcache(causal_alignment, q, k_cache, v_cache, k=None, v=None, r
     rotary = rotary_cos is not None
     if rotary:
         cos, sin = np.asarray(rotary_cos).astype(compute), np.asarray(rotary_sin).astype(compute)
+    conventions = {**CONVENTIONS, **(conventions or {})}
 
     outs, lses, magnitudes = [], [], []
     for b in range(B):
@@ -132,15 +148,18 @@ def attend_with_kvcache(causal_alignment, q, k_cache, v_cache, k=None, v=None, r
         vb = np.asarray(v_cache)[old_rows, old_cols].astype(compute)  # (c, Hkv, Ev)
         qb = q[b].astype(compute)  # (Lq, Hq, E)
         if rotary:
-            qb = rope(qb, cos, sin, rotary_positions(c, Lq, causal or local), rotary_interleaved)
+            qb = rope(qb, cos, sin, conventions["query_positions"](c, Lq, causal or local), rotary_interleaved)
         if Lnew:
             k_new, v_new = np.asarray(k[b]).astype(compute), np.asarray(v[b]).astype(compute)  # (Lnew, Hkv, E), (Lnew, Hkv, Ev)
-            if rotary:
-                k_new = rope(k_new, cos, sin, rotary_positions(c, Lnew, True), rotary_interleaved)
+            positions = conventions["new_key_positions"](c, Lnew) if rotary else None
+            if positions is not None:
+                k_new = rope(k_new, cos, sin, positions, rotary_interleaved)
             new_rows, new_cols = slots(c + np.arange(Lnew), b, block_table, page_size, cache_batch_idx)
             k_cache[new_rows, new_cols] = k_new.astype(k_cache.dtype)  # the in-place append
             v_cache[new_rows, new_cols] = v_new.astype(v_cache.dtype)
             kb, vb = np.concatenate([kb, k_new]), np.concatenate([vb, v_new])  # (c + Lnew, Hkv, E)
+        keys = conventions["keys_attended"](c, Lnew)
+        kb, vb = kb[:keys], vb[:keys]
         attention = rebound(ScaledDotProductAttention(causal_alignment=causal_alignment), methods)
         out, lse = attention.forward(qb.transpose(1, 0, 2)[None], kb.transpose(1, 0, 2)[None], vb.transpose(1, 0, 2)[None],
                                      is_causal=causal, scale=softmax_scale, enable_gqa=True,

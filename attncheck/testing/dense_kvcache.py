@@ -42,11 +42,11 @@ class DecodeKernel:
             c, row = int(cache_seqlens[b]), self._cache_row(b, cache_batch_idx)
             qb = q[b].astype(compute)  # (Lq, Hq, E)
             if cos is not None:
-                qb = self._rope(qb, cos, sin, rotary_positions(c, Lq, causal or local), rotary_interleaved)
+                qb = self._rope(qb, cos, sin, self._query_positions(c, Lq, causal or local), rotary_interleaved)
             if Lnew:
                 k_new = k[b].astype(compute)  # (Lnew, Hkv, E)
                 if cos is not None:
-                    k_new = self._rope(k_new, cos, sin, rotary_positions(c, Lnew, True), rotary_interleaved)
+                    k_new = self._rotate_new(k_new, cos, sin, c, rotary_interleaved)
                 for t, p in enumerate(self._append_positions(c, Lnew)):
                     at, col = self._slot(block_table, row, p, P)
                     k_cache[at, col], v_cache[at, col] = k_new[t], v[b, t]  # the in-place append
@@ -100,6 +100,14 @@ class DecodeKernel:
     def _rope(self, x, cos, sin, positions, interleaved):
         """x (L, H, E) rotated at positions (L,): the first R = 2 * cos.shape[1] features, the rest as they are."""
         return rope(x, cos, sin, positions, interleaved)
+
+    def _query_positions(self, c: int, Lq: int, every_token: bool) -> np.ndarray:
+        """The queries' RoPE positions: c + i under causal or a window, else c for every query."""
+        return rotary_positions(c, Lq, every_token)
+
+    def _rotate_new(self, k_new, cos, sin, c: int, interleaved):
+        """The new keys (Lnew, Hkv, E) rotated at c + t, before they are appended."""
+        return self._rope(k_new, cos, sin, rotary_positions(c, len(k_new), True), interleaved)
 
     def _rotate_cached(self, kb, cos, sin, c, interleaved):
         """The keys read from the cache are stored rotated already: nothing to do."""

@@ -303,8 +303,45 @@ class RotaryLayoutIgnored(DecodeKernel):
 
 KVCACHE_PROBES = {cls.__name__: cls for cls in (SplitsFromBatchSize, CacheMadeContiguous, SoftcapIgnoredKv, RotaryLayoutIgnored)}
 
+class QueriesRotatedFromZeroKv(DecodeKernel):
+    """The queries rotated at positions 0 .. Lq - 1 (or 0), as if no token were cached, where RoPE
+    places them after the cache: c + i (c for every query without causal or a window). The new
+    keys are rotated at c + t as they should be: queries and keys no longer share a frame.
+
+    Exposed by every rotary case with tokens cached (a red-team tester's kernel)."""
+
+    def _query_positions(self, c, Lq, every_token):
+        return super()._query_positions(0, Lq, every_token)  # should be c
+
+
+class NewKeysNotRotatedKv(DecodeKernel):
+    """The new keys appended and attended as handed, unrotated: RoPE applied to the queries alone.
+    The appended slots and the output are both wrong.
+
+    Exposed by every rotary case with new tokens (a red-team tester's kernel)."""
+
+    def _rotate_new(self, k_new, cos, sin, c, interleaved):
+        return k_new  # should be rotated at c + t
+
+
+class CausalFromOldLengthKv(DecodeKernel):
+    """The causal diagonal placed at the cache's old length: query i sees keys j <= c - Lq + i, where
+    FlashAttention's bottom-right diagonal is at S = c + Lnew, j <= c + Lnew - Lq + i. No query sees
+    the keys the call appends, and the window and ALiBi are measured from the same shifted diagonal.
+
+    Exposed by causal with new tokens (a red-team tester's kernel)."""
+
+    def _keys_read(self, c, Lnew):
+        self._new = Lnew
+        return super()._keys_read(c, Lnew)
+
+    def _offset(self, Lq, S):
+        return super()._offset(Lq, S) + self._new  # should be from S = c + Lnew, not c
+
+
 WRONG_KVCACHE = {cls.__name__: cls for cls in (AppendOneSlotLate, BlockTableIgnored, RotaryOnWholeCache, SplitMaxDropped, ReadsPastSeqlen,
                                                 DiagonalTopLeft, SoftcapAfterAlibiKv, LseWithoutSoftcapKv, WindowRightUnboundedAsCausalKv,
                                                 AlibiSlopesGqaOrderKv, AlibiFromQueryPositionKv, EmptySplitNaN, SplitPathDropsWindow,
                                                 Float64ComputedInFloat32Kv, SoftmaxEpsilonKv, RotaryPassThroughZeroed,
+                                                QueriesRotatedFromZeroKv, NewKeysNotRotatedKv, CausalFromOldLengthKv,
                                                 CacheBatchIdxIgnored)}  # fmt: skip
