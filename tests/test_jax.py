@@ -512,12 +512,21 @@ def _float_padding_case(tmp_path, source: str, name: str, seed: int) -> tuple:
 
 
 @pytest.fixture
-def programs(monkeypatch):
-    """attncheck.jax_programs with an empty cache of compiled programs for the test: the programs a call
-    adds are those it compiled, whatever an earlier test of the same trace (Recorded's is NumpyMask's) left."""
-    jax_programs = pytest.importorskip("attncheck.jax_programs")
-    monkeypatch.setattr(jax_programs, "_PROGRAMS", type(jax_programs._PROGRAMS)())
-    return jax_programs
+def programs(monkeypatch) -> dict[str, None]:
+    """The keys of the compiled programs the test's calls run (jax_programs._program's), in order, each once:
+    those a call uses, whether it compiles them or an earlier test of the same trace did (Recorded's is
+    NumpyMask's). The cache itself is kept: emptied for each test, as it was, every test compiled its
+    programs again, and each FLOAT_PADDING kin's vjp twice (its quick compile's NaN, then the default)."""
+    jax_candidate = pytest.importorskip("attncheck.jax_candidate")
+    used: dict[str, None] = {}
+    program = jax_candidate._program
+
+    def recorded(key: str, fn, quick: bool):
+        used[key] = None
+        return program(key, fn, quick)
+
+    monkeypatch.setattr(jax_candidate, "_program", recorded)
+    return used
 
 
 def _first_call_gradients(session, w) -> dict:
@@ -544,7 +553,7 @@ def test_the_vjp_is_taken_from_the_forward_calls_trace_only_where_it_reads_the_p
     candidate, cfg, w = _float_padding_case(tmp_path, DERIVED_IN_INIT, name, seed=3)
     calls = sys.modules[candidate.factory.__module__].CALLS
     _assert_jax_vjp_s(_first_call_gradients(make_session(cfg, candidate, compiled=True), w), cfg, candidate, w)
-    vjps = [k for k in programs._PROGRAMS if "vjp" in k]
+    vjps = [k for k in programs if "vjp" in k]
     assert [k.startswith("jax.vjp through the constants ") for k in vjps] == [through_forward], vjps
     if name == "Recorded":  # forward's Python ran for forward(), once more to check the build (_same_as_built), twice op by op
         assert len(calls) == 2 + 2
@@ -611,10 +620,10 @@ def test_a_later_call_on_an_object_takes_its_vjp_from_its_trace_only_if_it_compu
     obj = session.build(w.params)
     session.forward(obj, w)
     session.backward(obj, w.target, w)
-    before = set(programs._PROGRAMS)
+    before = set(programs)
     session.forward(obj, w)
     grads = session.backward(obj, w.target, w)
-    vjps = [k for k in set(programs._PROGRAMS) - before if "vjp" in k]
+    vjps = [k for k in set(programs) - before if "vjp" in k]
     assert [k.startswith("jax.vjp of ") for k in vjps] == ([] if through_forward else [True]), vjps
     _assert_jax_vjp_s(grads, cfg, candidate, w)  # of a fresh object's first call
 
