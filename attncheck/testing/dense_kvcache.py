@@ -17,7 +17,7 @@ import numpy as np
 from attncheck.reference.kvcache import rope, rotary_positions
 
 SPLIT_KEYS = 64  # num_splits=0: chunks of this many keys (the kernel's own heuristic)
-HOOKS = ("_append_positions", "_cache_row", "_slot", "_rope", "_rotate_cached", "_combine", "_keys_read", "_num_splits",
+HOOKS = ("_append_positions", "_cache_row", "_slot", "_rope", "_query_positions", "_rotate_new", "_rotate_cached", "_combine", "_keys_read", "_num_splits",
          "_partial", "_offset", "_allowed", "_slope", "_logits")
 
 
