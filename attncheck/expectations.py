@@ -58,7 +58,7 @@ def once(fn: F | None = None, *, also: Callable[[], Any] | None = None) -> F:
 
         @functools.wraps(fn)
         def remembered(cfg, *rest):
-            key = (name, cfg.model_dump_json(), cfg.is_large, _digest(rest), None if also is None else also())
+            key = (name, _config_json(cfg), cfg.is_large, _digest(rest), None if also is None else also())
             with _lock:
                 hit = _kept.get(key)
                 if hit is not None:
@@ -112,6 +112,20 @@ def _arrays(value: Any):
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
             yield from _arrays(getattr(value, f.name))
+
+
+def _config_json(cfg) -> str:
+    """The config's JSON, kept by identity while the config lives: a Config is frozen (and no code
+    writes into its lists), and a check keys several functions with the same one."""
+    hit = _config_jsons.get(id(cfg))
+    if hit is not None and hit[0]() is cfg:
+        return hit[1]
+    text, key = cfg.model_dump_json(), id(cfg)
+    _config_jsons[key] = (weakref.ref(cfg, lambda _, key=key: _config_jsons.pop(key, None)), text)
+    return text
+
+
+_config_jsons: dict[int, tuple[weakref.ref, str]] = {}
 
 
 def _digest(value: tuple) -> str:

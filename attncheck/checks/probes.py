@@ -32,7 +32,7 @@ gives a wrong answer is a wrong answer. The verdicts come from the row statuses 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -68,10 +68,17 @@ class Probing:
     within: Within  # (quantity, the candidate's array) -> the check's comparison row
     budget: float  # the error the check allows its output, as one number
     failed_already: frozenset[str] = frozenset()  # quantities the check's own rows fail (a decode kernel's caches, say)
+    _first_judged: dict[str, Row] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def cfg(self):
         return self.run.cfg
+
+    def first_within(self, name: str) -> Row:
+        """The check's own result `name` judged as a probe's are (`within`): once for all the probes."""
+        if name not in self._first_judged:
+            self._first_judged[name] = self.within(name, self.first.get(name))
+        return self._first_judged[name]
 
 
 def budget_of(row: Row, rule: Rule, expected: np.ndarray) -> float:
@@ -131,14 +138,16 @@ def _second_row(probe: str, label: str, p: Probing, second: dict[str, np.ndarray
     itself outside, the probe judges nothing (INFO: the check's row fails already). Otherwise the
     bits: the same, PASS; apart, PASS for a layout (the budget is its promise), and for a `promise`
     (promised, its config key) INFO, or FAIL where the config promises the same bits."""
+    apart = {name: d for name in second if (d := _bits_apart(p.first.get(name), second[name])) is not None}
     for name, value in second.items():
-        if p.within(name, p.first.get(name)).failed:
+        if p.first_within(name).failed:
             return _row(probe, label, INFO, f"not judged: the check's own {name} fails already (outside the budget), so this probe has no correct result to hold its call to",
                         not_judged=NotJudged.FAILS_ALREADY)
+        if name not in apart:
+            continue  # the check's own values (up to the sign of a zero, which no comparison reads), judged just above
         judged = p.within(name, value)
         if judged.failed:
             return _as_probe(probe, label, judged, f"{what}: {name} outside the budget, where the check's own call is inside")
-    apart = {name: d for name in second if (d := _bits_apart(p.first.get(name), second[name])) is not None}
     if not apart:
         return _row(probe, label, PASS, f"{what}: the same bits ({', '.join(second)})")
     told = ", ".join(f"{name} differs by {diff:.3g} at {k} elements" for name, (k, diff) in apart.items())
@@ -327,7 +336,7 @@ def _unmoved(p: Probing, name: str, label: str, moved: float, told: float, off_a
         other = "; a causal mask of the other alignment looks the same where L != S" if name == "causal" else ""
         return _row("options", label, FAIL, f"ignores {name}: {same}, and its output with {name} is the oracle's without it, "
                     f"{off_apart:.3g} apart (up to {reach_off + p.budget:.3g} allowed){other}", reason=Reason.VALUES)  # fmt: skip
-    if not p.within("output", p.first["output"]).failed:
+    if not p.first_within("output").failed:
         return _row("options", label, FAIL, f"ignores {name}: {same}, and both are the oracle's with {name} (the check's own "
                     f"output row passes): its call with {name} off is the wrong one", reason=Reason.VALUES)  # fmt: skip
     return _row("options", label, INFO, f"not judged: {same}, but its output is neither the oracle's with {name} (the check's own "
