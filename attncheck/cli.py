@@ -10,7 +10,6 @@ nor the config schema before a command needs them, so `--help` and config errors
 
 from __future__ import annotations
 
-import enum
 import functools
 import gc
 import sys
@@ -23,6 +22,11 @@ from typing import Annotated, Optional
 import typer
 
 from attncheck import __version__
+from attncheck.cli_options import (
+    Module, Tolerance, Framework, Device, ConfigOption, JsonOption, ImplOption, ToleranceOption, FrameworkOption, DeviceOption,
+    JunitOption, ShardOption, CaseOption, WorkersOption, VerboseOption, PlotOption, PlotAllOption, ModuleOption, TimeoutOption, SetOption,
+    TracebackOption, PerHeadOption, StrictOption, PairsOption,
+)
 from attncheck.commands import COMMANDS, NAMES, parse_commands
 from attncheck.errors import ServerFork, UsageError, counted
 
@@ -39,61 +43,6 @@ app = typer.Typer(
 )
 
 
-class Module(str, enum.Enum):
-    multihead_attention = "multihead_attention"
-    transformer_encoder_layer = "transformer_encoder_layer"
-    sdpa = "sdpa"
-    sdpa_varlen = "sdpa_varlen"
-    sdpa_kvcache = "sdpa_kvcache"
-
-
-class Tolerance(str, enum.Enum):
-    budget = "budget"
-    fixed = "fixed"
-
-
-ConfigOption = Annotated[
-    Optional[Path],
-    typer.Option("--config", "-c", help="YAML config or suite file; the embedded default suite (a case per feature) when omitted.", show_default=False),
-]
-JsonOption = Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON to this path.", show_default=False)]
-ImplOption = Annotated[
-    Optional[str],
-    typer.Option(
-        "--impl",
-        help="The implementation to check: 'package.module:attr' or 'path/to/file.py:attr'. "
-        "Default: the config's `impl`, else attncheck.reference:MultiheadAttention.",
-        show_default=False,
-    ),
-]
-ToleranceOption = Annotated[
-    Optional[Tolerance],
-    typer.Option("--tolerance", help="budget: judged against torch's own error from a float64 oracle; fixed: atol/rtol table. Overrides the config.", show_default=False),
-]
-
-
-class Framework(str, enum.Enum):
-    numpy = "numpy"
-    torch = "torch"
-    jax = "jax"
-
-
-class Device(str, enum.Enum):
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-FrameworkOption = Annotated[
-    Optional[Framework],
-    typer.Option("--framework", help="The candidate's array library; default: the config's `framework`, else detected "
-                 "(an nn.Module, or a module importing torch or jax without NumPy).", show_default=False),
-]  # fmt: skip
-DeviceOption = Annotated[
-    Optional[Device],
-    typer.Option("--device", help="Where torch and a torch candidate run (cuda: exit 2 without a GPU). Overrides the config.", show_default=False),
-]
-
-
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"attncheck {__version__}")
@@ -106,51 +55,6 @@ def _root(
 ) -> None:
     """Prove that a multi-head attention implementation matches torch.nn.MultiheadAttention."""
 
-
-JunitOption = Annotated[Optional[Path], typer.Option("--junit", help="Also write JUnit XML (one testcase per case x command) to this path.", show_default=False)]
-ShardOption = Annotated[
-    Optional[str],
-    typer.Option("--shard", help="Run shard I of N (1-based, e.g. 2/4): the cases whose index is I-1 modulo N.", show_default=False),
-]
-CaseOption = Annotated[
-    Optional[list[str]],
-    typer.Option("--case", help="Run only these cases of the suite (names as the summary lists them, comma-separated or the option repeated; "
-                 "e.g. --case float16-long to look at one default-suite case in full).", show_default=False),
-]
-WorkersOption = Annotated[
-    int,
-    typer.Option("--workers", min=1, help="Run cases in this many local processes. Each first imports torch (1-8 s measured), so "
-                 "workers pay off only on idle cores and when each worker's checks take well longer than "
-                 "that: long sequences, many grad/sgd-step cases; not the 128-case option grid (2x slower with 2)."),
-]  # fmt: skip
-VerboseOption = Annotated[bool, typer.Option("--verbose", "-v", help="Suites: full tables for every check and a summary row for every check, not only failing ones.")]
-PlotOption = Annotated[
-    Optional[Path],
-    typer.Option("--plot", help="Draw |candidate - reference| / allowed for each failing quantity: PATH.png or PATH.svg "
-                 "(one file per quantity, PATH itself when there is one), PATH.pdf (one page per quantity), "
-                 "or a directory (PNG files). Needs matplotlib (pip install matplotlib).", show_default=False),
-]  # fmt: skip
-PlotAllOption = Annotated[bool, typer.Option("--plot-all", help="With --plot: draw every compared quantity, not only failing ones.")]
-ModuleOption = Annotated[
-    Optional[Module],
-    typer.Option("--module", help="What to check against: multihead_attention, transformer_encoder_layer, sdpa (the attention function "
-                 "itself, F.scaled_dot_product_attention's signature), sdpa_varlen (packed sequences, flash_attn_varlen_func's) "
-                 "or sdpa_kvcache (a decode kernel, flash_attn_with_kvcache's). "
-                 "Without --config, the embedded default suite of that module runs; with one, every case must check it.",
-                 show_default=False),
-]  # fmt: skip
-TimeoutOption = Annotated[
-    Optional[float],
-    typer.Option("--timeout", help="Seconds one call into the candidate may take before its process is killed and the call fails. "
-                 "Default: the config's `timeout`, else 60 s plus 1 s per million attention logits.", show_default=False),
-]  # fmt: skip
-SetOption = Annotated[
-    Optional[list[str]],
-    typer.Option("--set", metavar="KEY=VALUE", help="Set a config key in every case (repeatable), validated as in a config file; "
-                 "VALUE is read as YAML (false, 0.5, causal, null). E.g. --set check_dtype=false --set attn_mask=causal.",
-                 show_default=False),
-]  # fmt: skip
-TracebackOption = Annotated[bool, typer.Option("--traceback", help="Show the candidate's full traceback when a call into it raised.")]
 
 EPILOG = """\b
 The candidate (--impl SPEC, 'package.module:attr' or 'path/file.py:attr'), all NumPy:
@@ -206,9 +110,11 @@ def _run(
     module: Module | None = None,
     timeout: float | None = None,
     settings: list[str] | None = None,
+    pairs: bool = False,
     **options,
 ) -> int:
-    """Run commands over every case of a config or suite, render, write outputs, pick the exit code."""
+    """Run commands over every case of a config or suite (or the default suite's pairs), render, write
+    outputs, pick the exit code."""
     from attncheck.config import load_suite
     from attncheck.config.config_file import impl_file
     from attncheck.files import check_outputs, json_text, write_reports
@@ -228,7 +134,14 @@ def _run(
             plot_target(plot_path)
         elif plot_all:
             raise UsageError("--plot-all needs --plot PATH")
-        suite = load_suite(config, module=None if module is None else module.value)
+        if pairs and config is not None:
+            raise UsageError(f"--pairs merges the default suite's cases two by two: leave --config ({config}) out")
+        if pairs:
+            from attncheck.config.pairs import pair_suite
+
+            suite = pair_suite(None if module is None else module.value)
+        else:
+            suite = load_suite(config, module=None if module is None else module.value)
         # A single config with one command writes the single-report JSON: decided from the file,
         # before --case and --shard, so neither changes the shape a consumer reads.
         single = len(suite.cases) == 1 and suite.cases[0].config is not None and len(commands) == 1
@@ -415,8 +328,6 @@ def _progress_lines(console, *, every: bool):
     return progress
 
 
-PerHeadOption = Annotated[bool, typer.Option("--per-head", help="grad: add one row per head for the projection blocks.")]
-StrictOption = Annotated[bool, typer.Option("--strict", help="Count gradients (grad) and attention weights (forward) the candidate does not return as failures.")]
 
 
 def _command(name: str, summary: str):
@@ -431,10 +342,10 @@ def forward(
     strict: StrictOption = False,
     junit: JunitOption = None, shard: ShardOption = None, case: CaseOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
-    module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None,
+    module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None, pairs: PairsOption = False,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run("forward", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, case_names=case, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings, strict=strict))  # fmt: skip
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings, pairs=pairs, strict=strict))  # fmt: skip
 
 
 @_command("grad", COMMANDS["grad"].summary)
@@ -444,10 +355,10 @@ def grad(
     per_head: PerHeadOption = False, strict: StrictOption = False,
     junit: JunitOption = None, shard: ShardOption = None, case: CaseOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
-    module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None,
+    module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None, pairs: PairsOption = False,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run("grad", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, case_names=case, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings,
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings, pairs=pairs,
                           per_head=per_head, strict=strict))  # fmt: skip
 
 
@@ -457,10 +368,10 @@ def sgd_step(
     framework: FrameworkOption = None, device: DeviceOption = None,
     junit: JunitOption = None, shard: ShardOption = None, case: CaseOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
-    module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None,
+    module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None, pairs: PairsOption = False,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run("sgd-step", config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, case_names=case, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings))  # fmt: skip
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings, pairs=pairs))  # fmt: skip
 
 
 @_command("run", "Run forward, grad and sgd-step for every case of a config or suite: the one command for CI.")
@@ -471,10 +382,10 @@ def run(
     junit: JunitOption = None, shard: ShardOption = None, case: CaseOption = None, workers: WorkersOption = 1, verbose: VerboseOption = False,
     per_head: PerHeadOption = False, strict: StrictOption = False,
     plot: PlotOption = None, plot_all: PlotAllOption = False, show_traceback: TracebackOption = False,
-    module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None,
+    module: ModuleOption = None, timeout: TimeoutOption = None, settings: SetOption = None, pairs: PairsOption = False,
 ) -> None:  # fmt: skip
     raise typer.Exit(_run(",".join(NAMES) if only is None else only, config, json, impl, tolerance, framework=framework, device=device, junit_path=junit, shard_spec=shard, case_names=case, workers=workers,
-                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings,
+                          verbose=verbose, plot_path=plot, plot_all=plot_all, tracebacks=show_traceback, module=module, timeout=timeout, settings=settings, pairs=pairs,
                           per_head=per_head, strict=strict))  # fmt: skip
 
 

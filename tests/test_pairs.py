@@ -1,0 +1,92 @@
+"""`attncheck run --pairs`: every two cases of a default suite merged into one (attncheck/config/pairs.py).
+
+A bug that needs two options together passes a default suite, which has a case per option; its pair
+catches it. The reference passes every pair of every kind (benchmarks/pairs.py; here the two kinds
+whose pairs take seconds).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from attncheck.candidate import candidate_from_object
+from attncheck.checks import run_check
+from attncheck.cli import app
+from attncheck.commands import NAMES
+from attncheck.config import load_suite
+from attncheck.config.pairs import pair_suite
+from attncheck.suite import prepare
+from attncheck.testing.dense_sdpa import DenseSDPA
+
+
+class WindowIgnoresScale(DenseSDPA):
+    """The windowed path scales the logits by 1/sqrt(E) whatever `scale` says (a red-team tester's
+    kernel): the default kernel suite has a window and a scale, never both."""
+
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+                window_size=None, **extras):  # fmt: skip
+        scale = None if window_size is not None else scale  # should be scale
+        return super().forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size=window_size, **extras)
+
+
+def _pairs(module: str | None) -> dict:
+    return {case.name: case for case in pair_suite(module).cases}
+
+
+def test_a_bug_where_two_options_meet_passes_each_option_s_case_and_fails_their_pair():
+    candidate = candidate_from_object(WindowIgnoresScale)
+    cases = {case.name: case.config for case in load_suite(None, module="sdpa").cases}
+    for name in ("window-4-0", "scale"):
+        assert run_check("forward", cases[name], candidate).passed, name
+    report = run_check("forward", _pairs("sdpa")["window-4-0+scale"].config, candidate)
+    assert report.verdict == "fail"
+    assert any(row.quantity == "output" and row.mismatched for row in report.failures), [row.note for row in report.failures]
+
+
+def test_a_pair_holds_both_cases_options_and_none_of_the_probes():
+    pair = _pairs("sdpa")["window-4-0+scale"].config
+    assert (pair.window_size, pair.scale, pair.name, pair.probes) == ([4, 0], 0.3, "window-4-0+scale", [])
+    assert pair.tgt_len == 13 and pair.src_len == 29  # the suite's defaults under both
+    pair = _pairs(None)["bool-mask-3d+key-padding"].config  # multihead_attention's
+    assert (pair.attn_mask, pair.attn_mask_dims, pair.key_padding_mask) == ("random", 3, "random")
+
+
+def test_no_pair_is_one_of_its_cases_or_changes_what_a_case_set():
+    names = set(_pairs("sdpa"))
+    suite = [case.name for case in load_suite(None, module="sdpa").cases]
+    assert not [n for n in names if "plain" in n.split("+")]  # plain sets nothing: the pair would be the other case
+    assert "scale+scale-zero" not in names  # one key, two values
+    assert "bool-mask+bool-mask-lse" in names  # apart by the LSE
+    for name in names:  # each case with every case after it, in the suite's order
+        first, second = name.split("+")
+        assert suite.index(first) < suite.index(second), name
+
+
+def test_a_pair_runs_the_commands_both_cases_are_for_and_a_refused_pair_is_skipped_with_its_reason():
+    pairs = _pairs(None)
+    assert pairs["seq-first+float16-wide"].commands == ("forward",)  # float16-wide is forward only
+    assert pairs["no-bias+zero-attn-masked"].commands is None  # every command
+    refused = pairs["sgd-dampened+sgd-nesterov"]
+    assert refused.config is None and "Nesterov momentum requires a momentum and zero dampening" in refused.skip_reason
+    assert sum(case.config is None for case in pairs.values()) == 7
+
+
+@pytest.mark.parametrize("module", ["transformer_encoder_layer", "sdpa_kvcache"])
+def test_the_reference_passes_every_pair(module):
+    result = prepare(pair_suite(module), NAMES).run()
+    assert {report.verdict.value for report in result.reports} == {"pass"}, [(r.name, r.command) for r in result.reports if not r.passed]
+
+
+def test_the_command_line_runs_the_pairs_and_refuses_them_beside_a_config(tmp_path):
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["run", "--pairs", "--module", "sdpa", "--case", "window-4-0+scale,alibi+scale", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["suite"] == "default-kernel-suite-pairs"
+    assert {(r["name"], r["command"]) for r in data["results"]} == {(n, c) for n in ("window-4-0+scale", "alibi+scale") for c in ("forward", "grad")}
+    result = CliRunner().invoke(app, ["forward", "--pairs", "-c", "configs/causal.yaml"])
+    assert result.exit_code == 2
+    assert "--pairs merges the default suite's cases two by two: leave --config (configs/causal.yaml) out" in result.output
