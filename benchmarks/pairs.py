@@ -39,7 +39,7 @@ def main() -> None:
     for kind in args.modules:
         suite = pair_suite(None if kind == "multihead_attention" else kind)
         refused = sum(case.config is None for case in suite.cases)
-        print(f"{kind}: {len(suite.cases) - refused} pairs, {refused} refused by the config rules", flush=True)
+        print(f"{kind}: {len(suite.cases) - refused} pairs, {refused} skipped (refused by the config rules, or judging nothing)", flush=True)
         for impl in args.impl or CORRECT[kind]:
             start = time.perf_counter()
             result = prepare(suite, NAMES, impl=impl).run()

@@ -71,7 +71,11 @@ def test_a_pair_runs_the_commands_both_cases_are_for_and_a_refused_pair_is_skipp
     assert pairs["no-bias+zero-attn-masked"].commands is None  # every command
     refused = pairs["sgd-dampened+sgd-nesterov"]
     assert refused.config is None and "Nesterov momentum requires a momentum and zero dampening" in refused.skip_reason
-    assert sum(case.config is None for case in pairs.values()) == 7
+    nothing = pairs["long-sequence+fully-masked"]  # one sequence, every key padded: torch's every output NaN
+    assert nothing.config is None and "nothing to judge" in nothing.skip_reason
+    assert pairs["long-sequence+fully-masked-no-weights"].config is not None  # torch's SDPA path: zero rows, judged
+    assert pairs["long-sequence+long-fully-padded-bias-kv"].config is not None  # bias_k: a key no padding reaches
+    assert sum(case.config is None for case in pairs.values()) == 13
 
 
 @pytest.mark.parametrize("module", ["transformer_encoder_layer", "sdpa_kvcache"])

@@ -92,6 +92,11 @@ class ModuleKind:
         args, kwargs = arguments
         return factory(*args, **kwargs)
 
+    def judges_nothing(self, cfg: Config) -> str | None:
+        """Why no implementation's results can be judged under this config (every value torch gives
+        is NaN), or None. `attncheck run --pairs` skips such a pair rather than report it inconclusive."""
+        return None
+
     def readings(self, cfg: Config) -> list:
         """Other readings of the config that this kind's own conventions add to the kernels' common
         ones (attncheck.diagnose_kernels.readings: Reading objects, their methods by name for

@@ -205,6 +205,13 @@ class MultiheadAttentionKind(ModuleKind):
         return module(query, key, value, key_padding_mask=key_padding_mask, need_weights=cfg.need_weights,
                       attn_mask=attn_mask, average_attn_weights=cfg.average_attn_weights, is_causal=cfg.is_causal)  # fmt: skip
 
+    def judges_nothing(self, cfg) -> str | None:
+        unmasked_key = cfg.add_bias_kv or cfg.add_zero_attn  # bias_k or the zero key: a key no padding reaches
+        if cfg.key_padding_mask == "full_row" and cfg.effective_batch == 1 and cfg.need_weights and not unmasked_key:
+            return ("key_padding_mask: full_row pads every key of the first sequence and batch_size 1 leaves no other: with "
+                    "need_weights: true torch's every output is NaN, nothing to judge")
+        return None
+
     def fast_path_blocker(self, cfg) -> str | None:
         return mha_fast_path_blocker(cfg)
 
