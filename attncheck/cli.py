@@ -146,7 +146,12 @@ def _run(
         # before --case and --shard, so neither changes the shape a consumer reads.
         single = len(suite.cases) == 1 and suite.cases[0].config is not None and len(commands) == 1
         if case_names is not None:
-            suite = replace(suite, cases=chosen_cases(suite, ",".join(case_names)))
+            names = ",".join(case_names)
+            if pairs:
+                from attncheck.config.pairs import pair_case_names
+
+                names = pair_case_names(suite, names)
+            suite = replace(suite, cases=chosen_cases(suite, names))
         one_case = len(suite.cases) == 1 and suite.cases[0].config is not None  # rendered as full reports
         label = suite.name
         if shard_spec is not None:

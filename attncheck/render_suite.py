@@ -166,12 +166,12 @@ def _unsupported_checks(cap: Capability, shared: dict[str, str] | None = None) -
     for reason, commands in by_reason.items():
         cases = list(dict.fromkeys(case for listed in commands.values() for case in listed))
         said = shared.get(reason, reason)
-        if all({command for command, listed in commands.items() if case in listed} == commands_of[case] for case in cases):
-            groups.append(f"{', '.join(cases)}: {said}")
+        if all({command for command, named in commands.items() if case in named} == commands_of[case] for case in cases):
+            groups.append(f"{listed(cases, CELL_NAMES)}: {said}")
             continue
-        every = [command for command, listed in commands.items() if len(listed) > 1 and len(listed) == sum(c == command for _, c in cap.checks)]
+        every = [command for command, named in commands.items() if len(named) > 1 and len(named) == sum(c == command for _, c in cap.checks)]
         named = [f"{', '.join(every)} (every case)"] if every else []
-        named += [f"{command}: {', '.join(listed)}" for command, listed in commands.items() if command not in every]
+        named += [f"{command}: {listed(cases_of, CELL_NAMES)}" for command, cases_of in commands.items() if command not in every]
         groups.append(f"{'; '.join(named)}: {said}")
     return "; ".join(groups)
 

@@ -71,6 +71,10 @@ def test_a_pair_runs_the_commands_both_cases_are_for_and_a_refused_pair_is_skipp
     assert pairs["no-bias+zero-attn-masked"].commands is None  # every command
     refused = pairs["sgd-dampened+sgd-nesterov"]
     assert refused.config is None and "Nesterov momentum requires a momentum and zero dampening" in refused.skip_reason
+    # a causal mask beside key padding leaves a row no key: torch's row is NaN, and so may a correct
+    # candidate's be, which its loss spreads into every gradient: forward alone, as fully-masked runs
+    assert pairs["long-causal+key-padding"].commands == ("forward",)
+    assert _pairs("sdpa")["causal-lower-right+fully-masked-rows"].commands is None  # a kernel's such rows are zero or NaN, judged
     nothing = pairs["long-sequence+fully-masked"]  # one sequence, every key padded: torch's every output NaN
     assert nothing.config is None and "nothing to judge" in nothing.skip_reason
     assert pairs["long-sequence+fully-masked-no-weights"].config is not None  # torch's SDPA path: zero rows, judged

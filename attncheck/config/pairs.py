@@ -15,13 +15,18 @@ runs the probes). No pair is made where:
 - the two set one key to different values (two dtypes, two lengths: neither case's option would
   be what it was);
 - the commands the two are for have none in common.
+A pair runs the commands both cases are for; forward alone where the two cases' masks meet to leave
+a query row no key and torch's row is NaN (the kind's nan_rows_reach_the_loss: a causal mask beside
+key padding, need_weights: true), as the default suite's fully-masked case does: a correct
+implementation may give NaN there too, and its loss spreads it into every gradient, where nothing
+could be judged.
 A pair the config's rules refuse (is_causal with add_bias_kv, say) is a skipped case with the reason,
 as a matrix's refused combination is; so is one that can judge nothing for any implementation (the kind's
 judges_nothing: `fully-masked` beside a case of one sequence, every key of every sequence padded and
 every output NaN), which would make every run of the pairs inconclusive.
 
 Measured (stop 53, benchmarks/pairs.py; forward, grad and sgd-step where the kind has them): the
-built-in reference passes every pair of every kind (multihead_attention 793 pairs and 13 skipped, 2,265
+built-in reference passes every pair of every kind (multihead_attention 793 pairs and 13 skipped, 2,251
 checks; transformer_encoder_layer 33 pairs, 99; sdpa 569, 1,138; sdpa_varlen 278, 539; sdpa_kvcache 35
 and 2 refused, 35), and so do the shipped examples of every kind.
 """
@@ -67,10 +72,13 @@ def pair_suite(module: str | None = None) -> Suite:
         except UsageError as refused:
             cases.append(Case(pair, None, skip_reason=str(refused).splitlines()[0]))
             continue
-        nothing = kind_of(cfg).judges_nothing(cfg)
+        kind = kind_of(cfg)
+        nothing = kind.judges_nothing(cfg)
         if nothing:
             cases.append(Case(pair, None, skip_reason=nothing))
             continue
+        if commands != ("forward",) and kind.nan_rows_reach_the_loss(cfg):
+            commands = ("forward",)  # as the suite's fully-masked case: the NaN a correct candidate may give reaches every gradient
         cases.append(Case(pair, cfg, commands=commands))
     return Suite(f"{data.get('name', name)}-pairs", source, cases)
 
@@ -87,3 +95,20 @@ def _common(first: list[str] | None, second: list[str] | None) -> tuple[str, ...
     if first is None or second is None:
         return None if first is None and second is None else tuple(first if second is None else second)
     return tuple(c for c in first if c in second)
+
+
+def pair_case_names(suite: Suite, names: str) -> str:
+    """`--case` for the pairs (comma-separated): a pair's name in either order (`scale+window-4-0` is
+    `window-4-0+scale`), and a default case's own name for every pair it is in (`--case scale`: scale
+    beside every other option). A name neither is left as it is, for --case's own error."""
+    known = {case.name for case in suite.cases}
+    chosen: list[str] = []
+    for name in (part.strip() for part in names.split(",")):
+        first, plus, second = name.partition("+")
+        if name in known or not name:
+            chosen.append(name)
+        elif plus and f"{second}+{first}" in known:
+            chosen.append(f"{second}+{first}")
+        else:
+            chosen.extend([case.name for case in suite.cases if name in case.name.split("+")] or [name])
+    return ",".join(dict.fromkeys(chosen))

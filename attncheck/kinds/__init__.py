@@ -97,6 +97,12 @@ class ModuleKind:
         is NaN), or None. `attncheck run --pairs` skips such a pair rather than report it inconclusive."""
         return None
 
+    def nan_rows_reach_the_loss(self, cfg: Config) -> bool:
+        """Whether a query row with no allowed key gives NaN on torch's path for this config, which a
+        correct implementation may give too, and which its loss then spreads into every gradient (the
+        default suite's fully-masked case runs forward alone for it; so does such a pair of --pairs)."""
+        return False
+
     def readings(self, cfg: Config) -> list:
         """Other readings of the config that this kind's own conventions add to the kernels' common
         ones (attncheck.diagnose_kernels.readings: Reading objects, their methods by name for

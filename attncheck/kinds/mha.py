@@ -212,6 +212,13 @@ class MultiheadAttentionKind(ModuleKind):
                     "need_weights: true torch's every output is NaN, nothing to judge")
         return None
 
+    def nan_rows_reach_the_loss(self, cfg) -> bool:
+        if not cfg.need_weights or (cfg.attn_mask == "none" and cfg.key_padding_mask == "none"):
+            return False  # torch's SDPA path gives such rows zeros
+        from attncheck.inputs import make_workload
+
+        return bool(self.fully_masked(cfg, make_workload(cfg)).any())
+
     def fast_path_blocker(self, cfg) -> str | None:
         return mha_fast_path_blocker(cfg)
 
