@@ -36,6 +36,8 @@ CATCHES = {
     "VarlenAlibiPerKvHead": [("alibi-causal", "forward"), ("alibi-causal", "grad")],
     "VarlenCausalDefaultScale": [("window-2-1", "forward"), ("window-2-1", "grad")],
     "VarlenLseWithoutWindow": [("lse-gqa-causal", "forward"), ("lse-gqa-causal", "grad")],  # grad: the loss and the finite differences
+    "VarlenScaleZeroAsNone": [("scale-zero", "forward"), ("scale-zero", "grad")],
+    "VarlenWindowLeftUnboundedAsBound": [("window-inf-2", "forward"), ("window-inf-2", "grad")],
 }
 # (query lengths, key lengths, options) the oracle is checked on against the dense computation.
 ORACLE_CASES = [

@@ -37,7 +37,7 @@ NEW_CASES = {
           "bias-kv-zero-attn-no-weights"},
     LAYER: {"pre-norm-gelu-causal", "causal-key-padding", "float64-gpt-block", "fully-padded-row"},
     # alibi-causal: 6 query heads on 2 key-value heads, where it had 4 on 4; window-2-1 with a scale, lse-gqa-causal with a window since
-    VARLEN: {"softcap-alibi-lse", "window-1-inf", "alibi-causal", "bfloat16-2048", "window-2-1", "lse-gqa-causal"},
+    VARLEN: {"softcap-alibi-lse", "window-1-inf", "alibi-causal", "bfloat16-2048", "window-2-1", "lse-gqa-causal", "scale-zero", "window-inf-2"},
     # alibi: 6 query heads on 2 key-value heads, where it had 6 on 6; rotary-half: RoPE on 4 of the 8 features, where it had all 8
     KVCACHE: {"softcap-alibi-lse", "window-1-inf", "alibi", "splits-window-alibi", "float64", "rotary-half", "cache-batch-idx"},
     SDPA: {"scale-zero", "bool-mask", "softcap-float-mask-lse", "decode-gqa-lse", "bool-mask-lse"},  # bool-mask: its scale 0.3 added
@@ -76,6 +76,8 @@ REACH = {
     "VarlenAlibiPerKvHead": (VARLEN, {"alibi-causal"}),  # a red-team kernel: the slope of the group's first head
     "VarlenCausalDefaultScale": (VARLEN, {"window-2-1"}),  # a red-team kernel: the scale alone, causal alone
     "VarlenLseWithoutWindow": (VARLEN, {"lse-gqa-causal"}),  # a red-team kernel: the LSE never beside a window
+    "VarlenScaleZeroAsNone": (VARLEN, {"scale-zero"}),  # a third red team's kernel: the sdpa suite's scale-zero, not the varlen one's
+    "VarlenWindowLeftUnboundedAsBound": (VARLEN, {"window-inf-2"}),  # a third red team's kernel: every window bounded its left side
     "SoftcapAfterAlibiKv": (KVCACHE, {"softcap-alibi-lse"}),
     "LseWithoutSoftcapKv": (KVCACHE, {"softcap-alibi-lse"}),
     "WindowRightUnboundedAsCausalKv": (KVCACHE, {"window-1-inf"}),

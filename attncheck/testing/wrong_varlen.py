@@ -321,7 +321,40 @@ class VarlenHalfAccumulatedOutput(DenseVarlen):
         return wrong_kernels.HalfAccumulatedOutput()
 
 
-WRONG_KERNELS = {cls.__name__: cls for cls in (CuSeqlensOffByOne, KeysBleedIntoNext, CausalTopLeftPerSequence, EmptySequenceWritesGarbage,
+class VarlenScaleZeroAsNone(DenseVarlen):
+    """`softmax_scale or 1 / sqrt(E)`: a scale of 0.0 read as None (wrong_kernels.ScaleZeroAsNone).
+    The default kernel suite had scale-zero; the varlen suite had no scale of 0: it passed (a
+    red-team tester's kernel).
+
+    Exposed by softmax_scale 0.0: scale-zero.
+    """
+
+    def _kernel(self):
+        return wrong_kernels.ScaleZeroAsNone()
+
+
+class WindowLeftUnboundedAsBound(DenseSDPA):
+    """A window's left -1 read as a bound: key j allowed from the diagonal + 1 on, `j >= diagonal -
+    left` with left = -1, where -1 is no bound. Right wherever left >= 0."""
+
+    def _window(self, i, j, L, S, window_size):
+        left, right = window_size
+        inside = super()._window(i, j, L, S, (max(left, 0), right))
+        return inside & (j >= i + S - L + 1) if left < 0 else inside  # should be no left bound at all
+
+
+class VarlenWindowLeftUnboundedAsBound(DenseVarlen):
+    """A window (-1, right) whose -1 is read as a bound (WindowLeftUnboundedAsBound). The default
+    varlen suite's windows all bound the left side: it passed (a red-team tester's kernel).
+
+    Exposed by a window (-1, right): window-inf-2.
+    """
+
+    def _kernel(self):
+        return WindowLeftUnboundedAsBound()
+
+
+WRONG_KERNELS = {cls.__name__: cls for cls in (VarlenScaleZeroAsNone, VarlenWindowLeftUnboundedAsBound, CuSeqlensOffByOne, KeysBleedIntoNext, CausalTopLeftPerSequence, EmptySequenceWritesGarbage,
                                                ReadsPastLastSequence, VarlenSoftcapAfterAlibi, VarlenLseWithoutSoftcap,
                                                VarlenWindowRightUnboundedAsCausal, VarlenAlibiSlopesGqaOrder,
                                                VarlenHalfAccumulatedOutput, VarlenAlibiPerKvHead, VarlenCausalDefaultScale,
