@@ -3,7 +3,7 @@ attention itself torch's F.scaled_dot_product_attention run on each sequence alo
 
     attncheck forward --module sdpa_kvcache --impl examples/torch_flash_decode.py:flash_attn_with_kvcache  # exit 0
 
-On the default decode-kernel suite with no config it passes 18 of the 23 checks and declares 5
+On the default decode-kernel suite with no config it passes 19 of the 24 checks and declares 5
 unsupported: SDPA has no soft cap and returns no LSE, so softcap and return_softmax_lse raise
 NotImplementedError (the softcap, softcap-alibi-lse, lse, splits-5 and bfloat16-rotary-splits
 cases). Every probe the suite runs passes; batch invariance holds bit for bit (one pass per

@@ -42,7 +42,7 @@ class DecodeKernel:
             c, row = int(cache_seqlens[b]), self._cache_row(b, cache_batch_idx)
             qb = q[b].astype(compute)  # (Lq, Hq, E)
             if cos is not None:
-                qb = self._rope(qb, cos, sin, self._query_positions(c, Lq, causal or local), rotary_interleaved)
+                qb = self._rope(qb, cos, sin, self._query_positions(c, Lq, causal, local), rotary_interleaved)
             if Lnew:
                 k_new = k[b].astype(compute)  # (Lnew, Hkv, E)
                 if cos is not None:
@@ -101,9 +101,9 @@ class DecodeKernel:
         """x (L, H, E) rotated at positions (L,): the first R = 2 * cos.shape[1] features, the rest as they are."""
         return rope(x, cos, sin, positions, interleaved)
 
-    def _query_positions(self, c: int, Lq: int, every_token: bool) -> np.ndarray:
+    def _query_positions(self, c: int, Lq: int, causal: bool, local: bool) -> np.ndarray:
         """The queries' RoPE positions: c + i under causal or a window, else c for every query."""
-        return rotary_positions(c, Lq, every_token)
+        return rotary_positions(c, Lq, causal or local)
 
     def _rotate_new(self, k_new, cos, sin, c: int, interleaved):
         """The new keys (Lnew, Hkv, E) rotated at c + t, before they are appended."""

@@ -39,7 +39,8 @@ NEW_CASES = {
     # alibi-causal: 6 query heads on 2 key-value heads, where it had 4 on 4; window-2-1 with a scale, lse-gqa-causal with a window since
     VARLEN: {"softcap-alibi-lse", "window-1-inf", "alibi-causal", "bfloat16-2048", "window-2-1", "lse-gqa-causal", "scale-zero", "window-inf-2"},
     # alibi: 6 query heads on 2 key-value heads, where it had 6 on 6; rotary-half: RoPE on 4 of the 8 features, where it had all 8
-    KVCACHE: {"softcap-alibi-lse", "window-1-inf", "alibi", "splits-window-alibi", "float64", "rotary-half", "cache-batch-idx"},
+    KVCACHE: {"softcap-alibi-lse", "window-1-inf", "alibi", "splits-window-alibi", "float64", "rotary-half", "cache-batch-idx",
+              "rotary-partial-window"},
     SDPA: {"scale-zero", "bool-mask", "softcap-float-mask-lse", "decode-gqa-lse", "bool-mask-lse"},  # bool-mask: its scale 0.3 added
 }  # fmt: skip
 # implementation -> (kind, the cases that catch it): the gap it stands for in the comment.
@@ -91,6 +92,8 @@ REACH = {
     "SoftmaxEpsilonKv": (KVCACHE, {"float64"}),
     "RotaryPassThroughZeroed": (KVCACHE, {"rotary-half"}),
     "CacheBatchIdxIgnored": (KVCACHE, {"cache-batch-idx"}),  # cache_batch_idx was refused by the oracle
+    "RotaryQueriesStepOnlyWhenCausalKv": (KVCACHE, {"rotary-partial-window"}),  # a third red team's: RoPE never beside a window
+    "InterleavedPassThroughZeroedKv": (KVCACHE, {"rotary-partial-window"}),  # a third red team's: partial RoPE only in the NeoX layout
     # red-team kernels of module: sdpa, each an option no case met another with
     "ScaleZeroAsNone": (SDPA, {"scale-zero"}),  # the config refused scale 0
     "MaskPathDefaultScale": (SDPA, {"bool-mask", "softcap-float-mask-lse"}),  # no scale with a mask

@@ -310,8 +310,8 @@ class QueriesRotatedFromZeroKv(DecodeKernel):
 
     Exposed by every rotary case with tokens cached (a red-team tester's kernel)."""
 
-    def _query_positions(self, c, Lq, every_token):
-        return super()._query_positions(0, Lq, every_token)  # should be c
+    def _query_positions(self, c, Lq, causal, local):
+        return super()._query_positions(0, Lq, causal, local)  # should be c
 
 
 class NewKeysNotRotatedKv(DecodeKernel):
@@ -322,6 +322,31 @@ class NewKeysNotRotatedKv(DecodeKernel):
 
     def _rotate_new(self, k_new, cos, sin, c, interleaved):
         return k_new  # should be rotated at c + t
+
+
+class RotaryQueriesStepOnlyWhenCausalKv(DecodeKernel):
+    """The queries' RoPE positions step (c + i) only under causal: with a window and no causal mask
+    every query is rotated at c, where FlashAttention steps them under `causal or local`. No default
+    case had RoPE beside a window (a third red-team tester's kernel).
+
+    Exposed by rotary with a window and no causal mask, Lq > 1: rotary-partial-window."""
+
+    def _query_positions(self, c, Lq, causal, local):
+        return super()._query_positions(c, Lq, causal, False)  # should be `causal or local`
+
+
+class InterleavedPassThroughZeroedKv(DecodeKernel):
+    """GPT-J (interleaved) RoPE with rotary_dim < head_dim zeroes the features past rotary_dim, which
+    pass through unrotated (RotaryPassThroughZeroed, for the interleaved layout alone). The one case
+    with a partial rotary_dim had the GPT-NeoX layout (a third red-team tester's kernel).
+
+    Exposed by interleaved RoPE on fewer features than the head has: rotary-partial-window."""
+
+    def _rope(self, x, cos, sin, positions, interleaved):
+        out = super()._rope(x, cos, sin, positions, interleaved)
+        if interleaved:
+            out[..., 2 * cos.shape[1] :] = 0  # should be x's own
+        return out
 
 
 class CausalFromOldLengthKv(DecodeKernel):
@@ -344,4 +369,5 @@ WRONG_KVCACHE = {cls.__name__: cls for cls in (AppendOneSlotLate, BlockTableIgno
                                                 AlibiSlopesGqaOrderKv, AlibiFromQueryPositionKv, EmptySplitNaN, SplitPathDropsWindow,
                                                 Float64ComputedInFloat32Kv, SoftmaxEpsilonKv, RotaryPassThroughZeroed,
                                                 QueriesRotatedFromZeroKv, NewKeysNotRotatedKv, CausalFromOldLengthKv,
+                                                RotaryQueriesStepOnlyWhenCausalKv, InterleavedPassThroughZeroedKv,
                                                 CacheBatchIdxIgnored)}  # fmt: skip
