@@ -106,7 +106,7 @@ class ModuleKind:
     def readings(self, cfg: Config) -> list:
         """Other readings of the config that this kind's own conventions add to the kernels' common
         ones (attncheck.diagnose_kernels.readings: Reading objects, their methods by name for
-        with_methods). None by default."""
+        with_methods). None by default: an empty list."""
         return []
 
     def with_methods(self, cfg: Config, obj: Any, methods: dict[str, Callable]) -> Any | None:
