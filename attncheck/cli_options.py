@@ -114,5 +114,5 @@ PairsOption = Annotated[
     bool,
     typer.Option("--pairs", help="Instead of the default suite, every two of its cases merged into one where their options fit "
                  "(a mask with GQA, the LSE with a window, ALiBi with a scale...): the bugs that need two options together, "
-                 "which a case per option misses: 33 to 793 pairs by module, 1-40 s for the reference. --case takes a pair "
+                 "which a case per option misses: 40 to 793 pairs by module, 1-40 s for the reference. --case takes a pair "
                  "(window-4-0+scale, either order) or a default case's name (every pair it is in). Not with --config.")]  # fmt: skip

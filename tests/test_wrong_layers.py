@@ -37,6 +37,7 @@ CATCHES = {
     # red-team layers: key padding in the one pre-norm case without a causal mask, and in the unbatched case
     "PreNormDropsKeyPadding": [("pre-norm-gelu", "forward"), ("pre-norm-gelu", "grad")],
     "UnbatchedDropsKeyPadding": [("unbatched-no-bias", "forward"), ("unbatched-no-bias", "sgd-step")],
+    "FloatPaddingAsBoolWithoutMask": [("post-norm-relu", "forward"), ("post-norm-relu", "grad")],  # a third red team's
 }
 # Where a bug cannot show: pre-norm asked, pre-norm computed; the relu cases run no GELU; is_causal
 # without key padding, key padding without is_causal; a float32 scale in float32; eps in a post-norm
@@ -45,11 +46,12 @@ MISSES = {"AlwaysPreNorm": [("pre-norm-gelu", "forward")], "GeluTanh": [("post-n
           "NormBackwardWithoutMeanTerm": [("post-norm-relu", "forward")],
           "KeyPaddingDroppedWhenCausal": [("post-norm-gelu-causal", "forward"), ("seq-first-padding", "forward")],
           "GptBlockScaleInFloat32": [("pre-norm-gelu-causal", "forward"), ("pre-norm-gelu-causal", "grad")],
-          "SeqFirstReadAsBatchFirst": [("post-norm-relu", "forward"), ("causal-key-padding", "grad")],
+          "SeqFirstReadAsBatchFirst": [("pre-norm-gelu", "forward"), ("causal-key-padding", "grad")],
           "FullyMaskedRowsNaN": [("causal-key-padding", "forward"), ("seq-first-padding", "grad")],
           "PreNormDefaultEps": [("large-eps", "forward"), ("sgd-momentum-pre-norm", "sgd-step")],
           "PreNormDropsKeyPadding": [("causal-key-padding", "forward"), ("pre-norm-gelu-causal", "grad")],
-          "UnbatchedDropsKeyPadding": [("seq-first-padding", "forward"), ("causal-key-padding", "grad")]}  # fmt: skip
+          "UnbatchedDropsKeyPadding": [("seq-first-padding", "forward"), ("causal-key-padding", "grad")],
+          "FloatPaddingAsBoolWithoutMask": [("seq-first-padding", "forward"), ("pre-norm-gelu", "grad")]}  # fmt: skip
 
 
 def _cases():

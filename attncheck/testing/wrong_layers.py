@@ -205,6 +205,18 @@ class PreNormDropsKeyPadding(TransformerEncoderLayer):
         return super().forward(src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
 
 
+class FloatPaddingAsBoolWithoutMask(TransformerEncoderLayer):
+    """A float src_key_padding_mask read as bool (nonzero: padded) when no src_mask is given; beside a
+    src_mask it is added, as torch adds it. The default layer suite's one float key padding mask came
+    beside a float src_mask (seq-first-padding): a third red-team tester's layer passed it until
+    post-norm-relu took a float key padding mask alone."""
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        if src_mask is None and src_key_padding_mask is not None and np.asarray(src_key_padding_mask).dtype != np.bool_:
+            src_key_padding_mask = np.asarray(src_key_padding_mask) != 0  # should be added as it is
+        return super().forward(src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
+
+
 class UnbatchedDropsKeyPadding(TransformerEncoderLayer):
     """Unbatched (L, E) src: the (L,) key padding mask is dropped on that code path of its own.
     The default layer suite's one unbatched case had no key padding: a red-team layer passed it
@@ -221,5 +233,5 @@ LAYERS = {
     for cls in (UnbiasedVarianceNorm, EpsOutsideSqrt, AlwaysPreNorm, ResidualAfterNorm, GeluTanh,
                 FeedForwardBiasesDropped, NormBackwardWithoutMeanTerm, KeyPaddingDroppedWhenCausal, GptBlockGeluTanh,
                 GptBlockScaleInFloat32, SeqFirstReadAsBatchFirst, FullyMaskedRowsNaN, PreNormDefaultEps, PreNormDropsKeyPadding,
-                UnbatchedDropsKeyPadding)
+                UnbatchedDropsKeyPadding, FloatPaddingAsBoolWithoutMask)
 }  # fmt: skip
