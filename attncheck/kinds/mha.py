@@ -205,19 +205,24 @@ class MultiheadAttentionKind(ModuleKind):
         return module(query, key, value, key_padding_mask=key_padding_mask, need_weights=cfg.need_weights,
                       attn_mask=attn_mask, average_attn_weights=cfg.average_attn_weights, is_causal=cfg.is_causal)  # fmt: skip
 
+    def _rows_without_keys(self, cfg):
+        """(B, H, L) the query rows whose every key is masked, where torch's need_weights path gives
+        them NaN; None where it gives zeros (need_weights: false) or nothing is masked."""
+        if not cfg.need_weights or (cfg.attn_mask == "none" and cfg.key_padding_mask == "none"):
+            return None
+        from attncheck.inputs import make_workload
+
+        return self.fully_masked(cfg, make_workload(cfg))
+
     def judges_nothing(self, cfg) -> str | None:
-        unmasked_key = cfg.add_bias_kv or cfg.add_zero_attn  # bias_k or the zero key: a key no padding reaches
-        if cfg.key_padding_mask == "full_row" and cfg.effective_batch == 1 and cfg.need_weights and not unmasked_key:
-            return ("key_padding_mask: full_row pads every key of the first sequence and batch_size 1 leaves no other: with "
-                    "need_weights: true torch's every output is NaN, nothing to judge")
+        rows = self._rows_without_keys(cfg)
+        if rows is not None and rows.all():
+            return "every query row has every key masked and need_weights: true: torch's every output is NaN, nothing to judge"
         return None
 
     def nan_rows_reach_the_loss(self, cfg) -> bool:
-        if not cfg.need_weights or (cfg.attn_mask == "none" and cfg.key_padding_mask == "none"):
-            return False  # torch's SDPA path gives such rows zeros
-        from attncheck.inputs import make_workload
-
-        return bool(self.fully_masked(cfg, make_workload(cfg)).any())
+        rows = self._rows_without_keys(cfg)
+        return rows is not None and bool(rows.any())
 
     def fast_path_blocker(self, cfg) -> str | None:
         return mha_fast_path_blocker(cfg)
