@@ -333,8 +333,6 @@ def _progress_lines(console, *, every: bool):
     return progress
 
 
-
-
 def _command(name: str, summary: str):
     """Register a command with its summary as help and the shared epilog (contract, exit codes, example)."""
     return app.command(name, help=summary, epilog=EPILOG.replace("{command}", name))

@@ -89,8 +89,9 @@ def poisoning_rows(kind, cfg, w, session, obj, out: np.ndarray, t_out: np.ndarra
         regions.append(("a cache row no cache_batch_idx entry names", unused, "the kernel reads rows other than cache_batch_idx's"))
     regions.append(("the cache past cache_seqlens + new tokens", ~(cached | new | unused), "the kernel reads past the sequence"))
     if len(regions) > 1:
+        reads = " and ".join(meaning.removeprefix("the kernel ") for _, _, meaning in regions)
         regions.append((" and ".join(what for what, _, _ in regions), np.logical_or.reduce([region for _, region, _ in regions]),
-                        " and ".join(meaning.removeprefix("the kernel ") for _, _, meaning in regions).join(("the kernel ", ""))))
+                        f"the kernel {reads}"))
     for what, region, meaning in regions:
         cleaned = {name: np.where(region[..., None, None] & np.isnan(w.extras[name].astype(np.float64)), 0, w.extras[name]).astype(w.extras[name].dtype)
                    for name in CACHES}  # fmt: skip

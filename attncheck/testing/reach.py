@@ -105,11 +105,6 @@ REACH = {
 KERNEL_CORPORA = {SDPA: wrong_kernels.WRONG_KERNELS, VARLEN: wrong_varlen.WRONG_KERNELS, KVCACHE: wrong_kvcache.WRONG_KVCACHE}  # each kernel kind's known-bad kernels, where REACH draws some
 
 
-def _class(name: str) -> type:
-    kind, _ = REACH[name]
-    return KERNEL_CORPORA[kind][name] if kind in KERNEL_CORPORA else wrong_reach.MODULES.get(name) or wrong_layers.LAYERS[name]
-
-
 def implementation(name: str) -> type:
     """REACH's class of that name."""
     kind, _ = REACH[name]

@@ -376,6 +376,15 @@ class LseWithoutSoftcap(DenseSDPA):
         return super()._lse(self._uncapped, row_max, row_sum)
 
 
+def _lse_of_another_call(kernel: DenseSDPA, *args, **extras) -> np.ndarray:
+    """The LSE of another forward call of `kernel` (DenseSDPA's), leaving its saved state the first
+    call's: a known-bad LSE whose backward is the output's own call."""
+    saved = kernel._saved
+    _, lse = DenseSDPA.forward(kernel, *args, return_lse=True, **extras)
+    kernel._saved = saved
+    return lse
+
+
 class LseBeforeAttnMask(DenseSDPA):
     """The LSE taken from the logits before the caller's attn_mask: causal, the window and ALiBi are
     in it, the attn_mask (bool or float) is not, while the output's softmax has it. The output is
@@ -393,9 +402,7 @@ class LseBeforeAttnMask(DenseSDPA):
         result = super().forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse=return_lse, **extras)
         if not return_lse or attn_mask is None:
             return result
-        saved = self._saved  # the backward is the masked call's
-        _, unmasked = super().forward(query, key, value, None, dropout_p, is_causal, scale, enable_gqa, return_lse=True, **extras)
-        self._saved = saved
+        unmasked = _lse_of_another_call(self, query, key, value, None, dropout_p, is_causal, scale, enable_gqa, **extras)
         return result[0], unmasked  # should be result[1], the masked logits' LSE
 
 
@@ -412,9 +419,7 @@ class LseDefaultScale(DenseSDPA):
         result = super().forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse=return_lse, **extras)
         if not return_lse or scale is None:
             return result
-        saved = self._saved  # the backward is the given scale's
-        _, default = super().forward(query, key, value, attn_mask, dropout_p, is_causal, None, enable_gqa, return_lse=True, **extras)
-        self._saved = saved
+        default = _lse_of_another_call(self, query, key, value, attn_mask, dropout_p, is_causal, None, enable_gqa, **extras)
         return result[0], default  # should be result[1], the given scale's LSE
 
 

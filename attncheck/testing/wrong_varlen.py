@@ -338,9 +338,8 @@ class WindowLeftUnboundedAsBound(DenseSDPA):
     left` with left = -1, where -1 is no bound. Right wherever left >= 0."""
 
     def _window(self, i, j, L, S, window_size):
-        left, right = window_size
-        inside = super()._window(i, j, L, S, (max(left, 0), right))
-        return inside & (j >= i + S - L + 1) if left < 0 else inside  # should be no left bound at all
+        inside = super()._window(i, j, L, S, window_size)
+        return inside & (j >= i + S - L + 1) if window_size[0] < 0 else inside  # should be no left bound at all
 
 
 class VarlenWindowLeftUnboundedAsBound(DenseVarlen):
