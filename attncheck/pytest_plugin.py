@@ -167,22 +167,31 @@ def _skip(reason: str) -> BaseException:
 
 
 def cases(suite: str | PathLike | None = None, impl: Any = None, commands: str | tuple[str, ...] | None = None,
-          module: str | None = None, label: str | None = None) -> list:  # fmt: skip
+          module: str | None = None, label: str | None = None, pairs: bool = False) -> list:  # fmt: skip
     """The checks of a suite file as pytest params, with ids `case[command]`, to parametrize a test.
 
     suite: a suite or config file (None: the embedded default suite of `module`, by default
     nn.MultiheadAttention's: module="sdpa" gives the kernel suite, as `--module sdpa` does);
     impl: a SPEC, a class or factory, or None for each case's `impl`; commands: "forward,grad" or
     a tuple (default: all three); label: ids `label-case[command]`, to tell several implementations'
-    checks apart in one test. Cases the suite skips come with a skip mark. Use
-    `check.assert_passed()` in the test.
+    checks apart in one test; pairs: the default suite's cases merged two by two instead, as
+    `attncheck run --pairs` runs them (attncheck.config.pairs; `suite` must be None). Cases the
+    suite skips come with a skip mark. Use `check.assert_passed()` in the test.
     """
     from attncheck.config import load_suite
+    from attncheck.errors import UsageError
     from attncheck.suite import commands_for
 
     names = parse_commands(commands if isinstance(commands, str) else ",".join(commands or NAMES))
     params = []
-    loaded = load_suite(suite, module=module)
+    if pairs and suite is not None:
+        raise UsageError(f"pairs=True merges the default suite's cases two by two: leave the suite ({suite}) out")
+    if pairs:
+        from attncheck.config.pairs import pair_suite
+
+        loaded = pair_suite(module)
+    else:
+        loaded = load_suite(suite, module=module)
     for case in loaded.cases:
         for command in commands_for(case, names):
             check = Check.of(loaded, case, command, impl, label)

@@ -98,3 +98,25 @@ def test_the_command_line_runs_the_pairs_and_refuses_them_beside_a_config(tmp_pa
     result = CliRunner().invoke(app, ["forward", "--pairs", "-c", "configs/causal.yaml"])
     assert result.exit_code == 2
     assert "--pairs merges the default suite's cases two by two: leave --config (configs/causal.yaml) out" in result.output
+
+
+def test_attncheck_cases_gives_the_pairs_as_pytest_params_for_a_test_of_ones_own():
+    """`attncheck.cases(pairs=True)`: the pairs `run --pairs` runs, each case x command a param; a
+    bug where two options meet fails its pair's check as a test, the reference passes it."""
+    import attncheck
+    from attncheck.errors import UsageError
+    from attncheck.pytest_plugin import CheckFailed
+
+    params = attncheck.cases(module="sdpa", pairs=True, impl=WindowIgnoresScale, commands="forward")
+    checks = {param.id: param.values[0] for param in params}
+    suite = pair_suite("sdpa")
+    assert list(checks) == [f"{case.name}[forward]" for case in suite.cases]
+    with pytest.raises(CheckFailed, match="window-4-0\\+scale"):
+        checks["window-4-0+scale[forward]"].assert_passed()
+    checks["window-4-0+alibi[forward]"].assert_passed()  # no scale given: the bug does not show
+    reference = {p.id: p.values[0] for p in attncheck.cases(module="sdpa", pairs=True, commands="forward")}
+    reference["window-4-0+scale[forward]"].assert_passed()
+    with pytest.raises(UsageError, match="pairs=True merges the default suite's cases two by two: leave the suite"):
+        attncheck.cases("configs/causal.yaml", pairs=True)
+    with pytest.raises(UsageError, match="module 'nope': expected one of"):
+        attncheck.cases(module="nope", pairs=True)

@@ -50,6 +50,8 @@ def pair_suite(module: str | None = None) -> Suite:
     suite's order: each case with every case after it."""
     from attncheck.kinds import kind_of, kinds
 
+    if module is not None and module not in kinds():
+        raise UsageError(f"module {module!r}: expected one of {', '.join(kinds())}")
     embedded = None if module is None else kinds()[module].default_suite
     if embedded is None:
         text, source, name = read_suite_file(None)
