@@ -17,6 +17,7 @@ from attncheck.config import Config
 from attncheck.diagnose import UNNAMED_FACTOR, Layout, _finite_difference, _relation, _where
 from attncheck.diagnose_half import rounding_sized
 from attncheck.kinds import kind_of
+from attncheck.reference.sdpa import alibi, key_offset
 from attncheck.report import FAIL, Report
 from attncheck.suspects import reproduces
 
@@ -57,11 +58,17 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
         row.diagnosis = "; ".join(relations + ([] if rounding else _where(c, x, allowed, Layout(named), cfg, None))) or rounding
 
 
-def _alibi_without_abs(self, slopes: np.ndarray, offset: np.ndarray) -> np.ndarray:
+def _alibi_without_abs(self, slopes: np.ndarray, L: int, S: int, positions: np.ndarray) -> np.ndarray:
     """ALiBi's bias as the causal-only form computes it, slope * (j - (i + S - L)): -slope * |offset|
     left of the diagonal, +slope * offset right of it (the reference's `_alibi` replaced)."""
     slopes = np.asarray(slopes)
-    return slopes * offset.astype(slopes.dtype)
+    return slopes * key_offset(L, S, positions)[None].astype(slopes.dtype)
+
+
+def _alibi_offset_abs(self, slopes: np.ndarray, L: int, S: int, positions: np.ndarray) -> np.ndarray:
+    """ALiBi's bias measured from key i + |S - L|, -slope * |j - (i + |S - L|)|: the offset's sign
+    dropped, which moves the diagonal where L > S (the reference's `_alibi` replaced)."""
+    return alibi(slopes, key_offset(L, S, positions)[None] - (abs(S - L) - (S - L)))
 
 
 def _returning(inside: tuple[str, ...]) -> Callable:
@@ -148,6 +155,10 @@ def readings(cfg: Config) -> list[Reading]:
         found.append(Reading({}, "ALiBi's bias without the abs, slope * (j - (i + S - L)), the causal-only form, where it is "
                                  "-slope * |j - (i + S - L)|: keys past the diagonal get a bias that grows",
                              {"_alibi": _alibi_without_abs}))  # fmt: skip
+        # Where no sequence has more queries than keys the two are one: the reading cannot fit a failing output.
+        found.append(Reading({}, "ALiBi's distance taken from key i + |S - L|, -slope * |j - (i + |S - L|)|, where it is "
+                                 "-slope * |j - (i + S - L)|: the sign of the offset S - L dropped, which moves the diagonal "
+                                 "where there are more queries than keys (L > S)", {"_alibi": _alibi_offset_abs}))  # fmt: skip
     return found + kind_of(cfg).readings(cfg)
 
 

@@ -708,6 +708,33 @@ def test_a_kernels_alibi_without_the_abs_is_named_where_no_causal_mask_hides_it(
     assert other and all("ALiBi" not in r.diagnosis for r in other), [r.diagnosis for r in other]
 
 
+def test_a_kernels_alibi_offset_taken_as_its_absolute_value_is_named():
+    # A red-team kernel measured ALiBi from key i + |S - L| (the pair longer-queries-odd-dims+alibi):
+    # it read "ALiBi's bias without the abs", true of its output where L - S >= S - 1 (every key is
+    # left of its moved diagonal, so the abs changes nothing and the two differ by a constant per
+    # row), but not the line to fix. Where a key lies right of the moved diagonal, only the offset's
+    # reading fits; where none does, both fit and both are said.
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class AlibiOffsetAbs(DenseSDPA):
+        def _alibi(self, slopes, L, S, work):
+            slopes = np.asarray(slopes, dtype=work)[None, :, None, None]  # (1, Hq, 1, 1)
+            i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+            return -slopes * np.abs(j - (i + abs(S - L))).astype(work)  # (1, Hq, L, S)
+
+    def diagnosis(L, S):
+        cfg = config_from_mapping({"module": "sdpa", "tgt_len": L, "src_len": S, "head_dim": 8, "alibi": True})
+        [row] = [r for r in run_check("forward", cfg, candidate_from_object(AlibiOffsetAbs)).failures if r.parameter == "output"]
+        return row.diagnosis
+
+    offset = "ALiBi's distance taken from key i + |S - L|, -slope * |j - (i + |S - L|)|"
+    assert diagnosis(7, 5).startswith(f"the output is the float64 oracle's with {offset}"), diagnosis(7, 5)
+    both = diagnosis(13, 5)
+    assert both.startswith("ambiguous, the output fits each of: the oracle's with ") and offset in both and "without the abs" in both, both
+    cfg = config_from_mapping({"module": "sdpa", "tgt_len": 5, "src_len": 7, "head_dim": 8, "alibi": True})
+    assert run_check("forward", cfg, candidate_from_object(AlibiOffsetAbs)).passed  # S > L: |S - L| is S - L
+
+
 def test_the_repeat_call_at_a_large_size_expects_its_own_inputs_shape():
     # Past LARGE_LOGITS the repeat call runs on inputs REPEAT_LENGTH long; the output shape it
     # expected was the config's (L = 2048), so torch's own SDPA failed 'repeat call: shape'.

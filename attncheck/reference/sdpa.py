@@ -343,7 +343,7 @@ class ScaledDotProductAttention:
         batch = (np.arange(g0, g1) // a.Hkv)[:, None]  # (g, 1)
         after = []  # biases added after a softcap taken over the others (the diagnosis's other orders alone)
         if a.slopes is not None:
-            bias = self._alibi(a.slopes[batch, heads][..., None], key_offset(L, S, positions)[None])  # (g, m, 1) x (1, m, S)
+            bias = self._alibi(a.slopes[batch, heads][..., None], L, S, positions)  # (g, m, 1) x (1, m, S)
             if inside and "alibi" not in inside:
                 after.append(bias)
             else:
@@ -369,10 +369,11 @@ class ScaledDotProductAttention:
             np.copyto(logits, -np.inf, where=~allowed)
         return logits, t
 
-    def _alibi(self, slopes: np.ndarray, offset: np.ndarray) -> np.ndarray:
-        """ALiBi's bias, -slope * |offset| (`alibi`): a method, so that the diagnosis can rerun the
-        oracle with a kernel's other formula (attncheck.diagnose_kernels.readings)."""
-        return alibi(slopes, offset)
+    def _alibi(self, slopes: np.ndarray, L: int, S: int, positions: np.ndarray) -> np.ndarray:
+        """ALiBi's bias for the query rows at `positions`, -slope * |j - (i + S - L)| (`alibi`,
+        `key_offset`): a method, so that the diagnosis can rerun the oracle with a kernel's other
+        formula (attncheck.diagnose_kernels.readings)."""
+        return alibi(slopes, key_offset(L, S, positions)[None])
 
     def _biased_before_softcap(self) -> tuple[str, ...]:
         """Which biases ("alibi", "mask": a float attn_mask) are added to the scores before the
