@@ -72,7 +72,7 @@ def pair_suite(module: str | None = None) -> Suite:
         try:
             cfg = config_from_mapping({**defaults, **first, **second, "name": pair}, source)
         except UsageError as refused:
-            cases.append(Case(pair, None, skip_reason=str(refused).splitlines()[0]))
+            cases.append(Case(pair, None, skip_reason=str(refused).splitlines()[0].removeprefix(f"{source}: ")))  # the pair names the place
             continue
         kind = kind_of(cfg)
         nothing = kind.judges_nothing(cfg)
