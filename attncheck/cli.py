@@ -158,6 +158,8 @@ def _run(
             i, n = parse_shard(shard_spec)
             whole, suite = len(suite.cases), replace(suite, cases=shard(suite.cases, i, n))
             label += f" · shard {i}/{n}" + ("" if suite.cases else f" (the suite has {counted(whole, 'case')}, so shards after {whole} hold none): nothing was proven")
+        if settings:  # every case rewritten, whatever its name says (`float16-causal` under --set dtype=float64)
+            label += f" · --set {' '.join(settings)}"
         view = View(verbose, tracebacks, keep_evidence=plot_path is not None)
         overrides = parse_settings(settings or [])
         overrides.update({k: v.value for k, v in (("tolerance", tolerance), ("framework", framework), ("device", device)) if v is not None})

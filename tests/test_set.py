@@ -40,9 +40,11 @@ def test_set_works_on_every_command(tmp_path, command):
 
 def test_set_reaches_every_case_of_the_default_suite(tmp_path):
     out = tmp_path / "r.json"
-    code, _ = run("forward", "--set", "dtype=float64", "--json", out)
+    code, output = run("forward", "--set", "dtype=float64", "--json", out)
     results = json.loads(out.read_text())["results"]
     assert code == 0 and len(results) > 20 and {r["config"]["dtype"] for r in results} == {"float64"}
+    # The header says so: a case's name (float16-causal) no longer says its dtype.
+    assert output.splitlines()[0].startswith("attncheck forward  default-suite · --set dtype=float64  "), output.splitlines()[0]
 
 
 @pytest.mark.parametrize("setting", ["dtype=bfloat16", "dtype=float64 attn_mask=causal"])
