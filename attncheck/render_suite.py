@@ -67,9 +67,10 @@ def _worst_cell(report: Report) -> Text:
     return Text(verdict.label, style=STATUS_STYLE[verdict])
 
 
-def capability_table(features: list[Capability]) -> Table:
+def capability_table(features: list[Capability], every_feature: bool = False) -> Table:
     """Each feature of the suite: its cases, whether the candidate supports them (and its reason
-    where not), and the verdict of what it supports."""
+    where not), and the verdict of what it supports; `every_feature`: a case is under each feature
+    it has (a suite of pairs), which the title says."""
     # A reason given in more than one feature (a kernel with no backward: every case) is written
     # once, under the table, and named by its number in each.
     features_of: dict[str, set[str]] = {}
@@ -84,7 +85,8 @@ def capability_table(features: list[Capability]) -> Table:
               f"the {cap.feature} row holds the cases with no other feature, each other case is under its own"
               for cap in features if cap.in_every_case]  # fmt: skip
     caption = Text("\n".join(lines)) if lines else None
-    table = Table(title="capabilities", title_justify="left", header_style="bold", pad_edge=False, box=None, caption=caption,
+    title = "capabilities (each pair under every feature it has)" if every_feature else "capabilities"
+    table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False, box=None, caption=caption,
                   caption_justify="left")  # fmt: skip
     table.add_column("feature")
     table.add_column("cases", justify="right")
@@ -207,7 +209,7 @@ def suite_summary(result: SuiteResult, title: str, *, every_check: bool = False,
         parts: list[Any] = [Text(f"{title}  (per case and command: the worst ratio to what was allowed)", style="bold"), case_lines(result)]
     else:
         parts = [Text(title, style="bold"), command_counts(reports)]
-    parts.append(capability_table(capabilities(reports)))
+    parts.append(capability_table(capabilities(reports, every_feature=result.pairs), every_feature=result.pairs))
     # An unsupported check is in the capability table, with the candidate's reason.
     shown = reports if every_check else [r for r in reports if r.verdict not in (PASS, UNSUPPORTED)]
     if shown and (failing_rows or every_check):

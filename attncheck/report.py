@@ -410,6 +410,7 @@ class SuiteResult:
     reports: list[Report] = field(default_factory=list)
     skipped: list[Case] = field(default_factory=list)
     seconds: float = 0.0
+    pairs: bool = False  # a default suite's pairs: each case under every feature it has (`capabilities`)
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{n} {v}" for v, n in self.counts().items() if n)
@@ -472,9 +473,11 @@ class Capability:
     in_every_case: tuple[str, ...] = ()
 
 
-def capabilities(reports: list[Report]) -> list[Capability]:
+def capabilities(reports: list[Report], every_feature: bool = False) -> list[Capability]:
     """Each feature the reports exercise (their module kind's `features`, in order): supported or
-    not, and the verdict of what is supported."""
+    not, and the verdict of what is supported. A case is under its one feature (`feature_of`);
+    with `every_feature` (a suite of pairs) under each it has (`features_met`): `window-4-0+scale`
+    under both windows and numerics, so a row's verdict covers every pair its feature is in."""
     from attncheck.kinds import kind_of
 
     by_feature: dict[str, list[Report]] = {}
@@ -486,7 +489,9 @@ def capabilities(reports: list[Report]) -> list[Capability]:
     for report in reports:
         kind = kind_of(report.config)
         order += [name for name, _ in kind.features if name not in order]
-        by_feature.setdefault(kind.feature_of(report.config, in_every_case[kind.name]), []).append(report)
+        met = kind.features_met(report.config, in_every_case[kind.name]) if every_feature else [kind.feature_of(report.config, in_every_case[kind.name])]
+        for feature in met:
+            by_feature.setdefault(feature, []).append(report)
     everywhere = [name for name in order if any(name in names for names in in_every_case.values())]
     table = []
     for name in order:

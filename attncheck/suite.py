@@ -166,6 +166,7 @@ class Plan:
     commands: tuple[str, ...]
     jobs: list[Job]
     skipped: list[Case]
+    pairs: bool = False  # Suite.pairs
 
     def run(self, options: dict[str, Any] | None = None, *, workers: int = 1, progress: Progress | None = None,
             keep_evidence: bool = False, hung: HungChecks | None = None) -> SuiteResult:  # fmt: skip
@@ -173,7 +174,7 @@ class Plan:
         so far, for a caller whose runs are one (the pytest plugin's, a run per test); else this run's own."""
         start = time.perf_counter()
         reports = run_jobs(self.jobs, options or {}, workers=workers, progress=progress, keep_evidence=keep_evidence, hung=hung)
-        return SuiteResult(self.name, self.commands, reports, self.skipped, time.perf_counter() - start)
+        return SuiteResult(self.name, self.commands, reports, self.skipped, time.perf_counter() - start, pairs=self.pairs)
 
 
 def prepare(
@@ -185,7 +186,7 @@ def prepare(
     jobs, skipped = plan(suite, commands, impl=impl, overrides=overrides, impl_origin=impl_origin)
     check_candidates(jobs)
     check_devices(jobs)
-    return Plan(suite.name, commands, jobs, skipped)
+    return Plan(suite.name, commands, jobs, skipped, suite.pairs)
 
 
 _candidates: dict[str | None, Any] = {}

@@ -120,3 +120,25 @@ def test_attncheck_cases_gives_the_pairs_as_pytest_params_for_a_test_of_ones_own
         attncheck.cases("configs/causal.yaml", pairs=True)
     with pytest.raises(UsageError, match="module 'nope': expected one of"):
         attncheck.cases(module="nope", pairs=True)
+
+
+def test_the_capability_table_of_the_pairs_puts_each_pair_under_every_feature_it_has():
+    """A pair has two options: `window-4-0+scale` is under windows and numerics (the scale), so the
+    scale's row fails too, where one feature per case put every scale pair under its other option."""
+    from dataclasses import replace
+
+    from attncheck.render_suite import capability_table
+    from attncheck.report import capabilities
+
+    suite = pair_suite("sdpa")
+    chosen = replace(suite, cases=[case for case in suite.cases if case.name in ("window-4-0+scale", "gqa-6-2+scale", "window-4-0+alibi")])
+    result = prepare(chosen, ("forward",), impl=candidate_from_object(WindowIgnoresScale)).run()
+    assert result.pairs
+    rows = {cap.feature: cap for cap in capabilities(result.reports, every_feature=result.pairs)}
+    assert {name: set(rows[name].cases) for name in ("windows", "numerics")} == {
+        "windows": {"window-4-0+scale", "window-4-0+alibi"}, "numerics": {"window-4-0+scale", "gqa-6-2+scale"}}  # fmt: skip
+    assert (rows["windows"].verdict.value, rows["numerics"].verdict.value, rows["GQA"].verdict.value, rows["ALiBi"].verdict.value) == (
+        "fail", "fail", "pass", "pass")  # fmt: skip
+    one_each = {cap.feature: cap.cases for cap in capabilities(result.reports)}
+    assert sum(len(cases) for cases in one_each.values()) == 3 and "numerics" not in one_each
+    assert capability_table(list(rows.values()), every_feature=True).title == "capabilities (each pair under every feature it has)"

@@ -82,7 +82,7 @@ def pair_suite(module: str | None = None) -> Suite:
         if commands != ("forward",) and kind.nan_rows_reach_the_loss(cfg):
             commands = ("forward",)  # as the suite's fully-masked case: the NaN a correct candidate may give reaches every gradient
         cases.append(Case(pair, cfg, commands=commands))
-    return Suite(f"{data.get('name', name)}-pairs", source, cases)
+    return Suite(f"{data.get('name', name)}-pairs", source, cases, pairs=True)
 
 
 def _fit(first: dict[str, Any], second: dict[str, Any]) -> bool:

@@ -49,6 +49,7 @@ class Suite:
     name: str
     source: str
     cases: list[Case]
+    pairs: bool = False  # a default suite's cases merged two by two (attncheck.config.pairs)
 
 
 def load_suite(path: str | Path | None, module: str | None = None) -> Suite:
