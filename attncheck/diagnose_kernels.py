@@ -7,6 +7,7 @@ mask's alignment, the window, the softcap, ALiBi's formula).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,13 +32,16 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
     failing finite difference gets what its ratio says (`autodiff` as for _finite_difference): a
     kernel whose backward forgot the softmax scale, sqrt(D). A failing output is tried against the
     oracle's under other readings of the config (`reread`, `other_reading`), whatever its layout."""
+    second = kind_of(cfg).second_output
     for row in report.rows:
-        if reread is not None and row.parameter == "output" and row.status is FAIL and row.evidence is not None:
+        read = row.parameter == "output" or (second == "lse" and row.parameter == "lse")  # the LSE too: a float16 one's rounding words hid the scale
+        if reread is not None and read and row.status is FAIL and row.evidence is not None:
             c = np.asarray(row.evidence.candidate, dtype=np.float64)
             allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), c.shape)
-            reading = other_reading(cfg, c, allowed, reread)  # a rerun reproduces it: rounding cannot fit it
+            again = reread if row.parameter == "output" else functools.partial(reread, second=True)
+            reading = other_reading(cfg, c, allowed, again, what="LSE" if row.parameter == "lse" else "output")  # a rerun reproduces it: rounding cannot fit it
             if reading:
-                named = axes.get("output")
+                named = axes.get(row.parameter)
                 x = np.asarray(row.evidence.reference, dtype=np.float64)
                 where = _where(c, x, allowed, Layout(named), cfg, None) if named and x.shape == c.shape and x.ndim == len(named) else []
                 row.diagnosis = "; ".join([reading, *where])
@@ -162,12 +166,14 @@ def readings(cfg: Config) -> list[Reading]:
     return found + kind_of(cfg).readings(cfg)
 
 
-def other_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, reread: Callable[..., np.ndarray | None]) -> str:
+def other_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, reread: Callable[..., np.ndarray | None],
+                  what: str = "output") -> str:  # fmt: skip
     """A kernel's output that is the float64 oracle's under another reading of its config
     (`readings`) and not under its own: `reread(update, methods)` is the oracle's output on the
     check's workload with the config so updated and the reference's methods so replaced (None where
     not valid, or where the kind's reference has no such method). "" when none fits; each that
-    fits, where several do."""
+    fits, where several do. `what`: the array's name in the words (the output, or the LSE, which
+    `reread` then gives)."""
     own = reread({})
     if own is None or np.shape(own) != candidate.shape:
         return ""
@@ -184,5 +190,5 @@ def other_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, rerea
         if scale and reproduces(candidate, other, own, allowed, scale):
             found.append(words)
     if len(found) > 1:
-        return "ambiguous, the output fits each of: the oracle's with " + " | ".join(found)
-    return f"the output is the float64 oracle's with {found[0]}" if found else ""
+        return f"ambiguous, the {what} fits each of: the oracle's with " + " | ".join(found)
+    return f"the {what} is the float64 oracle's with {found[0]}" if found else ""

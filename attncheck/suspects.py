@@ -48,7 +48,7 @@ def fits(candidate: np.ndarray, transformed: np.ndarray, allowed: np.ndarray, sc
     if ok.sum() < max(1, candidate.size // 2):
         return False
     tol = np.maximum(allowed, rtol * scale)
-    return bool(np.all(np.abs(candidate - transformed)[ok] <= tol[ok]))
+    return bool(np.all(np.abs(candidate[ok] - transformed[ok]) <= np.broadcast_to(tol, ok.shape)[ok]))  # -inf - -inf (an LSE's empty row) left out
 
 
 def reproduces(candidate: np.ndarray, recomputed: np.ndarray, expected: np.ndarray, allowed: np.ndarray, scale: float,

@@ -623,6 +623,13 @@ def test_a_kernels_wrong_softmax_scale_is_named_with_the_scale_it_used():
     given = causal.model_copy(update={"scale": 0.7})
     [row] = run_check("forward", given, candidate_from_object(ScaleIgnored)).failures
     assert "(1/sqrt(D), the default: the given scale is ignored) where it is 0.7" in row.diagnosis, row.diagnosis
+    # The LSE is read too: in float16 its row read as rounding ("sum accumulated in float16") beside
+    # an output row that named the ignored scale (a new user's kernel, the pair scale+lse-gqa-causal).
+    half = given.model_copy(update={"dtype": "float16", "return_lse": True})
+    rows = {r.parameter: r.diagnosis for r in run_check("forward", half, candidate_from_object(ScaleIgnored)).failures}
+    assert rows["lse"].startswith("the LSE is the float64 oracle's with softmax scale 0.354 (1/sqrt(D), the default: the given scale "
+                                  "is ignored) where it is 0.7"), rows  # fmt: skip
+    assert rows["output"].startswith("the output is the float64 oracle's with softmax scale 0.354"), rows
     other = [r for r in run_check("forward", causal, candidate_from_object(CausalUpperLeft)).failures if r.parameter == "output"]  # no scale fits
     assert other and all("softmax scale" not in r.diagnosis for r in other), [r.diagnosis for r in other]
 

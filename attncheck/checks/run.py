@@ -124,8 +124,8 @@ class CheckRun:
         except CandidateProblem:
             return None
 
-    def reread(self, update: dict, methods: dict | None = None) -> np.ndarray | None:
-        """The float64 oracle's output on this workload under the config with `update` (another
+    def reread(self, update: dict, methods: dict | None = None, second: bool = False) -> np.ndarray | None:
+        """The float64 oracle's output (`second`: its second output, the LSE) on this workload under the config with `update` (another
         softmax scale, causal alignment, window or softcap: a function kind's keys), and with the
         reference's `methods` replaced where it has them (ALiBi's formula: `_alibi`), for the
         diagnosis to compare; None where that config is not valid, the reference lacks a method
@@ -140,10 +140,10 @@ class CheckRun:
         try:
             cfg = config_from_mapping({**self.cfg.model_dump(exclude_unset=True), **valid}, source="<diagnosis>").model_copy(update=aside)
             if not methods:
-                return oracle_forward(cfg, self.w)[0]
+                return oracle_forward(cfg, self.w)[int(second)]
             oracle, w64 = oracle_session(cfg), self.w.astype(np.float64)
             obj = kind_of(cfg).with_methods(cfg, oracle.build(w64.params), methods)
-            return None if obj is None else oracle.forward(obj, w64)[0]
+            return None if obj is None else oracle.forward(obj, w64)[int(second)]
         except (UsageError, CandidateProblem):
             return None
 
