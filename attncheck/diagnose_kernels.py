@@ -24,14 +24,18 @@ from attncheck.suspects import reproduces
 
 
 def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False,
-                 reread: Callable[..., np.ndarray | None] | None = None) -> None:
+                 reread: Callable[..., np.ndarray | None] | None = None,
+                 per_query_head: Callable[[], dict[str, np.ndarray] | None] | None = None) -> None:  # fmt: skip
     """A kind the diagnosis cannot read (its layouts are not a module's): for every failing row
     whose array's axes `axes` names (by the row's parameter), where its error lies (the heads,
     batch entries, rows it is confined to: a kernel's GQA grouping wrong in 2 of 6 query heads) and
     the relations that need no layout (a sign, a factor: an LSE in base 2 is 1/ln(2) x torch's). A
     failing finite difference gets what its ratio says (`autodiff` as for _finite_difference): a
     kernel whose backward forgot the softmax scale, sqrt(D). A failing output is tried against the
-    oracle's under other readings of the config (`reread`, `other_reading`), whatever its layout."""
+    oracle's under other readings of the config (`reread`, `other_reading`), whatever its layout; a
+    failing GQA key or value gradient against the query heads' own gradients grouped another way
+    (`per_query_head`, `gqa_grouping`)."""
+    expanded: list = []  # per_query_head's, computed once, for the first row that asks
     second = kind_of(cfg).second_output
     for row in report.rows:
         read = row.parameter == "output" or (second == "lse" and row.parameter == "lse")  # the LSE too: a float16 one's rounding words hid the scale
@@ -45,6 +49,13 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
                 x = np.asarray(row.evidence.reference, dtype=np.float64)
                 where = _where(c, x, allowed, Layout(named), cfg, None) if named and x.shape == c.shape and x.ndim == len(named) else []
                 row.diagnosis = "; ".join([reading, *where])
+                continue
+        if per_query_head is not None and row.parameter in ("key", "value") and row.section == "grad" and row.status is FAIL and row.evidence is not None:
+            if not expanded:
+                expanded.append(per_query_head())
+            grouping = gqa_grouping(row, cfg, (expanded[0] or {}).get(str(row.parameter)))
+            if grouping:
+                row.diagnosis = grouping
                 continue
         if row.section == "finite-diff" and row.status is FAIL and row.evidence is not None:
             row.diagnosis = _finite_difference(float(row.evidence.candidate), float(row.evidence.reference), cfg, autodiff)
@@ -60,6 +71,31 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
         allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), x.shape)
         relations = [words for family, words in _relation(c, x, allowed, cfg) if not (rounding and family == UNNAMED_FACTOR)]
         row.diagnosis = "; ".join(relations + ([] if rounding else _where(c, x, allowed, Layout(named), cfg, None))) or rounding
+
+
+def gqa_grouping(row, cfg: Config, every_head: np.ndarray | None) -> str:
+    """A GQA kernel's key or value gradient (B, Hkv, S, E) that is the query heads' own gradients
+    (`every_head`, (B, Hq, S, E): the oracle's with K and V repeated per query head) summed by
+    h % Hkv, where GQA's key-value head r serves the consecutive query heads r*g .. r*g + g - 1
+    (g = Hq / Hkv): a hand-written backward reducing to the wrong head (a red-team kernel, on its
+    windowed path alone, read only "only in heads ..."). "" where that does not fit."""
+    Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
+    c = np.asarray(row.evidence.candidate, dtype=np.float64)
+    if every_head is None or every_head.ndim != 4 or c.shape != every_head.shape[:1] + (Hkv,) + every_head.shape[2:]:
+        return ""
+    g = Hq // Hkv
+    B, _, S, E = every_head.shape
+    grouped = every_head.reshape(B, Hkv, g, S, E).sum(axis=2)
+    modulo = every_head.reshape(B, g, Hkv, S, E).sum(axis=1)
+    allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), c.shape)
+    finite = np.isfinite(grouped)
+    scale = float(np.abs(grouped[finite]).max()) if finite.any() else 0.0
+    if not scale or not reproduces(c, modulo, grouped, allowed, scale):
+        return ""
+    d = "dK" if row.parameter == "key" else "dV"
+    heads = ", ".join(str(h) for h in range(0, Hq, Hkv))
+    return (f"{d} is the float64 oracle's with the query heads' gradients summed by h % Hkv (key-value head 0 gets query heads "
+            f"{heads}), where GQA's key-value head r serves the consecutive query heads r*{g} .. r*{g} + {g - 1} (Hq={Hq}, Hkv={Hkv})")
 
 
 def _alibi_without_abs(self, slopes: np.ndarray, L: int, S: int, positions: np.ndarray) -> np.ndarray:

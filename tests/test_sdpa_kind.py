@@ -742,6 +742,28 @@ def test_a_kernels_alibi_offset_taken_as_its_absolute_value_is_named():
     assert run_check("forward", cfg, candidate_from_object(AlibiOffsetAbs)).passed  # S > L: |S - L| is S - L
 
 
+def test_a_gqa_backward_summing_the_query_heads_by_h_mod_hkv_is_named():
+    # A red-team kernel's hand-written backward reduced dK and dV by h % Hkv (on its windowed path,
+    # the pair gqa-6-2+window-4-0): read only "only in heads ...". Its forward is right.
+    from attncheck.testing.dense_sdpa import DenseSDPA
+    from attncheck.testing.wrong_kernels import GqaGradFromOneHead
+
+    class GradsByModulo(DenseSDPA):
+        def _group_sum(self, grads, heads, Hkv):
+            B, Hq, S, X = grads.shape
+            return grads.reshape(B, Hq // Hkv, Hkv, S, X).sum(axis=1)  # should group consecutive heads
+
+    cfg = config_from_mapping({"module": "sdpa", "num_heads": 6, "num_kv_heads": 2, "tgt_len": 5, "src_len": 7, "head_dim": 8})
+    rows = {r.parameter: r.diagnosis for r in run_check("grad", cfg, candidate_from_object(GradsByModulo)).failures if r.section == "grad"}
+    assert set(rows) == {"key", "value"}, rows
+    assert rows["key"].startswith("dK is the float64 oracle's with the query heads' gradients summed by h % Hkv (key-value head 0 "
+                                  "gets query heads 0, 2, 4), where GQA's key-value head r serves the consecutive query heads "
+                                  "r*3 .. r*3 + 2 (Hq=6, Hkv=2)"), rows  # fmt: skip
+    assert rows["value"].startswith("dV is the float64 oracle's with the query heads' gradients summed by h % Hkv"), rows
+    other = [r.diagnosis for r in run_check("grad", cfg, candidate_from_object(GqaGradFromOneHead)).failures if r.section == "grad"]
+    assert other and not any("h % Hkv" in d for d in other), other  # another GQA bug is not read as this one
+
+
 def test_the_repeat_call_at_a_large_size_expects_its_own_inputs_shape():
     # Past LARGE_LOGITS the repeat call runs on inputs REPEAT_LENGTH long; the output shape it
     # expected was the config's (L = 2048), so torch's own SDPA failed 'repeat call: shape'.

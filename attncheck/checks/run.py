@@ -147,6 +147,24 @@ class CheckRun:
         except (UsageError, CandidateProblem):
             return None
 
+    def per_query_head_gradients(self) -> dict[str, np.ndarray] | None:
+        """module: sdpa with GQA: the float64 oracle's key and value gradients with K and V repeated
+        for each query head (Hkv = Hq: (B, Hq, S, E)), for the diagnosis to group another way than
+        GQA's consecutive heads; None for other configs, or where that config is not valid."""
+        cfg, w = self.cfg, self.w
+        Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
+        if kind_of(cfg).name != "sdpa" or Hq == Hkv:
+            return None
+        from attncheck.checks.grad import oracle_gradients
+
+        try:
+            every = config_from_mapping({**cfg.model_dump(exclude_unset=True), "num_kv_heads": Hq}, source="<diagnosis>")
+        except UsageError:
+            return None
+        repeated = dataclasses.replace(w, key=np.repeat(w.key, Hq // Hkv, axis=1), value=np.repeat(w.value, Hq // Hkv, axis=1))
+        grads = oracle_gradients(every, repeated)[0][2]
+        return {name: grads[name] for name in ("key", "value") if grads.get(name) is not None}
+
     def session(self) -> Session:
         """The candidate's session, in the config's dtype."""
         self.sessions.append(session_for(self.cfg, self.candidate))
@@ -169,7 +187,7 @@ class CheckRun:
         if not kind.diagnosable:  # where the kind names its axes, and the finite differences (packed, decode kinds too)
             # A NumPy kernel's gradients are its own backward's; a torch or JAX one's may be autograd's or a custom rule's.
             where_report(self.report, self.cfg, kind.where_axes, autodiff=False if self.report.framework == "numpy" else None,
-                         reread=self.reread)
+                         reread=self.reread, per_query_head=self.per_query_head_gradients)
         else:
             diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun,
                             autodiff=by_autograd(self.cfg, self.candidate))  # fmt: skip
