@@ -150,7 +150,7 @@ def _run(
             if pairs:
                 from attncheck.config.pairs import pair_case_names
 
-                names = pair_case_names(suite, names)
+                names = pair_case_names(suite, names, None if module is None else module.value)
             suite = replace(suite, cases=chosen_cases(suite, names))
         one_case = len(suite.cases) == 1 and suite.cases[0].config is not None  # rendered as full reports
         label = suite.name
@@ -456,6 +456,8 @@ def main(argv: list[str] | None = None) -> None:
         _interrupted()
         code = EXIT_INTERRUPTED
     except typer.TyperException as e:  # a usage error found while parsing the command line
+        if isinstance(getattr(e, "message", None), str):  # typer coerces an enum through pydantic, which prefixes its words
+            e.message = e.message.removeprefix("Value error, ")
         show = getattr(e, "show", None)
         show() if show else typer.echo(f"error: {e.format_message()}", err=True)
         code = EXIT_USAGE

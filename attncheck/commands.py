@@ -70,12 +70,13 @@ def options_for(name: str, options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k in COMMANDS[name].options}
 
 
-def parse_commands(spec: str) -> tuple[str, ...]:
-    """'forward,grad' as command names in the canonical order; unknown names are a UsageError."""
+def parse_commands(spec: str, option: str = "--only") -> tuple[str, ...]:
+    """'forward,grad' as command names in the canonical order; unknown names are a UsageError naming
+    `option` (the command line's --only, attncheck.cases' commands=)."""
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in COMMANDS]
     if unknown or not names:
         meant = [m for m in (nearest(n, NAMES) for n in unknown) if m]
         hint = f" (did you mean {', '.join(meant)}?)" if meant else ""
-        raise UsageError(f"--only {spec!r}: unknown command {', '.join(map(repr, unknown)) or '(none)'}{hint}; choose from {', '.join(NAMES)}")
+        raise UsageError(f"{option} {spec!r}: unknown command {', '.join(map(repr, unknown)) or '(none)'}{hint}; choose from {', '.join(NAMES)}")
     return tuple(c for c in NAMES if c in names)

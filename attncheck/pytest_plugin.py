@@ -182,7 +182,7 @@ def cases(suite: str | PathLike | None = None, impl: Any = None, commands: str |
     from attncheck.errors import UsageError
     from attncheck.suite import commands_for
 
-    names = parse_commands(commands if isinstance(commands, str) else ",".join(commands or NAMES))
+    names = parse_commands(commands if isinstance(commands, str) else ",".join(commands or NAMES), option="commands=")
     params = []
     if pairs and suite is not None:
         raise UsageError(f"pairs=True merges the default suite's cases two by two: leave the suite ({suite}) out")
@@ -224,7 +224,7 @@ class SuiteFile(pytest.File):
         from attncheck.suite import commands_for
 
         try:
-            commands = parse_commands(",".join(self.config.getini("attncheck_commands")))
+            commands = parse_commands(",".join(self.config.getini("attncheck_commands")), option="attncheck_commands")
             suite = load_suite(self.path)
         except UsageError as exc:  # one clear message per problem, no traceback
             raise self.CollectError(str(exc)) from None

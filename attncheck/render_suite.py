@@ -85,7 +85,8 @@ def capability_table(features: list[Capability], every_feature: bool = False) ->
               f"the {cap.feature} row holds the cases with no other feature, each other case is under its own"
               for cap in features if cap.in_every_case]  # fmt: skip
     caption = Text("\n".join(lines)) if lines else None
-    title = "capabilities (each pair under every feature it has)" if every_feature else "capabilities"
+    title = ("capabilities (each pair under every feature it has: a pair unsupported for one of its options is listed in each)"
+             if every_feature else "capabilities")  # fmt: skip
     table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False, box=None, caption=caption,
                   caption_justify="left")  # fmt: skip
     table.add_column("feature")
@@ -225,7 +226,8 @@ def command_counts(reports: list[Report]) -> Table:
     table.add_column("command", no_wrap=True)
     table.add_column("checks", justify="right", no_wrap=True)
     table.add_column("pass", justify="right", no_wrap=True)
-    table.add_column("not pass", justify="right", no_wrap=True)
+    table.add_column("unsupported", justify="right", no_wrap=True)
+    table.add_column("not pass", justify="right", no_wrap=True)  # fail, inconclusive, not run
     table.add_column("closest to its limit among passing checks", overflow="fold")
     for command in dict.fromkeys(r.command for r in reports):
         mine = [r for r in reports if r.command == command]
@@ -235,8 +237,10 @@ def command_counts(reports: list[Report]) -> Table:
         if passing:
             report, worst = max(passing, key=lambda p: p[1].ratio)
             closest = f"{_breakable(report.name)}: {worst.section} {worst.quantity} at {worst.ratio:.2g}x of allowed"
-        failing = len(mine) - sum(r.passed for r in mine)
-        table.add_row(command, str(len(mine)), str(len(mine) - failing),
+        passed = sum(r.passed for r in mine)
+        unsupported = sum(r.verdict is UNSUPPORTED for r in mine)  # the candidate's declaration, not a failure
+        failing = len(mine) - passed - unsupported
+        table.add_row(command, str(len(mine)), str(passed), Text(str(unsupported), style=STATUS_STYLE[UNSUPPORTED] if unsupported else ""),
                       Text(str(failing), style=STATUS_STYLE[FAIL] if failing else ""), Text(closest))  # fmt: skip
     return table
 

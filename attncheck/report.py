@@ -485,7 +485,10 @@ def capabilities(reports: list[Report], every_feature: bool = False) -> list[Cap
     cases: dict[str, dict[str, Config]] = {}  # by kind, each case's config
     for report in reports:
         cases.setdefault(kind_of(report.config).name, {})[report.name] = report.config
-    in_every_case = {kind: kind_of(next(iter(c.values()))).features_in_every_case(list(c.values())) for kind, c in cases.items()}
+    # A feature every case has is left out of feature_of's choice (it would hold every case); under
+    # every feature a case has (`every_feature`) none is: a run of the ALiBi pairs lists them under ALiBi.
+    in_every_case = {kind: frozenset() if every_feature else kind_of(next(iter(c.values()))).features_in_every_case(list(c.values()))
+                     for kind, c in cases.items()}  # fmt: skip
     for report in reports:
         kind = kind_of(report.config)
         order += [name for name, _ in kind.features if name not in order]

@@ -141,4 +141,46 @@ def test_the_capability_table_of_the_pairs_puts_each_pair_under_every_feature_it
         "fail", "fail", "pass", "pass")  # fmt: skip
     one_each = {cap.feature: cap.cases for cap in capabilities(result.reports)}
     assert sum(len(cases) for cases in one_each.values()) == 3 and "numerics" not in one_each
-    assert capability_table(list(rows.values()), every_feature=True).title == "capabilities (each pair under every feature it has)"
+    assert capability_table(list(rows.values()), every_feature=True).title.startswith("capabilities (each pair under every feature it has")
+
+
+def test_case_names_two_cases_that_make_no_pair_and_says_why():
+    """`--case alibi+alibi-causal` named a pair the suite never makes; it suggested an unrelated one
+    (`did you mean softcap+alibi-causal?`), where the rule it meets is the answer."""
+    runner = CliRunner()
+    said = {}
+    for pair in ("alibi+alibi-causal", "float64+float16-gqa-causal", "plain+alibi"):
+        result = runner.invoke(app, ["forward", "--pairs", "--module", "sdpa", "--case", pair])
+        assert result.exit_code == 2, result.output
+        said[pair] = result.output.strip()
+    assert said == {
+        "alibi+alibi-causal": "error: --case 'alibi+alibi-causal': alibi and alibi-causal make no pair: alibi-causal has every "
+                              "option alibi sets: their pair would be alibi-causal itself",
+        "float64+float16-gqa-causal": "error: --case 'float64+float16-gqa-causal': float64 and float16-gqa-causal make no pair: the "
+                                      "two set dtype to different values ('float64' and 'float16'): neither's option would be what it was",
+        "plain+alibi": "error: --case 'plain+alibi': plain and alibi make no pair: plain sets no option of its own: its pair would "
+                       "be the other case",
+    }  # fmt: skip
+
+
+def test_a_passing_run_of_the_pairs_counts_unsupported_checks_apart_from_those_that_did_not_pass():
+    """The pairs' summary is counts per command: a new user read 72 unsupported checks under
+    "not pass" as failures."""
+    from attncheck.render_suite import command_counts
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class NoWindow(DenseSDPA):
+        def forward(self, *args, window_size=None, **kwargs):
+            if window_size is not None:
+                raise NotImplementedError("no window")
+            return super().forward(*args, **kwargs)
+
+    from dataclasses import replace
+
+    suite = pair_suite("sdpa")
+    chosen = replace(suite, cases=[case for case in suite.cases if case.name in ("window-4-0+scale", "gqa-6-2+scale")])
+    result = prepare(chosen, ("forward",), impl=candidate_from_object(NoWindow)).run()
+    table = command_counts(result.reports)
+    columns = {column.header: list(column.cells) for column in table.columns}
+    assert (columns["checks"], columns["pass"], [str(c) for c in columns["unsupported"]], [str(c) for c in columns["not pass"]]) == (
+        ["2"], ["1"], ["1"], ["0"])  # fmt: skip

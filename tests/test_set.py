@@ -135,3 +135,14 @@ def test_a_key_a_case_sets_itself_that_a_setting_contradicts_is_named_as_one_to_
     assert code == 0, out
     code, out = run("forward", "--set", "num_heads=4")  # the setting's own key: nothing to add
     assert code == 2 and "override it too" not in out
+
+
+def test_a_bad_choice_is_named_without_the_parsers_prefix(capsys):
+    """typer coerces an enum through pydantic, whose message began "Value error, "."""
+    from attncheck.cli import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(["run", "--module", "sdpaa"])
+    output = capsys.readouterr().err
+    assert ended.value.code == 2 and "Invalid value for '--module': 'sdpaa' is not one of 'multihead_attention'" in output, output
+    assert "Value error" not in output and "Traceback" not in output, output

@@ -45,10 +45,10 @@ from attncheck.errors import UsageError
 _NOT_OPTIONS = ("name", "commands", "probes")
 
 
-def pair_suite(module: str | None = None) -> Suite:
-    """The pairs of the embedded default suite of `module` (None: multihead_attention's), in the
-    suite's order: each case with every case after it."""
-    from attncheck.kinds import kind_of, kinds
+def _default_suite(module: str | None) -> tuple[dict, str, str, list[tuple[str, dict, list[str] | None]]]:
+    """The embedded default suite of `module`: its defaults (probes left out), source, name, and
+    each case's (name, overrides, commands)."""
+    from attncheck.kinds import kinds
 
     if module is not None and module not in kinds():
         raise UsageError(f"module {module!r}: expected one of {', '.join(kinds())}")
@@ -63,11 +63,20 @@ def pair_suite(module: str | None = None) -> Suite:
     if module is not None:
         defaults.setdefault("module", module)
     entries = [(entry["name"], {k: v for k, v in entry.items() if k not in _NOT_OPTIONS}, entry.get("commands")) for entry in data["cases"]]
+    return defaults, source, data.get("name", name), entries
+
+
+def pair_suite(module: str | None = None) -> Suite:
+    """The pairs of the embedded default suite of `module` (None: multihead_attention's), in the
+    suite's order: each case with every case after it."""
+    from attncheck.kinds import kind_of
+
+    defaults, source, name, entries = _default_suite(module)
     cases = []
     for (a, first, a_commands), (b, second, b_commands) in itertools.combinations(entries, 2):
-        commands = _common(a_commands, b_commands)
-        if not _fit(first, second) or commands == ():
+        if _unpaired((a, first, a_commands), (b, second, b_commands)):
             continue
+        commands = _common(a_commands, b_commands)
         pair = f"{a}+{b}"
         try:
             cfg = config_from_mapping({**defaults, **first, **second, "name": pair}, source)
@@ -82,14 +91,34 @@ def pair_suite(module: str | None = None) -> Suite:
         if commands != ("forward",) and kind.nan_rows_reach_the_loss(cfg):
             commands = ("forward",)  # as the suite's fully-masked case: the NaN a correct candidate may give reaches every gradient
         cases.append(Case(pair, cfg, commands=commands))
-    return Suite(f"{data.get('name', name)}-pairs", source, cases, pairs=True)
+    return Suite(f"{name}-pairs", source, cases, pairs=True)
 
 
-def _fit(first: dict[str, Any], second: dict[str, Any]) -> bool:
-    """Whether two cases' overrides make a pair that is neither case (see the module's docstring)."""
-    if not first or not second or first.items() <= second.items() or second.items() <= first.items():
-        return False
-    return all(second[key] == value for key, value in first.items() if key in second)
+def no_pair(module: str | None, first: str, second: str) -> str | None:
+    """Why the default suite of `module` has no pair of its cases `first` and `second` (in either
+    order), by the rules of the module's docstring; None where either is no case of it, or the pair is made."""
+    entries = {entry[0]: entry for entry in _default_suite(module)[3]}
+    if first not in entries or second not in entries or first == second:
+        return None
+    return _unpaired(entries[first], entries[second])
+
+
+def _unpaired(first: tuple[str, dict[str, Any], list[str] | None], second: tuple[str, dict[str, Any], list[str] | None]) -> str | None:
+    """Why two cases, each (name, overrides, commands), make no pair (see the module's docstring);
+    None where they make one."""
+    (a_name, a, a_commands), (b_name, b, b_commands) = first, second
+    for case, options in ((a_name, a), (b_name, b)):
+        if not options:
+            return f"{case} sets no option of its own: its pair would be the other case"
+    if a.items() <= b.items() or b.items() <= a.items():
+        inner, outer = (a_name, b_name) if a.items() <= b.items() else (b_name, a_name)
+        return f"{outer} has every option {inner} sets: their pair would be {outer} itself"
+    for key, value in a.items():
+        if key in b and b[key] != value:
+            return f"the two set {key} to different values ({value!r} and {b[key]!r}): neither's option would be what it was"
+    if _common(a_commands, b_commands) == ():
+        return f"the two have no command in common ({', '.join(a_commands or [])}; {', '.join(b_commands or [])})"
+    return None
 
 
 def _common(first: list[str] | None, second: list[str] | None) -> tuple[str, ...] | None:
@@ -99,10 +128,11 @@ def _common(first: list[str] | None, second: list[str] | None) -> tuple[str, ...
     return tuple(c for c in first if c in second)
 
 
-def pair_case_names(suite: Suite, names: str) -> str:
-    """`--case` for the pairs (comma-separated): a pair's name in either order (`scale+window-4-0` is
-    `window-4-0+scale`), and a default case's own name for every pair it is in (`--case scale`: scale
-    beside every other option). A name neither is left as it is, for --case's own error."""
+def pair_case_names(suite: Suite, names: str, module: str | None = None) -> str:
+    """`--case` for the pairs of `module`'s default suite (comma-separated): a pair's name in either
+    order (`scale+window-4-0` is `window-4-0+scale`), and a default case's own name for every pair it
+    is in (`--case scale`: scale beside every other option). Two of its cases that make no pair are
+    a UsageError saying why; any other name is left as it is, for --case's own error."""
     known = {case.name for case in suite.cases}
     chosen: list[str] = []
     for name in (part.strip() for part in names.split(",")):
@@ -111,6 +141,8 @@ def pair_case_names(suite: Suite, names: str) -> str:
             chosen.append(name)
         elif plus and f"{second}+{first}" in known:
             chosen.append(f"{second}+{first}")
+        elif plus and (why := no_pair(module, first, second)):
+            raise UsageError(f"--case {name!r}: {first} and {second} make no pair: {why}")
         else:
             chosen.extend([case.name for case in suite.cases if name in case.name.split("+")] or [name])
     return ",".join(dict.fromkeys(chosen))
