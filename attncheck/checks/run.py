@@ -155,14 +155,16 @@ class CheckRun:
         Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
         if kind_of(cfg).name != "sdpa" or Hq == Hkv:
             return None
-        from attncheck.checks.grad import oracle_gradients
+        from attncheck.checks.grad import run_grad
 
         try:
             every = config_from_mapping({**cfg.model_dump(exclude_unset=True), "num_kv_heads": Hq}, source="<diagnosis>")
-        except UsageError:
+            w64 = w.astype(np.float64)
+            repeated = dataclasses.replace(w64, key=np.repeat(w64.key, Hq // Hkv, axis=1), value=np.repeat(w64.value, Hq // Hkv, axis=1))
+            session = oracle_session(every)
+            grads = run_grad(session, oracle_config(every), repeated, session.build(repeated.params))[2]
+        except (UsageError, CandidateProblem):
             return None
-        repeated = dataclasses.replace(w, key=np.repeat(w.key, Hq // Hkv, axis=1), value=np.repeat(w.value, Hq // Hkv, axis=1))
-        grads = oracle_gradients(every, repeated)[0][2]
         return {name: grads[name] for name in ("key", "value") if grads.get(name) is not None}
 
     def session(self) -> Session:
