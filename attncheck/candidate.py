@@ -215,6 +215,7 @@ class Session:
         self.cfg, self.candidate = cfg, candidate
         self.findings: list[str] = []  # contract breaches: failing rows
         self.notes: list[str] = []  # what the report should say about the calls, e.g. conversions
+        self.printed: list[str] = []  # what the candidate printed during its calls (a process of its own only: RemoteSession)
         # Whether its last gradients were autograd's (a torch or JAX object without backward()): then
         # one autograd does not give is judged as zero (checks.run.by_autograd, for a factory function's objects).
         self.autograd = False

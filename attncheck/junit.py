@@ -3,7 +3,8 @@
 One <testsuite>; one <testcase classname="attncheck.COMMAND" name="CASE"> per case x command.
 A failing case carries <failure message=...> with one line per failing row; an inconclusive one
 an <error> (CI must stop: nothing was proven); a case the candidate declares unsupported, and a
-skipped case, carry <skipped message=REASON/>.
+skipped case, carry <skipped message=REASON/>; what the candidate printed during a check's calls,
+<system-out>.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def to_junit(result: SuiteResult) -> str:
             ET.SubElement(case, "error", message=f"inconclusive: {message}", type="inconclusive")
         elif report.verdict is UNSUPPORTED:
             ET.SubElement(case, "skipped", message="unsupported: " + "; ".join(r.note for r in report.rows_with(UNSUPPORTED)))
+        if report.printed:  # what the candidate printed, where CI shows a test's output (escaped: attncheck.errors.clean)
+            ET.SubElement(case, "system-out").text = "\n".join(report.printed)
     for skipped in result.skipped:
         for command in ran:
             case = ET.SubElement(suite, "testcase", classname=f"attncheck.{command}", name=skipped.name, time="0")

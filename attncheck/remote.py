@@ -325,6 +325,7 @@ class RemoteSession:
         self.cfg, self.candidate, self.bulk = cfg, candidate, bulk
         self.findings: list[str] = []
         self.notes: list[str] = []
+        self.printed: list[str] = []  # candidate.Session.printed: each call's, escaped and cut (PRINTED_LIMIT)
         self.autograd = False  # candidate.Session.autograd, as the candidate's process told it
         self.process = process_for(candidate.spec)
         self.sid = next(_SESSIONS)
@@ -356,7 +357,7 @@ class RemoteSession:
                 finally:
                     printed = self.process.printed()
                     if printed:
-                        self.notes.append(f"the candidate printed: {printed}")
+                        self.printed.append(printed)
                 pending = 0 if reply.get("error") is not None else pending - 1
                 self._raise_error(reply, what)
                 self.findings[:] = [clean(f, lines=False) for f in reply.get("findings", [])]

@@ -311,12 +311,12 @@ def report_parts(report: Report, width: int | None, *, tracebacks: bool = False,
     cut to a screen) the notes, each clipped to NOTE_LINES, and the details of `detailed` rows come
     right after the header, where a cut cannot reach them, and the tables hold only the rows that did not pass, a line counting the others."""
     tables = section_tables(report, width, failing_only=detailed is not None)
-    notes = [Text(f"note: {n}", style="dim") for n in report.notes]
+    notes = [Text(f"note: {n}", style="dim") for n in report.note_lines]
     if detailed is None:
         parts: list[Any] = [header(report), *tables]
     else:  # the notes first: they carry the remedies (a cut hid "To have them judged ...", and then a
         # layer's "loaded with load_state_dict ...: adapt.bind" under the details of its first two rows)
-        clipped = [Text(f"note: {clipped_note(n, width and width - 6)}", style="dim") for n in report.notes]  # "note: "
+        clipped = [Text(f"note: {clipped_note(n, width and width - 6)}", style="dim") for n in report.note_lines]  # "note: "
         parts = [header(report), *clipped, *details(report, detailed), *tables]
         agreeing = sum(r.status is PASS for r in report.rows)
         if agreeing:

@@ -143,8 +143,9 @@ class Quantity:
 # Changes whenever a key is dropped or renamed or a value's meaning changes (docs/reference/reports.md):
 # 3 gave a call with no answer in time its own reason, `timeout` (it was `call`), and added `not run`;
 # 4 gave an array of the wrong shape returned in grad or sgd-step the reason `shape` (it was `call`);
-# 5 keeps in `config` the keys of the module under check only (Config.own_keys).
-JSON_SCHEMA_VERSION = 5
+# 5 keeps in `config` the keys of the module under check only (Config.own_keys);
+# 6 moved what the candidate printed from `notes` to `printed` (Report.printed).
+JSON_SCHEMA_VERSION = 6
 
 
 @dataclass
@@ -304,6 +305,21 @@ class Report:
     losses: list[LossStep] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # What the candidate printed during the check's calls, in call order (each call's first
+    # PRINTED_LIMIT characters, escaped: attncheck.remote): shown as a note, JUnit's system-out.
+    printed: list[str] = field(default_factory=list)
+
+    @property
+    def note_lines(self) -> list[str]:
+        """The notes as shown, each printed chunk after them as one: "the candidate printed: ..."."""
+        return [*self.notes, *(f"the candidate printed: {chunk}" for chunk in self.printed)]
+
+    def take_from(self, session) -> None:
+        """A candidate session's notes and printed output, moved to the report (each printed chunk
+        once: the session's list is emptied)."""
+        self.notes.extend(n for n in session.notes if n not in self.notes)
+        self.printed.extend(session.printed)
+        session.printed.clear()
 
     @property
     def verdict(self) -> Status:
@@ -358,14 +374,15 @@ class Report:
 
     def failure_message(self) -> str:
         """Why the check did not pass: each failing, inconclusive or unsupported row in
-        `failure_lines`' shape, and the notes where nothing failed outright (they say why)."""
+        `failure_lines`' shape, and the notes where nothing failed outright (they say why); what the
+        candidate printed always (its own debugging output, as pytest shows a test's)."""
         lines = [self.summary_line()]
         for row in self.rows:
             if row.status in (FAIL, INCONCLUSIVE, UNSUPPORTED):
                 head, *rest = failure_lines(row)
                 lines += [f"  {head}" + ("" if row.failed else f" [{row.status}]"), *(f"    {line}" for line in rest)]
-        if not self.failures:
-            lines += [f"  note: {note}" for note in self.notes]
+        shown = self.note_lines if not self.failures else [f"the candidate printed: {chunk}" for chunk in self.printed]
+        lines += [f"  note: {note}" for note in shown]
         return "\n".join(lines)
 
     def assert_passed(self, *, allow_unsupported: bool = False) -> None:
@@ -396,6 +413,7 @@ class Report:
             "rows": [r.to_dict() for r in self.rows],
             "losses": [{k: _json_float(v) for k, v in asdict(s).items()} for s in self.losses],
             "notes": list(self.notes),
+            "printed": list(self.printed),
             "timing": {"seconds": round(self.seconds, 4)},
         }
 

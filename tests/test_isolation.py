@@ -304,9 +304,14 @@ def test_what_a_candidate_printed_before_it_raised_is_kept(tmp_path):
     (tmp_path / "prints.py").write_text("from attncheck.reference import MultiheadAttention\n\n\nclass Prints(MultiheadAttention):\n"
                                         "    def forward(self, *args, **kwargs):\n        print('DEBUG: shapes look fine')\n"
                                         "        raise ValueError('boom')\n")  # fmt: skip
+    from attncheck.junit import to_junit
+    from attncheck.report import SuiteResult
+
     for command in ("forward", "grad"):
         report = attncheck.check(None, command, impl=f"{tmp_path / 'prints.py'}:Prints")
-        assert report.verdict == "fail" and any("the candidate printed: DEBUG: shapes look fine" in n for n in report.notes), (command, report.notes)
+        assert report.verdict == "fail" and [chunk.strip() for chunk in report.printed] == ["DEBUG: shapes look fine"], (command, report.printed)
+        assert "the candidate printed: DEBUG: shapes look fine" in report.failure_message() and report.to_dict()["printed"] == report.printed
+        assert "<system-out>DEBUG: shapes look fine" in to_junit(SuiteResult("s", (command,), [report]))  # where CI shows a test's output
 
 
 def test_a_huge_message_that_escapes_the_candidates_calls_is_bounded_too(tmp_path):

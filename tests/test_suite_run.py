@@ -130,7 +130,7 @@ def test_suite_json(suites, tmp_path):
     out = tmp_path / "r.json"
     run("run", "-c", suites["failing"], "--json", out)
     data = json.loads(out.read_text())
-    assert data["schema"] == 5 and data["suite"] == "tiny" and data["verdict"] == "fail"
+    assert data["schema"] == 6 and data["suite"] == "tiny" and data["verdict"] == "fail"
     assert len(data["results"]) == (MATRIX_RUNNABLE + 1) * 3
     assert [s["case"] for s in data["skipped"]] == ["add_bias_kv=true,is_causal=true"]
     assert "is_causal" in data["skipped"][0]["reason"]

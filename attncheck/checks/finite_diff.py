@@ -206,7 +206,8 @@ def _lse_not_float64(cfg, w64: Workload, out0, second0, values: dict, nudged: li
 
 
 def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, strict: bool = False, grads_nan: bool = False,
-                           notes: list[str] | None = None, logit_magnitude: float = 0.0, grad_scale: float = 0.0,
+                           notes: list[str] | None = None, printed: list[str] | None = None, logit_magnitude: float = 0.0,
+                           grad_scale: float = 0.0,
                            forward_agrees: bool = True, autograd: bool = False) -> list[Row]:  # fmt: skip
     """One direction per reported quantity (rows that localize), or at large sizes (Config.is_large)
     one joint direction over all of them (a row that proves), where each float64 forward costs
@@ -216,7 +217,8 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
     `grads64` are the candidate's float64 gradients when the check already has them; `oracle` the
     oracle's (output, loss, gradients), which are the built-in reference's own; `autograd`: the
     check's session took them with autograd (run.by_autograd, Session.autograd). JOINT_NOTE goes to
-    `notes` when the joint direction is taken, and so does what the session notes of its calls.
+    `notes` when the joint direction is taken, and so does what the session notes of its calls;
+    what the candidate printed in them goes to `printed`.
 
     What a row allows is the gradient rule's model of rounding, in float64: the loss's rounding
     relative to its terms, its logits' terms (`logit_magnitude`, FD_LOGIT_ULPS) and a float
@@ -383,3 +385,5 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
     finally:
         if notes is not None:  # what the session says of its calls (a JAX call not compiled, say)
             notes.extend(n for n in session.notes if n not in notes)
+        if printed is not None:
+            printed.extend(session.printed)

@@ -37,7 +37,7 @@ def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bo
         out, weights = session.forward(obj, w)
     except CandidateProblem as err:
         return run.ended_at("forward", err)
-    report.notes.extend(session.notes)
+    report.take_from(session)
     output_row = compare_output("forward", cfg, w, out, t_out, rule, o_out, also=(t_other,))
     report.rows.append(output_row)
     returned = {"output": out.dtype}

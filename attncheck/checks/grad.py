@@ -145,7 +145,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
         out, loss, grads = run_grad(session, cfg, w, obj)
     except CandidateProblem as err:
         return run.ended_at("grad", err)
-    report.notes.extend(session.notes)
+    report.take_from(session)
     o_out, o_loss, o_grads = oracle if grad_rule.needs_oracle else (None, None, None)
     o_grads = None if o_grads is None else all_gradients(cfg, o_grads)
     # torch's output comes from the path its gradients were taken on (ModuleKind.gradient_config).
@@ -209,7 +209,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
     del obj  # nor the candidate's, through the float64 finite differences
     report.rows.extend(finding_rows("grad", session))
     report.rows.extend(finite_difference_rows(cfg, run.candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict,
-                                              spread, notes=report.notes, logit_magnitude=logits, grad_scale=grad_scale,
+                                              spread, notes=report.notes, printed=report.printed, logit_magnitude=logits, grad_scale=grad_scale,
                                               forward_agrees=all(r.status == PASS for r in (output_row, loss_row)), autograd=autograd))  # fmt: skip
     if spread and report.rows_with(INCONCLUSIVE):
         report.notes.append(NAN_SPREAD_REMEDY if not cfg.is_function else NAN_SPREAD_REMEDY_KERNEL)

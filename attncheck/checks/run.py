@@ -176,9 +176,8 @@ class CheckRun:
         """The check ends at a candidate call that raised, with what its session noted (what the
         candidate printed before it raised: the debug lines were lost with the call)."""
         self.report.rows.append(call_row(section, "candidate", err))
-        for note in (n for session in self.sessions for n in session.notes):
-            if note not in self.report.notes:
-                self.report.notes.append(note)
+        for session in self.sessions:
+            self.report.take_from(session)
         return self.finish()
 
     def finish(self) -> Report:

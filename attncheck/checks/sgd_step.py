@@ -132,7 +132,7 @@ def check_sgd(cfg: Config, candidate: Candidate | None = None) -> Report:
         mine = train(session, cfg, w, run.candidate.optimizer or SGD)
     except CandidateProblem as err:
         return run.ended_at("sgd", err)
-    report.notes.extend(session.notes)
+    report.take_from(session)
 
     n = cfg.steps
     # Each step moves the weights by lr times a gradient carrying its rounding floor, momentum
