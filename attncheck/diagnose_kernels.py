@@ -25,7 +25,8 @@ from attncheck.suspects import reproduces
 
 def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False,
                  reread: Callable[..., np.ndarray | None] | None = None,
-                 per_query_head: Callable[[], dict[str, np.ndarray] | None] | None = None) -> None:  # fmt: skip
+                 per_query_head: Callable[[], dict[str, np.ndarray] | None] | None = None,
+                 heads_by_modulo: Callable[[], tuple[np.ndarray, np.ndarray | None] | None] | None = None) -> None:  # fmt: skip
     """A kind the diagnosis cannot read (its layouts are not a module's): for every failing row
     whose array's axes `axes` names (by the row's parameter), where its error lies (the heads,
     batch entries, rows it is confined to: a kernel's GQA grouping wrong in 2 of 6 query heads) and
@@ -34,8 +35,10 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
     kernel whose backward forgot the softmax scale, sqrt(D). A failing output is tried against the
     oracle's under other readings of the config (`reread`, `other_reading`), whatever its layout; a
     failing GQA key or value gradient against the query heads' own gradients grouped another way
-    (`per_query_head`, `gqa_grouping`)."""
+    (`per_query_head`, `gqa_grouping`); a failing GQA output or LSE against the oracle's with query
+    head h reading key-value head h % Hkv (`heads_by_modulo`)."""
     expanded: list = []  # per_query_head's, computed once, for the first row that asks
+    by_modulo: list = []  # heads_by_modulo's, likewise
     second = kind_of(cfg).second_output
     for row in report.rows:
         read = row.parameter == "output" or (second == "lse" and row.parameter == "lse")  # the LSE too: a float16 one's rounding words hid the scale
@@ -43,7 +46,12 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
             c = np.asarray(row.evidence.candidate, dtype=np.float64)
             allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), c.shape)
             again = reread if row.parameter == "output" else functools.partial(reread, second=True)
-            reading = other_reading(cfg, c, allowed, again, what="LSE" if row.parameter == "lse" else "output")  # a rerun reproduces it: rounding cannot fit it
+            what = "LSE" if row.parameter == "lse" else "output"
+            reading = other_reading(cfg, c, allowed, again, what=what)  # a rerun reproduces it: rounding cannot fit it
+            if not reading and heads_by_modulo is not None:
+                if not by_modulo:
+                    by_modulo.append(heads_by_modulo())
+                reading = gqa_modulo_reading(cfg, c, allowed, again, by_modulo[0], row.parameter == "lse", what)
             if reading:
                 named = axes.get(row.parameter)
                 x = np.asarray(row.evidence.reference, dtype=np.float64)
@@ -71,6 +79,27 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
         allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), x.shape)
         relations = [words for family, words in _relation(c, x, allowed, cfg) if not (rounding and family == UNNAMED_FACTOR)]
         row.diagnosis = "; ".join(relations + ([] if rounding else _where(c, x, allowed, Layout(named), cfg, None))) or rounding
+
+
+def gqa_modulo_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, reread: Callable[..., np.ndarray | None],
+                       modulo: tuple[np.ndarray, np.ndarray | None] | None, second: bool, what: str) -> str:  # fmt: skip
+    """A GQA kernel's output (or LSE: `second`) that is the float64 oracle's with query head h
+    reading key-value head h % Hkv (`modulo`: CheckRun.heads_by_modulo), interleaved groups where
+    GQA's are consecutive, h // (Hq/Hkv); "" where it is not (`reread({})`: the oracle's own)."""
+    other = None if modulo is None else modulo[int(second)]
+    own = reread({})
+    if other is None or own is None or np.shape(other) != candidate.shape or np.shape(own) != candidate.shape:
+        return ""
+    other = np.asarray(other, dtype=np.float64)
+    finite = np.isfinite(other)
+    scale = float(np.abs(other[finite]).max()) if finite.any() else 0.0
+    if not scale or not reproduces(candidate, other, np.asarray(own, dtype=np.float64), allowed, scale):
+        return ""
+    Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
+    g = Hq // Hkv
+    return (f"the {what} is the float64 oracle's with query head h reading key-value head h % Hkv (query heads "
+            f"{', '.join(str(h) for h in range(0, Hq, Hkv))} read key-value head 0), where GQA's query head h reads "
+            f"key-value head h // {g}, consecutive groups (Hq={Hq}, Hkv={Hkv})")
 
 
 def gqa_grouping(row, cfg: Config, every_head: np.ndarray | None) -> str:

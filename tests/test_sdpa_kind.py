@@ -437,8 +437,15 @@ def test_a_kernels_failure_says_which_heads_it_is_confined_to():
 
     report = attncheck.check({"module": "sdpa", "num_heads": 6, "num_kv_heads": 2}, "forward", impl="attncheck.testing.wrong_kernels:GqaHeadModulo")
     (output,) = [r for r in report.failures if r.parameter == "output"]
-    # h // 3 = 0 0 0 1 1 1 against h % 2 = 0 1 0 1 0 1: heads 1 and 4 read the other key-value head
-    assert output.diagnosis == "only in heads 1, 4 (of 6)", output.diagnosis
+    # h // 3 = 0 0 0 1 1 1 against h % 2 = 0 1 0 1 0 1: heads 1 and 4 read the other key-value head;
+    # and the output is the oracle's with K and V tiled over the query heads, which names the grouping
+    assert output.diagnosis == ("the output is the float64 oracle's with query head h reading key-value head h % Hkv (query heads 0, 2, 4 "
+                                "read key-value head 0), where GQA's query head h reads key-value head h // 3, consecutive groups "
+                                "(Hq=6, Hkv=2); only in heads 1, 4 (of 6)"), output.diagnosis  # fmt: skip
+    # A kernel right in its grouping but wrong otherwise is not read so
+    other = attncheck.check({"module": "sdpa", "num_heads": 6, "num_kv_heads": 2, "scale": 0.7}, "forward",
+                            impl="attncheck.testing.wrong_kernels:ScaleIgnored")  # fmt: skip
+    assert other.failures and all("h % Hkv" not in r.diagnosis for r in other.failures), [r.diagnosis for r in other.failures]
 
 
 # ------------------------------------------------------------------- the finite differences' float64

@@ -147,6 +147,23 @@ class CheckRun:
         except (UsageError, CandidateProblem):
             return None
 
+    def heads_by_modulo(self) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """module: sdpa with GQA: the float64 oracle's (output, LSE) with query head h reading
+        key-value head h % Hkv (K and V tiled over the query heads) where GQA's reads h // (Hq/Hkv),
+        for the diagnosis to name interleaved groups; None for other configs, or where that config
+        is not valid."""
+        cfg, w = self.cfg, self.w
+        Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
+        if kind_of(cfg).name != "sdpa" or Hkv in (1, Hq):  # MQA and MHA: both mappings are one
+            return None
+        try:
+            every = config_from_mapping({**cfg.model_dump(exclude_unset=True), "num_kv_heads": Hq}, source="<diagnosis>")
+            tiled = dataclasses.replace(w, key=np.tile(w.key, (1, Hq // Hkv, 1, 1)), value=np.tile(w.value, (1, Hq // Hkv, 1, 1)))
+            out, second, _ = oracle_forward(every, tiled)
+        except (UsageError, CandidateProblem):
+            return None
+        return out, second
+
     def per_query_head_gradients(self) -> dict[str, np.ndarray] | None:
         """module: sdpa with GQA: the float64 oracle's key and value gradients with K and V repeated
         for each query head (Hkv = Hq: (B, Hq, S, E)), for the diagnosis to group another way than
@@ -188,7 +205,7 @@ class CheckRun:
         if not kind.diagnosable:  # where the kind names its axes, and the finite differences (packed, decode kinds too)
             # A NumPy kernel's gradients are its own backward's; a torch or JAX one's may be autograd's or a custom rule's.
             where_report(self.report, self.cfg, kind.where_axes, autodiff=False if self.report.framework == "numpy" else None,
-                         reread=self.reread, per_query_head=self.per_query_head_gradients)
+                         reread=self.reread, per_query_head=self.per_query_head_gradients, heads_by_modulo=self.heads_by_modulo)
         else:
             diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun,
                             autodiff=by_autograd(self.cfg, self.candidate))  # fmt: skip
