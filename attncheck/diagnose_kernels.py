@@ -88,12 +88,9 @@ def gqa_modulo_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, 
     GQA's are consecutive, h // (Hq/Hkv); "" where it is not (`reread({})`: the oracle's own)."""
     other = None if modulo is None else modulo[int(second)]
     own = reread({})
-    if other is None or own is None or np.shape(other) != candidate.shape or np.shape(own) != candidate.shape:
+    if other is None or own is None or np.shape(own) != candidate.shape:
         return ""
-    other = np.asarray(other, dtype=np.float64)
-    finite = np.isfinite(other)
-    scale = float(np.abs(other[finite]).max()) if finite.any() else 0.0
-    if not scale or not reproduces(candidate, other, np.asarray(own, dtype=np.float64), allowed, scale):
+    if not _reproduced(candidate, other, np.asarray(own, dtype=np.float64), allowed):
         return ""
     Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
     g = Hq // Hkv
@@ -245,15 +242,20 @@ def other_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, rerea
     own = np.asarray(own, dtype=np.float64)
     found = []
     for reading in readings(cfg):
-        words = reading.words
         other = reread(reading.update, reading.methods)
-        if other is None or np.shape(other) != candidate.shape:
-            continue
-        other = np.asarray(other, dtype=np.float64)
-        finite = np.isfinite(other)
-        scale = float(np.abs(other[finite]).max()) if finite.any() else 0.0
-        if scale and reproduces(candidate, other, own, allowed, scale):
-            found.append(words)
+        if other is not None and _reproduced(candidate, other, own, allowed):
+            found.append(reading.words)
     if len(found) > 1:
         return f"ambiguous, the {what} fits each of: the oracle's with " + " | ".join(found)
     return f"the {what} is the float64 oracle's with {found[0]}" if found else ""
+
+
+def _reproduced(candidate: np.ndarray, other: np.ndarray, own: np.ndarray, allowed: np.ndarray) -> bool:
+    """Whether the oracle's array under another reading (`other`) explains the candidate's and its
+    own reading (`own`) does not, to within the row's allowance or FIT_RTOL of other's magnitude."""
+    if np.shape(other) != candidate.shape:
+        return False
+    other = np.asarray(other, dtype=np.float64)
+    finite = np.isfinite(other)
+    scale = float(np.abs(other[finite]).max()) if finite.any() else 0.0
+    return bool(scale) and reproduces(candidate, other, own, allowed, scale)
