@@ -61,7 +61,7 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
         if per_query_head is not None and row.parameter in ("key", "value") and row.section == "grad" and row.status is FAIL and row.evidence is not None:
             if not expanded:
                 expanded.append(per_query_head())
-            grouping = gqa_grouping(row, cfg, (expanded[0] or {}).get(str(row.parameter)))
+            grouping = gqa_grouping(row, cfg, expanded[0])
             if grouping:
                 row.diagnosis = grouping
                 continue
@@ -99,29 +99,32 @@ def gqa_modulo_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, 
             f"key-value head h // {g}, consecutive groups (Hq={Hq}, Hkv={Hkv})")
 
 
-def gqa_grouping(row, cfg: Config, every_head: np.ndarray | None) -> str:
+def gqa_grouping(row, cfg: Config, per_head: dict[str, dict[str, np.ndarray]] | None) -> str:
     """A GQA kernel's key or value gradient (B, Hkv, S, E) that is the query heads' own gradients
-    (`every_head`, (B, Hq, S, E): the oracle's with K and V repeated per query head) summed by
-    h % Hkv, where GQA's key-value head r serves the consecutive query heads r*g .. r*g + g - 1
-    (g = Hq / Hkv): a hand-written backward reducing to the wrong head (a red-team kernel, on its
-    windowed path alone, read only "only in heads ..."). "" where that does not fit."""
+    (`per_head`: CheckRun.per_query_head_gradients, (B, Hq, S, E) each) summed by h % Hkv, where
+    GQA's key-value head r serves the consecutive query heads r*g .. r*g + g - 1 (g = Hq / Hkv):
+    those of GQA's forward (a hand-written backward reducing to the wrong head: a red-team kernel,
+    on its windowed path alone, read only "only in heads ..."), or of a forward whose query head h
+    reads key-value head h % Hkv (GqaHeadModulo, whose output says so). "" where neither fits."""
     Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
     c = np.asarray(row.evidence.candidate, dtype=np.float64)
-    if every_head is None or every_head.ndim != 4 or c.shape != every_head.shape[:1] + (Hkv,) + every_head.shape[2:]:
+    consecutive = (per_head or {}).get("consecutive", {}).get(str(row.parameter))
+    if consecutive is None or consecutive.ndim != 4 or c.shape != consecutive.shape[:1] + (Hkv,) + consecutive.shape[2:]:
         return ""
     g = Hq // Hkv
-    B, _, S, E = every_head.shape
-    grouped = every_head.reshape(B, Hkv, g, S, E).sum(axis=2)
-    modulo = every_head.reshape(B, g, Hkv, S, E).sum(axis=1)
+    B, _, S, E = consecutive.shape
+    grouped = consecutive.reshape(B, Hkv, g, S, E).sum(axis=2)  # the oracle's own gradient
     allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), c.shape)
-    finite = np.isfinite(grouped)
-    scale = float(np.abs(grouped[finite]).max()) if finite.any() else 0.0
-    if not scale or not reproduces(c, modulo, grouped, allowed, scale):
-        return ""
     d = "dK" if row.parameter == "key" else "dV"
     heads = ", ".join(str(h) for h in range(0, Hq, Hkv))
-    return (f"{d} is the float64 oracle's with the query heads' gradients summed by h % Hkv (key-value head 0 gets query heads "
-            f"{heads}), where GQA's key-value head r serves the consecutive query heads r*{g} .. r*{g} + {g - 1} (Hq={Hq}, Hkv={Hkv})")
+    gqa = f"where GQA's key-value head r serves the consecutive query heads r*{g} .. r*{g} + {g - 1} (Hq={Hq}, Hkv={Hkv})"
+    if _reproduced(c, consecutive.reshape(B, g, Hkv, S, E).sum(axis=1), grouped, allowed):
+        return f"{d} is the float64 oracle's with the query heads' gradients summed by h % Hkv (key-value head 0 gets query heads {heads}), {gqa}"
+    interleaved = per_head.get("interleaved", {}).get(str(row.parameter))
+    if interleaved is not None and _reproduced(c, interleaved.reshape(B, g, Hkv, S, E).sum(axis=1), grouped, allowed):
+        return (f"{d} is the float64 oracle's gradient of a forward whose query head h reads key-value head h % Hkv (query heads "
+                f"{heads} read key-value head 0), {gqa}")
+    return ""
 
 
 def _alibi_without_abs(self, slopes: np.ndarray, L: int, S: int, positions: np.ndarray) -> np.ndarray:

@@ -753,7 +753,7 @@ def test_a_gqa_backward_summing_the_query_heads_by_h_mod_hkv_is_named():
     # A red-team kernel's hand-written backward reduced dK and dV by h % Hkv (on its windowed path,
     # the pair gqa-6-2+window-4-0): read only "only in heads ...". Its forward is right.
     from attncheck.testing.dense_sdpa import DenseSDPA
-    from attncheck.testing.wrong_kernels import GqaGradFromOneHead
+    from attncheck.testing.wrong_kernels import GqaGradFromOneHead, GqaHeadModulo
 
     class GradsByModulo(DenseSDPA):
         def _group_sum(self, grads, heads, Hkv):
@@ -769,6 +769,11 @@ def test_a_gqa_backward_summing_the_query_heads_by_h_mod_hkv_is_named():
     assert rows["value"].startswith("dV is the float64 oracle's with the query heads' gradients summed by h % Hkv"), rows
     other = [r.diagnosis for r in run_check("grad", cfg, candidate_from_object(GqaGradFromOneHead)).failures if r.section == "grad"]
     assert other and not any("h % Hkv" in d for d in other), other  # another GQA bug is not read as this one
+    # A forward that groups by h % Hkv (GqaHeadModulo) has the gradients of that forward: said so, not as a backward's bug
+    forward_too = {r.parameter: r.diagnosis for r in run_check("grad", cfg, candidate_from_object(GqaHeadModulo)).failures
+                   if r.section == "grad" and r.parameter in ("key", "value")}  # fmt: skip
+    said = "is the float64 oracle's gradient of a forward whose query head h reads key-value head h % Hkv (query heads 0, 2, 4 read key-value head 0)"
+    assert forward_too["key"].startswith(f"dK {said}") and forward_too["value"].startswith(f"dV {said}"), forward_too
 
 
 def test_the_repeat_call_at_a_large_size_expects_its_own_inputs_shape():

@@ -164,25 +164,31 @@ class CheckRun:
             return None
         return out, second
 
-    def per_query_head_gradients(self) -> dict[str, np.ndarray] | None:
-        """module: sdpa with GQA: the float64 oracle's key and value gradients with K and V repeated
-        for each query head (Hkv = Hq: (B, Hq, S, E)), for the diagnosis to group another way than
-        GQA's consecutive heads; None for other configs, or where that config is not valid."""
+    def per_query_head_gradients(self) -> dict[str, dict[str, np.ndarray]] | None:
+        """module: sdpa with GQA: the float64 oracle's key and value gradients per query head
+        (Hkv = Hq: (B, Hq, S, E)), with query head h reading key-value head h // (Hq/Hkv), GQA's
+        ("consecutive": K and V repeated), and h % Hkv ("interleaved": tiled; not for MQA, where the
+        two are one), for the diagnosis to group another way; None for other configs, or where that
+        config is not valid."""
         cfg, w = self.cfg, self.w
         Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
         if kind_of(cfg).name != "sdpa" or Hq == Hkv:
             return None
         from attncheck.checks.grad import run_grad
 
+        g, w64 = Hq // Hkv, w.astype(np.float64)
+        spread = {"consecutive": lambda a: np.repeat(a, g, axis=1), **({"interleaved": lambda a: np.tile(a, (1, g, 1, 1))} if Hkv > 1 else {})}
+        found = {}
         try:
             every = config_from_mapping({**cfg.model_dump(exclude_unset=True), "num_kv_heads": Hq}, source="<diagnosis>")
-            w64 = w.astype(np.float64)
-            repeated = dataclasses.replace(w64, key=np.repeat(w64.key, Hq // Hkv, axis=1), value=np.repeat(w64.value, Hq // Hkv, axis=1))
-            session = oracle_session(every)
-            grads = run_grad(session, oracle_config(every), repeated, session.build(repeated.params))[2]
+            for way, expand in spread.items():
+                wide = dataclasses.replace(w64, key=expand(w64.key), value=expand(w64.value))
+                session = oracle_session(every)
+                grads = run_grad(session, oracle_config(every), wide, session.build(wide.params))[2]
+                found[way] = {name: grads[name] for name in ("key", "value") if grads.get(name) is not None}
         except (UsageError, CandidateProblem):
             return None
-        return {name: grads[name] for name in ("key", "value") if grads.get(name) is not None}
+        return found
 
     def session(self) -> Session:
         """The candidate's session, in the config's dtype."""
