@@ -28,7 +28,7 @@ from attncheck.cli_options import (
     TracebackOption, PerHeadOption, StrictOption, PairsOption,
 )
 from attncheck.commands import COMMANDS, NAMES, parse_commands
-from attncheck.errors import ServerFork, UsageError, counted
+from attncheck.errors import ServerFork, UsageError, counted, listed
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_BUG, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
@@ -158,10 +158,13 @@ def _run(
             i, n = parse_shard(shard_spec)
             whole, suite = len(suite.cases), replace(suite, cases=shard(suite.cases, i, n))
             label += f" · shard {i}/{n}" + ("" if suite.cases else f" (the suite has {counted(whole, 'case')}, so shards after {whole} hold none): nothing was proven")
-        if settings:  # every case rewritten, whatever its name says (`float16-causal` under --set dtype=float64)
-            label += f" · --set {' '.join(settings)}"
         view = View(verbose, tracebacks, keep_evidence=plot_path is not None)
         overrides = parse_settings(settings or [])
+        if settings:  # every case rewritten, whatever its name says (`float16-causal` under --set dtype=float64)
+            label += f" · --set {' '.join(settings)}"
+            overridden = _cases_overridden(suite, overrides)
+            if overridden:  # `--set scale=0.5 --case scale-zero` no longer checks a scale of 0
+                label += f" (over what {counted(len(overridden), 'case')} set: {listed(overridden, 80)})"
         overrides.update({k: v.value for k, v in (("tolerance", tolerance), ("framework", framework), ("device", device)) if v is not None})
         if timeout is not None:
             overrides["timeout"] = timeout
@@ -254,6 +257,23 @@ def exit_code(verdict) -> int:
     from attncheck.report import FAIL, PASS
 
     return {PASS: EXIT_OK, FAIL: EXIT_MISMATCH}.get(verdict, EXIT_INCONCLUSIVE)
+
+
+def _cases_overridden(suite, overrides: dict) -> list[str]:
+    """The cases that set a key of `overrides` to another value themselves, where the suite's cases
+    do not all set it alike (a seed every case has from the suite's defaults is no case's own)."""
+    from attncheck.suite import with_overrides
+
+    configs = [case.config for case in suite.cases if case.config is not None]
+    own = {key for key in overrides if len({repr(getattr(c, key)) if key in c.model_fields_set else None for c in configs}) > 1}
+    given = {}
+    for key in own:  # as the config holds it (a window's list is a tuple there)
+        try:
+            given[key] = getattr(with_overrides(configs[0], {key: overrides[key]}), key)
+        except UsageError:
+            given[key] = overrides[key]
+    return [case.name for case in suite.cases if case.config is not None and any(
+        key in case.config.model_fields_set and getattr(case.config, key) != value for key, value in given.items())]  # fmt: skip
 
 
 def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *, many: bool):

@@ -43,8 +43,19 @@ def test_set_reaches_every_case_of_the_default_suite(tmp_path):
     code, output = run("forward", "--set", "dtype=float64", "--json", out)
     results = json.loads(out.read_text())["results"]
     assert code == 0 and len(results) > 20 and {r["config"]["dtype"] for r in results} == {"float64"}
-    # The header says so: a case's name (float16-causal) no longer says its dtype.
-    assert output.splitlines()[0].startswith("attncheck forward  default-suite · --set dtype=float64  "), output.splitlines()[0]
+    # The header says so, and names the cases whose own value it replaced: their names (float16-causal) no longer say their dtype.
+    assert output.startswith("attncheck forward  default-suite · --set dtype=float64 (over what 4 cases set: float16-long, "
+                             "float16-causal, float16-wide, bfloat16)"), output[:300]  # fmt: skip
+
+
+def test_the_header_names_the_cases_a_setting_overrides_and_not_a_key_every_case_has_alike():
+    # A new user's --set scale=0.5 --case scale-zero passed silently: scale-zero no longer had scale 0.
+    code, output = run("forward", "--module", "sdpa", "--set", "scale=0.5", "--case", "scale-zero,scale,plain")
+    assert code == 0 and "· --set scale=0.5 (over what 2 cases set: scale, scale-zero)" in output.splitlines()[0], output.splitlines()[0]
+    code, output = run("forward", "--module", "sdpa", "--set", "seed=3", "--case", "scale-zero,scale")  # the suite's defaults set every seed
+    assert code == 0 and "over what" not in output.splitlines()[0], output.splitlines()[0]
+    code, output = run("forward", "--module", "sdpa", "--set", "window_size=[4,0]", "--case", "window-4-0,window-0-0")  # a list, a tuple in the config
+    assert "(over what 1 case set: window-0-0)" in output.splitlines()[0], output.splitlines()[0]
 
 
 @pytest.mark.parametrize("setting", ["dtype=bfloat16", "dtype=float64 attn_mask=causal"])
