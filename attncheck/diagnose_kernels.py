@@ -176,7 +176,8 @@ def readings(cfg: Config) -> list[Reading]:
         natural.append((given * given, "the given scale applied twice"))  # at scale 0 the same 0: not tried below
         if given:  # nothing divides by a scale of 0 (every allowed key weighs the same)
             natural.append((1 / given, "1/scale: divided by the given scale"))
-        ignored = "the given scale 0 read as None (`scale or 1/sqrt(E)`)" if given == 0 else "the given scale is ignored"
+        # at 0 the two readings are one number: a path that ignores the scale, or `scale or 1/sqrt(E)`
+        ignored = "the given scale 0 read as None (`scale or 1/sqrt(E)`) or ignored" if given == 0 else "the given scale is ignored"
         natural.append((1 / math.sqrt(D), f"1/sqrt(D), the default: {ignored}"))
     if Ev != D:  # the value's head dim read for the query's and key's
         natural.append((1 / math.sqrt(Ev), "1/sqrt(Ev): the value's head dim in place of the query's and key's"))

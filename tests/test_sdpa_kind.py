@@ -663,7 +663,7 @@ def test_scale_zero_is_a_scale_every_allowed_key_weighing_the_same():
     assert np.allclose(torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.0).numpy(), w.value.mean(2, keepdims=True), atol=1e-6)
     assert run_check("grad", cfg, candidate_from_object(ScaleZeroAsNone)).verdict == "fail"
     [row] = [r for r in run_check("forward", cfg, candidate_from_object(ScaleZeroAsNone)).failures if r.parameter == "output"]
-    assert "softmax scale 0.354 (1/sqrt(D), the default: the given scale 0 read as None (`scale or 1/sqrt(E)`)) where it is 0" in row.diagnosis
+    assert "softmax scale 0.354 (1/sqrt(D), the default: the given scale 0 read as None (`scale or 1/sqrt(E)`) or ignored) where it is 0" in row.diagnosis
     softcapped = cfg.model_copy(update={"softcap": 2.0})  # the reading of a cap taken before the scale has no scale to divide by
     [row] = [r for r in run_check("forward", softcapped, candidate_from_object(ScaleZeroAsNone)).failures if r.parameter == "output"]
     assert "the given scale 0 read as None" in row.diagnosis, row.diagnosis
