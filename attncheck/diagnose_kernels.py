@@ -134,6 +134,18 @@ def _alibi_without_abs(self, slopes: np.ndarray, L: int, S: int, positions: np.n
     return slopes * key_offset(L, S, positions)[None].astype(slopes.dtype)
 
 
+def _window_top_left(self, L: int, S: int, left: int, right: int, positions: np.ndarray) -> np.ndarray:
+    """The window measured from key i, the top-left diagonal, where FlashAttention's is measured
+    from key i + S - L (the reference's `_window` replaced): (l, S) bool."""
+    offset = np.arange(S)[None, :] - np.asarray(positions)[:, None]  # j - i
+    allowed = np.ones(offset.shape, dtype=bool)
+    if left >= 0:
+        allowed &= offset >= -left
+    if right >= 0:
+        allowed &= offset <= right
+    return allowed
+
+
 def _alibi_offset_abs(self, slopes: np.ndarray, L: int, S: int, positions: np.ndarray) -> np.ndarray:
     """ALiBi's bias measured from key i + |S - L|, -slope * |j - (i + |S - L|)|: the offset's sign
     dropped, which moves the diagonal where L > S (the reference's `_alibi` replaced)."""
@@ -207,6 +219,9 @@ def readings(cfg: Config) -> list[Reading]:
                 l2, r2 = (was + step, right) if side == "left" else (left, was + step)
                 tried.append(({"window_size": [l2, r2]}, f"window_size [{l2}, {r2}] where the case asks [{left}, {right}]: one off on the {side}"))
         tried.append(({"window_size": None}, f"no window: window_size [{left}, {right}] is ignored"))
+        window_top_left = True  # where no sequence has L != S the two are one: the reading cannot fit
+    else:
+        window_top_left = False
     softcap = cfg.softcap
     if softcap:
         tried.append(({"softcap": 0.0}, f"no softcap: softcap {softcap:g} is ignored"))
@@ -214,6 +229,9 @@ def readings(cfg: Config) -> list[Reading]:
             tried.append(({"softcap": softcap * given}, f"softcap {softcap * given:.3g} = softcap x scale: the cap taken on the logits "
                                                          "before the softmax scale"))  # fmt: skip
     found = [Reading(update, words) for update, words in tried]
+    if window_top_left:
+        found.append(Reading({}, f"the window [{left}, {right}] measured from key i, the top-left diagonal, where FlashAttention "
+                                 "measures it from key i + S - L (the bottom-right diagonal)", {"_window": _window_top_left}))  # fmt: skip
     # The softcap taken over the scores with a bias already added, where FlashAttention caps the
     # scores alone and adds ALiBi, then the masks (Gemma 2's too): a float mask's -inf becomes -cap.
     biases = (["alibi"] if cfg.alibi else []) + (["mask"] if _float_mask(cfg) else []) if softcap else []

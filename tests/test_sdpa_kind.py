@@ -814,3 +814,21 @@ def test_finite_differences_of_a_forward_rounding_below_float64_on_part_of_its_p
     assert run_check("forward", cfg.model_copy(update={"dtype": "float64"}), candidate_from_object(SoftcapTanhInFloat32)).verdict == "fail"
     wrong = run_check("grad", config_from_mapping({}), candidate_from_object(SoftmaxEpsilon))
     assert any(r.section == "finite-diff" and r.failed for r in wrong.rows), [(r.quantity, r.status) for r in wrong.rows]
+
+
+def test_a_window_measured_from_the_top_left_diagonal_is_named():
+    # A red-team kernel measured its window from key i: read as "no window" where (1, -1) from key i
+    # at L=1 allows every key, as the causal mask's alignment beside a causal window, and as nothing
+    # at all in the default suite's window cases.
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class WindowTopLeft(DenseSDPA):
+        def _window(self, i, j, L, S, window_size):
+            return super()._window(i, j, L, L, window_size)  # diagonal i + L - L = i, where it is i + S - L
+
+    said = "the window [4, 0] measured from key i, the top-left diagonal, where FlashAttention measures it from key i + S - L"
+    cfg = config_from_mapping({"module": "sdpa", "tgt_len": 13, "src_len": 29, "head_dim": 8, "window_size": [4, 0]})
+    [row] = [r for r in run_check("forward", cfg, candidate_from_object(WindowTopLeft)).failures if r.parameter == "output"]
+    assert row.diagnosis.startswith(f"the output is the float64 oracle's with {said}"), row.diagnosis
+    square = cfg.model_copy(update={"src_len": 13})
+    assert run_check("forward", square, candidate_from_object(WindowTopLeft)).passed  # L = S: the two diagonals are one

@@ -352,7 +352,7 @@ class ScaledDotProductAttention:
         if a.causal is not None:
             allowed = causal_allowed(L, S, a.causal, positions)
         if a.window is not None:
-            window = window_allowed(L, S, *a.window, positions)
+            window = self._window(L, S, *a.window, positions)
             allowed = window if allowed is None else allowed & window
         if a.attn_mask is not None:
             mask = a.attn_mask[batch, heads, positions[None, :]]  # (g, m, S)
@@ -368,6 +368,11 @@ class ScaledDotProductAttention:
         if allowed is not None:
             np.copyto(logits, -np.inf, where=~allowed)
         return logits, t
+
+    def _window(self, L: int, S: int, left: int, right: int, positions: np.ndarray) -> np.ndarray:
+        """FlashAttention's window for the query rows at `positions` (`window_allowed`): a method, so
+        that the diagnosis can rerun the oracle with a kernel's other alignment (diagnose_kernels.readings)."""
+        return window_allowed(L, S, left, right, positions)
 
     def _alibi(self, slopes: np.ndarray, L: int, S: int, positions: np.ndarray) -> np.ndarray:
         """ALiBi's bias for the query rows at `positions`, -slope * |j - (i + S - L)| (`alibi`,
