@@ -792,9 +792,8 @@ def test_the_repeat_call_at_a_large_size_expects_its_own_inputs_shape():
 def test_finite_differences_of_a_forward_rounding_below_float64_on_part_of_its_path_judge_nothing():
     # A red-team kernel took its softcap's tanh in float32 inside float64 calls: its float32 cases,
     # whose outputs and gradients agree with torch's, failed their finite differences ("the backward
-    # misses or adds a scale"), which measured float32 rounding over the step. At a step 256x larger
-    # that error fell 53-136x; a wrong gradient's does not fall (SoftmaxEpsilon, below).
-    from attncheck.checks.finite_diff import NOISE_GROW
+    # misses or adds a scale"), which measured float32 rounding over the step. At steps 16-256x larger
+    # that error falls; a wrong gradient's does not (SoftmaxEpsilon, below).
     from attncheck.testing.dense_sdpa import DenseSDPA
     from attncheck.testing.wrong_impls import SoftmaxEpsilon
 
@@ -809,7 +808,7 @@ def test_finite_differences_of_a_forward_rounding_below_float64_on_part_of_its_p
     report = run_check("grad", cfg, candidate_from_object(SoftcapTanhInFloat32))
     assert report.verdict == "pass", [(r.quantity, r.status, r.note) for r in report.rows if r.status != "pass"]
     noisy = [r for r in report.rows if r.section == "finite-diff" and r.status == "info"]
-    assert all(f"at a step {NOISE_GROW:g}x larger" in r.note and "the loss is noisy at this step" in r.note for r in noisy), [r.note for r in noisy]
+    assert all("at a larger step" in r.note and "the loss is noisy at this step" in r.note for r in noisy), [r.note for r in noisy]
     # its float64 case is what catches it, in the forward itself
     assert run_check("forward", cfg.model_copy(update={"dtype": "float64"}), candidate_from_object(SoftcapTanhInFloat32)).verdict == "fail"
     wrong = run_check("grad", config_from_mapping({}), candidate_from_object(SoftmaxEpsilon))

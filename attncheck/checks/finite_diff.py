@@ -55,16 +55,18 @@ KINK_RETRIES = 3
 # A loss that is noisy at the step: a forward rounding below float64 on part of its path inside a
 # float64 call (a kernel's softcap tanh in float32: not_float64 sees only a path that keeps every
 # bit), whose difference quotient is its rounding over 2h, not its slope. A failing (or kinked)
-# row is taken again at a step NOISE_GROW times its first: a wrong gradient of a smooth loss is off
-# by as much there (its error is the slope's, whatever the step), rounding noise by about NOISE_GROW
-# times less, truncation (O(h^2), 6.6e4 x 1e-12 relative) by more. Where the error fell at least
-# NOISE_FALL times, the row judges nothing and says why; the gradients are judged against torch's
-# and the oracle's. Measured (2026-11-27; a red-team kernel with its softcap tanh in float32 inside
-# float64 calls, whose float32 cases failed their finite differences, "the backward misses a scale"):
-# its rows' errors fell 53-136x (softcap-causal-gqa, gqa-6-2+softcap); SoftmaxEpsilon's
-# (attncheck.testing.wrong_impls: sum + 1e-5, a backward not its forward's derivative) 0.998-1.002x,
-# still failing. At 16x the noise fell 3.6-471x: too close to 1 to tell apart.
-NOISE_GROW = 256.0
+# row is taken again at steps NOISE_GROW times its first: a wrong gradient of a smooth loss is off
+# by as much there (its error is the slope's, whatever the step), rounding noise by about as many
+# times less, truncation (O(h^2)) by more, so the least error of the three is the noise's fall.
+# Where the largest error of the row's own steps over that least one is NOISE_FALL or more, the
+# row judges nothing and says why; the gradients are judged against torch's and the oracle's.
+# Measured (2026-11-27; a red-team kernel with its softcap tanh in float32 inside float64 calls,
+# whose float32 cases failed their finite differences, "the backward misses a scale"): at 256x
+# alone its rows' errors fell 53-136x, at 16x 3.6-471x, and beside ALiBi (softcap+alibi-causal,
+# judged after kink retries at steps down to 3e-9) too little at 256x, where truncation grows;
+# SoftmaxEpsilon's (attncheck.testing.wrong_impls: sum + 1e-5, a backward not its forward's
+# derivative) 0.998-1.002x, still failing.
+NOISE_GROW = (16.0, 64.0, 256.0)
 NOISE_FALL = 8.0
 
 JOINT_FD = "all (one joint direction)"
@@ -352,12 +354,12 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
     def probe_row(quantity, parts: list[tuple[str, tuple]], shape, numel: int, first: list[float] | None = None) -> Row:
         """One central difference (see `difference`; `first`: the losses of its first step, where
         taken), retried at smaller steps while a kink of the loss lies within it; one that fails or
-        stays kinked, once at a larger step, where rounding noise would fall (NOISE_GROW)."""
-        shrink, kinked, first_err = 1.0, False, None
+        stays kinked, at larger steps, where rounding noise would fall (NOISE_GROW)."""
+        shrink, kinked, errors = 1.0, False, []
         for _ in range(KINK_RETRIES + 1):
             analytic, numeric, allowed, second, unit = difference(parts, shrink, first if shrink == 1.0 else None)
             err = abs(numeric - analytic)
-            first_err = err if first_err is None else first_err
+            errors.append(err)
             kinked = not err <= allowed and second > 0.5 * err
             if not kinked:
                 break
@@ -376,12 +378,14 @@ def finite_difference_rows(cfg, candidate: Candidate, w64, grads64, oracle, stri
         elif shrink > 1:
             row.note += f"; a kink of the loss within the first step {unit * shrink:.0e}: judged at step {unit:.0e}"
         if kinked or not err <= allowed:
-            wide, wide_numeric, _, _, wide_unit = difference(parts, 1 / NOISE_GROW)
-            fell = first_err / max(abs(wide_numeric - wide), np.finfo(np.float64).tiny)
+            wide = [difference(parts, 1 / grow) for grow in NOISE_GROW]  # (analytic, numeric, ...) at each larger step
+            least = min(range(len(wide)), key=lambda k: abs(wide[k][1] - wide[k][0]))
+            wide_unit = wide[least][4]
+            fell = max(errors) / max(abs(wide[least][1] - wide[least][0]), np.finfo(np.float64).tiny)
             if fell >= NOISE_FALL:
                 row.status, row.mismatched, row.judged, row.unjudged = INFO, 0, 0, 0
-                row.note = (f"<grad, u> = {analytic:.9g}, finite difference = {numeric:.9g}; the error fell {fell:.3g}x at a step "
-                            f"{NOISE_GROW:g}x larger ({wide_unit:.0e}): the loss is noisy at this step (a forward rounding below "
+                row.note = (f"<grad, u> = {analytic:.9g}, finite difference = {numeric:.9g}; the error fell {fell:.3g}x at a larger "
+                            f"step ({wide_unit:.0e}): the loss is noisy at this step (a forward rounding below "
                             "float64 on part of its path inside its float64 call), and a difference of it measures that rounding, "
                             f"not the gradient; {JUDGED_ABOVE}")  # fmt: skip
                 return row
