@@ -18,7 +18,7 @@ from attncheck.config import Config
 from attncheck.diagnose import UNNAMED_FACTOR, Layout, _finite_difference, _relation, _where
 from attncheck.diagnose_half import rounding_sized
 from attncheck.kinds import kind_of
-from attncheck.reference.sdpa import alibi, key_offset
+from attncheck.reference.sdpa import alibi, key_offset, within_window
 from attncheck.report import FAIL, Report
 from attncheck.suspects import reproduces
 
@@ -137,13 +137,7 @@ def _alibi_without_abs(self, slopes: np.ndarray, L: int, S: int, positions: np.n
 def _window_top_left(self, L: int, S: int, left: int, right: int, positions: np.ndarray) -> np.ndarray:
     """The window measured from key i, the top-left diagonal, where FlashAttention's is measured
     from key i + S - L (the reference's `_window` replaced): (l, S) bool."""
-    offset = np.arange(S)[None, :] - np.asarray(positions)[:, None]  # j - i
-    allowed = np.ones(offset.shape, dtype=bool)
-    if left >= 0:
-        allowed &= offset >= -left
-    if right >= 0:
-        allowed &= offset <= right
-    return allowed
+    return within_window(np.arange(S)[None, :] - np.asarray(positions)[:, None], left, right)  # j - i
 
 
 def _alibi_offset_abs(self, slopes: np.ndarray, L: int, S: int, positions: np.ndarray) -> np.ndarray:

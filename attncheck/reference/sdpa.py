@@ -89,7 +89,12 @@ def window_allowed(L: int, S: int, left: int, right: int, rows: np.ndarray | Non
 
     A negative bound (FlashAttention's -1) leaves that side unbounded.
     """
-    offset = key_offset(L, S, rows)  # (l, S)
+    return within_window(key_offset(L, S, rows), left, right)  # (l, S)
+
+
+def within_window(offset: np.ndarray, left: int, right: int) -> np.ndarray:
+    """Whether each key lies within (left, right) of its query's diagonal, `offset` keys past it
+    (-1 leaves a side unbounded)."""
     allowed = np.ones(offset.shape, dtype=bool)
     if left >= 0:
         allowed &= offset >= -left
