@@ -87,8 +87,10 @@ def gqa_modulo_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, 
     reading key-value head h % Hkv (`modulo`: CheckRun.heads_by_modulo), interleaved groups where
     GQA's are consecutive, h // (Hq/Hkv); "" where it is not (`reread({})`: the oracle's own)."""
     other = None if modulo is None else modulo[int(second)]
+    if other is None:
+        return ""
     own = reread({})
-    if other is None or own is None or np.shape(own) != candidate.shape:
+    if own is None or np.shape(own) != candidate.shape:
         return ""
     if not _reproduced(candidate, other, np.asarray(own, dtype=np.float64), allowed):
         return ""

@@ -305,8 +305,9 @@ class Report:
     losses: list[LossStep] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    # What the candidate printed during the check's calls, in call order (each call's first
-    # PRINTED_LIMIT characters, escaped: attncheck.remote): shown as a note, JUnit's system-out.
+    # What the candidate printed during the check's calls (each call's first PRINTED_LIMIT
+    # characters, escaped: attncheck.remote), its first calls' in order and its later ones' (a
+    # repeat call's) after; not the probes' own calls: shown as a note, JUnit's system-out.
     printed: list[str] = field(default_factory=list)
 
     @property

@@ -167,17 +167,17 @@ class CheckRun:
     def per_query_head_gradients(self) -> dict[str, dict[str, np.ndarray]] | None:
         """module: sdpa with GQA: the float64 oracle's key and value gradients per query head
         (Hkv = Hq: (B, Hq, S, E)), with query head h reading key-value head h // (Hq/Hkv), GQA's
-        ("consecutive": K and V repeated), and h % Hkv ("interleaved": tiled; not for MQA, where the
-        two are one), for the diagnosis to group another way; None for other configs, or where that
-        config is not valid."""
+        ("consecutive": K and V repeated), and h % Hkv ("interleaved": tiled), for the diagnosis to
+        group another way; None for other configs (MQA and MHA: the two groupings are one), or where
+        that config is not valid."""
         cfg, w = self.cfg, self.w
         Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
-        if kind_of(cfg).name != "sdpa" or Hq == Hkv:
+        if kind_of(cfg).name != "sdpa" or Hkv in (1, Hq):
             return None
         from attncheck.checks.grad import run_grad
 
         g, w64 = Hq // Hkv, w.astype(np.float64)
-        spread = {"consecutive": lambda a: np.repeat(a, g, axis=1), **({"interleaved": lambda a: np.tile(a, (1, g, 1, 1))} if Hkv > 1 else {})}
+        spread = {"consecutive": lambda a: np.repeat(a, g, axis=1), "interleaved": lambda a: np.tile(a, (1, g, 1, 1))}
         found = {}
         try:
             every = config_from_mapping({**cfg.model_dump(exclude_unset=True), "num_kv_heads": Hq}, source="<diagnosis>")
@@ -204,7 +204,11 @@ class CheckRun:
         return self.finish()
 
     def finish(self) -> Report:
-        """The report, each failing row with its diagnosis (attncheck.diagnose), timed."""
+        """The report, each failing row with its diagnosis (attncheck.diagnose), timed; with what
+        the candidate printed in its sessions' later calls (the repeat call's, a probe's on them)."""
+        for session in self.sessions:
+            self.report.printed.extend(session.printed)
+            session.printed.clear()
         kind = kind_of(self.cfg)
         if self.report.verdict is FAIL and self.cfg.dtype in HALF and self.cfg.input_scale > HALF_MEASURED_SCALE:
             self.report.notes.append(HALF_LARGE_NOTE)
