@@ -115,7 +115,7 @@ def _run(
 ) -> int:
     """Run commands over every case of a config or suite (or the default suite's pairs), render, write
     outputs, pick the exit code."""
-    from attncheck.config import load_suite
+    from attncheck.config.pairs import suite_or_pairs
     from attncheck.config.config_file import impl_file
     from attncheck.files import check_outputs, json_text, write_reports
     from attncheck.suite import chosen_cases, parse_shard, prepare, shard
@@ -134,14 +134,8 @@ def _run(
             plot_target(plot_path)
         elif plot_all:
             raise UsageError("--plot-all needs --plot PATH")
-        if pairs and config is not None:
-            raise UsageError(f"--pairs merges the default suite's cases two by two: leave --config ({config}) out")
-        if pairs:
-            from attncheck.config.pairs import pair_suite
-
-            suite = pair_suite(None if module is None else module.value)
-        else:
-            suite = load_suite(config, module=None if module is None else module.value)
+        module_name = None if module is None else module.value
+        suite = suite_or_pairs(config, module_name, pairs, asked="--pairs", given="--config")
         # A single config with one command writes the single-report JSON: decided from the file,
         # before --case and --shard, so neither changes the shape a consumer reads.
         single = len(suite.cases) == 1 and suite.cases[0].config is not None and len(commands) == 1
@@ -150,7 +144,7 @@ def _run(
             if pairs:
                 from attncheck.config.pairs import pair_case_names
 
-                names = pair_case_names(suite, names, None if module is None else module.value)
+                names = pair_case_names(suite, names, module_name)
             suite = replace(suite, cases=chosen_cases(suite, names))
         one_case = len(suite.cases) == 1 and suite.cases[0].config is not None  # rendered as full reports
         label = suite.name

@@ -25,7 +25,7 @@ from attncheck.suspects import reproduces
 
 def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False,
                  reread: Callable[..., np.ndarray | None] | None = None,
-                 per_query_head: Callable[[], dict[str, np.ndarray] | None] | None = None,
+                 per_query_head: Callable[[], dict[str, dict[str, np.ndarray]] | None] | None = None,
                  heads_by_modulo: Callable[[], tuple[np.ndarray, np.ndarray | None] | None] | None = None) -> None:  # fmt: skip
     """A kind the diagnosis cannot read (its layouts are not a module's): for every failing row
     whose array's axes `axes` names (by the row's parameter), where its error lies (the heads,
@@ -37,8 +37,9 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
     failing GQA key or value gradient against the query heads' own gradients grouped another way
     (`per_query_head`, `gqa_grouping`); a failing GQA output or LSE against the oracle's with query
     head h reading key-value head h % Hkv (`heads_by_modulo`)."""
-    expanded: list = []  # per_query_head's, computed once, for the first row that asks
-    by_modulo: list = []  # heads_by_modulo's, likewise
+    # each computed once, for the first row that asks
+    per_query_head = None if per_query_head is None else functools.cache(per_query_head)
+    heads_by_modulo = None if heads_by_modulo is None else functools.cache(heads_by_modulo)
     second = kind_of(cfg).second_output
     for row in report.rows:
         read = row.parameter == "output" or (second == "lse" and row.parameter == "lse")  # the LSE too: a float16 one's rounding words hid the scale
@@ -49,9 +50,7 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
             what = "LSE" if row.parameter == "lse" else "output"
             reading = other_reading(cfg, c, allowed, again, what=what)  # a rerun reproduces it: rounding cannot fit it
             if not reading and heads_by_modulo is not None:
-                if not by_modulo:
-                    by_modulo.append(heads_by_modulo())
-                reading = gqa_modulo_reading(cfg, c, allowed, again, by_modulo[0], row.parameter == "lse", what)
+                reading = gqa_modulo_reading(cfg, c, allowed, again, heads_by_modulo(), row.parameter == "lse", what)
             if reading:
                 named = axes.get(row.parameter)
                 x = np.asarray(row.evidence.reference, dtype=np.float64)
@@ -59,9 +58,7 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
                 row.diagnosis = "; ".join([reading, *where])
                 continue
         if per_query_head is not None and row.parameter in ("key", "value") and row.section == "grad" and row.status is FAIL and row.evidence is not None:
-            if not expanded:
-                expanded.append(per_query_head())
-            grouping = gqa_grouping(row, cfg, expanded[0])
+            grouping = gqa_grouping(row, cfg, per_query_head())
             if grouping:
                 row.diagnosis = grouping
                 continue
@@ -215,9 +212,6 @@ def readings(cfg: Config) -> list[Reading]:
                 l2, r2 = (was + step, right) if side == "left" else (left, was + step)
                 tried.append(({"window_size": [l2, r2]}, f"window_size [{l2}, {r2}] where the case asks [{left}, {right}]: one off on the {side}"))
         tried.append(({"window_size": None}, f"no window: window_size [{left}, {right}] is ignored"))
-        window_top_left = True  # where no sequence has L != S the two are one: the reading cannot fit
-    else:
-        window_top_left = False
     softcap = cfg.softcap
     if softcap:
         tried.append(({"softcap": 0.0}, f"no softcap: softcap {softcap:g} is ignored"))
@@ -225,7 +219,7 @@ def readings(cfg: Config) -> list[Reading]:
             tried.append(({"softcap": softcap * given}, f"softcap {softcap * given:.3g} = softcap x scale: the cap taken on the logits "
                                                          "before the softmax scale"))  # fmt: skip
     found = [Reading(update, words) for update, words in tried]
-    if window_top_left:
+    if window is not None:  # where no sequence has L != S the two diagonals are one: the reading cannot fit
         found.append(Reading({}, f"the window [{left}, {right}] measured from key i, the top-left diagonal, where FlashAttention "
                                  "measures it from key i + S - L (the bottom-right diagonal)", {"_window": _window_top_left}))  # fmt: skip
     # The softcap taken over the scores with a bias already added, where FlashAttention caps the

@@ -178,20 +178,12 @@ def cases(suite: str | PathLike | None = None, impl: Any = None, commands: str |
     `attncheck run --pairs` runs them (attncheck.config.pairs; `suite` must be None). Cases the
     suite skips come with a skip mark. Use `check.assert_passed()` in the test.
     """
-    from attncheck.config import load_suite
-    from attncheck.errors import UsageError
+    from attncheck.config.pairs import suite_or_pairs
     from attncheck.suite import commands_for
 
     names = parse_commands(commands if isinstance(commands, str) else ",".join(commands or NAMES), option="commands=")
     params = []
-    if pairs and suite is not None:
-        raise UsageError(f"pairs=True merges the default suite's cases two by two: leave the suite ({suite}) out")
-    if pairs:
-        from attncheck.config.pairs import pair_suite
-
-        loaded = pair_suite(module)
-    else:
-        loaded = load_suite(suite, module=module)
+    loaded = suite_or_pairs(suite, module, pairs, asked="pairs=True", given="the suite")
     for case in loaded.cases:
         for command in commands_for(case, names):
             check = Check.of(loaded, case, command, impl, label)

@@ -311,16 +311,25 @@ class Report:
     printed: list[str] = field(default_factory=list)
 
     @property
-    def note_lines(self) -> list[str]:
-        """The notes as shown, each printed chunk after them as one: "the candidate printed: ..."."""
-        return [*self.notes, *(f"the candidate printed: {chunk}" for chunk in self.printed)]
+    def printed_lines(self) -> list[str]:
+        """Each printed chunk as a note shows it: "the candidate printed: ..."."""
+        return [f"the candidate printed: {chunk}" for chunk in self.printed]
 
-    def take_from(self, session) -> None:
-        """A candidate session's notes and printed output, moved to the report (each printed chunk
-        once: the session's list is emptied)."""
-        self.notes.extend(n for n in session.notes if n not in self.notes)
+    @property
+    def note_lines(self) -> list[str]:
+        """The notes as shown, the printed chunks after them (`printed_lines`)."""
+        return [*self.notes, *self.printed_lines]
+
+    def take_printed(self, session) -> None:
+        """What a candidate session printed, moved to the report (each chunk once: the session's
+        list is emptied)."""
         self.printed.extend(session.printed)
         session.printed.clear()
+
+    def take_from(self, session) -> None:
+        """A candidate session's notes and printed output (`take_printed`), moved to the report."""
+        self.notes.extend(n for n in session.notes if n not in self.notes)
+        self.take_printed(session)
 
     @property
     def verdict(self) -> Status:
@@ -382,7 +391,7 @@ class Report:
             if row.status in (FAIL, INCONCLUSIVE, UNSUPPORTED):
                 head, *rest = failure_lines(row)
                 lines += [f"  {head}" + ("" if row.failed else f" [{row.status}]"), *(f"    {line}" for line in rest)]
-        shown = self.note_lines if not self.failures else [f"the candidate printed: {chunk}" for chunk in self.printed]
+        shown = self.note_lines if not self.failures else self.printed_lines
         lines += [f"  note: {note}" for note in shown]
         return "\n".join(lines)
 
@@ -511,7 +520,7 @@ def capabilities(reports: list[Report], every_feature: bool = False) -> list[Cap
     for report in reports:
         kind = kind_of(report.config)
         order += [name for name, _ in kind.features if name not in order]
-        met = kind.features_met(report.config, in_every_case[kind.name]) if every_feature else [kind.feature_of(report.config, in_every_case[kind.name])]
+        met = kind.features_met(report.config) if every_feature else [kind.feature_of(report.config, in_every_case[kind.name])]
         for feature in met:
             by_feature.setdefault(feature, []).append(report)
     everywhere = [name for name in order if any(name in names for names in in_every_case.values())]

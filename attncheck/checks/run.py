@@ -147,47 +147,54 @@ class CheckRun:
         except (UsageError, CandidateProblem):
             return None
 
-    def heads_by_modulo(self) -> tuple[np.ndarray, np.ndarray | None] | None:
-        """module: sdpa with GQA: the float64 oracle's (output, LSE) with query head h reading
-        key-value head h % Hkv (K and V tiled over the query heads) where GQA's reads h // (Hq/Hkv),
-        for the diagnosis to name interleaved groups; None for other configs, or where that config
-        is not valid."""
-        cfg, w = self.cfg, self.w
-        Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
-        if kind_of(cfg).name != "sdpa" or Hkv in (1, Hq):  # MQA and MHA: both mappings are one
-            return None
-        try:
-            every = config_from_mapping({**cfg.model_dump(exclude_unset=True), "num_kv_heads": Hq}, source="<diagnosis>")
-            tiled = dataclasses.replace(w, key=np.tile(w.key, (1, Hq // Hkv, 1, 1)), value=np.tile(w.value, (1, Hq // Hkv, 1, 1)))
-            out, second, _ = oracle_forward(every, tiled)
-        except (UsageError, CandidateProblem):
-            return None
-        return out, second
-
-    def per_query_head_gradients(self) -> dict[str, dict[str, np.ndarray]] | None:
-        """module: sdpa with GQA: the float64 oracle's key and value gradients per query head
-        (Hkv = Hq: (B, Hq, S, E)), with query head h reading key-value head h // (Hq/Hkv), GQA's
-        ("consecutive": K and V repeated), and h % Hkv ("interleaved": tiled), for the diagnosis to
-        group another way; None for other configs (MQA and MHA: the two groupings are one), or where
-        that config is not valid."""
+    def _every_head(self, way: str) -> tuple[Config, Workload] | None:
+        """module: sdpa with GQA: the config with a key-value head per query head (Hkv = Hq) and the
+        workload with K and V spread over the query heads, so that query head h reads key-value head
+        h // (Hq/Hkv), GQA's ("consecutive": repeated), or h % Hkv ("interleaved": tiled); None for
+        other configs (MQA and MHA: the two groupings are one), or where that config is not valid."""
         cfg, w = self.cfg, self.w
         Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
         if kind_of(cfg).name != "sdpa" or Hkv in (1, Hq):
             return None
-        from attncheck.checks.grad import run_grad
-
-        g, w64 = Hq // Hkv, w.astype(np.float64)
-        spread = {"consecutive": lambda a: np.repeat(a, g, axis=1), "interleaved": lambda a: np.tile(a, (1, g, 1, 1))}
-        found = {}
         try:
             every = config_from_mapping({**cfg.model_dump(exclude_unset=True), "num_kv_heads": Hq}, source="<diagnosis>")
-            for way, expand in spread.items():
-                wide = dataclasses.replace(w64, key=expand(w64.key), value=expand(w64.value))
-                session = oracle_session(every)
-                grads = run_grad(session, oracle_config(every), wide, session.build(wide.params))[2]
-                found[way] = {name: grads[name] for name in ("key", "value") if grads.get(name) is not None}
-        except (UsageError, CandidateProblem):
+        except UsageError:
             return None
+        g = Hq // Hkv
+        spread = (lambda a: np.repeat(a, g, axis=1)) if way == "consecutive" else (lambda a: np.tile(a, (1, g, 1, 1)))
+        return every, dataclasses.replace(w, key=spread(w.key), value=spread(w.value))
+
+    def heads_by_modulo(self) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The float64 oracle's (output, LSE) with query head h reading key-value head h % Hkv, where
+        GQA's reads h // (Hq/Hkv) (`_every_head`), for the diagnosis to name interleaved groups; None
+        where there is none."""
+        every = self._every_head("interleaved")
+        if every is None:
+            return None
+        try:
+            out, second, _ = oracle_forward(*every)
+        except CandidateProblem:
+            return None
+        return out, second
+
+    def per_query_head_gradients(self) -> dict[str, dict[str, np.ndarray]] | None:
+        """The float64 oracle's key and value gradients per query head ((B, Hq, S, E) each) under
+        each grouping of `_every_head`, by its name, for the diagnosis to sum another way; None
+        where there is none."""
+        from attncheck.checks.grad import run_grad
+
+        found = {}
+        for way in ("consecutive", "interleaved"):
+            every = self._every_head(way)
+            if every is None:
+                return None
+            cfg, w64 = every[0], every[1].astype(np.float64)
+            session = oracle_session(cfg)
+            try:
+                grads = run_grad(session, oracle_config(cfg), w64, session.build(w64.params))[2]
+            except CandidateProblem:
+                return None
+            found[way] = {name: grads[name] for name in ("key", "value") if grads.get(name) is not None}
         return found
 
     def session(self) -> Session:
@@ -207,8 +214,7 @@ class CheckRun:
         """The report, each failing row with its diagnosis (attncheck.diagnose), timed; with what
         the candidate printed in its sessions' later calls (the repeat call's, a probe's on them)."""
         for session in self.sessions:
-            self.report.printed.extend(session.printed)
-            session.printed.clear()
+            self.report.take_printed(session)
         kind = kind_of(self.cfg)
         if self.report.verdict is FAIL and self.cfg.dtype in HALF and self.cfg.input_scale > HALF_MEASURED_SCALE:
             self.report.notes.append(HALF_LARGE_NOTE)

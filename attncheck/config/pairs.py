@@ -34,15 +34,28 @@ and 2 refused, 40), and so do the shipped examples of every kind.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
 from attncheck.config.config_file import config_from_mapping
-from attncheck.config.suite_file import Case, Suite
+from attncheck.config.suite_file import Case, Suite, load_suite
 from attncheck.config.yaml_reading import embedded_text, parse_document, read_suite_file
 from attncheck.errors import UsageError
 
 # Keys of a case entry that are not options of its config.
 _NOT_OPTIONS = ("name", "commands", "probes")
+
+
+def suite_or_pairs(path: str | Path | None, module: str | None, pairs: bool, *, asked: str, given: str) -> Suite:
+    """The suite a caller names: `load_suite(path, module)`, or with `pairs` the default suite's
+    pairs, where a path is a UsageError in the caller's words (`asked`: its switch for the pairs,
+    `given`: what it calls the path): the command line's --pairs beside --config, attncheck.cases'
+    pairs=True beside a suite."""
+    if not pairs:
+        return load_suite(path, module=module)
+    if path is not None:
+        raise UsageError(f"{asked} merges the default suite's cases two by two: leave {given} ({path}) out")
+    return pair_suite(module)
 
 
 def _default_suite(module: str | None) -> tuple[dict, str, str, list[tuple[str, dict, list[str] | None]]]:

@@ -358,12 +358,12 @@ class ModuleKind:
         met = [name for name, test in self.features if test(cfg)]  # the last: every case's
         return next((name for name in met[:-1] if name not in in_every_case), met[0])
 
-    def features_met(self, cfg: Config, in_every_case: frozenset[str] = frozenset()) -> list[str]:
+    def features_met(self, cfg: Config) -> list[str]:
         """Every feature a case exercises, for a suite of pairs (attncheck.config.pairs), where a
-        case has two options and belongs under each: the features whose test it meets, but the
-        last (every case's) and those in every case; where that leaves none, `feature_of`'s."""
-        met = [name for name, test in self.features[:-1] if test(cfg) and name not in in_every_case]
-        return met or [self.feature_of(cfg, in_every_case)]
+        case has two options and belongs under each: the features whose test it meets but the last
+        (every case's); where that leaves none, the last."""
+        met = [name for name, test in self.features[:-1] if test(cfg)]
+        return met or [self.features[-1][0]]
 
     def features_in_every_case(self, configs: list[Config]) -> frozenset[str]:
         """The features every one of `configs` (a suite's cases, two or more) meets, the last one
