@@ -8,9 +8,17 @@ rounding's as likely as a bug's, so the row says so instead (`rounding_sized`; a
 still names what rounding cannot fit: a suspect its rerun reproduces, a transpose, a factor a
 dimension names), and a run whose only failures are such rows says what to change
 (`half_precision_hint`).
+
+Where a row is left with those words alone, the check is run again on the case in float32
+(`in_float32`): an error that stays there is the computation's, and the float32 row's diagnosis
+names it; one that goes came with the half dtype. A red-team kernel's backward that rebuilt its
+mask from is_causal alone read "1.1x the allowance, in float16: the size a sum accumulated in
+float16 gives", and its float32 rerun fails by 1e5 times float32's allowance.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from attncheck.dtypes import HALF
 from attncheck.report import FAIL, PASS, Reason, Report, Row
@@ -27,6 +35,8 @@ def half_precision_hint(reports: list[Report]) -> str | None:
     failed = [r for r in reports if r.verdict is FAIL]
     if not failed or any(r.config.dtype not in HALF for r in failed):
         return None
+    if any(r.in_float32 is FAIL for r in failed):
+        return None  # run again in float32, it failed there too: the computation's
     if any(row.reason is not Reason.VALUES for r in failed for row in r.failures):
         return None  # a dtype, a NaN, a crash: said by its own rows
     if any(row.ratio is None or row.ratio > HALF_HINT_RATIO for r in failed for row in r.failures):
@@ -50,3 +60,30 @@ def rounding_sized(row: Row, cfg) -> str:
         return ""
     return (f"{row.ratio:.3g}x the allowance, in {cfg.dtype}: the size a sum accumulated in {cfg.dtype} gives, so no location "
             f"or factor is named (run the case with --set dtype=float32: an error that stays is the computation's)")
+
+
+def in_float32(report: Report, cfg, rerun: Callable[[], Report | None]) -> None:
+    """The failing rows of a half-precision report that `rounding_sized` alone explains, told again
+    from `rerun()`: the check run on the case in float32 (CheckRun.in_float32), asked only where
+    such a row exists. Its row of the same quantity failing says the error is the computation's,
+    with that row's diagnosis (float32 has no rounding of this size to hide it); passing, that it
+    came with the half dtype. The report keeps the rerun's verdict (`Report.in_float32`)."""
+    rows = [r for r in report.rows if r.status is FAIL and r.diagnosis and r.diagnosis == rounding_sized(r, cfg)]
+    if not rows:
+        return
+    other = rerun()
+    if other is None:
+        return
+    report.in_float32 = other.verdict
+    same = {(r.section, r.parameter, r.block, r.head): r for r in other.rows}
+    for row in rows:
+        twin = same.get((row.section, row.parameter, row.block, row.head))
+        if twin is None or twin.status not in (PASS, FAIL):
+            continue
+        here = f"{row.ratio:.3g}x the allowance, in {cfg.dtype}; in float32 (the case run again here on the same seed)"
+        if twin.status is PASS:
+            row.diagnosis = f"{here} it agrees: the error comes with {cfg.dtype}, of the size a sum accumulated in {cfg.dtype} gives"
+            continue
+        size = f"it is {twin.ratio:.3g}x float32's allowance" if twin.ratio is not None and twin.reason is Reason.VALUES else "it fails"
+        said = twin.diagnosis or twin.note
+        row.diagnosis = f"{here} {size}: the computation's error, not {cfg.dtype}'s rounding" + (f"; in float32: {said}" if said else "")

@@ -25,6 +25,7 @@ from attncheck.suspects import reproduces
 
 def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False,
                  reread: Callable[..., np.ndarray | None] | None = None,
+                 regrad: Callable[..., dict[str, np.ndarray | None] | None] | None = None,
                  per_query_head: Callable[[], dict[str, dict[str, np.ndarray]] | None] | None = None,
                  heads_by_modulo: Callable[[], tuple[np.ndarray, np.ndarray | None] | None] | None = None) -> None:  # fmt: skip
     """A kind the diagnosis cannot read (its layouts are not a module's): for every failing row
@@ -33,14 +34,18 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
     the relations that need no layout (a sign, a factor: an LSE in base 2 is 1/ln(2) x torch's). A
     failing finite difference gets what its ratio says (`autodiff` as for _finite_difference): a
     kernel whose backward forgot the softmax scale, sqrt(D). A failing output is tried against the
-    oracle's under other readings of the config (`reread`, `other_reading`), whatever its layout; a
-    failing GQA key or value gradient against the query heads' own gradients grouped another way
+    oracle's under other readings of the config (`reread`, `other_reading`), whatever its layout,
+    and a failing gradient of that check against the oracle's under the readings its output fits
+    (`regrad`, `gradient_reading`): a forward that ignores the given scale has the gradients of
+    that forward, which in bfloat16 read as rounding before; a failing GQA key or value gradient against the query heads' own gradients grouped another way
     (`per_query_head`, `gqa_grouping`); a failing GQA output or LSE against the oracle's with query
     head h reading key-value head h % Hkv (`heads_by_modulo`)."""
     # each computed once, for the first row that asks
     per_query_head = None if per_query_head is None else functools.cache(per_query_head)
     heads_by_modulo = None if heads_by_modulo is None else functools.cache(heads_by_modulo)
+    regrad = None if regrad is None else _cached(regrad)
     second = kind_of(cfg).second_output
+    fitted: list[Reading] = []  # the readings a failing output or LSE fits (the forward's rows come before the gradients')
     for row in report.rows:
         read = row.parameter == "output" or (second == "lse" and row.parameter == "lse")  # the LSE too: a float16 one's rounding words hid the scale
         if reread is not None and read and row.status is FAIL and row.evidence is not None:
@@ -48,7 +53,9 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
             allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), c.shape)
             again = reread if row.parameter == "output" else functools.partial(reread, second=True)
             what = "LSE" if row.parameter == "lse" else "output"
-            reading = other_reading(cfg, c, allowed, again, what=what)  # a rerun reproduces it: rounding cannot fit it
+            found = fitting_readings(cfg, c, allowed, again)  # a rerun reproduces it: rounding cannot fit it
+            fitted += [r for r in found if r not in fitted]
+            reading = in_words(found, what)
             if not reading and heads_by_modulo is not None:
                 reading = gqa_modulo_reading(cfg, c, allowed, again, heads_by_modulo(), row.parameter == "lse", what)
             if reading:
@@ -56,6 +63,11 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
                 x = np.asarray(row.evidence.reference, dtype=np.float64)
                 where = _where(c, x, allowed, Layout(named), cfg, None) if named and x.shape == c.shape and x.ndim == len(named) else []
                 row.diagnosis = "; ".join([reading, *where])
+                continue
+        if fitted and regrad is not None and row.section == "grad" and row.status is FAIL and row.evidence is not None and row.head is None:
+            followed = gradient_reading(row, fitted, regrad)
+            if followed:
+                row.diagnosis = followed
                 continue
         if per_query_head is not None and row.parameter in ("key", "value") and row.section == "grad" and row.status is FAIL and row.evidence is not None:
             grouping = gqa_grouping(row, cfg, per_query_head())
@@ -240,32 +252,81 @@ def readings(cfg: Config) -> list[Reading]:
     return found + kind_of(cfg).readings(cfg)
 
 
-def other_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, reread: Callable[..., np.ndarray | None],
-                  what: str = "output") -> str:  # fmt: skip
-    """A kernel's output that is the float64 oracle's under another reading of its config
-    (`readings`) and not under its own: `reread(update, methods)` is the oracle's output on the
-    check's workload with the config so updated and the reference's methods so replaced (None where
-    not valid, or where the kind's reference has no such method). "" when none fits; each that
-    fits, where several do. `what`: the array's name in the words (the output, or the LSE, which
-    `reread` then gives)."""
+def fitting_readings(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, reread: Callable[..., np.ndarray | None]) -> list[Reading]:
+    """The other readings of a kernel's config (`readings`) under which the float64 oracle's output
+    is the candidate's, and under its own reading it is not: `reread(update, methods)` is the
+    oracle's output on the check's workload with the config so updated and the reference's methods
+    so replaced (None where not valid, or where the kind's reference has no such method). [] when
+    none fits, or the oracle's own output cannot be had."""
     own = reread({})
     if own is None or np.shape(own) != candidate.shape:
-        return ""
+        return []
     own = np.asarray(own, dtype=np.float64)
     found = []
     for reading in readings(cfg):
         other = reread(reading.update, reading.methods)
         if other is not None and _reproduced(candidate, other, own, allowed):
-            found.append(reading.words)
+            found.append(reading)
+    return found
+
+
+def in_words(found: list[Reading], what: str = "output") -> str:
+    """The readings an array fits, in words: "" for none; each, as ambiguous, where several do.
+    `what`: the array's name (the output, or the LSE)."""
     if len(found) > 1:
-        return f"ambiguous, the {what} fits each of: the oracle's with " + " | ".join(found)
-    return f"the {what} is the float64 oracle's with {found[0]}" if found else ""
+        return f"ambiguous, the {what} fits each of: the oracle's with " + " | ".join(r.words for r in found)
+    return f"the {what} is the float64 oracle's with {found[0].words}" if found else ""
 
 
-def _reproduced(candidate: np.ndarray, other: np.ndarray, own: np.ndarray, allowed: np.ndarray) -> bool:
-    """Whether the oracle's array under another reading (`other`) explains the candidate's and its
-    own reading (`own`) does not, to within the row's allowance or FIT_RTOL of other's magnitude."""
-    if np.shape(other) != candidate.shape:
+def other_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, reread: Callable[..., np.ndarray | None],
+                  what: str = "output") -> str:  # fmt: skip
+    """A kernel's output (or LSE: `what`, which `reread` then gives) that is the float64 oracle's
+    under another reading of its config and not under its own, in words (`fitting_readings`)."""
+    return in_words(fitting_readings(cfg, candidate, allowed, reread), what)
+
+
+# The gradients' names in the words, where the kind's inputs are attention's own.
+_GRADIENT_NAMES = {"query": "dQ", "key": "dK", "value": "dV"}
+
+
+def gradient_reading(row, fitted: list[Reading], regrad: Callable[..., dict[str, np.ndarray | None] | None]) -> str:
+    """A failing gradient that is the float64 oracle's gradient (`regrad(update, methods)`, of the
+    check's own loss) under a reading the check's output (or LSE) fits, and not under its own
+    (`regrad({})`): the backward of the forward the kernel computes, not a second bug. "" where
+    none fits; each, as ambiguous, where several do."""
+    name = str(row.parameter)
+    c = np.asarray(row.evidence.candidate, dtype=np.float64)
+    own = (regrad({}) or {}).get(name)
+    if own is None or np.shape(own) != c.shape:
+        return ""
+    allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), c.shape)
+    own = np.asarray(own, dtype=np.float64)
+    found = [r for r in fitted if _reproduced(c, (regrad(r.update, r.methods) or {}).get(name), own, allowed)]
+    d = _GRADIENT_NAMES.get(name, f"the gradient of {name}")
+    if len(found) > 1:
+        return (f"ambiguous, {d} fits the float64 oracle's gradient with each of the readings the output fits: "
+                + " | ".join(r.words for r in found))  # fmt: skip
+    return f"{d} is the float64 oracle's gradient with {found[0].words}, as the output is" if found else ""
+
+
+def _cached(regrad: Callable[..., dict | None]) -> Callable[..., dict | None]:
+    """`regrad` computed once per reading (its update and methods are dicts: no functools.cache)."""
+    done: dict[str, dict | None] = {}
+
+    def once(update: dict, methods: dict | None = None) -> dict | None:
+        key = repr((sorted(update.items()), sorted((methods or {}).items())))
+        if key not in done:
+            done[key] = regrad(update, methods)
+        return done[key]
+
+    return once
+
+
+def _reproduced(candidate: np.ndarray, other: np.ndarray | None, own: np.ndarray, allowed: np.ndarray) -> bool:
+    """Whether the oracle's array under another reading (`other`; None: it has none) explains the
+    candidate's and its own reading (`own`) does not, to within the row's allowance or FIT_RTOL of
+    other's magnitude."""
+    if other is None or np.shape(other) != candidate.shape:
         return False
     other = np.asarray(other, dtype=np.float64)
     finite = np.isfinite(other)

@@ -309,6 +309,10 @@ class Report:
     # characters, escaped: attncheck.remote), its first calls' in order and its later ones' (a
     # repeat call's) after; not the probes' own calls: shown as a note, JUnit's system-out.
     printed: list[str] = field(default_factory=list)
+    # A half-precision check's verdict when run again in float32, where a failing row's error was
+    # of rounding's size (attncheck.diagnose_half.in_float32); None where it was not. Not in JSON:
+    # the rows' diagnoses say it.
+    in_float32: Status | None = None
 
     @property
     def printed_lines(self) -> list[str]:

@@ -28,7 +28,7 @@ from attncheck.api import check
 from attncheck.config import load_config
 from attncheck.compare import Evidence
 from attncheck.diagnose import diagnose, factor_meaning
-from attncheck.report import FAIL, Row
+from attncheck.report import FAIL, PASS, Row
 from attncheck.testing import detection, wrong_impls, wrong_layers
 from attncheck.testing.detection import DEFAULT_SUITE_CATCHES
 from tests.conftest import cfg, default_suite_catch_report
@@ -454,8 +454,11 @@ def test_a_half_precision_row_of_rounding_size_names_no_location_or_factor():
     for command in ("forward", "grad"):
         report = run_check(command, cfg, Candidate("einsum-like", HalfAccumulatedSoftmax))
         assert report.failures, command
+        # run again in float32 (diagnose_half.in_float32), the same computation agrees
+        assert report.in_float32 is PASS, command
         for row in report.failures:
-            assert re.fullmatch(r"[\d.]+x the allowance, in float16: the size a sum accumulated in float16 gives, .*", row.diagnosis), row.diagnosis
+            assert re.fullmatch(r"[\d.]+x the allowance, in float16; in float32 \(the case run again here on the same seed\) it agrees: "
+                                r"the error comes with float16, of the size a sum accumulated in float16 gives", row.diagnosis), row.diagnosis
     far = run_check("forward", cfg, Candidate("wrong scale", ScaleByHeadDim)).failures
     assert far and all("accumulated" not in row.diagnosis and row.diagnosis for row in far), [r.diagnosis for r in far]
 
@@ -483,3 +486,26 @@ def test_a_suspect_that_fits_where_both_are_finite_is_not_named_where_the_candid
     report = check({"attn_mask": "causal"}, "forward", impl=MaskAddedAfterSoftmax)
     weights = [r for r in report.failures if r.section == "forward" and r.quantity == "attn_weights"]
     assert weights and "is ignored" not in weights[0].diagnosis and "positions torch masks" in weights[0].diagnosis, weights[0].diagnosis
+
+
+def test_a_half_precision_error_of_rounding_size_that_stays_in_float32_is_the_computations():
+    # A red-team kernel's backward rebuilt its mask from is_causal alone: its float16 dV read "1.1x
+    # the allowance, in float16: the size a sum accumulated in float16 gives", and float32 fails it
+    # by 221x. The case is run again in float32, and what that row says is said.
+    from attncheck.candidate import candidate_from_object
+    from attncheck.checks import run_check
+    from attncheck.config import config_from_mapping
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class ValueGradOff(DenseSDPA):
+        def backward(self, grad_out, grad_lse=None):
+            grads = super().backward(grad_out, grad_lse)
+            return {**grads, "value": grads["value"] * 1.02}
+
+    cfg = config_from_mapping({"module": "sdpa", "tgt_len": 29, "src_len": 29, "head_dim": 8, "dtype": "float16"})
+    report = run_check("grad", cfg, candidate_from_object(ValueGradOff))
+    [row] = [r for r in report.failures if r.section == "grad"]
+    assert report.in_float32 is FAIL and 1 < row.ratio < 20, (report.in_float32, row.ratio)
+    assert re.fullmatch(r"[\d.]+x the allowance, in float16; in float32 \(the case run again here on the same seed\) it is [\d.e+]+x "
+                        r"float32's allowance: the computation's error, not float16's rounding; in float32: candidate = 1.02 x expected "
+                        r"\(a factor no dimension of the config names\)", row.diagnosis), row.diagnosis

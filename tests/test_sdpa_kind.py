@@ -831,3 +831,27 @@ def test_a_window_measured_from_the_top_left_diagonal_is_named():
     assert row.diagnosis.startswith(f"the output is the float64 oracle's with {said}"), row.diagnosis
     square = cfg.model_copy(update={"src_len": 13})
     assert run_check("forward", square, candidate_from_object(WindowTopLeft)).passed  # L = S: the two diagonals are one
+
+
+def test_the_gradients_of_a_forward_read_another_way_are_named_with_that_reading():
+    # A red-team kernel ignored the given scale on its softcap path: its output was named ("softmax
+    # scale 0.125 ... the given scale is ignored"), and in bfloat16 its gradients of that same
+    # forward read "6.48x the allowance ... the size a sum accumulated in bfloat16 gives"; in
+    # float32 they said nothing. They are the oracle's gradients under the output's reading, which
+    # is checked by computing them; a backward that is not that forward's is not read so.
+    from attncheck.testing.wrong_kernels import ScaleIgnored
+
+    class ScaleIgnoredGradHalved(ScaleIgnored):
+        def backward(self, grad_out, grad_lse=None):
+            return {name: g / 2 for name, g in super().backward(grad_out, grad_lse).items()}
+
+    for dtype in ("float32", "bfloat16"):
+        cfg = config_from_mapping({"module": "sdpa", "tgt_len": 6, "src_len": 9, "head_dim": 8, "scale": 0.7, "dtype": dtype})
+        rows = {r.parameter: r.diagnosis for r in run_check("grad", cfg, candidate_from_object(ScaleIgnored)).failures
+                if r.section == "grad"}  # fmt: skip
+        assert set(rows) == {"query", "key", "value"}, rows
+        for name, d in (("query", "dQ"), ("key", "dK"), ("value", "dV")):
+            assert rows[name] == (f"{d} is the float64 oracle's gradient with softmax scale 0.354 (1/sqrt(D), the default: the given "
+                                  "scale is ignored) where it is 0.7 (D=8), as the output is"), rows[name]  # fmt: skip
+        halved = run_check("grad", cfg, candidate_from_object(ScaleIgnoredGradHalved)).failures
+        assert [r for r in halved if r.section == "grad"] and not any("oracle's gradient" in r.diagnosis for r in halved), halved

@@ -188,6 +188,9 @@ def test_a_run_failing_only_in_half_precision_on_its_values_says_so():
     assert half_precision_hint([made("float32", PASS), made("float16", FAIL, Reason.DTYPE)]) is None  # its dtype row says it
     assert half_precision_hint([made("float32", FAIL), made("float16", FAIL)]) is None  # not half precision's alone
     assert half_precision_hint([made("float16", FAIL)]) is None  # nothing in float32 to compare with
+    stays = made("float16", FAIL)
+    stays.in_float32 = FAIL  # run again in float32, it failed there too (diagnose_half.in_float32)
+    assert half_precision_hint([made("float32", PASS), stays]) is None
 
 
 def test_a_check_failing_on_its_dtype_alone_says_so_in_the_summary():

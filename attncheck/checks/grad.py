@@ -125,8 +125,10 @@ def oracle_gradients(cfg: Config, w: Workload) -> tuple[tuple, float, dict[str, 
     return oracle, logits, gradient_rounding(cfg, rule_for(cfg, "grad"), session, w64, oracle[2])
 
 
-def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: bool = False, strict: bool = False) -> Report:
-    """Every gradient of the candidate against torch autograd, and against finite differences."""
+def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: bool = False, strict: bool = False,
+               finite_differences: bool = True) -> Report:  # fmt: skip
+    """Every gradient of the candidate against torch autograd, and against finite differences
+    (`finite_differences`: False only for the diagnosis's own rerun, CheckRun.in_float32)."""
     run = CheckRun.begin("grad", cfg, candidate)
     report, w = run.report, run.w
     t = torch_side.grad(cfg, w)
@@ -208,6 +210,8 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
         report.rows.extend(probes.grad_probes(probes.Probing(run, session, first, within, 0.0), again))
     del obj  # nor the candidate's, through the float64 finite differences
     report.rows.extend(finding_rows("grad", session))
+    if not finite_differences:
+        return run.finish()
     report.rows.extend(finite_difference_rows(cfg, run.candidate, w64, grads if cfg.dtype == "float64" else None, oracle, strict,
                                               spread, notes=report.notes, printed=report.printed, logit_magnitude=logits, grad_scale=grad_scale,
                                               forward_agrees=all(r.status == PASS for r in (output_row, loss_row)), autograd=autograd))  # fmt: skip

@@ -20,8 +20,9 @@ from attncheck.candidate import Candidate, Session, make_session, reference_for
 from attncheck.config import Config, config_from_mapping
 from attncheck.dtypes import HALF
 from attncheck.diagnose import diagnose_report
+from attncheck.diagnose_half import in_float32
 from attncheck.diagnose_kernels import where_report
-from attncheck.errors import CandidateProblem, Unsupported, UsageError
+from attncheck.errors import CandidateProblem, TracerLeak, Unsupported, UsageError
 from attncheck.frameworks import framework_of
 from attncheck.inputs import Workload, make_workload
 from attncheck.kinds import kind_of
@@ -129,7 +130,35 @@ class CheckRun:
         softmax scale, causal alignment, window or softcap: a function kind's keys), and with the
         reference's `methods` replaced where it has them (ALiBi's formula: `_alibi`), for the
         diagnosis to compare; None where that config is not valid, the reference lacks a method
-        or raised.
+        or raised."""
+        read = self._read(update, methods)
+        if read is None:
+            return None
+        cfg, oracle, obj, w64 = read
+        try:
+            return oracle.forward(obj, w64)[int(second)]
+        except CandidateProblem:
+            return None
+
+    def regrad(self, update: dict, methods: dict | None = None) -> dict[str, np.ndarray | None] | None:
+        """The float64 oracle's gradients, keyed as torch reports them, of this check's loss on this
+        workload under the reading `reread` takes (`update`, `methods`): what a kernel's backward
+        gives when its forward computes that reading, for the diagnosis to compare a failing
+        gradient with; None where that reading cannot be computed."""
+        from attncheck.checks.grad import all_gradients, run_grad
+
+        read = self._read(update, methods)
+        if read is None:
+            return None
+        cfg, oracle, obj, w64 = read
+        try:
+            return all_gradients(cfg, run_grad(oracle, oracle_config(cfg), w64, obj)[2])
+        except CandidateProblem:
+            return None
+
+    def _read(self, update: dict, methods: dict | None) -> tuple[Config, Session, object, Workload] | None:
+        """(config, oracle session, built object with its methods replaced, float64 workload) of a
+        reading (`reread`); None where the config is not valid or the reference lacks a method.
 
         A causal alignment the kind's config may not ask for (the packed and decode kinds take
         lower_right alone) is its oracle's all the same: the config is validated with its own and
@@ -139,13 +168,15 @@ class CheckRun:
         valid = {**update, "causal": self.cfg.causal} if aside else update
         try:
             cfg = config_from_mapping({**self.cfg.model_dump(exclude_unset=True), **valid}, source="<diagnosis>").model_copy(update=aside)
-            if not methods:
-                return oracle_forward(cfg, self.w)[int(second)]
             oracle, w64 = oracle_session(cfg), self.w.astype(np.float64)
-            obj = kind_of(cfg).with_methods(cfg, oracle.build(w64.params), methods)
-            return None if obj is None else oracle.forward(obj, w64)[int(second)]
+            obj = oracle.build(w64.params)
+            if methods:
+                obj = kind_of(cfg).with_methods(cfg, obj, methods)
+                if obj is None:
+                    return None
         except (UsageError, CandidateProblem):
             return None
+        return cfg, oracle, obj, w64
 
     def _every_head(self, way: str) -> tuple[Config, Workload] | None:
         """module: sdpa with GQA: the config with a key-value head per query head (Hkv = Hq) and the
@@ -197,6 +228,26 @@ class CheckRun:
             found[way] = {name: grads[name] for name in ("key", "value") if grads.get(name) is not None}
         return found
 
+    def in_float32(self) -> Report | None:
+        """This check run again on the case in float32 (the same seed; no probes, no finite
+        differences), for a half-precision row whose error is of rounding's size: an error that
+        stays in float32 is the computation's, one that goes is the half dtype's
+        (diagnose_half.in_float32). None for sgd-step, or where the case has no float32 form."""
+        from attncheck.commands import command
+
+        if self.command not in ("forward", "grad"):
+            return None
+        try:
+            cfg = config_from_mapping({**self.cfg.model_dump(exclude_unset=True), "dtype": "float32", "probes": []}, source="<diagnosis>")
+        except UsageError:
+            return None
+        options = {"finite_differences": False} if self.command == "grad" else {}
+        with torch_side.deterministic(cfg):
+            try:
+                return command(self.command).check(cfg, self.candidate, **options)
+            except TracerLeak:  # its process was replaced: the diagnosis asks it nothing more
+                return None
+
     def session(self) -> Session:
         """The candidate's session, in the config's dtype."""
         self.sessions.append(session_for(self.cfg, self.candidate))
@@ -221,9 +272,11 @@ class CheckRun:
         if not kind.diagnosable:  # where the kind names its axes, and the finite differences (packed, decode kinds too)
             # A NumPy kernel's gradients are its own backward's; a torch or JAX one's may be autograd's or a custom rule's.
             where_report(self.report, self.cfg, kind.where_axes, autodiff=False if self.report.framework == "numpy" else None,
-                         reread=self.reread, per_query_head=self.per_query_head_gradients, heads_by_modulo=self.heads_by_modulo)
+                         reread=self.reread, regrad=self.regrad, per_query_head=self.per_query_head_gradients, heads_by_modulo=self.heads_by_modulo)
         else:
             diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun,
                             autodiff=by_autograd(self.cfg, self.candidate))  # fmt: skip
+        if self.report.verdict is FAIL and self.cfg.dtype in HALF:
+            in_float32(self.report, self.cfg, self.in_float32)
         self.report.seconds = time.perf_counter() - self.start
         return self.report
