@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from attncheck.dtypes import HALF
 from attncheck.report import FAIL, PASS, Reason, Report, Row
 
@@ -63,27 +65,58 @@ def rounding_sized(row: Row, cfg) -> str:
 
 
 def in_float32(report: Report, cfg, rerun: Callable[[], Report | None]) -> None:
-    """The failing rows of a half-precision report that `rounding_sized` alone explains, told again
-    from `rerun()`: the check run on the case in float32 (CheckRun.in_float32), asked only where
-    such a row exists. Its row of the same quantity failing says the error is the computation's,
-    with that row's diagnosis (float32 has no rounding of this size to hide it); passing, that it
-    came with the half dtype. The report keeps the rerun's verdict (`Report.in_float32`)."""
-    rows = [r for r in report.rows if r.status is FAIL and r.diagnosis and r.diagnosis == rounding_sized(r, cfg)]
-    if not rows:
+    """The failing rows of a half-precision report that `rounding_sized` alone explains, and those
+    with NaN where torch has a number, told again from `rerun()`: the check run on the case in
+    float32 (CheckRun.in_float32), asked only where such a row exists. Its row of the same quantity
+    failing says the error is the computation's, with that row's diagnosis (float32 has no rounding
+    of this size to hide it); passing, that it came with the half dtype (a NaN: its range, float16's
+    largest value being 65504). `Report.in_float32` is FAIL where a row so told failed in float32,
+    PASS where every such row passed there; a rerun that could not tell (a call that raised or hung
+    in float32, a row it lacks) leaves the rows' words and the field as they were."""
+    rounding = [r for r in report.rows if r.status is FAIL and r.diagnosis and r.diagnosis == rounding_sized(r, cfg)]
+    nan = [r for r in report.rows if r.status is FAIL and r.section != "finite-diff" and r not in rounding and _nan_where_numbers(r)]
+    if not rounding and not nan:
         return
     other = rerun()
     if other is None:
         return
-    report.in_float32 = other.verdict
     same = {(r.section, r.parameter, r.block, r.head): r for r in other.rows}
-    for row in rows:
-        twin = same.get((row.section, row.parameter, row.block, row.head))
-        if twin is None or twin.status not in (PASS, FAIL):
+    twins = {id(row): same.get((row.section, row.parameter, row.block, row.head)) for row in rounding + nan}
+    told = {i: t for i, t in twins.items() if t is not None and t.status in (PASS, FAIL)}
+    # FAIL where a told row's float32 twin failed; PASS where every such row's twin passed; else untold
+    ended = next((r for r in other.rows if r.reason in (Reason.CALL, Reason.TIMEOUT) and r.quantity == "candidate"), None)
+    if not told and ended is not None:  # the words stay; why no more is said
+        how = f"gave no answer in {other.config.timeout:.3g} s" if ended.reason is Reason.TIMEOUT else f"raised {ended.raised or ended.note}"
+        report.notes.append(f"the check run again in float32, to tell {cfg.dtype}'s rounding from the computation's error, ended at a "
+                            f"call that {how}")  # fmt: skip
+    if any(t.status is FAIL for t in told.values()):
+        report.in_float32 = FAIL
+    elif told and len(told) == len(twins):
+        report.in_float32 = PASS
+    for row in rounding + nan:
+        twin = told.get(id(row))
+        if twin is None:
             continue
-        here = f"{row.ratio:.3g}x the allowance, in {cfg.dtype}; in float32 (the case run again here on the same seed)"
+        again = "in float32 (the case run again here on the same seed)"
+        here = f"{row.ratio:.3g}x the allowance, in {cfg.dtype}; {again}" if row in rounding else again
         if twin.status is PASS:
-            row.diagnosis = f"{here} it agrees: the error comes with {cfg.dtype}, of the size a sum accumulated in {cfg.dtype} gives"
-            continue
-        size = f"it is {twin.ratio:.3g}x float32's allowance" if twin.ratio is not None and twin.reason is Reason.VALUES else "it fails"
-        said = twin.diagnosis or twin.note
-        row.diagnosis = f"{here} {size}: the computation's error, not {cfg.dtype}'s rounding" + (f"; in float32: {said}" if said else "")
+            came = (f"the error comes with {cfg.dtype}, of the size a sum accumulated in {cfg.dtype} gives" if row in rounding else
+                    f"the NaN comes with {cfg.dtype}" + (" (its largest value is 65504: exp of a logit above 11.1 overflows, as "
+                                                        "in a softmax whose row max is not subtracted)" if cfg.dtype == "float16" else ""))  # fmt: skip
+            said = f"{here} it agrees: {came}"
+        else:
+            size = f"it is {twin.ratio:.3g}x float32's allowance" if twin.ratio is not None and twin.reason is Reason.VALUES else "it fails"
+            said = f"{here} {size}: the computation's error, not {cfg.dtype}'s" + (" rounding" if row in rounding else "")
+            said += f"; in float32: {twin.diagnosis or twin.note}" if twin.diagnosis or twin.note else ""
+        row.diagnosis = said if row in rounding else "; ".join(filter(None, [row.diagnosis, said]))
+
+
+def _nan_where_numbers(row: Row) -> bool:
+    """Whether a row's candidate has NaN where the expected value is a number (its evidence's arrays)."""
+    if row.reason is Reason.NAN:
+        return True
+    ev = row.evidence
+    if ev is None:
+        return False
+    c, x = np.asarray(ev.candidate, dtype=np.float64), np.asarray(ev.reference, dtype=np.float64)
+    return c.shape == x.shape and bool((np.isnan(c) & np.isfinite(x)).any())

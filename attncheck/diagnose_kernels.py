@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from attncheck.diagnose_half import rounding_sized
 from attncheck.kinds import kind_of
 from attncheck.reference.sdpa import alibi, key_offset, within_window
 from attncheck.report import FAIL, Report
-from attncheck.suspects import reproduces
+from attncheck.suspects import fits, reproduces
 
 
 def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False,
@@ -87,7 +88,42 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
             continue
         allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), x.shape)
         relations = [words for family, words in _relation(c, x, allowed, cfg) if not (rounding and family == UNNAMED_FACTOR)]
-        row.diagnosis = "; ".join(relations + ([] if rounding else _where(c, x, allowed, Layout(named), cfg, None))) or rounding
+        permuted = heads_permuted(c, x, allowed, named, cfg)  # a pattern: it says where, too
+        if permuted:
+            relations.append(permuted)
+        row.diagnosis = "; ".join(relations + ([] if rounding or permuted else _where(c, x, allowed, Layout(named), cfg, None))) or rounding
+
+
+def heads_permuted(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, named: tuple[str, ...], cfg: Config) -> str:
+    """'heads permuted: ...' when each of the candidate's heads (the axis `named` calls "head") is
+    another head of the expected array, to within the allowance; with GQA, named where the order is
+    the (Hkv, g) grid of query heads transposed before its reshape (a red-team kernel that computed
+    per key-value group, (B, Hkv, g, L), reshaped its LSE so, and read "only in heads 1-4"). "" where
+    it is not."""
+    if "head" not in named or c.shape != x.shape:
+        return ""
+    axis = named.index("head")
+    H = x.shape[axis]
+    finite = np.isfinite(x)
+    scale = float(np.abs(x[finite]).max()) if finite.any() else 0.0
+    if H < 2 or not scale:
+        return ""
+    take = lambda a, h: np.take(a, h, axis=axis)  # noqa: E731
+    order = []
+    for h in range(H):
+        match = [k for k in range(H) if fits(take(c, h), take(x, k), take(allowed, k), scale)]
+        if not match:
+            return ""
+        order.append(match[0])
+    if sorted(order) != list(range(H)) or order == list(range(H)):
+        return ""
+    words = f"heads permuted: candidate head h holds expected head {order}[h]"
+    Hkv = cfg.num_kv_heads_eff
+    g = H // Hkv if Hkv and H % Hkv == 0 else 1
+    if 1 < g < H and order == [r * g + j for j in range(g) for r in range(Hkv)]:
+        words += (f": the query heads' (Hkv, g) grid transposed to (g, Hkv) before its reshape to Hq heads, head j*Hkv + r "
+                  f"holding query head r*g + j (Hq={H}, Hkv={Hkv}, g={g})")
+    return words
 
 
 def gqa_modulo_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, reread: Callable[..., np.ndarray | None],
@@ -174,6 +210,11 @@ class Reading:
     update: dict
     words: str
     methods: dict = field(default_factory=dict)
+    inputs: Callable | None = None  # the float64 workload as this reading hands it (CheckRun.reread)
+
+    def of(self, reread: Callable) -> Any:
+        """`reread` (or CheckRun.regrad) under this reading."""
+        return reread(self.update, self.methods) if self.inputs is None else reread(self.update, self.methods, inputs=self.inputs)
 
 
 def readings(cfg: Config) -> list[Reading]:
@@ -249,7 +290,35 @@ def readings(cfg: Config) -> list[Reading]:
         found.append(Reading({}, "ALiBi's distance taken from key i + |S - L|, -slope * |j - (i + |S - L|)|, where it is "
                                  "-slope * |j - (i + S - L)|: the sign of the offset S - L dropped, which moves the diagonal "
                                  "where there are more queries than keys (L > S)", {"_alibi": _alibi_offset_abs}))  # fmt: skip
+        found.append(Reading({"alibi": False}, "no ALiBi: its bias is left out"))
+        found += _alibi_slope_readings(cfg)
     return found + kind_of(cfg).readings(cfg)
+
+
+def _alibi_slope_readings(cfg: Config) -> list[Reading]:
+    """GQA's ALiBi slopes read per key-value head, where query head h has slope h: the slope of the
+    group's first query head for the whole group (a red-team kernel, which computed its logits per
+    key-value group, read "only in heads 1-3"), or the slope indexed by the key-value head, h // g."""
+    Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
+    if Hkv == Hq:
+        return []
+    g = Hq // Hkv
+    heads = np.arange(Hq)
+    ways = {"first": ((heads // g) * g, f"ALiBi's slope of the first query head of each key-value group for the whole group, "
+                                        f"slope[(h // {g}) * {g}], where query head h has its own slope[h] (Hq={Hq}, Hkv={Hkv})"),
+            "kv": (heads // g, f"ALiBi's slope indexed by the key-value head, slope[h // {g}], where query head h has its own "
+                               f"slope[h] (Hq={Hq}, Hkv={Hkv})")}  # fmt: skip
+    if Hkv == 1:  # every query head takes slope[0] either way
+        del ways["kv"]
+    return [Reading({}, words, inputs=functools.partial(_slopes_taken, index=index)) for index, words in ways.values()]
+
+
+def _slopes_taken(w, index: np.ndarray):
+    """The workload with ALiBi's slopes (Hq,) or (B, Hq) taken at `index` along the heads."""
+    slopes = w.extras.get("alibi_slopes")
+    if slopes is None:
+        return w
+    return replace(w, extras={**w.extras, "alibi_slopes": np.asarray(slopes)[..., index]})
 
 
 def fitting_readings(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, reread: Callable[..., np.ndarray | None]) -> list[Reading]:
@@ -264,7 +333,7 @@ def fitting_readings(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, re
     own = np.asarray(own, dtype=np.float64)
     found = []
     for reading in readings(cfg):
-        other = reread(reading.update, reading.methods)
+        other = reading.of(reread)
         if other is not None and _reproduced(candidate, other, own, allowed):
             found.append(reading)
     return found
@@ -301,7 +370,7 @@ def gradient_reading(row, fitted: list[Reading], regrad: Callable[..., dict[str,
         return ""
     allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), c.shape)
     own = np.asarray(own, dtype=np.float64)
-    found = [r for r in fitted if _reproduced(c, (regrad(r.update, r.methods) or {}).get(name), own, allowed)]
+    found = [r for r in fitted if _reproduced(c, (r.of(regrad) or {}).get(name), own, allowed)]
     d = _GRADIENT_NAMES.get(name, f"the gradient of {name}")
     if len(found) > 1:
         return (f"ambiguous, {d} fits the float64 oracle's gradient with each of the readings the output fits: "
@@ -313,10 +382,10 @@ def _cached(regrad: Callable[..., dict | None]) -> Callable[..., dict | None]:
     """`regrad` computed once per reading (its update and methods are dicts: no functools.cache)."""
     done: dict[str, dict | None] = {}
 
-    def once(update: dict, methods: dict | None = None) -> dict | None:
-        key = repr((sorted(update.items()), sorted((methods or {}).items())))
+    def once(update: dict, methods: dict | None = None, inputs: Callable | None = None) -> dict | None:
+        key = repr((sorted(update.items()), sorted((methods or {}).items()), inputs))
         if key not in done:
-            done[key] = regrad(update, methods)
+            done[key] = regrad(update, methods) if inputs is None else regrad(update, methods, inputs=inputs)
         return done[key]
 
     return once

@@ -309,9 +309,10 @@ class Report:
     # characters, escaped: attncheck.remote), its first calls' in order and its later ones' (a
     # repeat call's) after; not the probes' own calls: shown as a note, JUnit's system-out.
     printed: list[str] = field(default_factory=list)
-    # A half-precision check's verdict when run again in float32, where a failing row's error was
-    # of rounding's size (attncheck.diagnose_half.in_float32); None where it was not. Not in JSON:
-    # the rows' diagnoses say it.
+    # Whether the failing rows of a half-precision check whose error was of rounding's size (or a
+    # NaN) failed (FAIL) or all passed (PASS) when the check was run again in float32
+    # (attncheck.diagnose_half.in_float32); None where none was, or the rerun could not tell. Not
+    # in JSON: the rows' diagnoses say it.
     in_float32: Status | None = None
 
     @property

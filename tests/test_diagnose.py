@@ -509,3 +509,54 @@ def test_a_half_precision_error_of_rounding_size_that_stays_in_float32_is_the_co
     assert re.fullmatch(r"[\d.]+x the allowance, in float16; in float32 \(the case run again here on the same seed\) it is [\d.e+]+x "
                         r"float32's allowance: the computation's error, not float16's rounding; in float32: candidate = 1.02 x expected "
                         r"\(a factor no dimension of the config names\)", row.diagnosis), row.diagnosis
+
+    # float32 at its own tolerance: a half case's `tolerance: fixed` would make it no sharper
+    fixed = run_check("grad", cfg.model_copy(update={"tolerance": "fixed"}), candidate_from_object(ValueGradOff))
+    assert fixed.in_float32 is FAIL and "the computation's error" in next(r for r in fixed.failures if r.section == "grad").diagnosis
+
+    class HalfOnly(ValueGradOff):  # as FlashAttention's kernels are
+        def forward(self, query, *args, **kwargs):
+            if np.asarray(query).dtype == np.float32:
+                raise RuntimeError("float16 and bfloat16 only")
+            return super().forward(query, *args, **kwargs)
+
+    refused = run_check("grad", cfg, candidate_from_object(HalfOnly))
+    [row] = [r for r in refused.failures if r.section == "grad"]
+    assert refused.in_float32 is None and "(run the case with --set dtype=float32: an error that stays is the computation's)" in row.diagnosis
+    assert ("the check run again in float32, to tell float16's rounding from the computation's error, ended at a call that raised "
+            "RuntimeError: float16 and bfloat16 only") in refused.notes, refused.notes  # fmt: skip
+
+
+def test_a_half_precision_nan_is_told_apart_by_the_case_in_float32():
+    # A red-team kernel took the softmax's exp with no row max subtracted, in the inputs' dtype: its
+    # float16 rows read "NaN in 2600 places where torch has a number" and no more. float16 overflows
+    # past exp(11.1), float32 past exp(88.7): at input_scale 3 the NaN is float16's alone, at 5 the
+    # float32 case has NaN too.
+    from attncheck.candidate import candidate_from_object
+    from attncheck.checks import run_check
+    from attncheck.config import config_from_mapping
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class NoMaxInTheInputsDtype(DenseSDPA):
+        def forward(self, query, key, value, *args, **kwargs):
+            self.half = np.asarray(query).dtype
+            return super().forward(query, key, value, *args, **kwargs)
+
+        def _softmax(self, logits):
+            with np.errstate(over="ignore", invalid="ignore"):
+                e = np.exp(logits.astype(self.half)).astype(logits.dtype)  # should subtract each row's max first
+                row_sum = e.sum(axis=-1, keepdims=True)
+                return e / row_sum, np.zeros_like(row_sum[..., 0]), row_sum[..., 0]
+
+    def diagnosis(scale):
+        cfg = config_from_mapping({"module": "sdpa", "tgt_len": 9, "src_len": 9, "head_dim": 8, "dtype": "float16", "input_scale": scale})
+        report = run_check("forward", cfg, candidate_from_object(NoMaxInTheInputsDtype))
+        [row] = report.failures
+        return report.in_float32, row.diagnosis
+
+    again = "in float32 (the case run again here on the same seed)"
+    status, words = diagnosis(3.0)
+    assert status is PASS and re.fullmatch(rf"NaN in \d+ places where torch has a number; {re.escape(again)} it agrees: the NaN comes "
+                                           r"with float16 \(its largest value is 65504: .*\)", words), words  # fmt: skip
+    status, words = diagnosis(5.0)
+    assert status is FAIL and f"; {again} it fails: the computation's error, not float16's; in float32: NaN in " in words, words

@@ -855,3 +855,46 @@ def test_the_gradients_of_a_forward_read_another_way_are_named_with_that_reading
                                   "scale is ignored) where it is 0.7 (D=8), as the output is"), rows[name]  # fmt: skip
         halved = run_check("grad", cfg, candidate_from_object(ScaleIgnoredGradHalved)).failures
         assert [r for r in halved if r.section == "grad"] and not any("oracle's gradient" in r.diagnosis for r in halved), halved
+
+
+def test_a_kernels_lse_in_another_head_order_without_alibi_and_alibi_slopes_by_key_value_head_are_named():
+    # Three red-team kernels whose diagnoses read only "only in heads ...": a GQA kernel computing
+    # per key-value group, (B, Hkv, g, L), that transposed its LSE before the reshape to Hq heads; an
+    # LSE taken over logits without ALiBi's bias; ALiBi's slope indexed by the key-value head.
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class LseHeadsTransposed(DenseSDPA):
+        def forward(self, query, key, value, *args, **kwargs):
+            out, lse = super().forward(query, key, value, *args, **kwargs)
+            B, Hq, L = lse.shape
+            Hkv = np.shape(value)[1]
+            return out, lse.reshape(B, Hkv, Hq // Hkv, L).transpose(0, 2, 1, 3).reshape(B, Hq, L)  # should reshape alone
+
+    class LseWithoutAlibi(DenseSDPA):
+        def forward(self, query, key, value, *args, alibi_slopes=None, **kwargs):
+            out, _ = super().forward(query, key, value, *args, alibi_slopes=alibi_slopes, **kwargs)
+            return out, super().forward(query, key, value, *args, **kwargs)[1]  # the LSE should take the bias too
+
+    class AlibiSlopeByKvHead(DenseSDPA):
+        def forward(self, query, key, value, *args, alibi_slopes=None, **kwargs):
+            Hq, Hkv = np.shape(query)[1], np.shape(value)[1]
+            slopes = np.asarray(alibi_slopes)[..., np.arange(Hq) // (Hq // Hkv)]  # should be the query head's own
+            return super().forward(query, key, value, *args, alibi_slopes=slopes, **kwargs)
+
+    def failing(impl, command="forward", **overrides):
+        cfg = config_from_mapping({"module": "sdpa", "num_heads": 6, "num_kv_heads": 2, "tgt_len": 5, "src_len": 7, "head_dim": 8,
+                                   **overrides})  # fmt: skip
+        return {(r.section, r.parameter): r.diagnosis for r in run_check(command, cfg, candidate_from_object(impl)).failures}
+
+    rows = failing(LseHeadsTransposed, return_lse=True)
+    assert set(rows) == {("forward", "lse")}, rows
+    assert rows["forward", "lse"] == ("heads permuted: candidate head h holds expected head [0, 3, 1, 4, 2, 5][h]: the query heads' "
+                                      "(Hkv, g) grid transposed to (g, Hkv) before its reshape to Hq heads, head j*Hkv + r holding "
+                                      "query head r*g + j (Hq=6, Hkv=2, g=3)"), rows  # fmt: skip
+    rows = failing(LseWithoutAlibi, return_lse=True, alibi=True)
+    assert rows == {("forward", "lse"): "the LSE is the float64 oracle's with no ALiBi: its bias is left out"}, rows
+    rows = failing(AlibiSlopeByKvHead, "grad", alibi=True)
+    by_kv_head = "ALiBi's slope indexed by the key-value head, slope[h // 3], where query head h has its own slope[h] (Hq=6, Hkv=2)"
+    assert rows["forward", "output"].startswith(f"the output is the float64 oracle's with {by_kv_head}"), rows
+    for name, d in (("query", "dQ"), ("key", "dK"), ("value", "dV")):
+        assert rows["grad", name] == f"{d} is the float64 oracle's gradient with {by_kv_head}, as the output is", rows

@@ -21,7 +21,7 @@ from attncheck.report import FAIL, SKIPPED, Reason, Report, Row
 
 def check_forward(cfg: Config, candidate: Candidate | None = None, *, strict: bool = False) -> Report:
     """Outputs and attention weights of the candidate against torch's standard (and fast) path."""
-    run = CheckRun.begin("forward", cfg, candidate)
+    run = CheckRun.begin("forward", cfg, candidate, strict=strict)
     report, w, masked = run.report, run.w, run.masked
     t_out, t_weights = torch_side.forward(cfg, w)
     other_cfg = kind_of(cfg).other_path(cfg)

@@ -129,7 +129,7 @@ def check_grad(cfg: Config, candidate: Candidate | None = None, *, per_head: boo
                finite_differences: bool = True) -> Report:  # fmt: skip
     """Every gradient of the candidate against torch autograd, and against finite differences
     (`finite_differences`: False only for the diagnosis's own rerun, CheckRun.in_float32)."""
-    run = CheckRun.begin("grad", cfg, candidate)
+    run = CheckRun.begin("grad", cfg, candidate, per_head=per_head, strict=strict)
     report, w = run.report, run.w
     t = torch_side.grad(cfg, w)
     other_cfg = kind_of(cfg).other_gradient_path(cfg, w)

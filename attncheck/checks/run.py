@@ -29,6 +29,13 @@ from attncheck.kinds import kind_of
 from attncheck.report import FAIL, UNSUPPORTED, Reason, Report, Row
 
 
+# The float32 rerun of a half-precision check (CheckRun.in_float32): the keys it leaves at float32's
+# defaults (a half case's own tolerance would make float32 no sharper: a 1.01x dV under `tolerance:
+# fixed` read "it agrees"), and the time limit of each of its calls, in seconds.
+RERUN_DROPS = ("tolerance", "budget_factor", "budget_floor", "atol", "rtol", "timeout")
+RERUN_MIN_TIMEOUT = 5.0
+RERUN_TIMEOUT_FACTOR = 4.0
+
 # The half-precision budgets were measured at input_scale 1 to 4 (docs/explanation/budget.md); beyond,
 # correct candidates failed some checks in 12 of 28 default-suite runs at scales 12 and 20.
 HALF_MEASURED_SCALE = 4.0
@@ -97,10 +104,12 @@ class CheckRun:
     masked: np.ndarray  # (B, H, L): query rows whose every key is masked
     start: float = field(default_factory=time.perf_counter)
     sessions: list = field(default_factory=list)  # the candidate's sessions opened: their notes outlive a call that raised
+    options: dict = field(default_factory=dict)  # the check's own options (per_head, strict), for its float32 rerun
 
     @classmethod
-    def begin(cls, command: str, cfg: Config, candidate: Candidate | None) -> CheckRun:
-        """The candidate to run, the report, the workload and the note on fully masked rows."""
+    def begin(cls, command: str, cfg: Config, candidate: Candidate | None, **options) -> CheckRun:
+        """The candidate to run, the report, the workload and the note on fully masked rows;
+        `options`: the check's own (per_head, strict)."""
         start = time.perf_counter()
         candidate = candidate or reference_for(cfg)
         report = Report(command, cfg.name or "config", candidate.spec, cfg, framework_of(cfg, candidate))
@@ -112,7 +121,7 @@ class CheckRun:
         masked = kind_of(cfg).fully_masked(cfg, w)
         if masked.any():
             report.notes.append(kind_of(cfg).masking_note(cfg, int(masked.sum()), masked.size))
-        return cls(command, cfg, candidate, report, w, masked, start)
+        return cls(command, cfg, candidate, report, w, masked, start, options=options)
 
     def rerun(self, factory, **masks) -> tuple[np.ndarray, np.ndarray | None] | None:
         """The float64 oracle's (output, weights) on this workload, computed by another module or
@@ -125,13 +134,14 @@ class CheckRun:
         except CandidateProblem:
             return None
 
-    def reread(self, update: dict, methods: dict | None = None, second: bool = False) -> np.ndarray | None:
+    def reread(self, update: dict, methods: dict | None = None, second: bool = False, inputs=None) -> np.ndarray | None:
         """The float64 oracle's output (`second`: its second output, the LSE) on this workload under the config with `update` (another
         softmax scale, causal alignment, window or softcap: a function kind's keys), and with the
-        reference's `methods` replaced where it has them (ALiBi's formula: `_alibi`), for the
+        reference's `methods` replaced where it has them (ALiBi's formula: `_alibi`), and the
+        float64 workload as `inputs` gives it (ALiBi's slopes indexed another way), for the
         diagnosis to compare; None where that config is not valid, the reference lacks a method
         or raised."""
-        read = self._read(update, methods)
+        read = self._read(update, methods, inputs)
         if read is None:
             return None
         cfg, oracle, obj, w64 = read
@@ -140,14 +150,14 @@ class CheckRun:
         except CandidateProblem:
             return None
 
-    def regrad(self, update: dict, methods: dict | None = None) -> dict[str, np.ndarray | None] | None:
+    def regrad(self, update: dict, methods: dict | None = None, inputs=None) -> dict[str, np.ndarray | None] | None:
         """The float64 oracle's gradients, keyed as torch reports them, of this check's loss on this
-        workload under the reading `reread` takes (`update`, `methods`): what a kernel's backward
+        workload under the reading `reread` takes (`update`, `methods`, `inputs`): what a kernel's backward
         gives when its forward computes that reading, for the diagnosis to compare a failing
         gradient with; None where that reading cannot be computed."""
         from attncheck.checks.grad import all_gradients, run_grad
 
-        read = self._read(update, methods)
+        read = self._read(update, methods, inputs)
         if read is None:
             return None
         cfg, oracle, obj, w64 = read
@@ -156,7 +166,7 @@ class CheckRun:
         except CandidateProblem:
             return None
 
-    def _read(self, update: dict, methods: dict | None) -> tuple[Config, Session, object, Workload] | None:
+    def _read(self, update: dict, methods: dict | None, inputs=None) -> tuple[Config, Session, object, Workload] | None:
         """(config, oracle session, built object with its methods replaced, float64 workload) of a
         reading (`reread`); None where the config is not valid or the reference lacks a method.
 
@@ -169,6 +179,7 @@ class CheckRun:
         try:
             cfg = config_from_mapping({**self.cfg.model_dump(exclude_unset=True), **valid}, source="<diagnosis>").model_copy(update=aside)
             oracle, w64 = oracle_session(cfg), self.w.astype(np.float64)
+            w64 = w64 if inputs is None else inputs(w64)
             obj = oracle.build(w64.params)
             if methods:
                 obj = kind_of(cfg).with_methods(cfg, obj, methods)
@@ -229,23 +240,31 @@ class CheckRun:
         return found
 
     def in_float32(self) -> Report | None:
-        """This check run again on the case in float32 (the same seed; no probes, no finite
-        differences), for a half-precision row whose error is of rounding's size: an error that
-        stays in float32 is the computation's, one that goes is the half dtype's
-        (diagnose_half.in_float32). None for sgd-step, or where the case has no float32 form."""
+        """This check run again on the case in float32 (the same seed, the same options; its own
+        default tolerance; no probes, no finite differences), for a half-precision row whose error
+        is of rounding's size or a NaN: an error that stays in float32 is the computation's, one
+        that goes is the half dtype's (diagnose_half.in_float32). Each call is given the longer of
+        RERUN_MIN_TIMEOUT and RERUN_TIMEOUT_FACTOR times what this check took so far, within the
+        case's own limit: a candidate that hangs in float32 alone costs that, not a minute per
+        check. None for sgd-step, or where the case has no float32 form."""
         from attncheck.commands import command
+        from attncheck.remote import timeout_for
 
         if self.command not in ("forward", "grad"):
             return None
+        limit = min(timeout_for(self.cfg), max(RERUN_MIN_TIMEOUT, RERUN_TIMEOUT_FACTOR * (time.perf_counter() - self.start)))
+        own = {k: v for k, v in self.cfg.model_dump(exclude_unset=True).items() if k not in RERUN_DROPS}
         try:
-            cfg = config_from_mapping({**self.cfg.model_dump(exclude_unset=True), "dtype": "float32", "probes": []}, source="<diagnosis>")
+            cfg = config_from_mapping({**own, "dtype": "float32", "probes": [], "deterministic": False, "batch_invariant": False,
+                                       "timeout": limit}, source="<diagnosis>")  # fmt: skip
         except UsageError:
             return None
-        options = {"finite_differences": False} if self.command == "grad" else {}
+        options = {**self.options, "finite_differences": False} if self.command == "grad" else self.options
         with torch_side.deterministic(cfg):
             try:
                 return command(self.command).check(cfg, self.candidate, **options)
-            except TracerLeak:  # its process was replaced: the diagnosis asks it nothing more
+            except TracerLeak as leak:  # its process was replaced: the diagnosis asks it nothing more
+                self.report.notes.append(str(leak))
                 return None
 
     def session(self) -> Session:
