@@ -1,8 +1,10 @@
 """The diagnosis of the kinds whose layouts attncheck.diagnose cannot read (the attention
 functions): where a failing row's error lies on the axes the kind names, the relations that need
 no layout (a sign, a factor), a finite difference's ratio, and a kernel's output that the float64
-oracle gives under another reading of the config (`other_reading`: the softmax scale, the causal
-mask's alignment, the window, the softcap, ALiBi's formula).
+oracle gives under another reading of the config (`fitting_readings`: the softmax scale, the causal
+mask's alignment, the window, the softcap, ALiBi's formula, its slopes per key-value head or its
+bias left out), the gradients of a forward so read (`gradient_reading`), and heads in another order
+(`heads_permuted`).
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
     the relations that need no layout (a sign, a factor: an LSE in base 2 is 1/ln(2) x torch's). A
     failing finite difference gets what its ratio says (`autodiff` as for _finite_difference): a
     kernel whose backward forgot the softmax scale, sqrt(D). A failing output is tried against the
-    oracle's under other readings of the config (`reread`, `other_reading`), whatever its layout,
+    oracle's under other readings of the config (`reread`, `fitting_readings`), whatever its layout,
     and a failing gradient of that check against the oracle's under the readings its output fits
     (`regrad`, `gradient_reading`): a forward that ignores the given scale has the gradients of
-    that forward, which in bfloat16 read as rounding before; a failing GQA key or value gradient against the query heads' own gradients grouped another way
-    (`per_query_head`, `gqa_grouping`); a failing GQA output or LSE against the oracle's with query
+    that forward, which in bfloat16 read as rounding before; a failing GQA key or value gradient
+    against the query heads' own gradients grouped another way (`per_query_head`, `gqa_grouping`); a failing GQA output or LSE against the oracle's with query
     head h reading key-value head h % Hkv (`heads_by_modulo`)."""
     # each computed once, for the first row that asks
     per_query_head = None if per_query_head is None else functools.cache(per_query_head)
@@ -114,7 +116,7 @@ def heads_permuted(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, named: tup
         match = [k for k in range(H) if fits(take(c, h), take(x, k), take(allowed, k), scale)]
         if not match:
             return ""
-        order.append(match[0])
+        order.append(h if h in match else match[0])  # a head that is its own stays in place (two heads alike)
     if sorted(order) != list(range(H)) or order == list(range(H)):
         return ""
     words = f"heads permuted: candidate head h holds expected head {order}[h]"
@@ -214,7 +216,7 @@ class Reading:
 
     def of(self, reread: Callable) -> Any:
         """`reread` (or CheckRun.regrad) under this reading."""
-        return reread(self.update, self.methods) if self.inputs is None else reread(self.update, self.methods, inputs=self.inputs)
+        return reread(self.update, self.methods, inputs=self.inputs)
 
 
 def readings(cfg: Config) -> list[Reading]:
@@ -347,13 +349,6 @@ def in_words(found: list[Reading], what: str = "output") -> str:
     return f"the {what} is the float64 oracle's with {found[0].words}" if found else ""
 
 
-def other_reading(cfg: Config, candidate: np.ndarray, allowed: np.ndarray, reread: Callable[..., np.ndarray | None],
-                  what: str = "output") -> str:  # fmt: skip
-    """A kernel's output (or LSE: `what`, which `reread` then gives) that is the float64 oracle's
-    under another reading of its config and not under its own, in words (`fitting_readings`)."""
-    return in_words(fitting_readings(cfg, candidate, allowed, reread), what)
-
-
 # The gradients' names in the words, where the kind's inputs are attention's own.
 _GRADIENT_NAMES = {"query": "dQ", "key": "dK", "value": "dV"}
 
@@ -385,7 +380,7 @@ def _cached(regrad: Callable[..., dict | None]) -> Callable[..., dict | None]:
     def once(update: dict, methods: dict | None = None, inputs: Callable | None = None) -> dict | None:
         key = repr((sorted(update.items()), sorted((methods or {}).items()), inputs))
         if key not in done:
-            done[key] = regrad(update, methods) if inputs is None else regrad(update, methods, inputs=inputs)
+            done[key] = regrad(update, methods, inputs=inputs)
         return done[key]
 
     return once
