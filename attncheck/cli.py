@@ -139,6 +139,7 @@ def _run(
         # A single config with one command writes the single-report JSON: decided from the file,
         # before --case and --shard, so neither changes the shape a consumer reads.
         single = len(suite.cases) == 1 and suite.cases[0].config is not None and len(commands) == 1
+        whole = suite  # whose cases say which keys are a case's own (`_cases_overridden`), whatever --case and --shard choose
         if case_names is not None:
             names = ",".join(case_names)
             if pairs:
@@ -150,22 +151,25 @@ def _run(
         label = suite.name
         if shard_spec is not None:
             i, n = parse_shard(shard_spec)
-            whole, suite = len(suite.cases), replace(suite, cases=shard(suite.cases, i, n))
-            label += f" · shard {i}/{n}" + ("" if suite.cases else f" (the suite has {counted(whole, 'case')}, so shards after {whole} hold none): nothing was proven")
+            count, suite = len(suite.cases), replace(suite, cases=shard(suite.cases, i, n))
+            label += f" · shard {i}/{n}" + ("" if suite.cases else f" (the suite has {counted(count, 'case')}, so shards after {count} hold none): nothing was proven")
         view = View(verbose, tracebacks, keep_evidence=plot_path is not None)
         overrides = parse_settings(settings or [])
+        replaced_note = ""
         if settings:  # every case rewritten, whatever its name says (`float16-causal` under --set dtype=float64)
             label += f" · --set {' '.join(settings)}"
-            overridden = _cases_overridden(suite, overrides)
+            overridden = _cases_overridden(suite, overrides, whole)
             if overridden:  # `--set scale=0.5 --case scale-zero` no longer checks a scale of 0
                 label += f" (over what {counted(len(overridden), 'case')} set: {listed(overridden, 80)})"
+                if one_case:  # its full report's header shows the values, not what they replaced
+                    replaced_note = f"attncheck: --set {' '.join(settings)} replaces what {overridden[0]} sets itself"
         overrides.update({k: v.value for k, v in (("tolerance", tolerance), ("framework", framework), ("device", device)) if v is not None})
         if timeout is not None:
             overrides["timeout"] = timeout
         _server_from_here()
         plan = prepare(suite, commands, impl=impl, overrides=overrides)
         _imported()
-        result = _run_plan(plan, label, len(suite.cases), workers, view, options, many=not one_case)
+        result = _run_plan(plan, label, len(suite.cases), workers, view, options, many=not one_case, before=replaced_note)
     except UsageError as err:
         for line in str(err).splitlines():
             typer.echo(f"error: {line}", err=True)
@@ -253,13 +257,16 @@ def exit_code(verdict) -> int:
     return {PASS: EXIT_OK, FAIL: EXIT_MISMATCH}.get(verdict, EXIT_INCONCLUSIVE)
 
 
-def _cases_overridden(suite, overrides: dict) -> list[str]:
-    """The cases that set a key of `overrides` to another value themselves, where the suite's cases
-    do not all set it alike (a seed every case has from the suite's defaults is no case's own)."""
+def _cases_overridden(suite, overrides: dict, whole=None) -> list[str]:
+    """The cases of `suite` that set a key of `overrides` to another value themselves, where the
+    cases of `whole` (the suite before --case and --shard chose; `suite` by default) do not all set
+    it alike: a seed every case has from the suite's defaults is no case's own, and
+    `--case float16-long,float16-causal`, two cases alike in their dtype, still set it."""
     from attncheck.suite import with_overrides
 
     configs = [case.config for case in suite.cases if case.config is not None]
-    own = {key for key in overrides if len({repr(getattr(c, key)) if key in c.model_fields_set else None for c in configs}) > 1}
+    every = [case.config for case in (whole or suite).cases if case.config is not None]
+    own = {key for key in overrides if len({repr(getattr(c, key)) if key in c.model_fields_set else None for c in every}) > 1}
     given = {}
     for key in own:  # as the config holds it (a window's list is a tuple there)
         try:
@@ -270,8 +277,9 @@ def _cases_overridden(suite, overrides: dict) -> list[str]:
         key in case.config.model_fields_set and getattr(case.config, key) != value for key, value in given.items())]  # fmt: skip
 
 
-def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *, many: bool):
-    """Run and render: one case as today's full report, many as progress, failures and a summary."""
+def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *, many: bool, before: str = ""):
+    """Run and render: one case as today's full report (after `before`, a line of its own where
+    given), many as progress, failures and a summary."""
     from rich.console import Group
     from rich.text import Text
 
@@ -306,6 +314,8 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
         else:
             result = run(progress=_progress_lines(console, every=view.verbose))
     if not many:
+        if before:
+            console.print(before)
         for report in result.reports:
             render(report, console, tracebacks=view.tracebacks, gap=len(result.reports) > 1)
         if len(result.reports) > 1:  # `run` of one config: its last report's PASS ended a run that failed in another

@@ -56,6 +56,15 @@ def test_the_header_names_the_cases_a_setting_overrides_and_not_a_key_every_case
     assert code == 0 and "over what" not in output.splitlines()[0], output.splitlines()[0]
     code, output = run("forward", "--module", "sdpa", "--set", "window_size=[4,0]", "--case", "window-4-0,window-0-0")  # a list, a tuple in the config
     assert "(over what 1 case set: window-0-0)" in output.splitlines()[0], output.splitlines()[0]
+    # which keys are a case's own is read from the whole suite, not from the cases --case chose
+    # (two cases alike in their dtype were named by neither)
+    code, output = run("forward", "--set", "dtype=float64", "--case", "float16-long,float16-causal")
+    assert "(over what 2 cases set: float16-long, float16-causal)" in output.splitlines()[0], output.splitlines()[0]
+    # one case's full report shows the values, so a line before it says what they replaced
+    code, output = run("forward", "--set", "dtype=float64", "--case", "float16-long")
+    assert code == 0 and output.splitlines()[0] == "attncheck: --set dtype=float64 replaces what float16-long sets itself", output
+    code, output = run("forward", "--set", "seed=3", "--case", "float16-long")
+    assert code == 0 and "replaces" not in output, output
 
 
 @pytest.mark.parametrize("setting", ["dtype=bfloat16", "dtype=float64 attn_mask=causal"])
