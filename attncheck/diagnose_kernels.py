@@ -154,7 +154,8 @@ def gqa_grouping(row, cfg: Config, per_head: dict[str, dict[str, np.ndarray]] | 
     GQA's key-value head r serves the consecutive query heads r*g .. r*g + g - 1 (g = Hq / Hkv):
     those of GQA's forward (a hand-written backward reducing to the wrong head: a red-team kernel,
     on its windowed path alone, read only "only in heads ..."), or of a forward whose query head h
-    reads key-value head h % Hkv (GqaHeadModulo, whose output says so). "" where neither fits."""
+    reads key-value head h % Hkv (GqaHeadModulo, whose output says so). "" where neither fits; both,
+    as ambiguous, where both do."""
     Hq, Hkv = cfg.num_heads, cfg.num_kv_heads_eff
     c = np.asarray(row.evidence.candidate, dtype=np.float64)
     consecutive = (per_head or {}).get("consecutive", {}).get(str(row.parameter))
@@ -167,13 +168,15 @@ def gqa_grouping(row, cfg: Config, per_head: dict[str, dict[str, np.ndarray]] | 
     d = "dK" if row.parameter == "key" else "dV"
     heads = ", ".join(str(h) for h in range(0, Hq, Hkv))
     gqa = f"where GQA's key-value head r serves the consecutive query heads r*{g} .. r*{g} + {g - 1} (Hq={Hq}, Hkv={Hkv})"
+    found = []
     if _reproduced(c, consecutive.reshape(B, g, Hkv, S, E).sum(axis=1), grouped, allowed):
-        return f"{d} is the float64 oracle's with the query heads' gradients summed by h % Hkv (key-value head 0 gets query heads {heads}), {gqa}"
+        found.append(f"with the query heads' gradients summed by h % Hkv (key-value head 0 gets query heads {heads})")
     interleaved = per_head.get("interleaved", {}).get(str(row.parameter))
     if interleaved is not None and _reproduced(c, interleaved.reshape(B, g, Hkv, S, E).sum(axis=1), grouped, allowed):
-        return (f"{d} is the float64 oracle's gradient of a forward whose query head h reads key-value head h % Hkv (query heads "
-                f"{heads} read key-value head 0), {gqa}")
-    return ""
+        found.append(f"gradient of a forward whose query head h reads key-value head h % Hkv (query heads {heads} read key-value head 0)")
+    if len(found) > 1:  # both groupings give this gradient: the arrays cannot choose
+        return f"ambiguous, {d} fits each of: the float64 oracle's " + " | ".join(found) + f"; {gqa}"
+    return f"{d} is the float64 oracle's {found[0]}, {gqa}" if found else ""
 
 
 def _alibi_without_abs(self, slopes: np.ndarray, L: int, S: int, positions: np.ndarray) -> np.ndarray:

@@ -898,3 +898,22 @@ def test_a_kernels_lse_in_another_head_order_without_alibi_and_alibi_slopes_by_k
     assert rows["forward", "output"].startswith(f"the output is the float64 oracle's with {by_kv_head}"), rows
     for name, d in (("query", "dQ"), ("key", "dK"), ("value", "dV")):
         assert rows["grad", name] == f"{d} is the float64 oracle's gradient with {by_kv_head}, as the output is", rows
+
+
+def test_a_gqa_gradient_both_groupings_fit_is_said_to_be_ambiguous():
+    # gqa_grouping said the first grouping that fit: where the per-query-head gradients of the two
+    # forwards are one (here handed alike), both fit and the arrays cannot choose.
+    from attncheck.compare import Evidence
+    from attncheck.diagnose_kernels import gqa_grouping
+    from attncheck.report import FAIL, Row
+
+    cfg = config_from_mapping({"module": "sdpa", "num_heads": 4, "num_kv_heads": 2, "head_dim": 8})
+    per_head = np.random.default_rng(0).standard_normal((1, 4, 5, 8))  # (B, Hq, S, E)
+    by_modulo = per_head.reshape(1, 2, 2, 5, 8).sum(axis=1)  # key-value head r gets query heads r, r + 2
+    row = Row("grad", "key", FAIL, parameter="key", evidence=Evidence(by_modulo, by_modulo, None, 1e-9))
+    words = gqa_grouping(row, cfg, {"consecutive": {"key": per_head}, "interleaved": {"key": per_head}})
+    assert words.startswith("ambiguous, dK fits each of: the float64 oracle's with the query heads' gradients summed by h % Hkv "
+                            "(key-value head 0 gets query heads 0, 2) | gradient of a forward whose query head h reads key-value "
+                            "head h % Hkv"), words  # fmt: skip
+    only = gqa_grouping(row, cfg, {"consecutive": {"key": per_head}})
+    assert only.startswith("dK is the float64 oracle's with the query heads' gradients summed by h % Hkv"), only
