@@ -73,15 +73,20 @@ class Layout:
 
 
 def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None,
-                    rerun: Rerun | None = None, autodiff: bool = False) -> None:
+                    rerun: Rerun | None = None, autodiff: bool = False, regrad=None) -> None:
     """Fill in `diagnosis` for every failing row of a report that has its arrays; the masks are
-    the ones the check handed both sides, `rerun` the check's way to recompute a suspected bug,
+    the ones the check handed both sides, `rerun` the check's way to recompute a suspected bug
+    (`regrad`: its gradients, for a grad check's gradients once its output fits a suspect),
     `autodiff` whether the candidate's gradients came from torch autograd or jax.vjp (it has no
     backward of its own)."""
     masks = None  # built once, for the first failing attention weights: (B, H, L, S) booleans
-    suspects = Suspects(cfg, attn_mask, key_padding_mask, rerun)
+    suspects = Suspects(cfg, attn_mask, key_padding_mask, rerun, regrad)
     for row in report.rows:
         if row.status is not FAIL or row.evidence is None:
+            continue
+        followed = _suspects_gradient(row, cfg, suspects) if row.section == "grad" and suspects.fitted else ""
+        if followed:
+            row.diagnosis = followed
             continue
         rounding = rounding_sized(row, cfg)
         if masks is None and row.parameter == "attn_weights":
@@ -90,6 +95,22 @@ def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, k
         # A pattern already says what the candidate holds; else it may hold another quantity's value.
         swapped = "" if patterns else _swapped_with(row, report.rows)
         row.diagnosis = "; ".join(filter(None, [swapped, *patterns, *where])) or rounding
+
+
+def _suspects_gradient(row: Row, cfg: Config, suspects: Suspects) -> str:
+    """A failing gradient that is the float64 oracle's gradient under the bug the check's output
+    fitted (Suspects.gradient_matching), in words; "" where it is not."""
+    from attncheck.checks.grad import grad_quantities
+
+    index = next((i for q, i in grad_quantities(cfg, row.parameter, row.head is not None) if (q.block, q.head) == (row.block, row.head)), None)
+    c, x = np.asarray(row.evidence.candidate, dtype=np.float64), np.asarray(row.evidence.reference, dtype=np.float64)
+    if index is None or c.shape != x.shape:
+        return ""
+    allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), x.shape)
+    found = suspects.gradient_matching(row.parameter, index, c, x, allowed)
+    if len(found) > 1:
+        return f"ambiguous, the gradient fits the float64 oracle's of each bug the output fits: {' | '.join(found)}"
+    return f"the gradient of the bug the output fits, recomputed by the float64 oracle: {found[0]}" if found else ""
 
 
 def _swapped_with(row: Row, rows: list[Row]) -> str:

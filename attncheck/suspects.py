@@ -467,9 +467,12 @@ class Suspects:
     row asks. A suspect replacing methods applies where the reference has them (the module's own
     hooks: nn.MultiheadAttention's reference); mask suspects apply to every kind with masks."""
 
-    def __init__(self, cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None, rerun: Rerun | None):
-        self.cfg, self.rerun = cfg, rerun
+    def __init__(self, cfg: Config, attn_mask: np.ndarray | None, key_padding_mask: np.ndarray | None, rerun: Rerun | None,
+                 regrad: Callable[..., dict | None] | None = None):  # fmt: skip
+        self.cfg, self.rerun, self.regrad = cfg, rerun, regrad
         self.results: list[tuple[Suspect, tuple | None]] | None = None
+        self.fitted: list[Suspect] = []  # the suspects a failing output fitted: a grad check's gradients are tried under them
+        self.gradients: dict[int, dict | None] = {}  # each fitted suspect's recomputed gradients, by its index in `suspects`
         self.suspects: list[Suspect] = []
         base = kind_of(cfg).reference
         if cfg.num_heads > 1 and all(callable(getattr(base, name, None)) for name in ("_split_heads", "_merge_heads")):
@@ -490,12 +493,33 @@ class Suspects:
     def _results(self) -> list[tuple[Suspect, tuple | None]]:
         """Each suspect with its recomputed (output, weights), or None where that run raised."""
         if self.results is None:
-            base = kind_of(self.cfg).reference
             self.results = []
             for suspect in self.suspects:
-                factory = type(f"{base.__name__}Suspect", (base,), dict(suspect.methods)) if suspect.methods else base
-                self.results.append((suspect, self.rerun(factory, **suspect.masks)))
+                self.results.append((suspect, self.rerun(self._factory(suspect), **suspect.masks)))
         return self.results
+
+    def _factory(self, suspect: Suspect) -> type:
+        """The reference with the suspect's methods in place of its own."""
+        base = kind_of(self.cfg).reference
+        return type(f"{base.__name__}Suspect", (base,), dict(suspect.methods)) if suspect.methods else base
+
+    def gradient_matching(self, name: str, index: tuple, c: np.ndarray, x: np.ndarray, allowed: np.ndarray) -> list[str]:
+        """The words of each bug a failing output fitted (`matching`) whose recomputed gradient of
+        `name` (at `index`: a block or head of it) the candidate's equals and the expected value
+        does not: the backward of the forward the candidate computes, not a second bug."""
+        finite = np.isfinite(x)
+        if self.regrad is None or not self.fitted or not finite.any():
+            return []
+        scale = float(np.abs(x[finite]).max())
+        found = []
+        for suspect in self.fitted:
+            key = self.suspects.index(suspect)
+            if key not in self.gradients:
+                self.gradients[key] = self.regrad(self._factory(suspect), **suspect.masks)
+            g = (self.gradients[key] or {}).get(name)
+            if g is not None and np.shape(np.asarray(g)[index]) == c.shape and reproduces(c, np.asarray(g, dtype=np.float64)[index], x, allowed, scale, FIT_RTOL):
+                found.append(suspect.words)
+        return list(dict.fromkeys(found))
 
     def matching(self, quantity: str, c: np.ndarray, x: np.ndarray, allowed: np.ndarray, precise: bool = False) -> list[tuple[str, str]]:
         """(words, restated_by) of each bug whose recomputed `quantity` ("output" or "attn_weights")
@@ -515,6 +539,8 @@ class Suspects:
                 continue
             if reproduces(c, np.asarray(v, dtype=np.float64), x, allowed, scale, 0.0 if precise else FIT_RTOL):
                 fitting.append(suspect)
+        if which == 0:
+            self.fitted += [s for s in fitting if s not in self.fitted]
         if len(fitting) == 1 and fitting[0].detail:
             return [(f"{fitting[0].words}; {fitting[0].detail}", fitting[0].restated_by)]
         bugs = {s.words: s.restated_by for s in fitting}  # variants of one bug (the weights never see the merge) are one

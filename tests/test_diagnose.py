@@ -560,3 +560,20 @@ def test_a_half_precision_nan_is_told_apart_by_the_case_in_float32():
                                            r"with float16 \(its largest value is 65504: .*\)", words), words  # fmt: skip
     status, words = diagnosis(5.0)
     assert status is FAIL and f"; {again} it fails: the computation's error, not float16's; in float32: NaN in " in words, words
+
+
+def test_the_gradients_of_a_forward_bug_a_suspect_recomputes_are_named_with_it():
+    # The gradients of a module whose forward splits the heads with a plain reshape read
+    # "everywhere: no head, row or column is spared", nine rows of it, below an output named
+    # exactly. They are the oracle's gradients of that bug, which is checked by computing them.
+    from attncheck.candidate import load_candidate
+    from attncheck.checks import run_check
+
+    config = cfg(num_heads=2, embed_dim=8, tgt_len=5, batch_size=2)
+    report = run_check("grad", config, load_candidate("attncheck.testing.wrong_impls:HeadsSplitByReshape"))
+    rows = [r for r in report.failures if r.section == "grad"]
+    assert len(rows) >= 5 and all(r.diagnosis.startswith("the gradient of the bug the output fits, recomputed by the float64 oracle: "
+                                                         "heads split with a plain reshape") for r in rows), [r.diagnosis for r in rows]  # fmt: skip
+    # a backward wrong under a right forward fits no suspect of the output: nothing is recomputed
+    report = run_check("grad", config, load_candidate("attncheck.testing.wrong_impls:QueryGradScaleMissing"))
+    assert report.failures and not any("recomputed by the float64 oracle" in r.diagnosis for r in report.failures)

@@ -134,6 +134,20 @@ class CheckRun:
         except CandidateProblem:
             return None
 
+    def rerun_gradients(self, factory, **masks) -> dict[str, np.ndarray | None] | None:
+        """The float64 oracle's gradients, keyed as torch reports them, of this check's loss computed
+        by another module or with other masks (`rerun`'s): a suspected bug's backward, for the
+        diagnosis to compare a failing gradient with. None if that module raised."""
+        from attncheck.checks.grad import all_gradients, run_grad
+
+        w64 = dataclasses.replace(self.w.astype(np.float64), **masks)
+        cfg64 = oracle_config(self.cfg)
+        session = Session(cfg64, Candidate(f"{self.candidate.spec} (diagnosis)", factory, builtin=True))
+        try:
+            return all_gradients(cfg64, run_grad(session, cfg64, w64)[2])
+        except CandidateProblem:
+            return None
+
     def reread(self, update: dict, methods: dict | None = None, second: bool = False, inputs=None) -> np.ndarray | None:
         """The float64 oracle's output (`second`: its second output, the LSE) on this workload under the config with `update` (another
         softmax scale, causal alignment, window or softcap: a function kind's keys), and with the
@@ -293,7 +307,7 @@ class CheckRun:
             where_report(self.report, self.cfg, kind.where_axes, autodiff=False if self.report.framework == "numpy" else None,
                          reread=self.reread, regrad=self.regrad, per_query_head=self.per_query_head_gradients, heads_by_modulo=self.heads_by_modulo)
         else:
-            diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun,
+            diagnose_report(self.report, self.cfg, self.w.attn_mask, self.w.key_padding_mask, rerun=self.rerun, regrad=self.rerun_gradients,
                             autodiff=by_autograd(self.cfg, self.candidate))  # fmt: skip
         if self.report.verdict is FAIL and self.cfg.dtype in HALF:
             in_float32(self.report, self.cfg, self.in_float32)
