@@ -284,6 +284,8 @@ def factor_meaning(k: float, cfg: Config) -> str:
     if cfg.is_function:  # an attention function has no embedding width; its LSE may come in base 2 (1/ln(2) x)
         del named["sqrt(E)"], named["E"]
         named["ln(2)"] = math.log(2)
+        if cfg.scale:  # the given softmax scale: a backward that drops it is off by 1/scale (a red-team dK: "3.33, no dimension")
+            named["scale"] = cfg.scale
     matches = []
     for name, value in named.items():
         if value == 1:

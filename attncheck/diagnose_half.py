@@ -101,8 +101,9 @@ def in_float32(report: Report, cfg, rerun: Callable[[], Report | None]) -> None:
         here = f"{row.ratio:.3g}x the allowance, in {cfg.dtype}; {again}" if row in rounding else again
         if twin.status is PASS:
             came = (f"the error comes with {cfg.dtype}, of the size a sum accumulated in {cfg.dtype} gives" if row in rounding else
-                    f"the NaN comes with {cfg.dtype}" + (" (its largest value is 65504: exp of a logit above 11.1 overflows, as "
-                                                        "in a softmax whose row max is not subtracted)" if cfg.dtype == "float16" else ""))  # fmt: skip
+                    f"the NaN comes with {cfg.dtype}" + (" (its largest value is 65504: a number past it becomes inf, and inf - inf "
+                                                        "or 0 * inf NaN, as from exp of a logit above 11.1 with no row max subtracted, "
+                                                        "or a mask fill of -1e9 in float16)" if cfg.dtype == "float16" else ""))  # fmt: skip
             said = f"{here} it agrees: {came}"
         else:
             size = f"it is {twin.ratio:.3g}x float32's allowance" if twin.ratio is not None and twin.reason is Reason.VALUES else "it fails"

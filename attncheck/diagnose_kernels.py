@@ -192,6 +192,12 @@ def _window_top_left(self, L: int, S: int, left: int, right: int, positions: np.
     return within_window(np.arange(S)[None, :] - np.asarray(positions)[:, None], left, right)  # j - i
 
 
+def _alibi_clamped(self, slopes: np.ndarray, L: int, S: int, positions: np.ndarray) -> np.ndarray:
+    """ALiBi's bias with the distance clamped at 0 past the diagonal, -slope * max(i + S - L - j, 0):
+    keys right of it get no bias (the reference's `_alibi` replaced)."""
+    return alibi(slopes, np.minimum(key_offset(L, S, positions)[None], 0))
+
+
 def _alibi_offset_abs(self, slopes: np.ndarray, L: int, S: int, positions: np.ndarray) -> np.ndarray:
     """ALiBi's bias measured from key i + |S - L|, -slope * |j - (i + |S - L|)|: the offset's sign
     dropped, which moves the diagonal where L > S (the reference's `_alibi` replaced)."""
@@ -277,6 +283,9 @@ def readings(cfg: Config) -> list[Reading]:
             tried.append(({"softcap": softcap * given}, f"softcap {softcap * given:.3g} = softcap x scale: the cap taken on the logits "
                                                          "before the softmax scale"))  # fmt: skip
     found = [Reading(update, words) for update, words in tried]
+    if cfg.attn_mask != "none" and not _float_mask(cfg):  # nn.MultiheadAttention's convention, True = masked, in SDPA's signature
+        found.append(Reading({}, "the bool attn_mask read inverted, True taken as masked (nn.MultiheadAttention's convention), where "
+                                 "SDPA's True is a key to attend", inputs=_mask_inverted))  # fmt: skip
     if window is not None:  # where no sequence has L != S the two diagonals are one: the reading cannot fit
         found.append(Reading({}, f"the window [{left}, {right}] measured from key i, the top-left diagonal, where FlashAttention "
                                  "measures it from key i + S - L (the bottom-right diagonal)", {"_window": _window_top_left}))  # fmt: skip
@@ -295,6 +304,9 @@ def readings(cfg: Config) -> list[Reading]:
         found.append(Reading({}, "ALiBi's distance taken from key i + |S - L|, -slope * |j - (i + |S - L|)|, where it is "
                                  "-slope * |j - (i + S - L)|: the sign of the offset S - L dropped, which moves the diagonal "
                                  "where there are more queries than keys (L > S)", {"_alibi": _alibi_offset_abs}))  # fmt: skip
+        found.append(Reading({}, "ALiBi's distance clamped at 0 past the diagonal, -slope * max(i + S - L - j, 0), the causal-only "
+                                 "form, where it is -slope * |j - (i + S - L)|: keys past the diagonal get no bias",
+                             {"_alibi": _alibi_clamped}))  # fmt: skip
         found.append(Reading({"alibi": False}, "no ALiBi: its bias is left out"))
         found += _alibi_slope_readings(cfg)
     return found + kind_of(cfg).readings(cfg)
@@ -316,6 +328,11 @@ def _alibi_slope_readings(cfg: Config) -> list[Reading]:
     if Hkv == 1:  # every query head takes slope[0] either way
         del ways["kv"]
     return [Reading({}, words, inputs=functools.partial(_slopes_taken, index=index)) for index, words in ways.values()]
+
+
+def _mask_inverted(w):
+    """The workload with its bool attn_mask inverted."""
+    return w if w.attn_mask is None else replace(w, attn_mask=~np.asarray(w.attn_mask, dtype=bool))
 
 
 def _slopes_taken(w, index: np.ndarray):

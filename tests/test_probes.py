@@ -150,6 +150,22 @@ class DropoutRescaled(CORRECT_KERNEL):
         return super()._weighted_values(probs, v, dtype)
 
 
+class DropoutRescaledOutputHalved(DropoutRescaled):
+    """Rescales its dropout as torch does, and halves every output: wrong in its output alone."""
+
+    def _weighted_values(self, probs, v, dtype):
+        return super()._weighted_values(probs, v, dtype) / 2
+
+
+def test_the_dropout_probe_judges_nothing_where_the_output_fails_already():
+    # A red-team kernel whose window left every row empty (output 0) read "dropout without the
+    # 1 / (1 - p) rescale: ... lowers 104 rows below their output without it, 1": that 1 is the
+    # oracle's, not the kernel's. With the output failing there is no right output to hold it to.
+    cfg = Config(module="sdpa", probes=["options"])
+    row = probe_rows(run_check("forward", cfg, candidate_from_object(DropoutRescaledOutputHalved)))["options: dropout_p"]
+    assert row.status is INFO and row.note.startswith("the check's own output fails"), row.note
+
+
 def test_a_dropout_without_the_rescale_fails_and_a_rescaled_one_passes():
     # A red-team kernel kept P * keep without the 1 / (1 - p): its output moved, and the probe,
     # which asked only that, passed it. Every case of the suite that judges dropout, rescaled by

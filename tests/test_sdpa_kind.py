@@ -917,3 +917,40 @@ def test_a_gqa_gradient_both_groupings_fit_is_said_to_be_ambiguous():
                             "head h % Hkv"), words  # fmt: skip
     only = gqa_grouping(row, cfg, {"consecutive": {"key": per_head}})
     assert only.startswith("dK is the float64 oracle's with the query heads' gradients summed by h % Hkv"), only
+
+
+def test_a_clamped_alibi_an_inverted_bool_mask_and_a_backward_dropping_the_given_scale_are_named():
+    # From a red-team round's vague rows: ALiBi's distance clamped at 0 (the causal-only form) read
+    # "only in query rows 0-11 (of 13)"; a bool mask read as nn.MultiheadAttention reads it had no
+    # diagnosis; a dK without the given scale 0.3 read "3.33 x expected (a factor no dimension of
+    # the config names)".
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class AlibiClamped(DenseSDPA):
+        def _alibi(self, slopes, L, S, work):
+            if slopes is None:
+                return 0.0
+            i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+            return -np.asarray(slopes, dtype=work)[None, :, None, None] * np.maximum(i + S - L - j, 0).astype(work)  # should be abs
+
+    class MaskInverted(DenseSDPA):
+        def forward(self, query, key, value, attn_mask=None, *args, **kwargs):
+            return super().forward(query, key, value, None if attn_mask is None else ~np.asarray(attn_mask), *args, **kwargs)
+
+    class KeyGradWithoutScale(DenseSDPA):
+        def backward(self, grad_out, grad_lse=None):
+            grads = super().backward(grad_out, grad_lse)
+            return {**grads, "key": grads["key"] / self._saved.scale}
+
+    def failing(impl, command="forward", **overrides):
+        cfg = config_from_mapping({"module": "sdpa", "tgt_len": 5, "src_len": 7, "head_dim": 8, **overrides})
+        return {(r.section, r.parameter): r.diagnosis for r in run_check(command, cfg, candidate_from_object(impl)).failures}
+
+    rows = failing(AlibiClamped, "grad", alibi=True)
+    assert rows["forward", "output"].startswith("the output is the float64 oracle's with ALiBi's distance clamped at 0 past the diagonal"), rows
+    assert rows["grad", "query"].startswith("dQ is the float64 oracle's gradient with ALiBi's distance clamped at 0"), rows
+    assert failing(AlibiClamped, alibi=True, causal="lower_right") == {}  # a causal mask hides every key past the diagonal
+    rows = failing(MaskInverted, attn_mask="random")
+    assert rows["forward", "output"].startswith("the output is the float64 oracle's with the bool attn_mask read inverted"), rows
+    rows = failing(KeyGradWithoutScale, "grad", scale=0.3)
+    assert rows["grad", "key"].startswith("candidate = 3.33 x expected (3.33 = 1/scale; "), rows
