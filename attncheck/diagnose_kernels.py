@@ -325,8 +325,9 @@ def _alibi_slope_readings(cfg: Config) -> list[Reading]:
                                         f"slope[(h // {g}) * {g}], where query head h has its own slope[h] (Hq={Hq}, Hkv={Hkv})"),
             "kv": (heads // g, f"ALiBi's slope indexed by the key-value head, slope[h // {g}], where query head h has its own "
                                f"slope[h] (Hq={Hq}, Hkv={Hkv})")}  # fmt: skip
-    if Hkv == 1:  # every query head takes slope[0] either way
-        del ways["kv"]
+    if Hkv == 1:  # MQA: every query head takes slope[0] either way
+        ways = {"one": (heads * 0, f"ALiBi's slope[0] for every query head, the one key-value head's index (MQA, Hq={Hq}), where "
+                                   "query head h has its own slope[h]")}  # fmt: skip
     return [Reading({}, words, inputs=functools.partial(_slopes_taken, index=index)) for index, words in ways.values()]
 
 
