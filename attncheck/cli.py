@@ -139,7 +139,6 @@ def _run(
         # A single config with one command writes the single-report JSON: decided from the file,
         # before --case and --shard, so neither changes the shape a consumer reads.
         single = len(suite.cases) == 1 and suite.cases[0].config is not None and len(commands) == 1
-        whole = suite  # whose cases say which keys are a case's own (`_cases_overridden`), whatever --case and --shard choose
         if case_names is not None:
             names = ",".join(case_names)
             if pairs:
@@ -158,7 +157,7 @@ def _run(
         replaced_note = ""
         if settings:  # every case rewritten, whatever its name says (`float16-causal` under --set dtype=float64)
             label += f" · --set {' '.join(settings)}"
-            overridden = _cases_overridden(suite, overrides, whole)
+            overridden = _cases_overridden(suite, overrides)
             if overridden:  # `--set scale=0.5 --case scale-zero` no longer checks a scale of 0
                 label += f" (over what {counted(len(overridden), 'case')} set: {listed(overridden, 80)})"
                 if one_case:  # its full report's header shows the values, not what they replaced
@@ -257,24 +256,19 @@ def exit_code(verdict) -> int:
     return {PASS: EXIT_OK, FAIL: EXIT_MISMATCH}.get(verdict, EXIT_INCONCLUSIVE)
 
 
-def _cases_overridden(suite, overrides: dict, whole=None) -> list[str]:
-    """The cases of `suite` that set a key of `overrides` to another value themselves, where the
-    cases of `whole` (the suite before --case and --shard chose; `suite` by default) do not all set
-    it alike: a seed every case has from the suite's defaults is no case's own, and
-    `--case float16-long,float16-causal`, two cases alike in their dtype, still set it."""
+def _cases_overridden(suite, overrides: dict) -> list[str]:
+    """The cases that set a key of `overrides` to another value in their own entry (Case.own: a
+    key a case takes from the suite's defaults, as every case its seed, is no case's own)."""
     from attncheck.suite import with_overrides
 
-    configs = [case.config for case in suite.cases if case.config is not None]
-    every = [case.config for case in (whole or suite).cases if case.config is not None]
-    own = {key for key in overrides if len({repr(getattr(c, key)) if key in c.model_fields_set else None for c in every}) > 1}
+    named = [case for case in suite.cases if case.config is not None and case.own & overrides.keys()]
     given = {}
-    for key in own:  # as the config holds it (a window's list is a tuple there)
+    for key in {k for case in named for k in case.own & overrides.keys()}:  # as the config holds it (a window's list is a tuple there)
         try:
-            given[key] = getattr(with_overrides(configs[0], {key: overrides[key]}), key)
+            given[key] = getattr(with_overrides(named[0].config, {key: overrides[key]}), key)
         except UsageError:
             given[key] = overrides[key]
-    return [case.name for case in suite.cases if case.config is not None and any(
-        key in case.config.model_fields_set and getattr(case.config, key) != value for key, value in given.items())]  # fmt: skip
+    return [case.name for case in named if any(getattr(case.config, key) != given[key] for key in case.own & given.keys())]
 
 
 def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *, many: bool, before: str = ""):
@@ -315,7 +309,7 @@ def _run_plan(plan, label: str, cases: int, workers: int, view: View, options, *
             result = run(progress=_progress_lines(console, every=view.verbose))
     if not many:
         if before:
-            console.print(before)
+            console.print(Text(before))  # not markup: a value such as [determinism] is printed as given
         for report in result.reports:
             render(report, console, tracebacks=view.tracebacks, gap=len(result.reports) > 1)
         if len(result.reports) > 1:  # `run` of one config: its last report's PASS ended a run that failed in another

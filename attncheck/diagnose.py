@@ -46,7 +46,7 @@ from attncheck.inputs import make_attn_mask, make_key_padding_mask
 from attncheck.kinds import kind_of
 from attncheck.masks import attn_by_head, blocked, padding_by_head
 from attncheck.report import FAIL, Report, Row
-from attncheck.suspects import FIT_RTOL, Rerun, Suspects, fits
+from attncheck.suspects import FIT_RTOL, Rerun, Suspects, fits, not_following
 
 # A factor is named (sqrt(D), H, ...) when it matches to this relative precision.
 NAME_RTOL = 2e-3
@@ -81,10 +81,13 @@ def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, k
     backward of its own)."""
     masks = None  # built once, for the first failing attention weights: (B, H, L, S) booleans
     suspects = Suspects(cfg, attn_mask, key_padding_mask, rerun, regrad)
+    unfollowed = not_following(report.rows)
     for row in report.rows:
         if row.status is not FAIL or row.evidence is None:
             continue
-        followed = _suspects_gradient(row, cfg, suspects) if row.section == "grad" and suspects.fitted else ""
+        followed = ""
+        if row.section == "grad" and suspects.fitted and (row.parameter, row.block) not in unfollowed:
+            followed = suspects.gradient_words(row)
         if followed:
             row.diagnosis = followed
             continue
@@ -95,22 +98,6 @@ def diagnose_report(report: Report, cfg: Config, attn_mask: np.ndarray | None, k
         # A pattern already says what the candidate holds; else it may hold another quantity's value.
         swapped = "" if patterns else _swapped_with(row, report.rows)
         row.diagnosis = "; ".join(filter(None, [swapped, *patterns, *where])) or rounding
-
-
-def _suspects_gradient(row: Row, cfg: Config, suspects: Suspects) -> str:
-    """A failing gradient that is the float64 oracle's gradient under the bug the check's output
-    fitted (Suspects.gradient_matching), in words; "" where it is not."""
-    from attncheck.checks.grad import grad_quantities
-
-    index = next((i for q, i in grad_quantities(cfg, row.parameter, row.head is not None) if (q.block, q.head) == (row.block, row.head)), None)
-    c, x = np.asarray(row.evidence.candidate, dtype=np.float64), np.asarray(row.evidence.reference, dtype=np.float64)
-    if index is None or c.shape != x.shape:
-        return ""
-    allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), x.shape)
-    found = suspects.gradient_matching(row.parameter, index, c, x, allowed)
-    if len(found) > 1:
-        return f"ambiguous, the gradient fits the float64 oracle's of each bug the output fits: {' | '.join(found)}"
-    return f"the gradient of the bug the output fits, recomputed by the float64 oracle: {found[0]}" if found else ""
 
 
 def _swapped_with(row: Row, rows: list[Row]) -> str:
@@ -313,6 +300,7 @@ def _factor_words(k: float, cfg: Config, what: str = "expected") -> str:
     if not named:
         return f"candidate = {_short(k)} x {what} (a factor no dimension of the config names)"
     values = f"D={cfg.head_dim_eff}, H={cfg.num_heads}, B={cfg.effective_batch}, L={cfg.tgt_len}, S={cfg.S}" + ("" if cfg.is_function else f", E={cfg.embed_dim}")
+    values += f", scale={cfg.scale:g}" if cfg.is_function and cfg.scale else ""
     return f"candidate = {_short(k)} x {what} ({named}; {values}): a missing or extra scale"
 
 

@@ -23,7 +23,7 @@ from attncheck.diagnose_half import rounding_sized
 from attncheck.kinds import kind_of
 from attncheck.reference.sdpa import alibi, key_offset, within_window
 from attncheck.report import FAIL, Report
-from attncheck.suspects import fits, reproduces
+from attncheck.suspects import fits, not_following, reproduces
 
 
 def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], autodiff: bool | None = False,
@@ -49,6 +49,7 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
     regrad = None if regrad is None else _cached(regrad)
     second = kind_of(cfg).second_output
     fitted: list[Reading] = []  # the readings a failing output or LSE fits (the forward's rows come before the gradients')
+    unfollowed = not_following(report.rows)  # gradients that do not follow the candidate's own forward: no reading's gradient
     for row in report.rows:
         read = row.parameter == "output" or (second == "lse" and row.parameter == "lse")  # the LSE too: a float16 one's rounding words hid the scale
         if reread is not None and read and row.status is FAIL and row.evidence is not None:
@@ -67,7 +68,8 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
                 where = _where(c, x, allowed, Layout(named), cfg, None) if named and x.shape == c.shape and x.ndim == len(named) else []
                 row.diagnosis = "; ".join([reading, *where])
                 continue
-        if fitted and regrad is not None and row.section == "grad" and row.status is FAIL and row.evidence is not None and row.head is None:
+        if (fitted and regrad is not None and row.section == "grad" and row.status is FAIL and row.evidence is not None and row.head is None
+                and (row.parameter, row.block) not in unfollowed):  # fmt: skip
             followed = gradient_reading(row, fitted, regrad)
             if followed:
                 row.diagnosis = followed

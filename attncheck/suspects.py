@@ -27,6 +27,7 @@ from attncheck.compare import same_non_finite
 from attncheck.config import Config
 from attncheck.kinds import kind_of
 from attncheck.layer_reference import linear_forward
+from attncheck.report import FAIL
 from attncheck import masks
 from attncheck.masks import additive
 
@@ -503,23 +504,34 @@ class Suspects:
         base = kind_of(self.cfg).reference
         return type(f"{base.__name__}Suspect", (base,), dict(suspect.methods)) if suspect.methods else base
 
-    def gradient_matching(self, name: str, index: tuple, c: np.ndarray, x: np.ndarray, allowed: np.ndarray) -> list[str]:
-        """The words of each bug a failing output fitted (`matching`) whose recomputed gradient of
-        `name` (at `index`: a block or head of it) the candidate's equals and the expected value
-        does not: the backward of the forward the candidate computes, not a second bug."""
+    def gradient_words(self, row) -> str:
+        """A failing gradient row that is the float64 oracle's gradient under a bug a failing output
+        fitted (`matching`; its reference's backward with the bug's change, `regrad`) and whose
+        expected value is not, in words: the backward of the forward the candidate computes, not a
+        second bug. "" where none fits; each, as ambiguous, where several do. Only for a gradient
+        that follows the candidate's own forward (`not_following`, the caller's to ask)."""
+        from attncheck.checks.grad import grad_quantities
+
+        c, x = np.asarray(row.evidence.candidate, dtype=np.float64), np.asarray(row.evidence.reference, dtype=np.float64)
+        index = next((i for q, i in grad_quantities(self.cfg, row.parameter, row.head is not None) if (q.block, q.head) == (row.block, row.head)), None)
         finite = np.isfinite(x)
-        if self.regrad is None or not self.fitted or not finite.any():
-            return []
+        if self.regrad is None or not self.fitted or index is None or c.shape != x.shape or not finite.any():
+            return ""
+        allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), x.shape)
         scale = float(np.abs(x[finite]).max())
         found = []
         for suspect in self.fitted:
             key = self.suspects.index(suspect)
             if key not in self.gradients:
                 self.gradients[key] = self.regrad(self._factory(suspect), **suspect.masks)
-            g = (self.gradients[key] or {}).get(name)
-            if g is not None and np.shape(np.asarray(g)[index]) == c.shape and reproduces(c, np.asarray(g, dtype=np.float64)[index], x, allowed, scale, FIT_RTOL):
+            g = (self.gradients[key] or {}).get(row.parameter)
+            g = None if g is None else np.asarray(g, dtype=np.float64)[index]
+            if g is not None and g.shape == c.shape and reproduces(c, g, x, allowed, scale, FIT_RTOL):
                 found.append(suspect.words)
-        return list(dict.fromkeys(found))
+        found = list(dict.fromkeys(found))
+        if len(found) > 1:
+            return f"ambiguous, the gradient fits the float64 oracle's of each bug the output fits: {' | '.join(found)}"
+        return f"the gradient of the bug the output fits, recomputed by the float64 oracle: {found[0]}" if found else ""
 
     def matching(self, quantity: str, c: np.ndarray, x: np.ndarray, allowed: np.ndarray, precise: bool = False) -> list[tuple[str, str]]:
         """(words, restated_by) of each bug whose recomputed `quantity` ("output" or "attn_weights")
@@ -545,3 +557,12 @@ class Suspects:
             return [(f"{fitting[0].words}; {fitting[0].detail}", fitting[0].restated_by)]
         bugs = {s.words: s.restated_by for s in fitting}  # variants of one bug (the weights never see the merge) are one
         return list(bugs.items())
+
+
+def not_following(rows) -> set[tuple[str | None, str | None]]:
+    """The (parameter, block) of each gradient whose finite-difference row fails: the candidate's
+    gradient there does not follow its own forward, so it is named as no forward's gradient. A
+    suspect's gradient is its reference's backward with the suspect's change, which for a weight
+    shared or a bias dropped in __init__ is no gradient of that forward either: a candidate built
+    the same way (EncoderDecoderSharedProjection's dK and dV) read as the bug's gradient."""
+    return {(r.parameter, r.block) for r in rows if r.section == "finite-diff" and r.status is FAIL}

@@ -574,6 +574,16 @@ def test_the_gradients_of_a_forward_bug_a_suspect_recomputes_are_named_with_it()
     rows = [r for r in report.failures if r.section == "grad"]
     assert len(rows) >= 5 and all(r.diagnosis.startswith("the gradient of the bug the output fits, recomputed by the float64 oracle: "
                                                          "heads split with a plain reshape") for r in rows), [r.diagnosis for r in rows]  # fmt: skip
+    # a suspect whose change is made in __init__ (the value projected with the key's weights) has the
+    # reference's backward as its "gradient", which is no gradient of its forward: where a candidate
+    # built the same way fails its own finite differences, that gradient is named as nothing
+    shared = cfg(self_attention=False, key_is_value=True, src_len=7)
+    report = run_check("grad", shared, load_candidate("attncheck.testing.wrong_impls:EncoderDecoderSharedProjection"))
+    diagnoses = {r.quantity: r.diagnosis for r in report.failures if r.section == "grad"}
+    unfollowed = {r.quantity for r in report.failures if r.section == "finite-diff"}
+    assert {"in_proj_weight[k]", "in_proj_weight[v]"} <= unfollowed, unfollowed
+    assert all("recomputed by the float64 oracle" not in diagnoses[q] for q in unfollowed if q in diagnoses), diagnoses
+    assert "recomputed by the float64 oracle: the value is projected with the key's weights" in diagnoses["in_proj_weight[q]"], diagnoses
     # a backward wrong under a right forward fits no suspect of the output: nothing is recomputed
     report = run_check("grad", config, load_candidate("attncheck.testing.wrong_impls:QueryGradScaleMissing"))
     assert report.failures and not any("recomputed by the float64 oracle" in r.diagnosis for r in report.failures)

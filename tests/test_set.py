@@ -65,6 +65,11 @@ def test_the_header_names_the_cases_a_setting_overrides_and_not_a_key_every_case
     assert code == 0 and output.splitlines()[0] == "attncheck: --set dtype=float64 replaces what float16-long sets itself", output
     code, output = run("forward", "--set", "seed=3", "--case", "float16-long")
     assert code == 0 and "replaces" not in output, output
+    # a key the case takes from the suite's defaults is not its own, however other cases set it
+    code, output = run("forward", "--module", "sdpa", "--set", "tgt_len=7", "--case", "plain")
+    assert code == 0 and "replaces" not in output, output
+    code, output = run("forward", "--module", "sdpa", "--set", "tgt_len=7", "--case", "plain,decode-lower-right")
+    assert "(over what 1 case set: decode-lower-right)" in output.splitlines()[0], output.splitlines()[0]
 
 
 @pytest.mark.parametrize("setting", ["dtype=bfloat16", "dtype=float64 attn_mask=causal"])
@@ -166,3 +171,11 @@ def test_a_bad_choice_is_named_without_the_parsers_prefix(capsys):
     output = capsys.readouterr().err
     assert ended.value.code == 2 and "Invalid value for '--module': 'sdpaa' is not one of 'multihead_attention'" in output, output
     assert "Value error" not in output and "Traceback" not in output, output
+
+
+def test_the_line_before_one_cases_report_prints_a_value_in_brackets_as_given(tmp_path):
+    # rich read `[determinism]` as markup and printed "--set probes= replaces what a sets itself"
+    suite = tmp_path / "two.yaml"
+    suite.write_text("defaults:\n  module: sdpa\ncases:\n  - name: a\n    probes: [strides]\n  - name: b\n")
+    code, output = run("forward", "-c", suite, "--case", "a", "--set", "probes=[determinism]")
+    assert output.splitlines()[0] == "attncheck: --set probes=[determinism] replaces what a sets itself", output

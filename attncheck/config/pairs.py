@@ -103,7 +103,7 @@ def pair_suite(module: str | None = None) -> Suite:
             continue
         if commands != ("forward",) and kind.nan_rows_reach_the_loss(cfg):
             commands = ("forward",)  # as the suite's fully-masked case: the NaN a correct candidate may give reaches every gradient
-        cases.append(Case(pair, cfg, commands=commands))
+        cases.append(Case(pair, cfg, commands=commands, own=frozenset(first) | frozenset(second)))
     return Suite(f"{name}-pairs", source, cases, pairs=True)
 
 

@@ -40,6 +40,9 @@ class Case:
     impl_line: int | None = field(default=None, compare=False)
     # The commands this case is for (its `commands:`); None: every command run asks for.
     commands: tuple[str, ...] | None = None
+    # The config keys its own entry writes (a matrix combination's keys; a pair's two entries'), not
+    # the suite's defaults: what a --set replaces in it (cli._cases_overridden).
+    own: frozenset[str] = field(default=frozenset(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,7 @@ class _SuiteBuilder:
                 continue
             impl_line = self.impl_line((*path, "impl"))
             cases.append((Case(name, resolve_impl(cfg, self.doc.source), line=self.doc.line_of(path), impl_line=impl_line,
-                               commands=commands), path))  # fmt: skip
+                               commands=commands, own=frozenset(overrides)), path))  # fmt: skip
         return cases
 
     def case_commands(self, value: Any, path: KeyPath) -> tuple[str, ...] | None:
@@ -303,7 +306,8 @@ class _SuiteBuilder:
                 reason = "; ".join(f"{f.keys[0]}: {f.message}" if f.keys else f.message for f in findings)
                 cases.append((Case(name, None, reason, line=line), ("matrix",)))
             else:
-                cases.append((Case(name, resolve_impl(cfg, self.doc.source), line=line, impl_line=impl_line), ("matrix",)))
+                cases.append((Case(name, resolve_impl(cfg, self.doc.source), line=line, impl_line=impl_line, own=frozenset(chosen)),
+                              ("matrix",)))  # fmt: skip
         return cases
 
     def impl_line(self, path: KeyPath) -> int | None:
