@@ -465,14 +465,15 @@ def _finite_difference(analytic: float, numeric: float, cfg: Config, autodiff: b
     named = _named(k, cfg)
     if named:
         return f"<grad, u> = {_short(k)} x the finite difference ({named}): the backward misses or adds a scale its forward does not have"
+    ratio = _short(k) if _short(k) != "1" else f"1 {'+' if k > 1 else '-'} {abs(k - 1):.2e}"  # "= 1" beside a failure read as a contradiction
     if autodiff:
-        return (f"<grad, u> / finite difference = {_short(k)} along a random u, the gradient from autograd or jax.vjp: "
+        return (f"<grad, u> / finite difference = {ratio} along a random u, the gradient from autograd or jax.vjp: "
                 "its forward's loss is not smooth at the step (computed in less than float64 inside a float64 call, or a kink)")
     if autodiff is None:
-        return (f"<grad, u> / finite difference = {_short(k)} along a random u (no dimension of the config): the gradient does "
+        return (f"<grad, u> / finite difference = {ratio} along a random u (no dimension of the config): the gradient does "
                 "not follow the forward's loss (a backward of its own or a custom autograd rule that is wrong, or a forward "
                 "that is not smooth at the step)")
-    return (f"<grad, u> / finite difference = {_short(k)} along a random u (no dimension of the config): "
+    return (f"<grad, u> / finite difference = {ratio} along a random u (no dimension of the config): "
             "the backward does not differentiate the candidate's own forward")
 
 

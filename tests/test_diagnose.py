@@ -587,3 +587,13 @@ def test_the_gradients_of_a_forward_bug_a_suspect_recomputes_are_named_with_it()
     # a backward wrong under a right forward fits no suspect of the output: nothing is recomputed
     report = run_check("grad", config, load_candidate("attncheck.testing.wrong_impls:QueryGradScaleMissing"))
     assert report.failures and not any("recomputed by the float64 oracle" in r.diagnosis for r in report.failures)
+
+
+def test_a_finite_difference_ratio_within_a_thousandth_of_1_shows_its_difference():
+    # "<grad, u> / finite difference = 1 ... the gradient does not follow the forward's loss" beside
+    # a FAIL read as a contradiction to a red-team tester (a backward without the softmax's row sum).
+    from attncheck.diagnose import _finite_difference
+
+    words = _finite_difference(1.0002, 1.0, cfg(), autodiff=False)
+    assert words.startswith("<grad, u> / finite difference = 1 + 2.00e-04 along a random u"), words
+    assert _finite_difference(0.7, 1.0, cfg(), autodiff=False).startswith("<grad, u> / finite difference = 0.7 along"), words
