@@ -343,6 +343,8 @@ def _relation(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, cfg: Config) ->
     if scale == 0.0:
         return []
     found = [("sign", "candidate = -expected: a sign flip")] if fits(c, -x, allowed, scale) else []
+    if not np.any(c[np.isfinite(c)]) and not fits(c, x, allowed, scale):  # a kernel whose window left every row empty: said nothing
+        found.append(("zero", "candidate = 0 everywhere (an output row with no allowed key is 0; a gradient that is never computed, too)"))
     k = float(np.sum(c[finite] * x[finite]) / np.sum(x[finite] ** 2))  # k = -1 is the sign flip's relation, said once
     if math.isfinite(k) and min(abs(k - 1), abs(k + 1)) > MIN_FACTOR_GAP and k != 0 and fits(c, k * x, allowed, scale):
         found.append(("factor" if _named(k, cfg) else UNNAMED_FACTOR, _factor_words(k, cfg)))

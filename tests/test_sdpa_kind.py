@@ -954,3 +954,17 @@ def test_a_clamped_alibi_an_inverted_bool_mask_and_a_backward_dropping_the_given
     assert rows["forward", "output"].startswith("the output is the float64 oracle's with the bool attn_mask read inverted"), rows
     rows = failing(KeyGradWithoutScale, "grad", scale=0.3)
     assert rows["grad", "key"].startswith("candidate = 3.33 x expected (3.33 = 1/scale; "), rows
+
+
+def test_an_output_of_zeros_says_so():
+    # A red-team window whose left bound was exclusive emptied every row of window-0-0: an output
+    # of zeros, and no diagnosis at all.
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class EveryRowEmpty(DenseSDPA):
+        def forward(self, *args, **kwargs):
+            return np.zeros_like(super().forward(*args, **kwargs))
+
+    cfg = config_from_mapping({"module": "sdpa", "tgt_len": 5, "src_len": 7, "head_dim": 8})
+    [row] = run_check("forward", cfg, candidate_from_object(EveryRowEmpty)).failures
+    assert row.diagnosis.startswith("candidate = 0 everywhere (an output row with no allowed key is 0"), row.diagnosis
