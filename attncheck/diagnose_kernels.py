@@ -288,6 +288,9 @@ def readings(cfg: Config) -> list[Reading]:
     if cfg.attn_mask != "none" and not _float_mask(cfg):  # nn.MultiheadAttention's convention, True = masked, in SDPA's signature
         found.append(Reading({}, "the bool attn_mask read inverted, True taken as masked (nn.MultiheadAttention's convention), where "
                                  "SDPA's True is a key to attend", inputs=_mask_inverted))  # fmt: skip
+        if causal in ("upper_left", "lower_right"):  # the two masks merged with `|` where a key must pass both
+            found.append(Reading({"causal": "none"}, f"a key allowed where either the causal mask ({causal}) or the bool attn_mask allows "
+                                                     "it, where both must", inputs=functools.partial(_or_causal, alignment=causal)))  # fmt: skip
     if window is not None:  # where no sequence has L != S the two diagonals are one: the reading cannot fit
         found.append(Reading({}, f"the window [{left}, {right}] measured from key i, the top-left diagonal, where FlashAttention "
                                  "measures it from key i + S - L (the bottom-right diagonal)", {"_window": _window_top_left}))  # fmt: skip
@@ -331,6 +334,17 @@ def _alibi_slope_readings(cfg: Config) -> list[Reading]:
         ways = {"one": (heads * 0, f"ALiBi's slope[0] for every query head, the one key-value head's index (MQA, Hq={Hq}), where "
                                    "query head h has its own slope[h]")}  # fmt: skip
     return [Reading({}, words, inputs=functools.partial(_slopes_taken, index=index)) for index, words in ways.values()]
+
+
+def _or_causal(w, alignment: str):
+    """The workload with its bool attn_mask (..., L, S) widened by the causal mask of `alignment`:
+    a key passes if either allows it (the reading's config drops the causal mask itself)."""
+    if w.attn_mask is None:
+        return w
+    mask = np.asarray(w.attn_mask, dtype=bool)
+    L, S = mask.shape[-2:]
+    offset = key_offset(L, S) + (S - L if alignment == "upper_left" else 0)  # j - i for the top-left diagonal
+    return replace(w, attn_mask=mask | (offset <= 0))
 
 
 def _mask_inverted(w):

@@ -968,3 +968,22 @@ def test_an_output_of_zeros_says_so():
     cfg = config_from_mapping({"module": "sdpa", "tgt_len": 5, "src_len": 7, "head_dim": 8})
     [row] = run_check("forward", cfg, candidate_from_object(EveryRowEmpty)).failures
     assert row.diagnosis.startswith("candidate = 0 everywhere (an output row with no allowed key is 0"), row.diagnosis
+
+
+def test_a_bool_mask_merged_with_the_causal_mask_by_or_is_named():
+    # A red-team kernel allowed a key where either mask did (`causal | mask`); no default case had a
+    # bool mask beside a causal one (bool-mask-causal now), and its pair read nothing.
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class CausalOrMask(DenseSDPA):
+        def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *args, **kwargs):
+            if attn_mask is not None and is_causal:
+                L, S = np.shape(query)[2], np.shape(key)[2]
+                keep = np.arange(S)[None, :] <= np.arange(L)[:, None] + S - L
+                attn_mask, is_causal = np.asarray(attn_mask) | keep, False  # should be `&`
+            return super().forward(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
+
+    cfg = next(c.config for c in load_suite(None, "sdpa").cases if c.name == "bool-mask-causal")
+    [row] = run_check("forward", cfg, candidate_from_object(CausalOrMask)).failures
+    assert row.diagnosis.startswith("the output is the float64 oracle's with a key allowed where either the causal mask (lower_right) "
+                                    "or the bool attn_mask allows it, where both must"), row.diagnosis  # fmt: skip

@@ -27,8 +27,9 @@ every output NaN), which would make every run of the pairs inconclusive.
 
 Measured (stop 53, benchmarks/pairs.py; forward, grad and sgd-step where the kind has them): the
 built-in reference passes every pair of every kind (multihead_attention 793 pairs and 13 skipped, 2,251
-checks; transformer_encoder_layer 42 pairs, 126; sdpa 569, 1,138; sdpa_varlen 326, 633; sdpa_kvcache 40
-and 2 refused, 40), and so do the shipped examples of every kind.
+checks; transformer_encoder_layer 42 pairs, 126; sdpa 569, 1,138 (603, 1,206 with bool-mask-causal,
+2026-11-27); sdpa_varlen 326, 633; sdpa_kvcache 40 and 2 refused, 40), and so do the shipped
+examples of every kind.
 """
 
 from __future__ import annotations
