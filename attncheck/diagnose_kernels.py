@@ -21,7 +21,7 @@ from attncheck.config import Config
 from attncheck.diagnose import UNNAMED_FACTOR, Layout, _finite_difference, _relation, _where
 from attncheck.diagnose_half import rounding_sized
 from attncheck.kinds import kind_of
-from attncheck.reference.sdpa import alibi, key_offset, within_window
+from attncheck.reference.sdpa import alibi, causal_allowed, key_offset, within_window
 from attncheck.report import FAIL, Report
 from attncheck.suspects import fits, not_following, reproduces
 
@@ -342,9 +342,7 @@ def _or_causal(w, alignment: str):
     if w.attn_mask is None:
         return w
     mask = np.asarray(w.attn_mask, dtype=bool)
-    L, S = mask.shape[-2:]
-    offset = key_offset(L, S) + (S - L if alignment == "upper_left" else 0)  # j - i for the top-left diagonal
-    return replace(w, attn_mask=mask | (offset <= 0))
+    return replace(w, attn_mask=mask | causal_allowed(*mask.shape[-2:], alignment))
 
 
 def _mask_inverted(w):

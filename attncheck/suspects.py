@@ -473,7 +473,7 @@ class Suspects:
         self.cfg, self.rerun, self.regrad = cfg, rerun, regrad
         self.results: list[tuple[Suspect, tuple | None]] | None = None
         self.fitted: list[Suspect] = []  # the suspects a failing output fitted: a grad check's gradients are tried under them
-        self.gradients: dict[int, dict | None] = {}  # each fitted suspect's recomputed gradients, by its index in `suspects`
+        self.gradients: dict[int, dict | None] = {}  # each fitted suspect's recomputed gradients, by id()
         self.suspects: list[Suspect] = []
         base = kind_of(cfg).reference
         if cfg.num_heads > 1 and all(callable(getattr(base, name, None)) for name in ("_split_heads", "_merge_heads")):
@@ -521,10 +521,9 @@ class Suspects:
         scale = float(np.abs(x[finite]).max())
         found = []
         for suspect in self.fitted:
-            key = self.suspects.index(suspect)
-            if key not in self.gradients:
-                self.gradients[key] = self.regrad(self._factory(suspect), **suspect.masks)
-            g = (self.gradients[key] or {}).get(row.parameter)
+            if id(suspect) not in self.gradients:
+                self.gradients[id(suspect)] = self.regrad(self._factory(suspect), **suspect.masks)
+            g = (self.gradients[id(suspect)] or {}).get(row.parameter)
             g = None if g is None else np.asarray(g, dtype=np.float64)[index]
             if g is not None and g.shape == c.shape and reproduces(c, g, x, allowed, scale, FIT_RTOL):
                 found.append(suspect.words)

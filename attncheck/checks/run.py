@@ -127,8 +127,7 @@ class CheckRun:
         """The float64 oracle's (output, weights) on this workload, computed by another module or
         with other masks (keywords `attn_mask`, `key_padding_mask`): what a suspected bug gives,
         for the diagnosis to verify against the candidate's arrays. None if that module raised."""
-        w64 = dataclasses.replace(self.w.astype(np.float64), **masks)
-        session = Session(oracle_config(self.cfg), Candidate(f"{self.candidate.spec} (diagnosis)", factory, builtin=True))
+        session, w64 = self._suspected(factory, masks)
         try:
             return session.build_and_forward(w64)
         except CandidateProblem:
@@ -140,13 +139,16 @@ class CheckRun:
         diagnosis to compare a failing gradient with. None if that module raised."""
         from attncheck.checks.grad import all_gradients, run_grad
 
-        w64 = dataclasses.replace(self.w.astype(np.float64), **masks)
-        cfg64 = oracle_config(self.cfg)
-        session = Session(cfg64, Candidate(f"{self.candidate.spec} (diagnosis)", factory, builtin=True))
+        session, w64 = self._suspected(factory, masks)
         try:
-            return all_gradients(cfg64, run_grad(session, cfg64, w64)[2])
+            return all_gradients(session.cfg, run_grad(session, session.cfg, w64)[2])
         except CandidateProblem:
             return None
+
+    def _suspected(self, factory, masks: dict) -> tuple[Session, Workload]:
+        """The float64 session of a suspected bug's module and the float64 workload with its masks (`rerun`)."""
+        session = Session(oracle_config(self.cfg), Candidate(f"{self.candidate.spec} (diagnosis)", factory, builtin=True))
+        return session, dataclasses.replace(self.w.astype(np.float64), **masks)
 
     def reread(self, update: dict, methods: dict | None = None, second: bool = False, inputs=None) -> np.ndarray | None:
         """The float64 oracle's output (`second`: its second output, the LSE) on this workload under the config with `update` (another
