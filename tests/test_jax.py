@@ -628,6 +628,56 @@ def test_a_later_call_on_an_object_takes_its_vjp_from_its_trace_only_if_it_compu
     _assert_jax_vjp_s(grads, cfg, candidate, w)  # of a fresh object's first call
 
 
+RELU_KERNELS = '''
+import jax
+import jax.numpy as jnp
+
+
+@jax.custom_jvp
+def own_relu(x):
+    return jnp.maximum(x, 0)
+
+
+own_relu.defjvps(lambda t, ans, x: t * (x > 0))
+
+
+def _attention(query, key, value, scale, relu):
+    scores = query @ jnp.swapaxes(key, -1, -2) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    return jax.nn.softmax(scores, axis=-1) @ relu(value)
+
+
+def jaxs_relu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return _attention(query, key, value, scale, jax.nn.relu)
+
+
+def own_rule(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return _attention(query, key, value, scale, own_relu)
+'''
+
+
+@pytest.mark.parametrize("name, one_program", [("jaxs_relu", True), ("own_rule", False)])
+def test_a_custom_derivative_of_jaxs_own_is_differentiated_by_one_program_and_the_candidates_is_traced_on_every_call(
+        tmp_path, programs, name, one_program):
+    # jax.nn.relu is a custom_jvp of JAX's own: the trace is differentiated by one compiled program
+    # (a "jax.vjp ..." program), as a trace without a custom rule is; a rule the candidate wrote runs
+    # where jax.vjp is traced, on every call (see backward_count above). Either gives jax.vjp's gradients.
+    from attncheck.candidate import make_session
+    from attncheck.config import config_from_mapping
+    from attncheck.inputs import make_workload
+
+    path = tmp_path / "relu_kernels.py"
+    path.write_text(RELU_KERNELS)
+    candidate = load_candidate(f"{path}:{name}")
+    cfg = config_from_mapping({"module": "sdpa", "dtype": "float64"})
+    w = make_workload(cfg)
+    grads = _first_call_gradients(make_session(cfg, candidate, compiled=True), w)
+    expected = _first_call_gradients(make_session(cfg, candidate), w)  # op by op
+    assert grads.keys() == expected.keys() == {"query", "key", "value"}
+    for key in grads:
+        assert np.allclose(grads[key], expected[key], rtol=1e-12, atol=1e-12), key
+    assert any(key.startswith("jax.vjp") for key in programs) == one_program, list(programs)
+
+
 def test_a_nan_in_one_block_of_a_gradient_leaves_the_other_blocks_finite_differences_judged(tmp_path):
     # A new user's MHA giving NaN on a row with no allowed key (accepted there): jax.vjp gives its
     # in_proj gradients NaN in the v block only. The finite differences of the q and k blocks took
