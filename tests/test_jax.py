@@ -678,6 +678,19 @@ def test_a_custom_derivative_of_jaxs_own_is_differentiated_by_one_program_and_th
     assert any(key.startswith("jax.vjp") for key in programs) == one_program, list(programs)
 
 
+def test_a_custom_derivative_jax_defines_around_the_candidates_own_functions_is_the_candidates():
+    # jax.lax.custom_root's custom_jvp is defined in JAX's source, and its rule calls the solver
+    # functions the caller handed it: it runs on every call, as a rule the candidate wrote does.
+    jax = pytest.importorskip("jax")
+    from attncheck.jax_programs import _custom_rules
+
+    def root(x):
+        return jax.lax.custom_root(lambda y: y * y - x, 1.0, lambda g, y0: y0 + 0.1 * g(y0), lambda g, y: y / 2.0)
+
+    assert _custom_rules(jax.make_jaxpr(root)(2.0).jaxpr)
+    assert not _custom_rules(jax.make_jaxpr(jax.nn.relu)(2.0).jaxpr)
+
+
 def test_a_nan_in_one_block_of_a_gradient_leaves_the_other_blocks_finite_differences_judged(tmp_path):
     # A new user's MHA giving NaN on a row with no allowed key (accepted there): jax.vjp gives its
     # in_proj gradients NaN in the v block only. The finite differences of the q and k blocks took
