@@ -240,6 +240,19 @@ def test_embedded_default_suite_is_the_shipped_file():
     assert len(loaded.cases) >= 25 and all(case.config is not None for case in loaded.cases)  # nothing skipped
 
 
+@pytest.mark.parametrize("module", ["transformer_encoder_layer", "sdpa", "sdpa_varlen", "sdpa_kvcache"])
+def test_each_kinds_embedded_default_suite_is_its_shipped_file(module):
+    # What makes tests/test_shipped.py's run of the shipped file (`attncheck run -c configs/FILE`,
+    # the reference passing every check) the run of the suite `--module M` embeds, which the
+    # documentation counts in cases and checks.
+    from attncheck.config.yaml_reading import embedded_text
+    from attncheck.kinds import kinds
+
+    filename = kinds()[module].default_suite[0]
+    assert (ROOT / "configs" / filename).read_text(encoding="utf-8") == embedded_text(filename)
+    assert load_suite(None, module=module).cases == load_suite(ROOT / "configs" / filename, module=module).cases
+
+
 def test_the_default_config_stays_one_case():
     assert load_suite(ROOT / "configs/default.yaml").cases == [Case("default", Config(name="default"))]
 
