@@ -314,6 +314,20 @@ def test_what_a_candidate_printed_before_it_raised_is_kept(tmp_path):
         assert "<system-out>DEBUG: shapes look fine" in to_junit(SuiteResult("s", (command,), [report]))  # where CI shows a test's output
 
 
+def test_what_a_candidate_prints_in_a_probes_calls_is_kept(tmp_path):
+    # The probes' calls on other configs (a batch element alone, dropout_p on) are sessions of their
+    # own, whose printed output was dropped: only the check's own calls' reached the report.
+    (tmp_path / "prints_kernel.py").write_text(
+        "from attncheck.testing.dense_sdpa import DenseSDPA\n\n\nclass Prints(DenseSDPA):\n"
+        "    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):\n"
+        "        print(f'DEBUG: batch {query.shape[0]}, dropout_p {dropout_p}')\n"
+        "        return super().forward(query, key, value, attn_mask, dropout_p, *args, **kwargs)\n")  # fmt: skip
+    report = attncheck.check({"module": "sdpa", "probes": ["batch_invariance", "options"]}, "forward",
+                             impl=f"{tmp_path / 'prints_kernel.py'}:Prints")  # fmt: skip
+    printed = {line.strip() for chunk in report.printed for line in chunk.splitlines()}
+    assert {"DEBUG: batch 2, dropout_p 0.0", "DEBUG: batch 1, dropout_p 0.0", "DEBUG: batch 2, dropout_p 0.5"} <= printed, printed
+
+
 def test_a_huge_message_that_escapes_the_candidates_calls_is_bounded_too(tmp_path):
     # Raised by an output NumPy cannot convert, or by a returned tuple's __len__ (the process then
     # broke): the message went whole into the reply, which read "malformed data" as before the

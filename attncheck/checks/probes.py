@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from attncheck.candidate import LAYOUTS, PAD, Session, laid_out
-from attncheck.checks.run import CheckRun, oracle_forward, session_for
+from attncheck.checks.run import CheckRun, oracle_forward
 from attncheck.compare import Fixed, Rule, measure
 from attncheck.errors import CandidateProblem, CandidateTimeout, Unsupported
 from attncheck.frameworks import framework_of
@@ -181,7 +181,7 @@ def batch_invariance(p: Probing, w, within_element: Callable[[int, np.ndarray], 
         return _row("batch_invariance", "batch_invariance", SKIPPED, f"{why}: nothing to compare")
     b, count = element
     cfg_b, w_b = alone
-    session = session_for(cfg_b, p.run.candidate)
+    session = p.run.session(cfg_b)
     try:
         out_b, _ = session.build_and_forward(w_b)
     except CandidateProblem as err:
@@ -198,7 +198,7 @@ def invariance_switches(p: Probing, w) -> list[Row]:
     rows, cfg = [], p.cfg
     for name, keys in kind_of(cfg).invariance_switches(cfg):
         label, what = f"batch_invariance: {name}", f"{name} and the case's {', '.join(f'{k} {getattr(cfg, k)}' for k in keys)}"
-        session = session_for(cfg.model_copy(update=keys), p.run.candidate)
+        session = p.run.session(cfg.model_copy(update=keys))
         try:
             out, _ = session.build_and_forward(w)
         except CandidateProblem as err:
@@ -298,7 +298,7 @@ def options(p: Probing, w, o_out: np.ndarray | None, t_out: np.ndarray, rule: Ru
                              f"{told:.3g}, not more than the {needed:.3g} a correct candidate's two outputs may lie from them "
                              f"and apart (its budget {p.budget:.3g}); not checked here", not_judged=NotJudged.CANNOT_TELL))  # fmt: skip
             continue
-        session = session_for(cfg_off, p.run.candidate)
+        session = p.run.session(cfg_off)
         try:
             out_off, _ = session.build_and_forward(w_off)
         except CandidateProblem as err:
@@ -405,7 +405,7 @@ def _dropout(p: Probing, w, rule: Rule) -> Row:
                     f"{DROPOUT_ROWS}) have a value a correct dropout_p={PROBE_DROPOUT} must move past the budget ({reach:.3g}) "
                     "half the time; not checked here", not_judged=NotJudged.CANNOT_TELL)  # fmt: skip
     try:
-        out_on, _ = session_for(cfg.model_copy(update={"dropout": PROBE_DROPOUT}), p.run.candidate).build_and_forward(ones)
+        out_on, _ = p.run.session(cfg.model_copy(update={"dropout": PROBE_DROPOUT})).build_and_forward(ones)
     except CandidateTimeout as err:
         return _call_failed("options", label, what, err)
     except CandidateProblem as err:

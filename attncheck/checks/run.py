@@ -283,9 +283,10 @@ class CheckRun:
                 self.report.notes.append(str(leak))
                 return None
 
-    def session(self) -> Session:
-        """The candidate's session, in the config's dtype."""
-        self.sessions.append(session_for(self.cfg, self.candidate))
+    def session(self, cfg: Config | None = None) -> Session:
+        """The candidate's session, in the config's dtype; `cfg`: a probe's other config (a batch
+        element alone, an option off). What each session's calls print goes to the report."""
+        self.sessions.append(session_for(self.cfg if cfg is None else cfg, self.candidate))
         return self.sessions[-1]
 
     def ended_at(self, section: str, err: CandidateProblem) -> Report:
