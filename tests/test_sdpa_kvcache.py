@@ -30,6 +30,7 @@ CATCHES = {
     "DiagonalTopLeft": [("append-causal-lq4", "output"), ("window-causal", "output"), ("alibi", "output")],
     "SoftcapAfterAlibiKv": [("softcap-alibi-lse", "output"), ("softcap-alibi-lse", "lse")],
     "LseWithoutSoftcapKv": [("softcap-alibi-lse", "lse")],
+    "SoftcapAfterMaskKv": [("softcap", "output")],
     "WindowRightUnboundedAsCausalKv": [("window-1-inf", "output")],
     "AlibiSlopesGqaOrderKv": [("alibi", "output")],
     "AlibiFromQueryPositionKv": [("splits-window-alibi", "output")],

@@ -85,6 +85,19 @@ class DiagonalTopLeft(DecodeKernel):
         return np.arange(S)[None, :] - np.arange(Lq)[:, None]
 
 
+class SoftcapAfterMaskKv(DecodeKernel):
+    """The softcap taken after the mask, c * tanh(logits / c) with the masked keys' -inf in them: a
+    key the causal mask (or a window) hides gets -c, not -inf, and weight exp(-c - max) where it
+    should have none (Gemma-2's decode with a softcap and a causal mask).
+
+    Exposed by a softcap with a causal mask over more than one query token: softcap (one query token
+    alone sees every key, and passed it)."""
+
+    def _logits(self, s, softcap, slope, offset, allowed):
+        logits = super()._logits(s, 0.0, slope, offset, allowed)
+        return softcap * np.tanh(logits / softcap) if softcap else logits
+
+
 # ------------------------------------------------------------------------- options combined
 # Each passed the default decode suite until the case named in its docstring joined it
 # (tests/test_suite_reach.py): no case had the two features together.
@@ -370,4 +383,4 @@ WRONG_KVCACHE = {cls.__name__: cls for cls in (AppendOneSlotLate, BlockTableIgno
                                                 Float64ComputedInFloat32Kv, SoftmaxEpsilonKv, RotaryPassThroughZeroed,
                                                 QueriesRotatedFromZeroKv, NewKeysNotRotatedKv, CausalFromOldLengthKv,
                                                 RotaryQueriesStepOnlyWhenCausalKv, InterleavedPassThroughZeroedKv,
-                                                CacheBatchIdxIgnored)}  # fmt: skip
+                                                CacheBatchIdxIgnored, SoftcapAfterMaskKv)}  # fmt: skip
