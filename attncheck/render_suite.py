@@ -97,7 +97,9 @@ def capability_table(features: list[Capability], every_feature: bool = False) ->
         if cap.verdict is SKIPPED and cap.skipped == cap.cases:
             supported = Text(f"no case: {cap.skipped_why or 'nothing to compare'}", style=STATUS_STYLE[INFO])
         elif cap.reported or cap.skipped:
-            said = _not_judged(cap)
+            judged = len(cap.cases) - len(set(cap.reported) | set(cap.skipped))
+            said = [f"{judged} judged"] if judged else []  # the cases its verdict is of
+            said += _not_judged(cap)
             said += [f"nothing to compare: {_named(cap.skipped, len(cap.cases))}"] if cap.skipped else []
             supported = Text("; ".join(said), style=STATUS_STYLE[INFO])
         elif not cap.unsupported and not cap.not_run:
@@ -135,9 +137,9 @@ def _not_judged(cap: Capability) -> list[str]:
     rows_of: dict[tuple[NotJudged | None, tuple[str, ...]], list[str]] = {}
     for (why, row), cases in cases_of.items():
         rows_of.setdefault((why, tuple(dict.fromkeys(cases))), []).append(row)
-    said = []
+    said, own = [], cap.feature.removeprefix("probe: ")  # the name of the probe's own row, which has none ("")
     for (why, cases), rows in rows_of.items():
-        which = f" ({', '.join(rows)})" if any(rows) else ""
+        which = f" ({', '.join(row or own for row in rows)})" if any(rows) else ""
         said.append(f"{NOT_JUDGED_WORDS[why]}{which}: {_named(list(cases), len(cap.cases))}")
     return said
 
