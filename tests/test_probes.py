@@ -247,8 +247,15 @@ def test_a_case_whose_only_probe_call_the_candidate_refused_says_so_in_the_capab
     console = Console(width=300, record=True, color_system=None)
     console.print(capability_table([mixed]))
     text = " ".join(console.export_text().split())
-    assert ("not judged, the case cannot tell it on from off (options: causal, options: dropout_p): a; "
+    assert ("1 judged; not judged, the case cannot tell it on from off (options: causal, options: dropout_p): a; "
             "not judged, the candidate refused the call (options: dropout_p): b") in text, text  # fmt: skip
+    # the probe's own row (named "" beside its others) by the probe's name: it read "(, batch_invariance: num_splits 1)"
+    own = Capability("probe: batch_invariance", ("a", "b"), (), PASS, (), ("a",), (
+        ("a", "", NotJudged.FAILS_ALREADY), ("a", "batch_invariance: num_splits 1", NotJudged.FAILS_ALREADY)))  # fmt: skip
+    console = Console(width=300, record=True, color_system=None)
+    console.print(capability_table([own]))
+    text = " ".join(console.export_text().split())
+    assert "1 judged; not judged, the check's own result fails already (batch_invariance, batch_invariance: num_splits 1): a" in text, text
 
 
 def test_views_are_made_in_the_candidates_own_process():
