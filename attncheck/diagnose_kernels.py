@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 
 from attncheck.config import Config
-from attncheck.diagnose import UNNAMED_FACTOR, Layout, _finite_difference, _relation, _where
+from attncheck.diagnose import MIN_CONFINED, UNNAMED_FACTOR, Layout, _finite_difference, _indices, _relation, _spared_clean, _where
 from attncheck.diagnose_half import rounding_sized
 from attncheck.kinds import kind_of
+from attncheck.kinds.sdpa_varlen import seqlens
 from attncheck.reference.sdpa import alibi, causal_allowed, key_offset, within_window
 from attncheck.report import FAIL, Report
 from attncheck.suspects import fits, not_following, reproduces
@@ -65,7 +66,7 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
             if reading:
                 named = axes.get(row.parameter)
                 x = np.asarray(row.evidence.reference, dtype=np.float64)
-                where = _where(c, x, allowed, Layout(named), cfg, None) if named and x.shape == c.shape and x.ndim == len(named) else []
+                where = located(c, x, allowed, named, cfg) if named and x.shape == c.shape and x.ndim == len(named) else []
                 row.diagnosis = "; ".join([reading, *where])
                 continue
         if (fitted and regrad is not None and row.section == "grad" and row.status is FAIL and row.evidence is not None and row.head is None
@@ -95,7 +96,39 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
         permuted = heads_permuted(c, x, allowed, named, cfg)  # a pattern: it says where, too
         if permuted:
             relations.append(permuted)
-        row.diagnosis = "; ".join(relations + ([] if rounding or permuted else _where(c, x, allowed, Layout(named), cfg, None))) or rounding
+        row.diagnosis = "; ".join(relations + ([] if rounding or permuted else located(c, x, allowed, named, cfg))) or rounding
+
+
+# A packed kind's axes of rows from every sequence (sdpa_varlen's total_q and total_k): where an
+# error lies along them is said by sequence.
+PACKED = {"token": "query", "key token": "key"}
+
+
+def located(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, named: tuple[str, ...], cfg: Config) -> list[str]:
+    """Where the error lies on the axes `named` names (attncheck.diagnose's `_where`); along a
+    packed axis, by sequence: `only in sequence 4 (of 5: packed query rows 34-40)`."""
+    findings = _where(c, x, allowed, Layout(tuple("" if n in PACKED else n for n in named)), cfg, None)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        err = np.abs(c - x) / np.where(allowed > 0, allowed, np.inf)
+    nan_c, nan_x = np.isnan(c), np.isnan(x)
+    err = np.where(nan_c & nan_x, 0.0, np.where(nan_c | nan_x | np.isnan(err), np.inf, err))
+    if int((err > 1).sum()) < MIN_CONFINED:
+        return findings
+    for axis, name in enumerate(named):
+        if name not in PACKED:
+            continue
+        lengths = seqlens(cfg)[0 if PACKED[name] == "query" else 1]
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
+        if starts[-1] != err.shape[axis]:
+            continue
+        worst = err.max(axis=tuple(a for a in range(err.ndim) if a != axis))  # per packed row
+        per = [worst[a:b] for a, b in zip(starts[:-1], starts[1:])]
+        hit = [i for i, rows in enumerate(per) if (rows > 1).any()]
+        present = [i for i, rows in enumerate(per) if rows.size]
+        if hit and len(hit) < len(present) and _spared_clean(rows for i, rows in enumerate(per) if i not in hit):
+            rows = _indices([r for i in hit for r in range(starts[i], starts[i + 1])])
+            findings.append(f"only in sequence{'s' if len(hit) > 1 else ''} {_indices(hit)} (of {len(lengths)}: packed {PACKED[name]} rows {rows})")
+    return findings
 
 
 def heads_permuted(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, named: tuple[str, ...], cfg: Config) -> str:

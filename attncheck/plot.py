@@ -25,6 +25,7 @@ import numpy as np
 from attncheck.commands import COMMANDS
 from attncheck.config import Config
 from attncheck.diagnose import Layout, Masks, layout_of
+from attncheck.diagnose_kernels import PACKED
 from attncheck.errors import UsageError
 from attncheck.kinds import kind_of
 from attncheck.report import FAIL, Report, Row
@@ -81,7 +82,7 @@ def panels(row: Row, cfg: Config) -> list[Panel]:
     # A kind whose layouts the diagnosis cannot read (a kernel's (batch, head, query, feature)) names its quantities' axes itself.
     layout = layout_of(row, cfg, x.ndim) if kind.diagnosable else Layout(kind.where_axes.get(row.parameter or "", ()))
     axes = layout.axes
-    if len(axes) != ratio.ndim:
+    if len(axes) != ratio.ndim or PACKED.keys() & set(axes):  # sdpa_varlen's packed rows: not laid out
         return []
     masked = None
     if layout.weights:
@@ -96,6 +97,9 @@ def panels(row: Row, cfg: Config) -> list[Panel]:
         batch = f", batch {worst}"
     else:
         batch = ""
+    if len(axes) == 3 and "head" in axes and axes[0] != "head":  # a decode kernel's (query, head, feature): by head
+        h_axis = axes.index("head")
+        ratio, axes = np.moveaxis(ratio, h_axis, 0), ("head", *axes[:h_axis], *axes[h_axis + 1:])
     if axes and axes[0] == "head" and len(axes) == 3:  # (head, query, key) weights, or a kernel's (head, query, feature)
         # A GQA kernel's key and value (gradients) have its key-value heads, fewer than its query heads.
         head = "kv head" if not kind.has_parameters and ratio.shape[0] != cfg.num_heads else "head"
@@ -118,7 +122,7 @@ def panels(row: Row, cfg: Config) -> list[Panel]:
 def nothing_drawn(reports: list[Report], *, every_row: bool = False) -> str:
     """Why `figures` drew nothing, for the run's message: nothing failed, the failing quantities are
     no arrays (a contract row, one number), or their kind's arrays have no axes to lay them out by
-    (sdpa_varlen's packed (token, head, feature), sdpa_kvcache's)."""
+    (sdpa_varlen's packed rows, a decode kernel's caches)."""
     wanted = [(report, row) for report in reports for row in report.rows if row.evidence is not None and (row.status is FAIL or every_row)]
     unlaid = sorted({kind_of(report.config).name for report, row in wanted if np.asarray(row.evidence.candidate).size > 1})
     if unlaid:

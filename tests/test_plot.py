@@ -85,6 +85,21 @@ def test_a_kernels_output_is_drawn_per_head_over_query_and_feature(tmp_path):
     assert result.exit_code == 1 and list((tmp_path / "plots").glob("*.png")), result.output
 
 
+def test_a_decode_kernels_output_is_drawn_per_head_over_query_and_feature():
+    # Its (batch, query, head, feature) output had no named axes: --plot drew nothing for it.
+    from attncheck.candidate import candidate_from_object
+    from attncheck.checks import run_check
+    from attncheck.config import load_suite
+    from attncheck.testing.wrong_kvcache import WRONG_KVCACHE
+
+    cfg = next(c.config for c in load_suite(None, module="sdpa_kvcache").cases if c.name == "append-causal-lq4")
+    report = run_check("forward", cfg, candidate_from_object(WRONG_KVCACHE["DiagonalTopLeft"]))
+    ps = panels(_row(report, "output"), report.config)
+    assert [p.title.split(",")[0] for p in ps] == [f"head {h}" for h in range(cfg.num_heads)]
+    assert all((p.ylabel, p.xlabel) == ("query", "feature") and p.ratio.shape == (cfg.tgt_len, cfg.head_dim_eff) for p in ps)
+    assert any((p.ratio > 1).any() for p in ps)
+
+
 def test_a_run_that_draws_nothing_says_why(tmp_path):
     # A packed (varlen) kernel's arrays have no named axes: its failing output drew nothing, and the
     # run said "no failing quantity is an array to draw (--plot-all draws every quantity)", neither true.

@@ -78,8 +78,11 @@ def test_a_top_left_kernel_reads_as_the_oracle_aligned_upper_left(case, lengths)
     # alignment was never tried: the kernel's output had no diagnosis. The oracle computes it all the same.
     report = run_check("forward", _cases()[case], candidate_from_object(WRONG_KVCACHE["DiagonalTopLeft"]))
     [row] = [r for r in report.failures if r.quantity == "output"]
-    assert row.diagnosis == ("the output is the float64 oracle's with the causal mask aligned upper_left where the case asks lower_right "
-                             f"({lengths} (cache_seqlens + new tokens): upper_left is torch's is_causal, lower_right FlashAttention's)")
+    reading, *where = row.diagnosis.split("; ")
+    assert reading == ("the output is the float64 oracle's with the causal mask aligned upper_left where the case asks lower_right "
+                       f"({lengths} (cache_seqlens + new tokens): upper_left is torch's is_causal, lower_right FlashAttention's)")
+    # and where, on the decode output's (batch, query, head, feature): a sequence of S = Lq keys has one alignment
+    assert where == (["only in batch entries 1-2 (of 3)"] if case == "speculative-lq16" else []), row.diagnosis
 
 
 def test_a_top_left_window_is_no_reading_and_gets_none():

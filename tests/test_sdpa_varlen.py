@@ -13,6 +13,7 @@ from attncheck.checks import run_check
 from attncheck.config import config_from_mapping, load_suite
 from attncheck.errors import ConfigError
 from attncheck.kinds.sdpa_varlen import cumulative
+from attncheck.kinds.sdpa_varlen import seqlens as kind_seqlens
 from attncheck.reference.sdpa import ScaledDotProductAttention
 from attncheck.reference.sdpa_varlen import VarlenAttention
 from attncheck.testing.wrong_varlen import CORRECT_KERNEL, WRONG_KERNELS
@@ -247,6 +248,23 @@ def test_a_varlen_kernels_alibi_without_the_abs_is_named():
     cfg = next(c.config for c in load_suite(None, module="sdpa_varlen").cases if c.name == "alibi")
     [row] = [r for r in run_check("forward", cfg, candidate_from_object(AlibiNoAbs)).failures if r.quantity == "output"]
     assert row.diagnosis.startswith("the output is the float64 oracle's with ALiBi's bias without the abs"), row.diagnosis
+
+
+def test_where_a_packed_kernels_error_lies_is_said_by_sequence():
+    # Its packed (total, head, feature) rows had no named axes: a kernel that never computed its
+    # last sequence read nothing (a red-team kernel), its query gradient too.
+    class LastSequenceSkipped(CORRECT_KERNEL):
+        def _rows(self, cu_q, s, Tq):
+            return (cu_q[s], cu_q[s]) if s == len(cu_q) - 2 else super()._rows(cu_q, s, Tq)
+
+    cfg = next(c.config for c in load_suite(None, module="sdpa_varlen").cases if c.name == "plain")
+    lengths = kind_seqlens(cfg)[0]
+    last, start = len(lengths) - 1, sum(lengths[:-1])
+    words = f"only in sequence {last} (of {len(lengths)}: packed query rows {start}-{start + lengths[-1] - 1})"
+    report = run_check("grad", cfg, candidate_from_object(LastSequenceSkipped))
+    rows = {r.quantity: r.diagnosis for r in report.failures if r.section in ("forward", "grad")}
+    assert rows["output"] == rows["q"] == words, rows
+    assert rows["k"].startswith("only in sequence") and rows["v"].startswith("only in sequence"), rows  # its keys
 
 
 # ------------------------------------------------------------------------------ the budget per sequence

@@ -87,7 +87,7 @@ def empty_rows(cfg, lengths: np.ndarray) -> np.ndarray:
 class KvCacheKind(FunctionKind):
     name = "sdpa_kvcache"
     takes_dropout = False  # flash_attn_with_kvcache has no dropout_p
-    where_axes: dict[str, tuple[str, ...]] = {}  # other layouts than SDPA's (B, H, L, E): not read
+    where_axes = {"output": ("batch", "query", "head", "feature"), "lse": ("batch", "head", "query")}  # the caches' rows are judged apart
     config_alignments = ("lower_right",)  # flash_attn_with_kvcache's causal=True (config/kvcache_rules.py)
     torch_name = "flash_attn_with_kvcache"
     reference_spec = "attncheck.reference.kvcache:flash_attn_with_kvcache"

@@ -71,7 +71,11 @@ def empty_rows(cfg, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray) -> np.nd
 
 class VarlenKind(FunctionKind):
     name = "sdpa_varlen"
-    where_axes: dict[str, tuple[str, ...]] = {}  # other layouts than SDPA's (B, H, L, E): not read
+    # Packed rows of every sequence (diagnose_kernels.located says where by sequence); no plot lays them out.
+    where_axes = {
+        "output": ("token", "head", "feature"), "q": ("token", "head", "feature"), "k": ("key token", "head", "feature"),
+        "v": ("key token", "head", "feature"), "lse": ("head", "token"),
+    }  # fmt: skip
     config_alignments = ("lower_right",)  # flash_attn_varlen_func's causal=True (config/varlen.py)
     torch_name = "flash_attn_varlen_func"
     reference_spec = "attncheck.reference.sdpa_varlen:VarlenAttention"
