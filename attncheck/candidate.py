@@ -36,7 +36,7 @@ import numpy as np
 from attncheck.config.config_file import impl_file
 from attncheck.dtypes import is_float
 from attncheck.errors import CandidateError, CandidateShapeError, Unsupported, UsageError, did_you_mean, shape_words, shorten
-from attncheck.frameworks import _type_name, detect_framework, framework_hint, framework_of, written_for
+from attncheck.frameworks import _type_name, adapt_under_jax, detect_framework, framework_hint, framework_of, written_for
 from attncheck.guarded import call_name, defined_at, guard, what_raised
 from attncheck.inputs import Workload
 from attncheck.kinds import kind_of, kinds
@@ -323,8 +323,10 @@ class Session:
         try:
             return guard(what, fn, *args, **kwargs)
         except CandidateError as err:
-            wanted = [] if err.__cause__ is None else written_for(err.__cause__, framework_of(self.cfg, self.candidate))
-            hint = framework_hint(self.cfg, self.candidate, wanted)
+            cause, handed = err.__cause__, framework_of(self.cfg, self.candidate)
+            hint = None if cause is None else adapt_under_jax(cause, handed)
+            if hint is None:
+                hint = framework_hint(self.cfg, self.candidate, [] if cause is None else written_for(cause, handed))
             if hint is None:
                 raise
             raise CandidateError(f"{err.message.rstrip('.')}; {hint}", err.location, err.traceback, err.raised) from err.__cause__

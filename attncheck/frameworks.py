@@ -154,6 +154,17 @@ def framework_hint(cfg, candidate: Candidate, wanted: list[str]) -> str | None:
     return f"{how}; the error reads as code written for {' or '.join(SHOWN[w] for w in wanted)}: if so, say {switch}"
 
 
+def adapt_under_jax(exc: BaseException, handed: str) -> str | None:
+    """What to tell a JAX candidate whose call failed inside attncheck.adapt: its converters take
+    NumPy arrays (np.asarray of what they are handed), and under jax.vjp (grad, sgd-step) the
+    candidate's arrays are traced. The error reads as NumPy code, but --framework numpy would hand
+    the candidate NumPy arrays it cannot differentiate (a new user followed that hint). None otherwise."""
+    if handed != "jax" or not _through(exc, os.path.join("attncheck", "adapt")):
+        return None
+    return ("the error is in attncheck.adapt, whose converters take NumPy arrays, where jax.vjp (grad, sgd-step) traces a JAX "
+            "candidate's: convert with jax.numpy instead (a transpose, jnp.split), as examples/flax_attention.py does")
+
+
 def framework_of(cfg, candidate: Candidate) -> str:
     """The framework a check uses for this candidate: the config's `framework`, else the detected one."""
     if candidate.builtin:

@@ -94,6 +94,34 @@ def test_a_wrong_framework_failure_says_what_was_detected_why_and_how_to_overrid
         assert text in notes, notes
 
 
+def test_a_jax_candidate_failing_inside_adapt_under_jax_vjp_is_told_to_convert_with_jax_numpy(tmp_path, monkeypatch, capsys):
+    # attncheck.adapt's converters take NumPy arrays: a Flax adapter written as the README's NumPy one
+    # passed forward and failed every grad check with TracerArrayConversionError, told "the error
+    # reads as code written for NumPy: if so, say --framework numpy", which a new user followed
+    # (and then had no gradients). The fix is JAX's own conversion.
+    pytest.importorskip("jax", reason="JAX is not installed (ATTNCHECK_EXTRAS=test,jax bin/setup adds it)")
+    (tmp_path / "adapted.py").write_text('''
+import jax.numpy as jnp
+
+from attncheck import adapt
+
+
+class MultiheadAttention:
+    def __init__(self, params, *, num_heads, batch_first, **options):
+        self.params = params
+
+    def forward(self, query, key, value, **kwargs):
+        p = adapt.projections(self.params, "xw")  # NumPy's np.asarray of a traced array under jax.vjp
+        return jnp.asarray(query) @ jnp.asarray(p["W_o"]), None
+''')
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as ended:
+        main(["grad", "--impl", "adapted.py:MultiheadAttention", "-c", str(ROOT / "configs" / "default.yaml"), "--json", "r.json"])
+    assert ended.value.code == 1
+    notes = " ".join(r["note"] for r in json.loads((tmp_path / "r.json").read_text())["rows"] if r["status"] == "fail")
+    assert "the error is in attncheck.adapt, whose converters take NumPy arrays" in notes and "--framework numpy" not in notes, notes
+
+
 def test_the_suggested_override_then_works(tmp_path, monkeypatch, capsys):
     source = CANDIDATES["torch_module_forced_numpy.py"][0]
     (tmp_path / "m.py").write_text(source)
