@@ -221,6 +221,13 @@ def _alibi_without_abs(self, slopes: np.ndarray, L: int, S: int, positions: np.n
     return slopes * key_offset(L, S, positions)[None].astype(slopes.dtype)
 
 
+def _causal_shifted(self, L: int, S: int, alignment: str, positions: np.ndarray, shift: int) -> np.ndarray:
+    """The causal mask moved `shift` keys right of its diagonal (-1: the diagonal key excluded), the
+    reference's `_causal` replaced: (l, S) bool."""
+    offset = key_offset(L, S, positions) + (S - L if alignment == "upper_left" else 0)  # j - i, or j - (i + S - L)
+    return offset <= shift
+
+
 def _window_top_left(self, L: int, S: int, left: int, right: int, positions: np.ndarray) -> np.ndarray:
     """The window measured from key i, the top-left diagonal, where FlashAttention's is measured
     from key i + S - L (the reference's `_window` replaced): (l, S) bool."""
@@ -303,6 +310,12 @@ def readings(cfg: Config) -> list[Reading]:
                                              f"upper_left is torch's is_causal, lower_right FlashAttention's){declare}"))  # fmt: skip
         tried.append(({"causal": "none"}, f"no causal mask: causal {causal} is ignored"))
     window = cfg.window_size
+    off_by_one = []
+    if causal in ("upper_left", "lower_right"):  # tril(k=-1) for tril(k=0), or triu(k=2) for triu(k=1)
+        diagonal = "i + S - L" if causal == "lower_right" else "i"
+        for shift, what in ((-1, f"the diagonal key excluded, j < {diagonal}"), (1, f"one key past the diagonal allowed, j <= {diagonal} + 1")):
+            off_by_one.append(Reading({}, f"the causal mask ({causal}) off by one, {what}, where it is j <= {diagonal}",
+                                      {"_causal": functools.partial(_causal_shifted, shift=shift)}))  # fmt: skip
     if window is not None:
         left, right = window
         for side, step in (("left", -1), ("left", 1), ("right", -1), ("right", 1)):
@@ -317,7 +330,7 @@ def readings(cfg: Config) -> list[Reading]:
         if given:  # a cap of softcap x 0 is no cap: the reading above
             tried.append(({"softcap": softcap * given}, f"softcap {softcap * given:.3g} = softcap x scale: the cap taken on the logits "
                                                          "before the softmax scale"))  # fmt: skip
-    found = [Reading(update, words) for update, words in tried]
+    found = [Reading(update, words) for update, words in tried] + off_by_one
     if cfg.attn_mask != "none" and not _float_mask(cfg):  # nn.MultiheadAttention's convention, True = masked, in SDPA's signature
         found.append(Reading({}, "the bool attn_mask read inverted, True taken as masked (nn.MultiheadAttention's convention), where "
                                  "SDPA's True is a key to attend", inputs=_mask_inverted))  # fmt: skip

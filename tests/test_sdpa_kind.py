@@ -988,3 +988,28 @@ def test_a_bool_mask_merged_with_the_causal_mask_by_or_is_named():
     [row] = run_check("forward", cfg, candidate_from_object(CausalOrMask)).failures
     assert row.diagnosis.startswith("the output is the float64 oracle's with a key allowed where either the causal mask (lower_right) "
                                     "or the bool attn_mask allows it, where both must"), row.diagnosis  # fmt: skip
+
+
+@pytest.mark.parametrize("alignment", ["upper_left", "lower_right"])
+def test_a_causal_mask_off_by_one_is_named(alignment):
+    # tril(k=-1) for tril(k=0), or a key past the diagonal (triu(k=2)): a new user's JAX kernel read
+    # "only in query rows 1-12" and "candidate = 0 everywhere" (row 0 sees no key).
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class DiagonalExcluded(DenseSDPA):
+        causal_alignment = alignment
+
+        def _causal(self, i, j, L, S):
+            return j < i + (S - L if alignment == "lower_right" else 0)  # should be <=
+
+    class OnePast(DiagonalExcluded):
+        def _causal(self, i, j, L, S):
+            return j <= i + (S - L if alignment == "lower_right" else 0) + 1
+
+    cfg = config_from_mapping({"module": "sdpa", "tgt_len": 9, "src_len": 13, "causal": alignment})
+    diagonal = "i + S - L" if alignment == "lower_right" else "i"
+    for impl, what in ((DiagonalExcluded, f"the diagonal key excluded, j < {diagonal}"), (OnePast, f"one key past the diagonal allowed, j <= {diagonal} + 1")):
+        rows = {(r.section, r.parameter): r.diagnosis for r in run_check("grad", cfg, candidate_from_object(impl)).failures}
+        words = f"the causal mask ({alignment}) off by one, {what}, where it is j <= {diagonal}"
+        assert rows["forward", "output"].startswith(f"the output is the float64 oracle's with {words}"), rows
+        assert rows["grad", "query"].startswith(f"dQ is the float64 oracle's gradient with {words}"), rows

@@ -355,7 +355,7 @@ class ScaledDotProductAttention:
                 logits += bias
         allowed = None  # (m, S) or (g, m, S)
         if a.causal is not None:
-            allowed = causal_allowed(L, S, a.causal, positions)
+            allowed = self._causal(L, S, a.causal, positions)
         if a.window is not None:
             window = self._window(L, S, *a.window, positions)
             allowed = window if allowed is None else allowed & window
@@ -373,6 +373,11 @@ class ScaledDotProductAttention:
         if allowed is not None:
             np.copyto(logits, -np.inf, where=~allowed)
         return logits, t
+
+    def _causal(self, L: int, S: int, alignment: str, positions: np.ndarray) -> np.ndarray:
+        """The causal mask for the query rows at `positions` (`causal_allowed`): a method, so that
+        the diagnosis can rerun the oracle with a mask off by one (diagnose_kernels.readings)."""
+        return causal_allowed(L, S, alignment, positions)
 
     def _window(self, L: int, S: int, left: int, right: int, positions: np.ndarray) -> np.ndarray:
         """FlashAttention's window for the query rows at `positions` (`window_allowed`): a method, so
