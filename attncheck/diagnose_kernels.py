@@ -292,6 +292,8 @@ def readings(cfg: Config) -> list[Reading]:
         natural.append((1 / math.sqrt(D), f"1/sqrt(D), the default: {ignored}"))
     if Ev != D:  # the value's head dim read for the query's and key's
         natural.append((1 / math.sqrt(Ev), "1/sqrt(Ev): the value's head dim in place of the query's and key's"))
+    if cfg.num_heads > 1:  # the model's width, as an MHA module's d_model
+        natural.append((1 / math.sqrt(cfg.num_heads * D), f"1/sqrt(Hq*D) = 1/sqrt({cfg.num_heads * D}): the model width (all heads) in place of the head dim"))
     scales: dict[float, list[str]] = {}
     for s, words in natural:  # two readings of one number (1/D = 1/sqrt(Ev) where Ev = D^2) are said together
         same = next((t for t in scales if math.isclose(s, t, rel_tol=1e-6)), s)

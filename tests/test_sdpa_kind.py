@@ -1013,3 +1013,17 @@ def test_a_causal_mask_off_by_one_is_named(alignment):
         words = f"the causal mask ({alignment}) off by one, {what}, where it is j <= {diagonal}"
         assert rows["forward", "output"].startswith(f"the output is the float64 oracle's with {words}"), rows
         assert rows["grad", "query"].startswith(f"dQ is the float64 oracle's gradient with {words}"), rows
+
+
+def test_a_scale_of_the_model_width_is_named():
+    # 1/sqrt(Hq * E), an MHA module's d_model, in a kernel: a new user's JAX kernel had no diagnosis.
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class ModelWidthScale(DenseSDPA):
+        def _scale(self, scale, E):
+            return 1 / np.sqrt(4 * E) if scale is None else scale  # the case's 4 heads
+
+    cfg = config_from_mapping({"module": "sdpa", "num_heads": 4, "head_dim": 8})
+    [row] = [r for r in run_check("forward", cfg, candidate_from_object(ModelWidthScale)).failures if r.parameter == "output"]
+    assert row.diagnosis.startswith("the output is the float64 oracle's with softmax scale 0.177 (1/sqrt(Hq*D) = 1/sqrt(32): the model "
+                                    "width (all heads) in place of the head dim) where it is 0.354 (D=8)"), row.diagnosis
