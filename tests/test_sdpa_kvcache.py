@@ -370,3 +370,15 @@ def test_a_decode_kernels_own_misreading_is_named(name, case, words):
     [row] = [r for r in report.failures if r.quantity == "output"]
     assert row.diagnosis.startswith(f"the output is the float64 oracle's with {words}"), row.diagnosis
 
+
+def test_a_decode_kernel_that_attends_the_cache_before_its_append_is_named():
+    # Its keys read before the append (a red-team kernel): caught in 23 of 24 cases, named only under
+    # causal ("the causal diagonal at the cache's old length"); one query token without causal read nothing.
+    class NewKeysNotAttended(DecodeKernel):
+        def _keys_read(self, c, Lnew):
+            return c
+
+    report = run_check("forward", _cases()["decode-append"], candidate_from_object(NewKeysNotAttended))
+    [row] = [r for r in report.failures if r.quantity == "output"]
+    assert row.diagnosis.startswith("the output is the float64 oracle's with the new keys appended but not attended: the queries see "
+                                    "the cache's cache_seqlens keys alone, where they see cache_seqlens + new tokens"), row.diagnosis

@@ -166,7 +166,7 @@ class KvCacheKind(FunctionKind):
         """A decode kernel's own misreadings: the queries' RoPE positions counted from 0, not after
         the cache; the new keys appended and attended unrotated; the causal diagonal placed at the
         cache's old length, cache_seqlens, not cache_seqlens + new tokens (a red-team tester's three
-        kernels, caught and named nothing)."""
+        kernels, caught and named nothing); without causal, the new keys not attended at all (another's)."""
         from attncheck.diagnose_kernels import Reading
         from attncheck.reference.kvcache import rotary_positions
 
@@ -178,10 +178,12 @@ class KvCacheKind(FunctionKind):
             if cfg.new_tokens:
                 found.append(Reading({}, "the new keys appended and attended unrotated, where RoPE rotates them at cache_seqlens + i",
                                      {"new_key_positions": lambda c, Lnew: None}))  # fmt: skip
-        if cfg.causal == "lower_right" and cfg.new_tokens:
-            found.append(Reading({}, "the causal diagonal at the cache's old length, cache_seqlens, where it is cache_seqlens + "
-                                     "new tokens: no query sees the keys the call appends",
-                                 {"keys_attended": lambda c, Lnew: c}))  # fmt: skip
+        if cfg.new_tokens:  # the keys read before the append: under causal, its diagonal moves with them
+            words = ("the causal diagonal at the cache's old length, cache_seqlens, where it is cache_seqlens + new tokens: no query "
+                     "sees the keys the call appends") if cfg.causal == "lower_right" else (
+                     "the new keys appended but not attended: the queries see the cache's cache_seqlens keys alone, where they see "
+                     "cache_seqlens + new tokens")  # fmt: skip
+            found.append(Reading({}, words, {"keys_attended": lambda c, Lnew: c}))
         return found
 
     def written_arguments(self, cfg) -> tuple[str, ...]:
