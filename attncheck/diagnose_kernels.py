@@ -325,6 +325,9 @@ def readings(cfg: Config) -> list[Reading]:
             if was >= 0 and was + step >= 0:  # -1 is unbounded: no side to be one off
                 l2, r2 = (was + step, right) if side == "left" else (left, was + step)
                 tried.append(({"window_size": [l2, r2]}, f"window_size [{l2}, {r2}] where the case asks [{left}, {right}]: one off on the {side}"))
+        if left != right:  # `right, left = window_size`
+            tried.append(({"window_size": [right, left]}, f"window_size [{right}, {left}] where the case asks [{left}, {right}]: its two "
+                                                          "bounds swapped (FlashAttention's is (left, right))"))  # fmt: skip
         tried.append(({"window_size": None}, f"no window: window_size [{left}, {right}] is ignored"))
     softcap = cfg.softcap
     if softcap:

@@ -321,3 +321,22 @@ def test_a_varlen_kernels_softcap_over_alibi_is_named():
     report = run_check("forward", cfg, candidate_from_object(WRONG_KERNELS["VarlenSoftcapAfterAlibi"]))
     [row] = [r for r in report.failures if r.quantity == "output"]
     assert row.diagnosis.startswith("the output is the float64 oracle's with the softcap taken over the scores with ALiBi added"), row.diagnosis
+
+
+def test_a_packed_kernels_swapped_window_and_first_sequences_alibi_slopes_are_named():
+    # Two red-team kernels that printed only where: `right, left = window_size`, and ALiBi's (N, Hq)
+    # slopes read at row 0 for every sequence.
+    class WindowSwapped(CORRECT_KERNEL):
+        def forward(self, *args, window_size=(-1, -1), **kwargs):
+            return super().forward(*args, window_size=tuple(window_size)[::-1], **kwargs)
+
+    class FirstSlopesRow(CORRECT_KERNEL):
+        def forward(self, *args, alibi_slopes=None, **kwargs):
+            slopes = None if alibi_slopes is None else np.broadcast_to(np.asarray(alibi_slopes)[:1], np.shape(alibi_slopes))
+            return super().forward(*args, alibi_slopes=slopes, **kwargs)
+
+    cases = {c.name: c.config for c in load_suite(None, module="sdpa_varlen").cases}
+    for impl, case, words in ((WindowSwapped, "window-4-0", "window_size [0, 4] where the case asks [4, 0]: its two bounds swapped"),
+                              (FirstSlopesRow, "alibi", "ALiBi's slopes of sequence 0 (alibi_slopes[0]) for every sequence")):
+        [row] = [r for r in run_check("forward", cases[case], candidate_from_object(impl)).failures if r.quantity == "output"]
+        assert row.diagnosis.startswith(f"the output is the float64 oracle's with {words}"), row.diagnosis

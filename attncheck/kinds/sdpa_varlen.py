@@ -19,6 +19,7 @@ else (scale, softcap, GQA, the LSE and the rows with no allowed key) is the sdpa
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -245,6 +246,16 @@ class VarlenKind(FunctionKind):
         q0, q1, _ = _pairs(cumulative(seqlens(cfg)[0]))[b]
         return out[q0:q1]
 
+    def readings(self, cfg) -> list:
+        """A packed kernel's own misreading: ALiBi's (N, Hq) slopes read at sequence 0's row for every
+        sequence (a red-team kernel, which read "only in sequences 3-4")."""
+        from attncheck.diagnose_kernels import Reading
+
+        if not cfg.alibi or len(seqlens(cfg)[0]) < 2:
+            return []
+        return [Reading({}, "ALiBi's slopes of sequence 0 (alibi_slopes[0]) for every sequence, where sequence s has its own row "
+                            "alibi_slopes[s] of the (N, Hq) slopes", inputs=_first_slopes_row)]  # fmt: skip
+
     def with_methods(self, cfg, obj: Any, methods: dict) -> Any | None:
         """The oracle computes each sequence with the sdpa oracle, whose kernels take the methods
         (VarlenAttention.sequence_methods); None where that oracle has none of a name."""
@@ -304,3 +315,11 @@ class VarlenKind(FunctionKind):
 
 
 VARLEN = VarlenKind()
+
+
+def _first_slopes_row(w):
+    """The workload with ALiBi's (N, Hq) slopes all sequence 0's."""
+    slopes = w.extras.get("alibi_slopes")
+    if slopes is None or np.ndim(slopes) != 2:
+        return w
+    return replace(w, extras={**w.extras, "alibi_slopes": np.broadcast_to(np.asarray(slopes)[:1], np.shape(slopes)).copy()})
