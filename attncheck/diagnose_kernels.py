@@ -93,7 +93,7 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
             continue
         allowed = np.broadcast_to(np.asarray(row.evidence.allowed, dtype=np.float64), x.shape)
         relations = [words for family, words in _relation(c, x, allowed, cfg) if not (rounding and family == UNNAMED_FACTOR)]
-        permuted = heads_permuted(c, x, allowed, named, cfg)  # a pattern: it says where, too
+        permuted = heads_permuted(c, x, allowed, named, cfg) or lse_reshaped(c, x, allowed, row.parameter, named)  # a pattern: it says where, too
         if permuted:
             relations.append(permuted)
         row.diagnosis = "; ".join(relations + ([] if rounding or permuted else located(c, x, allowed, named, cfg))) or rounding
@@ -129,6 +129,24 @@ def located(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, named: tuple[str,
             rows = _indices([r for i in hit for r in range(starts[i], starts[i + 1])])
             findings.append(f"only in sequence{'s' if len(hit) > 1 else ''} {_indices(hit)} (of {len(lengths)}: packed {PACKED[name]} rows {rows})")
     return findings
+
+
+def lse_reshaped(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, parameter: str | None, named: tuple[str, ...]) -> str:
+    """'the LSE laid out ... and reshaped ...' when a kernel's LSE is the expected one with its last
+    two axes (heads and rows) swapped, then reshaped to the expected shape without a transpose: the
+    LSE kept (..., L, H), or the packed kind's (T, H), and handed as (..., H, L) (two red-team kernels,
+    varlen and decode, that read nothing). "" where it is not."""
+    if parameter != "lse" or c.shape != x.shape or c.ndim < 2 or c.shape[-1] == c.shape[-2] == 1:
+        return ""
+    finite = np.isfinite(x)
+    scale = float(np.abs(x[finite]).max()) if finite.any() else 0.0
+    kept = np.swapaxes(x, -1, -2).reshape(x.shape)  # the expected LSE's (..., L, H) memory read as (..., H, L)
+    if not scale or not fits(c, kept, np.swapaxes(allowed, -1, -2).reshape(x.shape), scale) or fits(c, x, allowed, scale):
+        return ""
+    letter = {"token": "Tq", "query": "L", "head": "H"}
+    rows, heads = letter.get(named[-1], named[-1]), letter.get(named[-2], named[-2])
+    return (f"the LSE laid out ({rows}, {heads}) and reshaped to ({heads}, {rows}) without a transpose: its values are the expected "
+            f"LSE's, in the order of a ({rows}, {heads}) array")
 
 
 def heads_permuted(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, named: tuple[str, ...], cfg: Config) -> str:

@@ -382,3 +382,19 @@ def test_a_decode_kernel_that_attends_the_cache_before_its_append_is_named():
     [row] = [r for r in report.failures if r.quantity == "output"]
     assert row.diagnosis.startswith("the output is the float64 oracle's with the new keys appended but not attended: the queries see "
                                     "the cache's cache_seqlens keys alone, where they see cache_seqlens + new tokens"), row.diagnosis
+
+
+def test_an_lse_kept_query_major_and_reshaped_is_named():
+    # softmax_lse computed (B, Lq, Hq) and reshaped to (B, Hq, Lq) without a transpose (a red-team
+    # kernel): only the lse case fails (Lq = 1 hides it), and it read nothing.
+    class LseReshaped(DecodeKernel):
+        def forward(self, *args, return_softmax_lse=False, **kwargs):
+            result = super().forward(*args, return_softmax_lse=return_softmax_lse, **kwargs)
+            if not return_softmax_lse:
+                return result
+            out, lse = result
+            return out, np.ascontiguousarray(np.swapaxes(lse, 1, 2)).reshape(lse.shape)
+
+    report = run_check("forward", _cases()["lse"], candidate_from_object(LseReshaped))
+    [row] = [r for r in report.failures if r.quantity == "lse"]
+    assert row.diagnosis.startswith("the LSE laid out (L, H) and reshaped to (H, L) without a transpose"), row.diagnosis
