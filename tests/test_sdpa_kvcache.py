@@ -398,3 +398,16 @@ def test_an_lse_kept_query_major_and_reshaped_is_named():
     report = run_check("forward", _cases()["lse"], candidate_from_object(LseReshaped))
     [row] = [r for r in report.failures if r.quantity == "lse"]
     assert row.diagnosis.startswith("the LSE laid out (L, H) and reshaped to (H, L) without a transpose"), row.diagnosis
+
+
+def test_new_keys_rotated_from_zero_are_named():
+    # A red-team kernel rotated the appended keys at 0 .. Lnew - 1: caught by the rotary cases, named nothing.
+    from attncheck.reference.kvcache import rotary_positions
+
+    class NewKeysRotatedFromZero(DecodeKernel):
+        def _rotate_new(self, k_new, cos, sin, c, interleaved):
+            return self._rope(k_new, cos, sin, rotary_positions(0, len(k_new), True), interleaved)  # should start at c
+
+    report = run_check("forward", _cases()["rotary-interleaved"], candidate_from_object(NewKeysRotatedFromZero))
+    [row] = [r for r in report.failures if r.quantity == "output"]
+    assert row.diagnosis.startswith("the output is the float64 oracle's with the new keys rotated at positions counted from 0"), row.diagnosis

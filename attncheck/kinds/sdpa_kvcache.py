@@ -178,6 +178,8 @@ class KvCacheKind(FunctionKind):
             if cfg.new_tokens:
                 found.append(Reading({}, "the new keys appended and attended unrotated, where RoPE rotates them at cache_seqlens + i",
                                      {"new_key_positions": lambda c, Lnew: None}))  # fmt: skip
+                found.append(Reading({}, "the new keys rotated at positions counted from 0, where RoPE rotates them at cache_seqlens + i",
+                                     {"new_key_positions": lambda c, Lnew: rotary_positions(0, Lnew, True)}))  # fmt: skip
         if cfg.new_tokens:  # the keys read before the append: under causal, its diagonal moves with them
             words = ("the causal diagonal at the cache's old length, cache_seqlens, where it is cache_seqlens + new tokens: no query "
                      "sees the keys the call appends") if cfg.causal == "lower_right" else (
