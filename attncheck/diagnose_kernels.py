@@ -370,6 +370,9 @@ def readings(cfg: Config) -> list[Reading]:
         named = " and ".join({"alibi": "ALiBi", "mask": "the float attn_mask"}[b] for b in inside)
         found.append(Reading({}, f"the softcap taken over the scores with {named} added, c * tanh((s + bias) / c), where it caps "
                                  "the scores alone and adds the biases after", {"_biased_before_softcap": _returning(tuple(inside))}))  # fmt: skip
+    if softcap and (causal != "none" or window is not None or (cfg.attn_mask != "none" and not _float_mask(cfg))):
+        found.append(Reading({}, f"the softcap taken after the mask: a hidden key's -inf capped to -{softcap:g}, weight exp(-{softcap:g}) "
+                                 "where it has none", {"_biased_before_softcap": _returning(("allowed",))}))  # fmt: skip
     if cfg.alibi:  # where a causal mask hides every key past the diagonal the two agree, and the reading cannot fit
         found.append(Reading({}, "ALiBi's bias without the abs, slope * (j - (i + S - L)), the causal-only form, where it is "
                                  "-slope * |j - (i + S - L)|: keys past the diagonal get a bias that grows",

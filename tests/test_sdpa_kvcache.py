@@ -362,6 +362,7 @@ def test_a_decode_kernels_softcap_over_alibi_is_named():
     ("NewKeysNotRotatedKv", "rotary-half", "the new keys appended and attended unrotated, where RoPE rotates them at cache_seqlens + i"),
     ("CausalFromOldLengthKv", "append-causal-lq4", "the causal diagonal at the cache's old length, cache_seqlens, where it is cache_seqlens + new tokens"),
     ("CausalFromOldLengthKv", "window-causal", "the causal diagonal at the cache's old length"),
+    ("SoftcapAfterMaskKv", "softcap", "the softcap taken after the mask: a hidden key's -inf capped to -5, weight exp(-5) where it has none"),
 ])  # fmt: skip
 def test_a_decode_kernels_own_misreading_is_named(name, case, words):
     # A red-team tester's three decode kernels were caught and named nothing: the decode kind's own

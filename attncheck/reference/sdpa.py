@@ -368,6 +368,9 @@ class ScaledDotProductAttention:
             else:
                 logits += mask
         if inside:  # the cap over the scores with `inside`'s biases added, the rest after it
+            if "allowed" in inside and allowed is not None:  # the masks' -inf too, which the cap makes -cap
+                np.copyto(logits, -np.inf, where=~allowed)
+                allowed = None
             capped, t = softcap(logits, a.cap)
             logits[...] = sum(after, capped)
         if allowed is not None:
@@ -391,8 +394,9 @@ class ScaledDotProductAttention:
         return alibi(slopes, key_offset(L, S, positions)[None])
 
     def _biased_before_softcap(self) -> tuple[str, ...]:
-        """Which biases ("alibi", "mask": a float attn_mask) are added to the scores before the
-        softcap: none, FlashAttention's order (softcap, then ALiBi, then the masks). A method, so that
+        """Which biases ("alibi", "mask": a float attn_mask; "allowed": the -inf of the causal mask,
+        the window and a bool mask) are added to the scores before the softcap: none, FlashAttention's
+        order (softcap, then ALiBi, then the masks). A method, so that
         the diagnosis can rerun the oracle's forward in a kernel's other order (its backward then
         differentiates the softcap of the scores alone: only the forward is read)."""
         return ()

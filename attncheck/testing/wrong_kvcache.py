@@ -94,8 +94,10 @@ class SoftcapAfterMaskKv(DecodeKernel):
     alone sees every key, and passed it)."""
 
     def _logits(self, s, softcap, slope, offset, allowed):
-        logits = super()._logits(s, 0.0, slope, offset, allowed)
-        return softcap * np.tanh(logits / softcap) if softcap else logits
+        s = np.where(allowed, s, -np.inf)
+        if softcap:
+            s = softcap * np.tanh(s / softcap)  # after the mask: -inf capped to -softcap
+        return s if slope is None else s - slope * np.abs(offset)  # ALiBi after the cap, as FlashAttention adds it
 
 
 # ------------------------------------------------------------------------- options combined
