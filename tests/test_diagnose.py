@@ -64,6 +64,7 @@ BY_D = "the logits are divided by D instead of sqrt(D)"
 BY_KDIM = "the logits are divided by sqrt(kdim / H) instead of sqrt(embed_dim / H)"
 MASK_HEAD_MAJOR = "the per-head attn_mask (B*H, L, S) is read head-major"
 PADDING_ORDER = "the key_padding_mask is spread over the B*H groups in the wrong order"
+MASK_AFTER = "the mask applied after the softmax: the masked keys' weights zeroed, the others not renormalized"
 CORPUS = {
     # shapes and layouts
     "HeadsSplitTransposed": {"output": [HEADS_STRIDED], "attn_weights": [HEADS_STRIDED]},
@@ -83,7 +84,7 @@ CORPUS = {
     "KdimPathDropsKeyPadding": {"output": ["the key_padding_mask (3, 6) is ignored"], "attn_weights": ["the key_padding_mask (3, 6) is ignored"]},
     "DropoutLeftOn": {},  # averaged over heads: each head's dropped weights are mixed (per head: DIAGNOSES)
     # masks
-    "MaskAfterSoftmax": {"attn_weights": ["only at unmasked positions; the masked ones agree"]},
+    "MaskAfterSoftmax": {"output": [MASK_AFTER], "attn_weights": [MASK_AFTER]},
     "CausalDiagonalMasked": {"attn_weights": ["diagonal key = query: a causal mask off by one"]},
     "BoolMaskInverted": {"output": ["the bool attn_mask is read inverted: the candidate attends where it is True (torch: masked)"], "attn_weights": ["the bool attn_mask is read inverted"]},
     "Mask3dIgnored": {"output": ["the attn_mask (6, 4, 4) is ignored"], "attn_weights": ["the attn_mask (6, 4, 4) is ignored"]},
@@ -279,7 +280,7 @@ DIAGNOSES = [
     (wrong_impls.HeadWeightsSummed, "forward", {}, "attn_weights", ["candidate = 4 x expected (4 = H;"]),
     (wrong_impls.KeyPaddingPerQuery, "forward", dict(key_padding_mask="random"), "attn_weights",
      ["NaN in 5 places where torch has a number", "the candidate gives weight to 4 positions torch masks"]),
-    (wrong_impls.MaskAfterSoftmax, "forward", dict(attn_mask="causal"), "attn_weights", ["only at unmasked positions; the masked ones agree"]),
+    (wrong_impls.MaskAfterSoftmax, "forward", dict(attn_mask="causal"), "attn_weights", [MASK_AFTER]),
     # issue 29: weights that underflow to 0 under no mask are no causal mask off by one; zeros
     # dropout leaves under a causal mask are none either
     (wrong_impls.HeadsSplitTransposed, "forward", {}, "attn_weights", [HEADS_STRIDED]),
@@ -597,3 +598,17 @@ def test_a_finite_difference_ratio_within_a_thousandth_of_1_shows_its_difference
     words = _finite_difference(1.0002, 1.0, cfg(), autodiff=False)
     assert words.startswith("<grad, u> / finite difference = 1 + 2.00e-04 along a random u"), words
     assert _finite_difference(0.7, 1.0, cfg(), autodiff=False).startswith("<grad, u> / finite difference = 0.7 along"), words
+
+
+def test_a_mask_applied_after_the_softmax_is_named(tmp_path):
+    # softmax over every key, then the masked weights zeroed and the rest not renormalized: a new
+    # user's Flax module read "only at unmasked positions" and "everywhere".
+    source = (Path(__file__).resolve().parent.parent / "examples" / "per_head_loop.py").read_text()
+    for old, new in (("scores = (qh * scale) @ kh.T + self._mask_for(b, h, dtype)  # (L, S)", "scores = (qh * scale) @ kh.T  # (L, S)"),
+                     ("P = softmax(scores)  # (L, S)", "P = softmax(scores) * np.isfinite(self._mask_for(b, h, dtype))  # (L, S)")):
+        assert old in source
+        source = source.replace(old, new)
+    (tmp_path / "after.py").write_text(source)
+    report = check({"key_padding_mask": "random", "attn_mask": "causal"}, "forward", impl=f"{tmp_path / 'after.py'}:MultiheadAttention")
+    rows = {r.quantity: r.diagnosis for r in report.failures}
+    assert rows["output"].startswith("the mask applied after the softmax: the masked keys' weights zeroed, the others not renormalized"), rows
