@@ -379,19 +379,21 @@ def _unbiased_variance(base: type) -> dict:
     return {"_norm": _norm}
 
 
-def _residual_misplaced(norm_first: bool) -> dict:
-    """forward of a layer that takes its residual at the wrong point: post-norm as
-    x + norm(f(x)) (the norm before the sum), pre-norm from the normed input, norm(x) + f(norm(x))."""
+def _residual_misplaced(norm_first: bool, blocks: tuple[int, ...] = (1, 2)) -> dict:
+    """forward of a layer that takes its residual at the wrong point in `blocks` (1: attention, 2:
+    feed-forward): post-norm as x + norm(f(x)) (the norm before the sum), pre-norm from the normed
+    input, norm(x) + f(norm(x)); the other block as torch's."""
 
     def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
         x, saved = np.asarray(src), {}
-        if norm_first:
-            n1 = self._norm(1, x)[0]
-            h = n1 + self._sa(n1, src_mask, src_key_padding_mask)
-            n2 = self._norm(2, h)[0]
-            return self._stored(n2 + self._ff(n2, saved))
-        h = x + self._norm(1, self._sa(x, src_mask, src_key_padding_mask))[0]
-        return self._stored(h + self._norm(2, self._ff(h, saved))[0])
+        f = {1: lambda y: self._sa(y, src_mask, src_key_padding_mask), 2: lambda y: self._ff(y, saved)}
+        for i in (1, 2):
+            if norm_first:
+                n = self._norm(i, x)[0]
+                x = (n if i in blocks else x) + f[i](n)
+            else:
+                x = x + self._norm(i, f[i](x))[0] if i in blocks else self._norm(i, x + f[i](x))[0]
+        return self._stored(x)
 
     return {"forward": forward}
 
@@ -461,10 +463,12 @@ def _layer_suspects(base: type, cfg: Config) -> list[Suspect]:
                         methods=_eps_outside_the_root(base)),
                 Suspect("layer norm with the unbiased variance: the squared deviations divided by E - 1 (torch.var's default), "
                         "where LayerNorm divides by E", methods=_unbiased_variance(base)),
-                Suspect("the residual taken from the normed input: norm(x) + f(norm(x)), where torch's pre-norm layer has x + f(norm(x))"
-                        if cfg.norm_first else
-                        "the residual added after the norm: x + norm(f(x)), where torch's post-norm layer has norm(x + f(x))",
-                        methods=_residual_misplaced(cfg.norm_first)),
+                *(Suspect(("the residual taken from the normed input: norm(x) + f(norm(x)), where torch's pre-norm layer has x + f(norm(x))"
+                           if cfg.norm_first else
+                           "the residual added after the norm: x + norm(f(x)), where torch's post-norm layer has norm(x + f(x))") + where,
+                          methods=_residual_misplaced(cfg.norm_first, blocks))
+                  for blocks, where in (((1, 2), ""), ((1,), ", in the attention block alone (norm1)"),
+                                        ((2,), ", in the feed-forward block alone (norm2)"))),
                 Suspect("the second residual adds the layer's input: src + ff(norm2(h)), where torch's pre-norm layer has "
                         "h + ff(norm2(h)), h = src + sa(norm1(src))"
                         if cfg.norm_first else

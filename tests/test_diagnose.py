@@ -208,6 +208,25 @@ class ResidualFromNormedInput(wrong_layers.TransformerEncoderLayer):
         return n2 + self._ff(n2, {})
 
 
+class ResidualFromNormedInputFirstBlock(wrong_layers.TransformerEncoderLayer):
+    """Pre-norm with the first block's residual from the normed input, the second as torch's (a new
+    user's one-line slip read "everywhere")."""
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        n1 = self._norm(1, np.asarray(src))[0]
+        h = n1 + self._sa(n1, src_mask, src_key_padding_mask)
+        return h + self._ff(self._norm(2, h)[0], {})
+
+
+class ResidualAfterNormSecondBlock(wrong_layers.TransformerEncoderLayer):
+    """Post-norm with the second block's norm before its sum, x + norm2(ff(x))."""
+
+    def forward(self, src, *, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        x = np.asarray(src)
+        h = self._norm(1, x + self._sa(x, src_mask, src_key_padding_mask))[0]
+        return h + self._norm(2, self._ff(h, {}))[0]
+
+
 class ReluWhereGeluIsAsked(wrong_layers.TransformerEncoderLayer):
     def __init__(self, params, **options):
         super().__init__(params, **options)
@@ -231,6 +250,12 @@ DIAGNOSES = [
      ["the residual added after the norm: x + norm(f(x)), where torch's post-norm layer has norm(x + f(x))"]),
     (ResidualFromNormedInput, "forward", {"module": "transformer_encoder_layer", "norm_first": True}, "output",
      ["the residual taken from the normed input: norm(x) + f(norm(x)), where torch's pre-norm layer has x + f(norm(x))"]),
+    (ResidualFromNormedInputFirstBlock, "forward", {"module": "transformer_encoder_layer", "norm_first": True}, "output",
+     ["the residual taken from the normed input: norm(x) + f(norm(x)), where torch's pre-norm layer has x + f(norm(x)), in the "
+      "attention block alone (norm1)"]),
+    (ResidualAfterNormSecondBlock, "forward", {"module": "transformer_encoder_layer"}, "output",
+     ["the residual added after the norm: x + norm(f(x)), where torch's post-norm layer has norm(x + f(x)), in the feed-forward "
+      "block alone (norm2)"]),
     (SecondResidualFromInput, "forward", {"module": "transformer_encoder_layer"}, "output",
      ["the second residual adds the layer's input: norm2(src + ff(h)), where torch's post-norm layer has norm2(h + ff(h))"]),
     (SecondResidualFromInput, "forward", {"module": "transformer_encoder_layer", "norm_first": True}, "output",
