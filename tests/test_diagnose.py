@@ -227,6 +227,14 @@ class ResidualAfterNormSecondBlock(wrong_layers.TransformerEncoderLayer):
         return h + self._norm(2, self._ff(h, {}))[0]
 
 
+class FlaxLayerNormEps(wrong_layers.TransformerEncoderLayer):
+    """Layer norm with Flax's default eps, 1e-6, whatever the config's."""
+
+    def __init__(self, params, **options):
+        super().__init__(params, **options)
+        self.eps = 1e-6
+
+
 class ReluWhereGeluIsAsked(wrong_layers.TransformerEncoderLayer):
     def __init__(self, params, **options):
         super().__init__(params, **options)
@@ -250,6 +258,8 @@ DIAGNOSES = [
      ["the residual added after the norm: x + norm(f(x)), where torch's post-norm layer has norm(x + f(x))"]),
     (ResidualFromNormedInput, "forward", {"module": "transformer_encoder_layer", "norm_first": True}, "output",
      ["the residual taken from the normed input: norm(x) + f(norm(x)), where torch's pre-norm layer has x + f(norm(x))"]),
+    (FlaxLayerNormEps, "forward", {"module": "transformer_encoder_layer", "layer_norm_eps": 1e-3}, "output",
+     ["layer norm eps 1e-06 (Flax's nn.LayerNorm default) where the config's is 0.001"]),
     (ResidualFromNormedInputFirstBlock, "forward", {"module": "transformer_encoder_layer", "norm_first": True}, "output",
      ["the residual taken from the normed input: norm(x) + f(norm(x)), where torch's pre-norm layer has x + f(norm(x)), in the "
       "attention block alone (norm1)"]),
