@@ -199,19 +199,16 @@ SOFTMAX_AXIS_WORDS = ("the softmax is taken over the queries (axis -2) instead o
                       "over the queries, not each query's over the keys")  # fmt: skip
 
 
-def _softmax_over_queries(base: type) -> dict:
-    """The attention core, dense, with the softmax over the query axis (forward only: the
-    diagnosis reruns forward)."""
+def _dense_core(probabilities: Callable[[np.ndarray, np.ndarray | None], np.ndarray]) -> dict:
+    """The attention core, dense, with the weights `probabilities(logits, additive mask)` gives: a
+    softmax taken another way (forward only: the diagnosis reruns forward)."""
 
     def _attention_forward(self, qh, kh, vh, attn_mask, kpm, need_weights, average_attn_weights):
         G, L, _ = qh.shape
         logits = np.matmul(qh * self.scale, kh.transpose(0, 2, 1))  # (G, L, S)
         mask = masks.added(attn_mask, None if kpm is None else kpm[masks.group_batches(0, G, self.H)][:, None, :])
-        if mask is not None:
-            logits = logits + mask
         with np.errstate(invalid="ignore", over="ignore"):
-            p = np.exp(logits - logits.max(axis=-2, keepdims=True))
-            p /= p.sum(axis=-2, keepdims=True)
+            p = probabilities(logits, mask)
         weights = None
         if need_weights:
             weights = p.reshape(G // self.H, self.H, L, -1)
@@ -221,26 +218,20 @@ def _softmax_over_queries(base: type) -> dict:
     return {"_attention_forward": _attention_forward}
 
 
-def _mask_after_softmax(base: type) -> dict:
-    """The attention core, dense, with the softmax over every key and the masked keys' weights
-    zeroed after it, the rest not renormalized (forward only)."""
+def _softmax(logits: np.ndarray, axis: int) -> np.ndarray:
+    p = np.exp(logits - logits.max(axis=axis, keepdims=True))
+    return p / p.sum(axis=axis, keepdims=True)
 
-    def _attention_forward(self, qh, kh, vh, attn_mask, kpm, need_weights, average_attn_weights):
-        G, L, _ = qh.shape
-        logits = np.matmul(qh * self.scale, kh.transpose(0, 2, 1))  # (G, L, S)
-        mask = masks.added(attn_mask, None if kpm is None else kpm[masks.group_batches(0, G, self.H)][:, None, :])
-        with np.errstate(invalid="ignore", over="ignore"):
-            p = np.exp(logits - logits.max(axis=-1, keepdims=True))
-            p /= p.sum(axis=-1, keepdims=True)
-        if mask is not None:
-            p = np.where(np.isneginf(mask), 0.0, p)
-        weights = None
-        if need_weights:
-            weights = p.reshape(G // self.H, self.H, L, -1)
-            weights = weights.mean(axis=1) if average_attn_weights else weights
-        return np.matmul(p, vh), weights, SimpleNamespace(logit_magnitude=None)
 
-    return {"_attention_forward": _attention_forward}
+def _over_the_queries(logits: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """The softmax over the query axis (-2), the masks added first."""
+    return _softmax(logits if mask is None else logits + mask, -2)
+
+
+def _masked_after(logits: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """The softmax over every key, then the masked keys' weights zeroed, the others not renormalized."""
+    p = _softmax(logits, -1)
+    return p if mask is None else np.where(np.isneginf(mask), 0.0, p)
 
 
 # ------------------------------------------------------------------------------ masks
@@ -352,10 +343,10 @@ class Suspects:
         if callable(getattr(base, "_attention_forward", None)):
             self.suspects += _scale_suspects(base, cfg)
             if cfg.tgt_len > 1:  # one query: its softmax over the queries is 1 everywhere, not a bug's shape
-                self.suspects.append(Suspect(SOFTMAX_AXIS_WORDS, methods=_softmax_over_queries(base)))
+                self.suspects.append(Suspect(SOFTMAX_AXIS_WORDS, methods=_dense_core(_over_the_queries)))
             if any(m is not None and m.dtype == np.bool_ for m in (attn_mask, key_padding_mask)):
                 self.suspects.append(Suspect("the mask applied after the softmax: the masked keys' weights zeroed, the others not "
-                                             "renormalized (the softmax taken over every key)", methods=_mask_after_softmax(base)))
+                                             "renormalized (the softmax taken over every key)", methods=_dense_core(_masked_after)))
         if all(hasattr(base, name) for name in ("_in_projection_forward", "forward")):
             self.suspects += _value_suspects(base, cfg) + _bias_suspects(base, cfg)
         if not cfg.unbatched and cfg.effective_batch > 1 and callable(getattr(base, "_to_internal", None)):
