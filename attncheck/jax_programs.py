@@ -205,10 +205,14 @@ def _kept(cache: OrderedDict, key: Any, value: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------ traces
-# Where JAX defines its functions of arrays alone (jax.nn, jax.numpy, jax.scipy: _jaxs_own_rule).
-# Not the rest of the package: jax.lax.custom_root's custom_jvp is defined there, and its rule
-# calls the candidate's own solver functions.
-_JAX_SOURCES = tuple(os.path.join(os.path.dirname(jax.__file__), "_src", part) + os.sep for part in ("nn", "numpy", "scipy"))
+# JAX's own source files (_jaxs_own_rule).
+_JAX_PACKAGE = os.path.dirname(jax.__file__) + os.sep
+# The parameters of a custom_jvp_call or custom_vjp_call that hold its rule's Python.
+_RULE_PARAMETERS = ("jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk", "bwd")
+# How deep _rule_code follows a rule's wrappers: JAX's reach its rule function in about 6 steps.
+_RULE_DEPTH = 16
+# What a rule may carry that is code traced already (jax.lax.custom_root's solvers, as static arguments).
+_OPAQUE = ("Unhashable", "Jaxpr", "ClosedJaxpr")
 
 
 def _equations(jaxpr: Any) -> Iterator[Any]:
@@ -229,16 +233,52 @@ def _custom_rules(jaxpr: Any) -> bool:
 
 
 def _jaxs_own_rule(eqn: Any) -> bool:
-    """Whether a custom derivative is one JAX defines for a function of arrays alone (jax.nn.relu's
-    custom_jvp, which every ReLU layer's trace holds): the function's source is in _JAX_SOURCES.
-    Its rule keeps no state, so a program that differentiates the trace, compiled once per distinct
-    trace, computes what jax.vjp would on every call; a rule the candidate wrote runs where the vjp
-    is traced, on every call, as before. The Flax encoder layer example's grad, 11 checks: 6.5 s
-    with every such rule run again, 5.3 s without (`attncheck grad --module transformer_encoder_layer
-    --impl examples/flax_encoder_layer.py:TransformerEncoderLayer`, side by side, 2026-11-27)."""
-    fun = eqn.params.get("call_jaxpr")
-    source = getattr(getattr(getattr(fun, "jaxpr", fun), "debug_info", None), "func_src_info", None) or ""
-    return source.partition(" at ")[2].rpartition(":")[0].startswith(_JAX_SOURCES)
+    """Whether a custom derivative's rule is JAX's own: every Python function its rule reaches
+    (`_rule_code`: the rule JAX wraps, what it closes over) is in JAX's package, as jax.nn.relu's and
+    jax.nn.softplus's are, which every ReLU layer's trace holds. Such a rule keeps no state, so a
+    program that differentiates the trace, compiled once per distinct trace, computes what jax.vjp
+    would on every call. A rule the candidate wrote, on any function (a straight-through
+    `jax.custom_jvp(jnp.floor)` too), or one JAX wraps around the candidate's functions
+    (`jax.lax.custom_root`'s solvers), reaches the candidate's code and runs where the vjp is
+    traced, on every call, as before: its code, or a program traced from it that the rule carries
+    (custom_root's solvers, as static arguments: None from _rule_code). Measured in
+    docs/development/performance.md (JAX candidates)."""
+    code = [c for name in _RULE_PARAMETERS if name in eqn.params for c in _rule_code(eqn.params[name], set(), 0)]
+    return bool(code) and all(c is not None and c.co_filename.startswith(_JAX_PACKAGE) for c in code)
+
+
+def _rule_code(value: Any, seen: set[int], depth: int) -> Iterator[Any]:
+    """The code of every Python function `value` (a rule's WrappedFun, a function, a partial, a
+    tuple) is or reaches through JAX's wrappers (a WrappedFun's function and transformations) and
+    closures; None for a traced program or an opaque static argument it carries, and past
+    _RULE_DEPTH (what it holds is not known)."""
+    if id(value) in seen:
+        return
+    if depth > _RULE_DEPTH or type(value).__name__ in _OPAQUE:
+        yield None
+        return
+    seen.add(id(value))
+    code = getattr(value, "__code__", None)
+    if code is not None:
+        yield code
+    inner: list[Any] = [cell.cell_contents for cell in getattr(value, "__closure__", None) or () if _filled(cell)]
+    if type(value).__name__ == "WrappedFun":
+        inner += [value.f, *value.transforms]
+    if isinstance(value, functools.partial):
+        inner += [value.func, *value.args, *value.keywords.values()]
+    if isinstance(value, (tuple, list)):
+        inner += list(value)
+    for item in inner:
+        if callable(item) or isinstance(item, (tuple, list)) or type(item).__name__ in ("WrappedFun", *_OPAQUE):
+            yield from _rule_code(item, seen, depth + 1)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a cell not assigned yet
+        return False
+    return True
 
 
 def _text(jaxpr: Any) -> str:

@@ -678,6 +678,41 @@ def test_a_custom_derivative_of_jaxs_own_is_differentiated_by_one_program_and_th
     assert any(key.startswith("jax.vjp") for key in programs) == one_program, list(programs)
 
 
+STATEFUL_RULE = '''
+import jax
+import jax.numpy as jnp
+
+SCALE = [1.0]
+relu = jax.custom_jvp(jax.nn.relu)  # JAX's function, the candidate's rule, which reads a global
+relu.defjvp(lambda primals, tangents: (jax.nn.relu(primals[0]), tangents[0] * (primals[0] > 0) * SCALE[0]))
+
+
+def kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    scores = query @ jnp.swapaxes(key, -1, -2) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    return jax.nn.softmax(scores, axis=-1) @ relu(value)
+'''
+
+
+def test_a_rule_the_candidate_wrote_for_a_function_of_jax_s_runs_on_every_compiled_call(tmp_path):
+    # Classified by the function's source alone, this rule was JAX's: the compiled program read SCALE
+    # once, and the second call's dV was the first's (a reviewer's straight-through kernel).
+    from attncheck.candidate import make_session
+    from attncheck.config import config_from_mapping
+    from attncheck.inputs import make_workload
+
+    path = tmp_path / "stateful_rule.py"
+    path.write_text(STATEFUL_RULE)
+    candidate = load_candidate(f"{path}:kernel")
+    module = sys.modules[candidate.factory.__module__]
+    cfg = config_from_mapping({"module": "sdpa", "dtype": "float64"})
+    w = make_workload(cfg)
+    compiled = make_session(cfg, candidate, compiled=True)
+    first = _first_call_gradients(compiled, w)["value"]
+    module.SCALE[0] = 2.0
+    second = _first_call_gradients(compiled, w)["value"]
+    assert np.allclose(second, 2 * first, rtol=1e-12, atol=1e-12)
+
+
 def test_a_custom_derivative_jax_defines_around_the_candidates_own_functions_is_the_candidates():
     # jax.lax.custom_root's custom_jvp is defined in JAX's source, and its rule calls the solver
     # functions the caller handed it: it runs on every call, as a rule the candidate wrote does.
@@ -688,7 +723,20 @@ def test_a_custom_derivative_jax_defines_around_the_candidates_own_functions_is_
         return jax.lax.custom_root(lambda y: y * y - x, 1.0, lambda g, y0: y0 + 0.1 * g(y0), lambda g, y: y / 2.0)
 
     assert _custom_rules(jax.make_jaxpr(root)(2.0).jaxpr)
-    assert not _custom_rules(jax.make_jaxpr(jax.nn.relu)(2.0).jaxpr)
+    assert _custom_rules(jax.make_jaxpr(lambda b: jax.lax.custom_linear_solve(lambda v: 2.0 * v, b, lambda mv, c: c / 2.0))(2.0).jaxpr)
+    # a rule the candidate wrote for a function JAX defines (a straight-through floor, a ReLU of its own
+    # gradient) is the candidate's: the reviewer's, whose backward read a global, gave stale gradients
+    floor = jax.custom_jvp(jax.numpy.floor)
+    floor.defjvps(lambda t, ans, x: t * SCALE[0])
+    relu = jax.custom_jvp(jax.nn.relu)
+    relu.defjvp(lambda primals, tangents: (jax.nn.relu(primals[0]), tangents[0] * SCALE[0]))
+    for fn in (floor, relu):
+        assert _custom_rules(jax.make_jaxpr(fn)(2.0).jaxpr)
+    for fn in (jax.nn.relu, jax.nn.softplus, lambda x: jax.numpy.logaddexp(x, x)):  # JAX's own rules
+        assert not _custom_rules(jax.make_jaxpr(fn)(2.0).jaxpr)
+
+
+SCALE = [1.0]
 
 
 def test_a_nan_in_one_block_of_a_gradient_leaves_the_other_blocks_finite_differences_judged(tmp_path):
