@@ -159,7 +159,8 @@ def adapt_under_jax(exc: BaseException, handed: str) -> str | None:
     NumPy arrays (np.asarray of what they are handed), and under jax.vjp (grad, sgd-step) the
     candidate's arrays are traced. The error reads as NumPy code, but --framework numpy would hand
     the candidate NumPy arrays it cannot differentiate (a new user followed that hint). None otherwise."""
-    if handed != "jax" or not _through(exc, os.path.join("attncheck", "adapt")):
+    traced = re.search(r"Tracer|Concretization", type(exc).__name__)  # jax.errors' for NumPy on a traced array
+    if handed != "jax" or not traced or not _through(exc, os.path.join("attncheck", "adapt")):
         return None
     return ("the error is in attncheck.adapt, whose converters take NumPy arrays, where jax.vjp (grad, sgd-step) traces a JAX "
             "candidate's: convert with jax.numpy instead (a transpose, jnp.split), as examples/flax_attention.py does")

@@ -120,6 +120,12 @@ class MultiheadAttention:
     assert ended.value.code == 1
     notes = " ".join(r["note"] for r in json.loads((tmp_path / "r.json").read_text())["rows"] if r["status"] == "fail")
     assert "the error is in attncheck.adapt, whose converters take NumPy arrays" in notes and "--framework numpy" not in notes, notes
+    # another error inside adapt (a layout misspelt) is the candidate's own, with no such words
+    (tmp_path / "adapted.py").write_text((tmp_path / "adapted.py").read_text().replace('"xw"', '"x@w"'))
+    with pytest.raises(SystemExit):
+        main(["forward", "--impl", "adapted.py:MultiheadAttention", "-c", str(ROOT / "configs" / "default.yaml"), "--json", "r.json"])
+    notes = " ".join(r["note"] for r in json.loads((tmp_path / "r.json").read_text())["rows"] if r["status"] == "fail")
+    assert "layout 'x@w'" in notes and "the error is in attncheck.adapt" not in notes, notes
 
 
 def test_the_suggested_override_then_works(tmp_path, monkeypatch, capsys):
