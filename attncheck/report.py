@@ -307,7 +307,7 @@ class Report:
     seconds: float = 0.0
     # What the candidate printed during the check's calls (each call's first PRINTED_LIMIT
     # characters, escaped: attncheck.remote), its first calls' in order and its later ones' (a
-    # repeat call's) after; not the probes' own calls: shown as a note, JUnit's system-out.
+    # repeat call's, a probe's) after: shown as a note, JUnit's system-out.
     printed: list[str] = field(default_factory=list)
     # Whether the failing rows of a half-precision check whose error was of rounding's size (or a
     # NaN) failed (FAIL) or all passed (PASS) when the check was run again in float32
@@ -566,7 +566,7 @@ def probe_capabilities(reports: list[Report]) -> list[Capability]:
         # Each by its row's name where the probe has several rows ("options: dropout_p"), else "".
         not_judged = tuple((r.name, "" if row.quantity == row.parameter else str(row.quantity), row.not_judged)
                            for r, row in found if row.status is INFO and r.name in reported)  # fmt: skip
-        skipped = tuple(dict.fromkeys(r.name for r, row in found if row.status is SKIPPED))
+        skipped = tuple(dict.fromkeys(r.name for r, row in found if row.status is SKIPPED and r.name not in judged))  # judged nothing
         verdict = aggregate((row.status for _, row in found), unsupported="ignore")
         why = {row.note for _, row in found if row.status is SKIPPED}
         # Not applicable anywhere (JAX arrays have no strides): every row, not every case, skipped (a

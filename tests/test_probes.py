@@ -256,6 +256,17 @@ def test_a_case_whose_only_probe_call_the_candidate_refused_says_so_in_the_capab
     console.print(capability_table([own]))
     text = " ".join(console.export_text().split())
     assert "1 judged; not judged, the check's own result fails already (batch_invariance, batch_invariance: num_splits 1): a" in text, text
+    # a case judged on one option and with nothing to compare on another is judged (the reviewer's: "1 judged; ...; nothing to compare: a")
+    from attncheck.report import PROBE_SECTION, Report, Row, probe_capabilities
+
+    rows = {"a": [("options: causal", FAIL), ("options: dropout_p", SKIPPED)], "b": [("options: dropout_p", SKIPPED)], "c": [("options: causal", PASS)]}
+    reports = [Report("forward", name, "x", Config(name=name), rows=[Row(PROBE_SECTION, label, status, parameter="options") for label, status in found])
+               for name, found in rows.items()]  # fmt: skip
+    [options] = probe_capabilities(reports)
+    console = Console(width=300, record=True, color_system=None)
+    console.print(capability_table([options]))
+    text = " ".join(console.export_text().split())
+    assert "2 judged; nothing to compare: b" in text and options.verdict is FAIL, text
 
 
 def test_views_are_made_in_the_candidates_own_process():
