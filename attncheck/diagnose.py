@@ -497,12 +497,18 @@ def _spared_clean(spared) -> bool:
     return all(float(np.max(b, initial=0.0)) <= SPARED_CLEAN for b in spared)
 
 
-def _where(c, x, allowed, layout: Layout, cfg: Config, masks: Masks | None) -> list[str]:
-    """Where the error lies: the axes it is confined to, the masks, the diagonal, padded columns."""
+def error_ratio(c: np.ndarray, x: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """|c - x| / allowed, 0 where both are NaN and inf where one is: past 1 is in error."""
     with np.errstate(invalid="ignore", divide="ignore"):
         err = np.abs(c - x) / np.where(allowed > 0, allowed, np.inf)
     nan_c, nan_x = np.isnan(c), np.isnan(x)
-    err = np.where(nan_c & nan_x, 0.0, np.where(nan_c | nan_x | np.isnan(err), np.inf, err))
+    return np.where(nan_c & nan_x, 0.0, np.where(nan_c | nan_x | np.isnan(err), np.inf, err))
+
+
+def _where(c, x, allowed, layout: Layout, cfg: Config, masks: Masks | None) -> list[str]:
+    """Where the error lies: the axes it is confined to, the masks, the diagonal, padded columns."""
+    err = error_ratio(c, x, allowed)
+    nan_c, nan_x = np.isnan(c), np.isnan(x)
     bad = err > 1
     if not bad.any() or len(layout.axes) != bad.ndim:
         return []

@@ -18,10 +18,9 @@ from typing import Any
 import numpy as np
 
 from attncheck.config import Config
-from attncheck.diagnose import MIN_CONFINED, UNNAMED_FACTOR, Layout, _finite_difference, _indices, _relation, _spared_clean, _where
+from attncheck.diagnose import MIN_CONFINED, UNNAMED_FACTOR, Layout, _finite_difference, _indices, _relation, _spared_clean, _where, error_ratio
 from attncheck.diagnose_half import rounding_sized
 from attncheck.kinds import kind_of
-from attncheck.kinds.sdpa_varlen import seqlens
 from attncheck.reference.sdpa import alibi, causal_allowed, key_offset, within_window
 from attncheck.report import FAIL, Report
 from attncheck.suspects import fits, not_following, reproduces
@@ -99,35 +98,27 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
         row.diagnosis = "; ".join(relations + ([] if rounding or permuted else located(c, x, allowed, named, cfg))) or rounding
 
 
-# A packed kind's axes of rows from every sequence (sdpa_varlen's total_q and total_k): where an
-# error lies along them is said by sequence.
-PACKED = {"token": "query", "key token": "key"}
-
-
 def located(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, named: tuple[str, ...], cfg: Config) -> list[str]:
     """Where the error lies on the axes `named` names (attncheck.diagnose's `_where`); along a
-    packed axis, by sequence: `only in sequence 4 (of 5: packed query rows 34-40)`."""
-    findings = _where(c, x, allowed, Layout(tuple("" if n in PACKED else n for n in named)), cfg, None)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        err = np.abs(c - x) / np.where(allowed > 0, allowed, np.inf)
-    nan_c, nan_x = np.isnan(c), np.isnan(x)
-    err = np.where(nan_c & nan_x, 0.0, np.where(nan_c | nan_x | np.isnan(err), np.inf, err))
+    packed axis (the kind's `packed_axes`), by sequence and the rows in error: `only in sequence 4
+    (of 5: packed query rows 34-40)`."""
+    kind = kind_of(cfg)
+    findings = _where(c, x, allowed, Layout(tuple("" if n in kind.packed_axes else n for n in named)), cfg, None)
+    err = error_ratio(c, x, allowed)
     if int((err > 1).sum()) < MIN_CONFINED:
         return findings
     for axis, name in enumerate(named):
-        if name not in PACKED:
-            continue
-        lengths = seqlens(cfg)[0 if PACKED[name] == "query" else 1]
-        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
-        if starts[-1] != err.shape[axis]:
+        starts = kind.packed_starts(cfg, kind.packed_axes[name]) if name in kind.packed_axes else None
+        if starts is None or starts[-1] != err.shape[axis]:
             continue
         worst = err.max(axis=tuple(a for a in range(err.ndim) if a != axis))  # per packed row
         per = [worst[a:b] for a, b in zip(starts[:-1], starts[1:])]
         hit = [i for i, rows in enumerate(per) if (rows > 1).any()]
         present = [i for i, rows in enumerate(per) if rows.size]
         if hit and len(hit) < len(present) and _spared_clean(rows for i, rows in enumerate(per) if i not in hit):
-            rows = _indices([r for i in hit for r in range(starts[i], starts[i + 1])])
-            findings.append(f"only in sequence{'s' if len(hit) > 1 else ''} {_indices(hit)} (of {len(lengths)}: packed {PACKED[name]} rows {rows})")
+            rows = _indices(np.nonzero(worst > 1)[0].tolist())
+            findings.append(f"only in sequence{'s' if len(hit) > 1 else ''} {_indices(hit)} (of {len(per)}: packed "
+                            f"{kind.packed_axes[name]} rows {rows})")  # fmt: skip
     return findings
 
 

@@ -25,7 +25,6 @@ import numpy as np
 from attncheck.commands import COMMANDS
 from attncheck.config import Config
 from attncheck.diagnose import Layout, Masks, layout_of
-from attncheck.diagnose_kernels import PACKED
 from attncheck.errors import UsageError
 from attncheck.kinds import kind_of
 from attncheck.report import FAIL, Report, Row
@@ -82,7 +81,7 @@ def panels(row: Row, cfg: Config) -> list[Panel]:
     # A kind whose layouts the diagnosis cannot read (a kernel's (batch, head, query, feature)) names its quantities' axes itself.
     layout = layout_of(row, cfg, x.ndim) if kind.diagnosable else Layout(kind.where_axes.get(row.parameter or "", ()))
     axes = layout.axes
-    if len(axes) != ratio.ndim or PACKED.keys() & set(axes):  # sdpa_varlen's packed rows: not laid out
+    if len(axes) != ratio.ndim or kind.packed_axes.keys() & set(axes):  # sdpa_varlen's packed rows: not laid out
         return []
     masked = None
     if layout.weights:

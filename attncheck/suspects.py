@@ -156,7 +156,7 @@ def _batch_first_read_as(base: type, batch_first: bool) -> dict:
     return {"__init__": __init__}
 
 
-def _batch_axis_words(cfg: Config, inputs: str = "inputs are") -> str:
+def batch_axis_words(cfg: Config, inputs: str = "inputs are") -> str:
     """`inputs`: what is read and its verb ("src is" for a layer)."""
     if cfg.batch_first:
         return f"batch_first ignored: the (B, L, E) {inputs} read as (L, B, E), attention runs across the batch"
@@ -350,7 +350,7 @@ class Suspects:
         if all(hasattr(base, name) for name in ("_in_projection_forward", "forward")):
             self.suspects += _value_suspects(base, cfg) + _bias_suspects(base, cfg)
         if not cfg.unbatched and cfg.effective_batch > 1 and callable(getattr(base, "_to_internal", None)):
-            self.suspects.append(Suspect(_batch_axis_words(cfg), methods=_batch_first_read_as(base, not cfg.batch_first)))
+            self.suspects.append(Suspect(batch_axis_words(cfg), methods=_batch_first_read_as(base, not cfg.batch_first)))
         from attncheck.suspects_layer import layer_suspects  # which imports this module's Suspect
 
         self.suspects += layer_suspects(base, cfg)

@@ -10,7 +10,7 @@ import numpy as np
 
 from attncheck.config import Config
 from attncheck.layer_reference import linear_forward
-from attncheck.suspects import Suspect, _batch_axis_words
+from attncheck.suspects import Suspect, batch_axis_words
 
 
 def _norms_swapped(base: type) -> dict:
@@ -177,7 +177,7 @@ def layer_suspects(base: type, cfg: Config) -> list[Suspect]:
     other = "relu" if cfg.activation == "gelu" else "gelu"
     suspects.append(Suspect(f"activation {other} where {cfg.activation} is asked", methods=_activation_swapped(base, other)))
     if not cfg.unbatched and cfg.effective_batch > 1:
-        suspects.append(Suspect(_batch_axis_words(cfg, "src is"), methods=_layer_batch_first_read_as(base, not cfg.batch_first)))
+        suspects.append(Suspect(batch_axis_words(cfg, "src is"), methods=_layer_batch_first_read_as(base, not cfg.batch_first)))
     if cfg.activation == "gelu":
         suspects.append(Suspect("GELU computed as its tanh approximation, where torch's activation='gelu' is the exact erf one",
                                 methods=_gelu_tanh(base)))  # fmt: skip

@@ -78,14 +78,6 @@ def test_lower_right_with_more_queries_than_keys_leaves_rows_with_no_key():
 
 
 # ------------------------------------------------------------------------------ the suite
-def test_the_reference_passing_the_default_kernel_suite_is_checked_in_test_shipped():
-    # tests/test_shipped.py runs `attncheck run -c configs/default_sdpa_suite.yaml` (the embedded
-    # suite's copy: tests/test_suite_config.py) with the reference and asserts every check passes.
-    from tests.test_shipped import CONFIGS, NOT_ZERO
-
-    assert "default_sdpa_suite.yaml" in CONFIGS and "default_sdpa_suite.yaml" not in NOT_ZERO
-
-
 def test_the_default_suite_covers_what_the_issue_lists():
     cases = _cases().values()
     ratios = {(c.num_heads, c.num_kv_heads_eff) for c in cases}

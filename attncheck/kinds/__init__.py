@@ -49,6 +49,9 @@ class ModuleKind:
     # Where it is not: the axes of each quantity's array (by the rows' parameter), for a diagnosis
     # that says where the error lies only (attncheck.diagnose_kernels.where_report)
     where_axes: dict[str, tuple[str, ...]] = {}
+    # Which of those axes pack every sequence's rows (sdpa_varlen's), by the sequences' side: said by
+    # sequence (`packed_starts`), and not laid out by --plot.
+    packed_axes: dict[str, str] = {}
     # The causal alignments its config may ask for; the others its oracle still computes for the
     # diagnosis's other reading (CheckRun.reread: a packed or decode kernel aligned top-left).
     config_alignments: tuple[str, ...] = ("upper_left", "lower_right")
@@ -102,6 +105,11 @@ class ModuleKind:
         correct implementation may give too, and which its loss then spreads into every gradient (the
         default suite's fully-masked case runs forward alone for it; so does such a pair of --pairs)."""
         return False
+
+    def packed_starts(self, cfg: Config, side: str) -> np.ndarray | None:
+        """Where each sequence's rows start along a packed axis of `side` ("query", "key"), and the
+        total last; None for a kind that packs none."""
+        return None
 
     def readings(self, cfg: Config) -> list:
         """Other readings of the config that this kind's own conventions add to the kernels' common

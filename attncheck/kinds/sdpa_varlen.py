@@ -72,11 +72,11 @@ def empty_rows(cfg, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray) -> np.nd
 
 class VarlenKind(FunctionKind):
     name = "sdpa_varlen"
-    # Packed rows of every sequence (diagnose_kernels.located says where by sequence); no plot lays them out.
     where_axes = {
         "output": ("token", "head", "feature"), "q": ("token", "head", "feature"), "k": ("key token", "head", "feature"),
         "v": ("key token", "head", "feature"), "lse": ("head", "token"),
     }  # fmt: skip
+    packed_axes = {"token": "query", "key token": "key"}
     config_alignments = ("lower_right",)  # flash_attn_varlen_func's causal=True (config/varlen.py)
     torch_name = "flash_attn_varlen_func"
     reference_spec = "attncheck.reference.sdpa_varlen:VarlenAttention"
@@ -245,6 +245,9 @@ class VarlenKind(FunctionKind):
         """Sequence `b`'s rows of a packed output (Tq, Hq, Ev), as its call alone returns them."""
         q0, q1, _ = _pairs(cumulative(seqlens(cfg)[0]))[b]
         return out[q0:q1]
+
+    def packed_starts(self, cfg, side: str) -> np.ndarray:
+        return cumulative(seqlens(cfg)[0 if side == "query" else 1])
 
     def readings(self, cfg) -> list:
         """A packed kernel's own misreading: ALiBi's (N, Hq) slopes read at sequence 0's row for every
