@@ -21,6 +21,7 @@ from attncheck.config import Config
 from attncheck.diagnose import MIN_CONFINED, UNNAMED_FACTOR, Layout, _finite_difference, _indices, _relation, _spared_clean, _where, error_ratio
 from attncheck.diagnose_half import rounding_sized
 from attncheck.kinds import kind_of
+from attncheck import threads
 from attncheck.reference.sdpa import alibi, causal_allowed, key_offset, within_window
 from attncheck.report import FAIL, Report
 from attncheck.suspects import fits, not_following, reproduces
@@ -237,6 +238,20 @@ def _causal_shifted(self, L: int, S: int, alignment: str, positions: np.ndarray,
     return offset <= shift
 
 
+def _masked_after_softmax(self, a) -> np.ndarray:
+    """The oracle's `_attention_forward` with the softmax over every key and the weights of the keys
+    the masks hide (the causal mask, the window, a bool attn_mask) zeroed after it, the others not
+    renormalized (forward only): one block, the diagnosis's sizes."""
+    G, M, _ = a.q_scaled.shape
+    masked, _ = self._logits(a, 0, G, 0, M, threads.Scratch())
+    hidden = np.isneginf(masked)  # (G, M, S)
+    logits, _ = self._logits(replace(a, attn_mask=None, causal=None, window=None), 0, G, 0, M, threads.Scratch())
+    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    a.row_shift[...], a.row_sum[...] = 0, 1  # no LSE of this reading: it reads the output
+    return np.matmul(np.where(hidden, 0.0, p), a.vh)  # (G, M, Ev)
+
+
 def _window_top_left(self, L: int, S: int, left: int, right: int, positions: np.ndarray) -> np.ndarray:
     """The window measured from key i, the top-left diagonal, where FlashAttention's is measured
     from key i + S - L (the reference's `_window` replaced): (l, S) bool."""
@@ -361,6 +376,9 @@ def readings(cfg: Config) -> list[Reading]:
         named = " and ".join({"alibi": "ALiBi", "mask": "the float attn_mask"}[b] for b in inside)
         found.append(Reading({}, f"the softcap taken over the scores with {named} added, c * tanh((s + bias) / c), where it caps "
                                  "the scores alone and adds the biases after", {"_biased_before_softcap": _returning(tuple(inside))}))  # fmt: skip
+    if causal != "none" or window is not None or (cfg.attn_mask != "none" and not _float_mask(cfg)):
+        found.append(Reading({}, "the mask applied after the softmax: the hidden keys' weights zeroed, the others not renormalized "
+                                 "(the softmax taken over every key)", {"_attention_forward": _masked_after_softmax}))  # fmt: skip
     if softcap and (causal != "none" or window is not None or (cfg.attn_mask != "none" and not _float_mask(cfg))):
         found.append(Reading({}, f"the softcap taken after the mask: a hidden key's -inf capped to -{softcap:g}, weight exp(-{softcap:g}) "
                                  "where it has none", {"_biased_before_softcap": _returning(("allowed",))}))  # fmt: skip

@@ -1019,3 +1019,23 @@ def test_a_scale_of_the_model_width_is_named():
     [row] = [r for r in run_check("forward", cfg, candidate_from_object(ModelWidthScale)).failures if r.parameter == "output"]
     assert row.diagnosis.startswith("the output is the float64 oracle's with softmax scale 0.177 (1/sqrt(Hq*D) = 1/sqrt(32): the model "
                                     "width (all heads) in place of the head dim) where it is 0.354 (D=8)"), row.diagnosis
+
+
+def test_a_kernels_mask_applied_after_the_softmax_is_named():
+    # softmax over every key, then the hidden keys' weights zeroed, the rest not renormalized: a new
+    # user's JAX kernel read "only in query rows 1-12 (of 13)".
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class MaskAfterSoftmax(DenseSDPA):
+        def _masked(self, logits, allowed):
+            self.allowed = allowed
+            return logits  # the softmax sees every key
+
+        def _softmax(self, logits):
+            probs, row_max, row_sum = super()._softmax(logits)
+            return np.where(self.allowed, probs, 0.0), row_max, row_sum
+
+    cfg = config_from_mapping({"module": "sdpa", "tgt_len": 9, "src_len": 13, "causal": "lower_right"})
+    [row] = [r for r in run_check("forward", cfg, candidate_from_object(MaskAfterSoftmax)).failures if r.parameter == "output"]
+    assert row.diagnosis.startswith("the output is the float64 oracle's with the mask applied after the softmax: the hidden keys' "
+                                    "weights zeroed, the others not renormalized"), row.diagnosis
