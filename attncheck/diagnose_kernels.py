@@ -22,7 +22,7 @@ from attncheck.diagnose import MIN_CONFINED, UNNAMED_FACTOR, Layout, _finite_dif
 from attncheck.diagnose_half import rounding_sized
 from attncheck.kinds import kind_of
 from attncheck import threads
-from attncheck.reference.sdpa import alibi, causal_allowed, key_offset, within_window
+from attncheck.reference.sdpa import _blocks, alibi, causal_allowed, key_offset, within_window
 from attncheck.report import FAIL, Report
 from attncheck.suspects import fits, not_following, reproduces
 
@@ -241,15 +241,20 @@ def _causal_shifted(self, L: int, S: int, alignment: str, positions: np.ndarray,
 def _masked_after_softmax(self, a) -> np.ndarray:
     """The oracle's `_attention_forward` with the softmax over every key and the weights of the keys
     the masks hide (the causal mask, the window, a bool attn_mask) zeroed after it, the others not
-    renormalized (forward only): one block, the diagnosis's sizes."""
+    renormalized (forward only), block by block as the oracle's own."""
     G, M, _ = a.q_scaled.shape
-    masked, _ = self._logits(a, 0, G, 0, M, threads.Scratch())
-    hidden = np.isneginf(masked)  # (G, M, S)
-    logits, _ = self._logits(replace(a, attn_mask=None, causal=None, window=None), 0, G, 0, M, threads.Scratch())
-    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
+    S, Ev = a.vh.shape[1:]
+    out = np.empty((G, M, Ev), dtype=a.q_scaled.dtype)
+    bare = replace(a, attn_mask=None, causal=None, window=None)
+    for blocks in _blocks(G, M, S, self.block_elements):
+        for g0, g1, m0, m1 in blocks:
+            hidden = np.isneginf(self._logits(a, g0, g1, m0, m1, threads.Scratch())[0])  # (g, m, S)
+            logits = self._logits(bare, g0, g1, m0, m1, threads.Scratch())[0]
+            p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+            p /= p.sum(axis=-1, keepdims=True)
+            out[g0:g1, m0:m1] = np.matmul(np.where(hidden, 0.0, p), a.vh[g0:g1])  # (g, m, Ev)
     a.row_shift[...], a.row_sum[...] = 0, 1  # no LSE of this reading: it reads the output
-    return np.matmul(np.where(hidden, 0.0, p), a.vh)  # (G, M, Ev)
+    return out
 
 
 def _window_top_left(self, L: int, S: int, left: int, right: int, positions: np.ndarray) -> np.ndarray:
