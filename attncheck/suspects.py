@@ -135,6 +135,11 @@ def _logits_scaled(base: type, factor: float) -> dict:
 
 def _scale_suspects(base: type, cfg: Config) -> list[Suspect]:
     """The logits divided by another scale than sqrt(D): each a factor on torch's logits."""
+    return [Suspect(words, methods=_logits_scaled(base, k), restated_by="logit scale") for k, words in other_scales(cfg)]
+
+
+def other_scales(cfg: Config) -> list[tuple[float, str]]:
+    """(factor on torch's logits, words) for each other scale than sqrt(D) an attention may divide by."""
     D, E, H = cfg.head_dim_eff, cfg.embed_dim, cfg.num_heads
     scales = [(math.sqrt(D), "the logits are not divided by sqrt(D): softmax(q k^T) where torch has softmax(q k^T / sqrt(D))"),
               (1 / math.sqrt(D), "the logits are divided by D instead of sqrt(D)"),
@@ -142,7 +147,7 @@ def _scale_suspects(base: type, cfg: Config) -> list[Suspect]:
     if cfg.kdim is not None and cfg.kdim != E:
         scales.append((math.sqrt(E / cfg.kdim), "the logits are divided by sqrt(kdim / H) instead of sqrt(embed_dim / H): "
                                                  "the head size taken from the key's width"))  # fmt: skip
-    return [Suspect(words, methods=_logits_scaled(base, k), restated_by="logit scale") for k, words in scales if k != 1]
+    return [(k, words) for k, words in scales if k != 1]
 
 
 # ------------------------------------------------------------------------------ batch axis

@@ -10,7 +10,7 @@ import numpy as np
 
 from attncheck.config import Config
 from attncheck.layer_reference import linear_forward
-from attncheck.suspects import Suspect, batch_axis_words
+from attncheck.suspects import Suspect, _logits_scaled, batch_axis_words, other_scales
 
 
 def _norms_swapped(base: type) -> dict:
@@ -47,6 +47,18 @@ def _eps_of(base: type, eps: float) -> dict:
 
 # Other frameworks' layer-norm eps defaults: Flax's nn.LayerNorm and Haiku's 1e-6, Keras's 1e-3.
 OTHER_EPS = ((1e-6, "Flax's nn.LayerNorm default"), (1e-3, "Keras's LayerNormalization default"))
+
+
+def _attention_scaled(base: type, factor: float) -> dict:
+    """The layer with its self-attention's logits multiplied by `factor` (attncheck.suspects' scale
+    suspects, on the layer's inner attention)."""
+
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **kwargs)
+        inner = type(self.attn)
+        self.attn.__class__ = type(f"Scaled{inner.__name__}", (inner,), _logits_scaled(inner, factor))
+
+    return {"__init__": __init__}
 
 
 def _gelu_tanh(base: type) -> dict:
@@ -174,6 +186,8 @@ def layer_suspects(base: type, cfg: Config) -> list[Suspect]:
                  for eps, whose in OTHER_EPS if eps != cfg.layer_norm_eps]  # fmt: skip
     if cfg.bias:
         suspects.append(Suspect("the feed-forward biases are not added (linear1.bias, linear2.bias)", methods=_feed_forward_biases_dropped(base)))
+    if callable(getattr(base, "_sa", None)):
+        suspects += [Suspect(f"in the self-attention, {words}", methods=_attention_scaled(base, factor)) for factor, words in other_scales(cfg)]
     other = "relu" if cfg.activation == "gelu" else "gelu"
     suspects.append(Suspect(f"activation {other} where {cfg.activation} is asked", methods=_activation_swapped(base, other)))
     if not cfg.unbatched and cfg.effective_batch > 1:

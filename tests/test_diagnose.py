@@ -235,6 +235,14 @@ class FlaxLayerNormEps(wrong_layers.TransformerEncoderLayer):
         self.eps = 1e-6
 
 
+class AttentionScaledByModelWidth(wrong_layers.TransformerEncoderLayer):
+    """The self-attention's logits divided by sqrt(E), the model width, as a d_model-scaled layer does."""
+
+    def __init__(self, params, **options):
+        super().__init__(params, **options)
+        self.attn.scale = self.attn.dtype.type(1 / np.sqrt(self.attn.E))
+
+
 class ReluWhereGeluIsAsked(wrong_layers.TransformerEncoderLayer):
     def __init__(self, params, **options):
         super().__init__(params, **options)
@@ -258,6 +266,8 @@ DIAGNOSES = [
      ["the residual added after the norm: x + norm(f(x)), where torch's post-norm layer has norm(x + f(x))"]),
     (ResidualFromNormedInput, "forward", {"module": "transformer_encoder_layer", "norm_first": True}, "output",
      ["the residual taken from the normed input: norm(x) + f(norm(x)), where torch's pre-norm layer has x + f(norm(x))"]),
+    (AttentionScaledByModelWidth, "forward", {"module": "transformer_encoder_layer"}, "output",
+     ["in the self-attention, the logits are divided by sqrt(E), the embed dim, instead of sqrt(D), the head dim"]),
     (FlaxLayerNormEps, "forward", {"module": "transformer_encoder_layer", "layer_norm_eps": 1e-3}, "output",
      ["layer norm eps 1e-06 (Flax's nn.LayerNorm default) where the config's is 0.001"]),
     (ResidualFromNormedInputFirstBlock, "forward", {"module": "transformer_encoder_layer", "norm_first": True}, "output",
