@@ -342,3 +342,27 @@ def test_a_packed_kernels_swapped_window_and_first_sequences_alibi_slopes_are_na
                               (FirstSlopesRow, "alibi", "ALiBi's slopes of sequence 0 (alibi_slopes[0]) for every sequence")):
         [row] = [r for r in run_check("forward", cases[case], candidate_from_object(impl)).failures if r.quantity == "output"]
         assert row.diagnosis.startswith(f"the output is the float64 oracle's with {words}"), row.diagnosis
+
+
+def test_a_packed_kernels_causal_diagonal_from_the_batchs_max_lengths_is_named():
+    # j <= i + max_seqlen_k - max_seqlen_q in every sequence, as a padded batch's (a red-team kernel),
+    # where each sequence's diagonal is its own Lk - Lq: it read "only in sequences 0, 3-4".
+    from attncheck.testing.dense_sdpa import DenseSDPA
+
+    class MaxLengthsDiagonal(CORRECT_KERNEL):
+        def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, **kwargs):
+            self.offset = max_seqlen_k - max_seqlen_q
+            return super().forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, **kwargs)
+
+        def _kernel(self):
+            offset = self.offset
+
+            class Kernel(DenseSDPA):
+                def _causal(self, i, j, L, S):
+                    return j <= i + offset
+
+            return Kernel()
+
+    cfg = next(c.config for c in load_suite(None, module="sdpa_varlen").cases if c.name == "causal")
+    [row] = [r for r in run_check("forward", cfg, candidate_from_object(MaxLengthsDiagonal)).failures if r.quantity == "output"]
+    assert row.diagnosis.startswith("the output is the float64 oracle's with the causal diagonal at max_seqlen_k - max_seqlen_q"), row.diagnosis

@@ -19,6 +19,7 @@ else (scale, softcap, GQA, the LSE and the rows with no allowed key) is the sdpa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -250,14 +251,22 @@ class VarlenKind(FunctionKind):
         return cumulative(seqlens(cfg)[0 if side == "query" else 1])
 
     def readings(self, cfg) -> list:
-        """A packed kernel's own misreading: ALiBi's (N, Hq) slopes read at sequence 0's row for every
-        sequence (a red-team kernel, which read "only in sequences 3-4")."""
+        """A packed kernel's own misreadings (two red-team kernels, which said only where): ALiBi's
+        (N, Hq) slopes read at sequence 0's row for every sequence; the causal diagonal placed by the
+        batch's max_seqlen_k - max_seqlen_q, as a padded batch's, not by each sequence's Lk - Lq."""
         from attncheck.diagnose_kernels import Reading
 
-        if not cfg.alibi or len(seqlens(cfg)[0]) < 2:
-            return []
-        return [Reading({}, "ALiBi's slopes of sequence 0 (alibi_slopes[0]) for every sequence, where sequence s has its own row "
-                            "alibi_slopes[s] of the (N, Hq) slopes", inputs=_first_slopes_row)]  # fmt: skip
+        lengths_q, lengths_k = seqlens(cfg)
+        found = []
+        if cfg.alibi and len(lengths_q) > 1:
+            found.append(Reading({}, "ALiBi's slopes of sequence 0 (alibi_slopes[0]) for every sequence, where sequence s has its own "
+                                     "row alibi_slopes[s] of the (N, Hq) slopes", inputs=_first_slopes_row))  # fmt: skip
+        offset = max(lengths_k) - max(lengths_q)
+        if cfg.causal == "lower_right" and any(k - q != offset for q, k in zip(lengths_q, lengths_k)):
+            found.append(Reading({}, f"the causal diagonal at max_seqlen_k - max_seqlen_q = {offset} keys past each query in every "
+                                     "sequence, a padded batch's, where sequence s's is its own Lk - Lq",
+                                 {"_causal": functools.partial(_causal_at, offset=offset)}))  # fmt: skip
+        return found
 
     def with_methods(self, cfg, obj: Any, methods: dict) -> Any | None:
         """The oracle computes each sequence with the sdpa oracle, whose kernels take the methods
@@ -326,3 +335,9 @@ def _first_slopes_row(w):
     if slopes is None or np.ndim(slopes) != 2:
         return w
     return replace(w, extras={**w.extras, "alibi_slopes": np.broadcast_to(np.asarray(slopes)[:1], np.shape(slopes)).copy()})
+
+
+def _causal_at(self, L: int, S: int, alignment: str, positions: np.ndarray, offset: int) -> np.ndarray:
+    """The causal mask with query i seeing keys j <= i + offset, whatever the sequence's S - L (the
+    sdpa oracle's `_causal` replaced): (l, S) bool."""
+    return np.arange(S)[None, :] <= np.asarray(positions)[:, None] + offset
