@@ -156,7 +156,14 @@ class CheckRun:
         reference's `methods` replaced where it has them (ALiBi's formula: `_alibi`), and the
         float64 workload as `inputs` gives it (ALiBi's slopes indexed another way), for the
         diagnosis to compare; None where that config is not valid, the reference lacks a method
-        or raised."""
+        or raised. A reading of the config alone is the oracle's output for that config, computed once
+        per process (oracle_forward): the oracle's own, `reread({})`, is the check's."""
+        if not methods and inputs is None:
+            cfg = self._reading_config(update)
+            try:
+                return None if cfg is None else oracle_forward(cfg, self.w)[int(second)]
+            except CandidateProblem:
+                return None
         read = self._read(update, methods, inputs)
         if read is None:
             return None
@@ -189,11 +196,10 @@ class CheckRun:
         A causal alignment the kind's config may not ask for (the packed and decode kinds take
         lower_right alone) is its oracle's all the same: the config is validated with its own and
         given the other after (kind.config_alignments)."""
-        causal = update.get("causal", "none")
-        aside = {} if causal == "none" or causal in kind_of(self.cfg).config_alignments else {"causal": causal}
-        valid = {**update, "causal": self.cfg.causal} if aside else update
+        cfg = self._reading_config(update)
+        if cfg is None:
+            return None
         try:
-            cfg = config_from_mapping({**self.cfg.model_dump(exclude_unset=True), **valid}, source="<diagnosis>").model_copy(update=aside)
             oracle, w64 = oracle_session(cfg), self.w.astype(np.float64)
             w64 = w64 if inputs is None else inputs(w64)
             obj = oracle.build(w64.params)
@@ -204,6 +210,16 @@ class CheckRun:
         except (UsageError, CandidateProblem):
             return None
         return cfg, oracle, obj, w64
+
+    def _reading_config(self, update: dict) -> Config | None:
+        """This check's config with a reading's `update` (`_read`), None where it is not valid."""
+        causal = update.get("causal", "none")
+        aside = {} if causal == "none" or causal in kind_of(self.cfg).config_alignments else {"causal": causal}
+        valid = {**update, "causal": self.cfg.causal} if aside else update
+        try:
+            return config_from_mapping({**self.cfg.model_dump(exclude_unset=True), **valid}, source="<diagnosis>").model_copy(update=aside)
+        except UsageError:
+            return None
 
     def _every_head(self, way: str) -> tuple[Config, Workload] | None:
         """module: sdpa with GQA: the config with a key-value head per query head (Hkv = Hq) and the
