@@ -47,7 +47,6 @@ def where_report(report: Report, cfg: Config, axes: dict[str, tuple[str, ...]], 
     # each computed once, for the first row that asks
     per_query_head = None if per_query_head is None else functools.cache(per_query_head)
     heads_by_modulo = None if heads_by_modulo is None else functools.cache(heads_by_modulo)
-    regrad = None if regrad is None else _cached(regrad)
     second = kind_of(cfg).second_output
     fitted: list[Reading] = []  # the readings a failing output or LSE fits (the forward's rows come before the gradients')
     unfollowed = not_following(report.rows)  # gradients that do not follow the candidate's own forward: no reading's gradient
@@ -130,8 +129,7 @@ def lse_reshaped(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, parameter: s
     varlen and decode, that read nothing). "" where it is not."""
     if parameter != "lse" or c.shape != x.shape or c.ndim < 2 or c.shape[-1] == c.shape[-2] == 1:
         return ""
-    finite = np.isfinite(x)
-    scale = float(np.abs(x[finite]).max()) if finite.any() else 0.0
+    scale = _magnitude(x)
     kept = np.swapaxes(x, -1, -2).reshape(x.shape)  # the expected LSE's (..., L, H) memory read as (..., H, L)
     if not scale or not fits(c, kept, np.swapaxes(allowed, -1, -2).reshape(x.shape), scale) or fits(c, x, allowed, scale):
         return ""
@@ -151,8 +149,7 @@ def heads_permuted(c: np.ndarray, x: np.ndarray, allowed: np.ndarray, named: tup
         return ""
     axis = named.index("head")
     H = x.shape[axis]
-    finite = np.isfinite(x)
-    scale = float(np.abs(x[finite]).max()) if finite.any() else 0.0
+    scale = _magnitude(x)
     if H < 2 or not scale:
         return ""
     take = lambda a, h: np.take(a, h, axis=axis)  # noqa: E731
@@ -381,10 +378,11 @@ def readings(cfg: Config) -> list[Reading]:
         named = " and ".join({"alibi": "ALiBi", "mask": "the float attn_mask"}[b] for b in inside)
         found.append(Reading({}, f"the softcap taken over the scores with {named} added, c * tanh((s + bias) / c), where it caps "
                                  "the scores alone and adds the biases after", {"_biased_before_softcap": _returning(tuple(inside))}))  # fmt: skip
-    if causal != "none" or window is not None or (cfg.attn_mask != "none" and not _float_mask(cfg)):
+    hides = causal != "none" or window is not None or (cfg.attn_mask != "none" and not _float_mask(cfg))  # keys -inf hides
+    if hides:
         found.append(Reading({}, "the mask applied after the softmax: the hidden keys' weights zeroed, the others not renormalized "
                                  "(the softmax taken over every key)", {"_attention_forward": _masked_after_softmax}))  # fmt: skip
-    if softcap and (causal != "none" or window is not None or (cfg.attn_mask != "none" and not _float_mask(cfg))):
+    if softcap and hides:
         found.append(Reading({}, f"the softcap taken after the mask: a hidden key's -inf capped to -{softcap:g}, weight exp(-{softcap:g}) "
                                  "where it has none", {"_biased_before_softcap": _returning(("allowed",))}))  # fmt: skip
     if cfg.alibi:  # where a causal mask hides every key past the diagonal the two agree, and the reading cannot fit
@@ -494,19 +492,6 @@ def gradient_reading(row, fitted: list[Reading], regrad: Callable[..., dict[str,
     return f"{d} is the float64 oracle's gradient with {found[0].words}, as the output is" if found else ""
 
 
-def _cached(regrad: Callable[..., dict | None]) -> Callable[..., dict | None]:
-    """`regrad` computed once per reading (its update and methods are dicts: no functools.cache)."""
-    done: dict[str, dict | None] = {}
-
-    def once(update: dict, methods: dict | None = None, inputs: Callable | None = None) -> dict | None:
-        key = repr((sorted(update.items()), sorted((methods or {}).items()), inputs))
-        if key not in done:
-            done[key] = regrad(update, methods, inputs=inputs)
-        return done[key]
-
-    return once
-
-
 def _reproduced(candidate: np.ndarray, other: np.ndarray | None, own: np.ndarray, allowed: np.ndarray) -> bool:
     """Whether the oracle's array under another reading (`other`; None: it has none) explains the
     candidate's and its own reading (`own`) does not, to within the row's allowance or FIT_RTOL of
@@ -514,6 +499,11 @@ def _reproduced(candidate: np.ndarray, other: np.ndarray | None, own: np.ndarray
     if other is None or np.shape(other) != candidate.shape:
         return False
     other = np.asarray(other, dtype=np.float64)
-    finite = np.isfinite(other)
-    scale = float(np.abs(other[finite]).max()) if finite.any() else 0.0
+    scale = _magnitude(other)
     return bool(scale) and reproduces(candidate, other, own, allowed, scale)
+
+
+def _magnitude(a: np.ndarray) -> float:
+    """The largest |value| of an array's finite values, the scale a fit is measured against (0 where none is)."""
+    finite = np.isfinite(a)
+    return float(np.abs(a[finite]).max()) if finite.any() else 0.0
