@@ -339,5 +339,7 @@ def _first_slopes_row(w):
 
 def _causal_at(self, L: int, S: int, alignment: str, positions: np.ndarray, offset: int) -> np.ndarray:
     """The causal mask with query i seeing keys j <= i + offset, whatever the sequence's S - L (the
-    sdpa oracle's `_causal` replaced): (l, S) bool."""
-    return np.arange(S)[None, :] <= np.asarray(positions)[:, None] + offset
+    sdpa oracle's `_causal` replaced): the top-left mask moved `offset` keys right, (l, S) bool."""
+    from attncheck.diagnose_kernels import _causal_shifted
+
+    return _causal_shifted(self, L, S, "upper_left", positions, offset)
