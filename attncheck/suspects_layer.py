@@ -156,9 +156,10 @@ def _layer_batch_first_read_as(base: type, batch_first: bool) -> dict:
 
 def layer_suspects(base: type, cfg: Config) -> list[Suspect]:
     """A student's encoder-layer slips the layer's hooks can recompute (attncheck.layer_reference.HOOKS):
-    the two norms' parameters swapped, eps outside the root or the unbiased variance, the residual
-    taken at the wrong point or the second one from the layer's input, the feed-forward biases left out, the other activation or GELU's tanh
-    approximation, the norms placed the other way. A new user's swapped norms read "everywhere: no
+    the two norms' parameters swapped, eps outside the root, another framework's eps or the unbiased
+    variance, the residual taken at the wrong point (in one block or both) or the second one from the
+    layer's input, the feed-forward biases left out, the self-attention's logits scaled otherwise, the
+    other activation or GELU's tanh approximation, the norms placed the other way. A new user's swapped norms read "everywhere: no
     head, row or column is spared", and a residual after the norm did until it was a suspect."""
     if not all(callable(getattr(base, name, None)) for name in ("_norm", "_ff", "_p", "_sa", "_stored")):
         return []
@@ -186,8 +187,7 @@ def layer_suspects(base: type, cfg: Config) -> list[Suspect]:
                  for eps, whose in OTHER_EPS if eps != cfg.layer_norm_eps]  # fmt: skip
     if cfg.bias:
         suspects.append(Suspect("the feed-forward biases are not added (linear1.bias, linear2.bias)", methods=_feed_forward_biases_dropped(base)))
-    if callable(getattr(base, "_sa", None)):
-        suspects += [Suspect(f"in the self-attention, {words}", methods=_attention_scaled(base, factor)) for factor, words in other_scales(cfg)]
+    suspects += [Suspect(f"in the self-attention, {words}", methods=_attention_scaled(base, factor)) for factor, words in other_scales(cfg)]
     other = "relu" if cfg.activation == "gelu" else "gelu"
     suspects.append(Suspect(f"activation {other} where {cfg.activation} is asked", methods=_activation_swapped(base, other)))
     if not cfg.unbatched and cfg.effective_batch > 1:
